@@ -1,0 +1,1 @@
+"""The coordinator: turns peers' announcements into plans (planner/) and serves them."""

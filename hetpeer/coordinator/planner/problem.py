@@ -1,0 +1,153 @@
+"""The planner's input: devices as arrays, links as matrices, the workload, and the shapes to search.
+
+A grid is the planner's genome: an int array of shape (stages, group_size) of device indices, row s
+the group holding stage s in lane order, column l the lane. Devices of the problem not in the grid
+are on standby.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from hetpeer.protocol.plan import Plan
+from hetpeer.protocol.topology import Topology
+from hetpeer.protocol.workload import Workload
+
+
+class PlanningError(ValueError):
+    """The problem has no valid plan (no shape fits, nothing fits in memory, missing measurements)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    stages: int
+    group_size: int
+
+    @property
+    def devices(self) -> int:
+        return self.stages * self.group_size
+
+    def __str__(self) -> str:
+        return f"{self.stages} stages x {self.group_size} lanes"
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """A cost model's account of one grid: layers per stage, each group's sync mode, seconds by part.
+
+    `objective` is what the search minimises: `cost["total_s"]`, plus for the time model the
+    amortised cost of moving weights from the current plan and any memory overflow penalty.
+    """
+
+    layers: tuple[int, ...]
+    sync: tuple[str, ...]
+    cost: dict[str, float]
+    objective: float
+    fits_memory: bool = True
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Problem:
+    """Everything the planner knows. Matrices are (n, n), indexed like `device_ids`; the diagonal is unused.
+
+    `dp_bytes` and `pp_bytes` override the dtfm cost model's c_DP (one stage's gradients) and c_PP
+    (one lane's activations per step), which otherwise follow from the workload.
+    """
+
+    device_ids: tuple[str, ...]
+    latency_s: np.ndarray
+    bandwidth_bytes_per_s: np.ndarray
+    workload: Workload
+    tflops: np.ndarray | None = None
+    memory_bytes: np.ndarray | None = None
+    dp_bytes: float | None = None
+    pp_bytes: float | None = None
+    current: Plan | None = None
+
+    @property
+    def n(self) -> int:
+        return len(self.device_ids)
+
+    @property
+    def layers(self) -> int:
+        return self.workload.model.layers
+
+    @staticmethod
+    def from_topology(
+        topology: Topology,
+        workload: Workload,
+        *,
+        dp_bytes: float | None = None,
+        pp_bytes: float | None = None,
+        current: Plan | None = None,
+    ) -> "Problem":
+        devices = topology.devices
+        n = len(devices)
+        latency = np.zeros((n, n))
+        bandwidth = np.full((n, n), np.inf)
+        for i, a in enumerate(devices):
+            for j, b in enumerate(devices):
+                if i != j:
+                    link = topology.link(a, b)
+                    latency[i, j] = link.latency_ms / 1e3
+                    bandwidth[i, j] = link.bandwidth_gbps * 1e9 / 8
+        tflops = memory = None
+        if all(d.tflops is not None for d in devices):
+            tflops = np.array([d.tflops for d in devices], dtype=float)
+        if all(d.memory_gb is not None for d in devices):
+            memory = np.array([d.memory_gb * 1e9 for d in devices], dtype=float)
+        for name, value in (("dp_bytes", dp_bytes), ("pp_bytes", pp_bytes)):
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise PlanningError(f"{name} must be a positive number of bytes, got {value}")
+        return Problem(
+            device_ids=tuple(d.id for d in devices),
+            latency_s=latency,
+            bandwidth_bytes_per_s=bandwidth,
+            workload=workload,
+            tflops=tflops,
+            memory_bytes=memory,
+            dp_bytes=dp_bytes,
+            pp_bytes=pp_bytes,
+            current=current,
+        )
+
+    def lanes_batch(self, group_size: int) -> int:
+        """Sequences per lane per step: the batch split over the lanes, rounded up."""
+        return -(-self.workload.batch // group_size)
+
+    def micro_batches(self, group_size: int) -> int:
+        return -(-self.lanes_batch(group_size) // self.workload.micro_batch)
+
+    def shapes(self, stages: int | None, group_size: int | None, allow_standby: bool) -> list[Shape]:
+        """Every shape the search may use, or PlanningError naming why there is none."""
+        n, layers = self.n, self.layers
+        if stages is not None and not 1 <= stages <= layers:
+            raise PlanningError(f"stages must be between 1 and the model's {layers} layers, got {stages}")
+        if group_size is not None and group_size < 1:
+            raise PlanningError(f"group size must be at least 1, got {group_size}")
+        shapes = []
+        for s in [stages] if stages is not None else range(1, min(layers, n) + 1):
+            sizes = [group_size] if group_size is not None else _group_sizes(n // s, allow_standby)
+            for m in sizes:
+                if s * m == n or (allow_standby and s * m < n):
+                    shapes.append(Shape(s, m))
+        if not shapes:
+            wanted = f"{stages or 'any'} stages x {group_size or 'any'} lanes"
+            rule = "at most" if allow_standby else "exactly"
+            raise PlanningError(
+                f"no shape fits {n} devices: {wanted} must use {rule} {n} devices with at most {layers} stages"
+            )
+        return shapes
+
+
+def _group_sizes(largest: int, allow_standby: bool) -> list[int]:
+    """Group sizes worth trying when at most `largest` fit: all of them while few, else the largest
+    few and a geometric thinning below (leaving more than half the swarm idle rarely pays)."""
+    if not allow_standby or largest <= 16:
+        return list(range(1, largest + 1))
+    near = range(max(1, largest - 7), largest + 1)
+    thinned = {max(1, round(largest * f)) for f in (0.5, 0.6, 0.7, 0.8, 0.9)}
+    return sorted(set(near) | thinned)

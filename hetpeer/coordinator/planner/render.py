@@ -1,0 +1,37 @@
+"""A plan as text for people: stages, lanes, standby, and the predicted cost beside the baselines."""
+
+from __future__ import annotations
+
+from hetpeer.protocol.plan import Plan
+
+
+def format_plan(plan: Plan, baselines: dict[str, float | None], random_samples: int) -> str:
+    lanes = plan.lanes
+    lines = [
+        f"plan: {len(plan.stages)} stages x {len(lanes)} lanes"
+        + (f", {len(plan.standby)} on standby" if plan.standby else "")
+        + f"; {plan.micro_batches} micro-batches of {plan.micro_batch} per lane per step",
+        "",
+        "stage  layers    sync       devices (one per lane, in lane order)",
+    ]
+    for stage in plan.stages:
+        span = f"{stage.layer_start}-{stage.layer_end - 1}"
+        lines.append(f"{stage.index:<6} {span:<9} {stage.sync:<10} {' '.join(stage.devices)}")
+    lines += ["", "lanes (stage 0 first):"]
+    lines += [f"  lane {i}: {' -> '.join(lane)}" for i, lane in enumerate(lanes)]
+    if plan.standby:
+        lines += ["", f"standby: {' '.join(plan.standby)}"]
+    lines += ["", f"predicted cost ({plan.cost_model} model, seconds per step):"]
+    width = max(len(key) for key in plan.cost)
+    lines += [f"  {key:<{width}}  {value:10.4f}" for key, value in plan.cost.items()]
+    lines += ["", "same shape, same cost model:"]
+    names = {"blocks": "blocks (devices in file order)", "random": f"random (mean of {random_samples})"}
+    total = plan.total_s
+    lines.append(f"  {'this plan':<32} {total:10.4f}")
+    for key, label in names.items():
+        value = baselines.get(key)
+        if value is None:
+            lines.append(f"  {label:<32} {'does not fit in memory':>10}")
+        else:
+            lines.append(f"  {label:<32} {value:10.4f}   ({value / total:.2f}x this plan)")
+    return "\n".join(lines)

@@ -1,0 +1,230 @@
+"""The hybrid genetic search of Yuan et al. (NeurIPS 2022), on grids, over shapes.
+
+Per shape: a small population of grids, seeded by construction (clustered, strided, file order) and
+at random, each improved by local search. A generation picks two parents by tournament, crosses
+their partitions (balanced, see grid.crossover), aligns the child (TSP order over bottleneck
+matchings), improves it by local search, aligns it again, and lets it replace the worst member if
+it is better and new. The local search swaps two devices (between groups, between lanes, or with a
+standby device), taking the best swap for one device at a time from a batch evaluated at once; for
+large swarms the batch is the devices most attached to the target group plus a random sample.
+
+Across shapes: every shape is scored by its best seed grid, and the most promising few share the
+time budget. The search stops when a shape's population has not improved for `patience`
+generations or at the deadline, so it is deterministic for a seed whenever the deadline is not hit,
+and anytime when it is.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import numpy as np
+
+from hetpeer.coordinator.planner.grid import Aligner, constructive, crossover
+from hetpeer.coordinator.planner.problem import Problem, Report, Shape
+
+IMPROVEMENT = 1e-9  # relative; smaller changes are rounding, not progress
+
+
+class CostModel(Protocol):
+    name: str
+    shape: Shape
+    link_cost: np.ndarray  # (n, n): what a lane pays between consecutive stages
+    group_cost: np.ndarray  # (n, n): what sharing a group costs
+
+    def batch_cost(self, grids: np.ndarray) -> np.ndarray: ...
+
+    def report(self, grid: np.ndarray) -> Report: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SearchConfig:
+    population: int = 10
+    patience: int = 25  # generations without improvement before a shape is done
+    shapes_searched: int = 3  # shapes that share the budget after screening
+    max_candidates: int = 96  # swaps evaluated per local-search move
+
+    def __post_init__(self) -> None:
+        for name in ("population", "patience", "shapes_searched", "max_candidates"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    shape: Shape
+    grid: np.ndarray
+    objective: float
+    generations: int
+
+
+Progress = Callable[[str], None]
+
+
+def search(
+    problem: Problem,
+    shapes: list[Shape],
+    make_model: Callable[[Shape], CostModel],
+    config: SearchConfig,
+    rng: np.random.Generator,
+    deadline: float,
+    clock: Callable[[], float] = time.perf_counter,
+    progress: Progress | None = None,
+) -> Found:
+    """Best grid over the given shapes. `deadline` is a reading of `clock`."""
+    scored = []
+    for shape in shapes:
+        model = make_model(shape)
+        seeds = _seeds(problem, shape, model, rng)
+        costs = model.batch_cost(np.stack(seeds))
+        scored.append((float(costs.min()), shape, model, seeds))
+        if clock() > deadline and len(scored) >= 1:
+            break
+    scored.sort(key=lambda entry: entry[0])
+    chosen = scored[: config.shapes_searched]
+    best: Found | None = None
+    for k, (_, shape, model, seeds) in enumerate(chosen):
+        share = (deadline - clock()) / (len(chosen) - k)
+        found = _evolve(problem, model, seeds, config, rng, clock() + max(share, 0.0), clock)
+        if progress is not None:
+            progress(f"{shape}: {found.objective:.4g} s after {found.generations} generations")
+        if best is None or found.objective < best.objective:
+            best = found
+    assert best is not None
+    return best
+
+
+def _seeds(problem: Problem, shape: Shape, model: CostModel, rng: np.random.Generator) -> list[np.ndarray]:
+    """Constructed and random grids; with room for standby, several choices of who takes part."""
+    n, k = problem.n, shape.devices
+    everyone = np.arange(n)
+    actives = [everyone[:k]]
+    if k < n:
+        if problem.tflops is not None:
+            actives.append(np.sort(np.argsort(-problem.tflops, kind="stable")[:k]))
+        closeness = np.median(model.link_cost + model.link_cost.T, axis=1)
+        actives.append(np.sort(np.argsort(closeness, kind="stable")[:k]))
+    seeds = [grid for active in actives for grid in constructive(shape, active, model.link_cost)]
+    seeds += [rng.permutation(n)[:k].reshape(shape.stages, shape.group_size) for _ in range(2)]
+    return seeds
+
+
+def _evolve(
+    problem: Problem,
+    model: CostModel,
+    seeds: list[np.ndarray],
+    config: SearchConfig,
+    rng: np.random.Generator,
+    deadline: float,
+    clock: Callable[[], float],
+) -> Found:
+    aligner = Aligner(model.link_cost)
+    seed_costs = model.batch_cost(np.stack(seeds))
+    population: list[np.ndarray] = []
+    costs: list[float] = []
+    for index in np.argsort(seed_costs, kind="stable")[: config.population]:
+        grid, cost = _improve(problem, model, aligner, seeds[int(index)], config, rng, deadline, clock)
+        if not any(_same_partition(grid, other) for other in population):
+            population.append(grid)
+            costs.append(cost)
+        if clock() > deadline:
+            break
+    generations = stale = 0
+    while len(population) > 1 and stale < config.patience and clock() < deadline:
+        generations += 1
+        first, second = (_tournament(costs, rng) for _ in range(2))
+        if first == second:
+            stale += 1
+            continue
+        child = crossover(population[first], population[second], problem.n, model.group_cost, rng)
+        child, cost = _improve(problem, model, aligner, child, config, rng, deadline, clock)
+        worst = int(np.argmax(costs))
+        best_before = min(costs)
+        if cost < costs[worst] and not any(_same_partition(child, other) for other in population):
+            population[worst], costs[worst] = child, cost
+        stale = 0 if cost < best_before * (1 - IMPROVEMENT) else stale + 1
+    best = int(np.argmin(costs))
+    return Found(model.shape, population[best], costs[best], generations)
+
+
+def _improve(problem, model, aligner, grid, config, rng, deadline, clock) -> tuple[np.ndarray, float]:
+    """Align, local search, align again; keep whichever orientation is cheapest."""
+    grid, cost = _best_alignment(model, aligner, grid)
+    grid, cost = local_search(problem, model, grid, cost, config.max_candidates, rng, deadline, clock)
+    return _best_alignment(model, aligner, grid, (grid, cost))
+
+
+def _best_alignment(model, aligner, grid, incumbent=None) -> tuple[np.ndarray, float]:
+    aligned = aligner.align(grid)
+    options = [grid, aligned, aligned[::-1].copy()]
+    costs = model.batch_cost(np.stack(options))
+    best = int(np.argmin(costs))
+    if incumbent is not None and incumbent[1] <= costs[best]:
+        return incumbent
+    return options[best], float(costs[best])
+
+
+def local_search(
+    problem: Problem,
+    model: CostModel,
+    grid: np.ndarray,
+    cost: float,
+    max_candidates: int,
+    rng: np.random.Generator,
+    deadline: float,
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[np.ndarray, float]:
+    """Best-swap descent, one device at a time, until a full sweep finds nothing or time is up."""
+    S, m = grid.shape
+    grid = grid.copy()
+    cells = S * m
+    standby = np.setdiff1d(np.arange(problem.n), grid.ravel())
+    improved = True
+    while improved and clock() < deadline:
+        improved = False
+        for cell in rng.permutation(cells):
+            targets = _candidates(model, grid, standby, int(cell), max_candidates, rng)
+            batch = np.repeat(grid[None], len(targets), axis=0)
+            flat = batch.reshape(len(targets), cells)
+            here = flat[:, cell].copy()
+            in_grid = targets < cells
+            cell_targets = targets[in_grid]
+            flat[in_grid, cell] = flat[in_grid, cell_targets]
+            flat[np.flatnonzero(in_grid), cell_targets] = here[in_grid]
+            flat[~in_grid, cell] = standby[targets[~in_grid] - cells]
+            trial = model.batch_cost(batch)
+            best = int(np.argmin(trial))
+            if trial[best] < cost - IMPROVEMENT * abs(cost):
+                target = int(targets[best])
+                if target >= cells:
+                    standby[target - cells] = grid.flat[cell]
+                grid, cost, improved = batch[best].copy(), float(trial[best]), True
+            if clock() > deadline:
+                break
+    return grid, cost
+
+
+def _candidates(model, grid, standby, cell, limit, rng) -> np.ndarray:
+    """Swap partners for `cell`: cell indices below S*m, standby devices as S*m + their index."""
+    S, m = grid.shape
+    cells = S * m
+    everything = np.concatenate([np.delete(np.arange(cells), cell), cells + np.arange(len(standby))])
+    if len(everything) <= limit:
+        return everything
+    s = cell // m
+    devices = np.concatenate([grid.ravel(), standby])[everything]
+    attachment = model.group_cost[np.ix_(devices, grid[s])].mean(axis=1)
+    near = everything[np.argsort(attachment, kind="stable")[: limit // 2]]
+    rest = np.setdiff1d(everything, near)
+    return np.concatenate([near, rng.choice(rest, size=limit - len(near), replace=False)])
+
+
+def _tournament(costs: list[float], rng: np.random.Generator) -> int:
+    a, b = rng.integers(len(costs), size=2)
+    return int(a if costs[a] <= costs[b] else b)
+
+
+def _same_partition(a: np.ndarray, b: np.ndarray) -> bool:
+    return sorted(map(tuple, np.sort(a, axis=1))) == sorted(map(tuple, np.sort(b, axis=1)))

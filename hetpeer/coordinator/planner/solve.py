@@ -1,0 +1,139 @@
+"""The planner's entry point: `solve(problem, config, rng) -> Solution`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from hetpeer.coordinator.planner import dtfm, timemodel
+from hetpeer.coordinator.planner.problem import PlanningError, Problem, Report, Shape
+from hetpeer.coordinator.planner.search import CostModel, Progress, SearchConfig, search
+from hetpeer.protocol.plan import COST_MODELS, Plan, StagePlan
+from hetpeer.protocol.workload import STATE_BYTES_PER_PARAM
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerConfig:
+    """What to optimise and how long to look. `stages`/`group_size` fix the shape; otherwise it is
+    searched. Standby (leaving devices out) is a `time` model option: the paper's `dtfm` cost has
+    no notion of compute, so it always uses every device."""
+
+    cost_model: str = "time"
+    stages: int | None = None
+    group_size: int | None = None
+    allow_standby: bool = True
+    sync: str = "auto"
+    time_budget_s: float = 2.0
+    memory_reserve: float = 0.1
+    horizon_steps: int = 100
+    search: SearchConfig = field(default_factory=SearchConfig)
+
+    def __post_init__(self) -> None:
+        if self.cost_model not in COST_MODELS:
+            raise ValueError(f"cost model must be one of {', '.join(COST_MODELS)}, got {self.cost_model!r}")
+        if not self.time_budget_s > 0:
+            raise ValueError(f"time budget must be positive, got {self.time_budget_s}")
+        if not 0 <= self.memory_reserve < 1:
+            raise ValueError(f"memory reserve must be in [0, 1), got {self.memory_reserve}")
+        if self.horizon_steps < 1:
+            raise ValueError(f"horizon must be at least 1 step, got {self.horizon_steps}")
+
+
+@dataclass(frozen=True, slots=True)
+class Solution:
+    plan: Plan
+    report: Report
+    shape: Shape
+    grid: np.ndarray
+    generations: int
+
+
+def make_model(problem: Problem, config: PlannerConfig, shape: Shape) -> CostModel:
+    if config.cost_model == dtfm.NAME:
+        return dtfm.DtfmCost(problem, shape)
+    return timemodel.TimeCost(
+        problem, shape, sync=config.sync, memory_reserve=config.memory_reserve, horizon_steps=config.horizon_steps
+    )
+
+
+def solve(
+    problem: Problem,
+    config: PlannerConfig,
+    rng: np.random.Generator,
+    clock: Callable[[], float] = time.perf_counter,
+    progress: Progress | None = None,
+) -> Solution:
+    """The best plan found within the time budget (deterministic for a seed when the search
+    converges before the deadline)."""
+    if problem.current is not None and problem.current.layers != problem.layers:
+        raise PlanningError(
+            f"the current plan splits {problem.current.layers} layers but the workload has {problem.layers}"
+        )
+    allow_standby = config.allow_standby and config.cost_model == timemodel.NAME
+    shapes = problem.shapes(config.stages, config.group_size, allow_standby)
+    models: dict[Shape, CostModel] = {}
+
+    def model_for(shape: Shape) -> CostModel:
+        if shape not in models:
+            models[shape] = make_model(problem, config, shape)
+        return models[shape]
+
+    found = search(
+        problem, shapes, model_for, config.search, rng, clock() + config.time_budget_s, clock, progress
+    )
+    model = model_for(found.shape)
+    report = model.report(found.grid)
+    if not report.fits_memory:
+        raise PlanningError(_memory_message(problem, found.shape, config))
+    return Solution(
+        plan=to_plan(problem, config.cost_model, found.grid, report),
+        report=report,
+        shape=found.shape,
+        grid=found.grid,
+        generations=found.generations,
+    )
+
+
+def to_plan(problem: Problem, cost_model: str, grid: np.ndarray, report: Report) -> Plan:
+    ids = problem.device_ids
+    starts = np.concatenate([[0], np.cumsum(report.layers)])
+    stages = tuple(
+        StagePlan(
+            index=s,
+            layer_start=int(starts[s]),
+            layer_end=int(starts[s + 1]),
+            devices=tuple(ids[d] for d in grid[s]),
+            sync=report.sync[s],
+        )
+        for s in range(grid.shape[0])
+    )
+    used = set(int(d) for d in grid.ravel())
+    w = problem.workload
+    return Plan(
+        cost_model=cost_model,
+        model=w.model.name,
+        layers=w.model.layers,
+        batch=w.batch,
+        micro_batch=w.micro_batch,
+        micro_batches=problem.micro_batches(grid.shape[1]),
+        dtype=w.dtype,
+        stages=stages,
+        standby=tuple(ids[d] for d in range(problem.n) if d not in used),
+        cost=dict(report.cost),
+    )
+
+
+def _memory_message(problem: Problem, shape: Shape, config: PlannerConfig) -> str:
+    model = problem.workload.model
+    state_gb = model.params * STATE_BYTES_PER_PARAM / 1e9
+    usable_gb = float(problem.memory_bytes.sum()) * (1 - config.memory_reserve) / 1e9
+    largest_gb = float(problem.memory_bytes.max()) / 1e9
+    return (
+        f"nothing fits in memory: {model.name} with {model.layers} layers needs {state_gb:.1f} GB of training "
+        f"state alone plus activations; the best plan found ({shape}) still overflows. The devices have "
+        f"{usable_gb:.1f} GB usable together, {largest_gb:.1f} GB at most each. Use fewer layers, a smaller "
+        f"micro-batch, or more devices"
+    )

@@ -1,0 +1,223 @@
+"""Predicted seconds per training step for a grid: the cost model the runtime is held to.
+
+For a grid (rows = stages in order, columns = lanes), with M micro-batches per lane per step:
+
+- layers: each stage gets at least one layer; the rest go one at a time to the stage whose slowest
+  device would then finish its micro-batch soonest (optimal for the min-max), within memory;
+- a device's time per micro-batch t = its stage's layers x 3 x forward FLOPs / its TFLOPS (backward
+  is twice the forward), plus the output head on the last stage;
+- a hop between consecutive stages of a lane costs h = latency + micro-batch activation bytes /
+  bandwidth, once forward (activations) and once backward (their gradients), on a full-duplex link;
+- a lane under 1F1B, with its hops treated as pipeline stages, takes
+      T = sum t + 2 sum h + (M - 1) max(max t, max h)
+  (fill and drain of one micro-batch, then one bottleneck slot per further micro-batch);
+- a group syncs its stage's parameters either by ring all-reduce after the step,
+      2 (m - 1) (max ring latency + stage bytes / (m min ring bandwidth)),
+  or by gossip (decentralized Adam, one-peer exponential graph: round r pairs lane l with lane
+  l + 2^r mod m), whose exchange overlaps the next step's compute, so only max(0, gossip - T) shows;
+  `auto` takes all-reduce (exact averaging) unless it costs more than 2% of the step over gossip;
+- step = slowest lane + slowest group's exposed sync;
+- memory per device: 16 bytes per parameter of training state, two wire copies of its parameters
+  for sync, and the activations of min(M, S - s) micro-batches in flight at stage s under 1F1B
+  (the last stage also holds fp32 logits); a grid that does not fit is penalised, not dropped, so
+  the search can walk out of it;
+- with a current plan, every device that must fetch layers it does not hold pays bytes / its best
+  incoming bandwidth from a current holder; the slowest such move, spread over `horizon_steps`
+  steps, is added to the objective, so a plan must be worth its move.
+
+Costs are evaluated on batches of grids, (K, S, m) -> (K,), in O(K (S m log m + L S)).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hetpeer.coordinator.planner.problem import PlanningError, Problem, Report, Shape
+from hetpeer.protocol.workload import STATE_BYTES_PER_PARAM
+
+NAME = "time"
+SYNC_CHOICES = ("auto", "allreduce", "gossip")
+AUTO_ALLREDUCE_SLACK = 0.02  # all-reduce is preferred while it costs at most this share of a step more
+OVERFLOW_PENALTY_S_PER_GB = 1e4
+
+
+class TimeCost:
+    """Predicted step time for one shape, evaluated on batches of grids."""
+
+    name = NAME
+
+    def __init__(
+        self,
+        problem: Problem,
+        shape: Shape,
+        *,
+        sync: str = "auto",
+        memory_reserve: float = 0.1,
+        horizon_steps: int = 100,
+    ) -> None:
+        if problem.tflops is None:
+            raise PlanningError("the time cost model needs tflops for every device (topology.devices[*].tflops)")
+        if sync not in SYNC_CHOICES:
+            raise PlanningError(f"sync must be one of {', '.join(SYNC_CHOICES)}, got {sync!r}")
+        self.problem, self.shape, self.sync, self.horizon_steps = problem, shape, sync, horizon_steps
+        w, model = problem.workload, problem.workload.model
+        mb, stages, m = w.micro_batch, shape.stages, shape.group_size
+        self.micro_batches = problem.micro_batches(m)
+        flops_per_s = problem.tflops * 1e12
+        self.layer_s = 3 * mb * w.layer_fwd_flops_per_seq / flops_per_s  # (n,)
+        self.head_s = 3 * mb * w.head_fwd_flops_per_seq / flops_per_s  # (n,)
+        latency, bandwidth = problem.latency_s, problem.bandwidth_bytes_per_s
+        self.link_cost = latency + mb * w.boundary_bytes_per_seq / bandwidth
+        np.fill_diagonal(self.link_cost, 0.0)
+        self.group_cost = latency + model.layer_params * w.dtype_bytes / bandwidth
+        np.fill_diagonal(self.group_cost, 0.0)
+
+        first, last = np.arange(stages) == 0, np.arange(stages) == stages - 1
+        wire = w.dtype_bytes
+        # Per stage: bytes every layer adds, bytes the embeddings / head add, and parameters on the wire.
+        inflight = np.minimum(self.micro_batches, stages - np.arange(stages))
+        self.mem_per_layer = (
+            (STATE_BYTES_PER_PARAM + 2 * wire) * model.layer_params
+            + inflight * mb * w.stored_activation_bytes_per_layer_per_seq
+        )
+        self.mem_fixed = (
+            first * (STATE_BYTES_PER_PARAM + 2 * wire) * model.embedding_params
+            + last * ((STATE_BYTES_PER_PARAM + 2 * wire) * model.head_params + mb * w.logits_bytes_per_seq)
+        )
+        self.wire_per_layer = float(model.layer_params * wire)
+        self.wire_fixed = (first * model.embedding_params + last * model.head_params) * float(wire)
+        self.usable_memory = None if problem.memory_bytes is None else problem.memory_bytes * (1 - memory_reserve)
+        self.offsets = [2**r % m for r in range(int(np.ceil(np.log2(m))))] if m > 1 else []
+        self._current = _held_layers(problem) if problem.current is not None else None
+
+    # -- the model -------------------------------------------------------------------------------
+
+    def _layers(self, grids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Greedy min-max allocation of layers to stages, within memory where possible.
+
+        Returns (layers (K, S), overflow bytes (K,)).
+        """
+        K, S, _ = grids.shape
+        L = self.problem.layers
+        per_layer = self.layer_s[grids].max(axis=2)  # slowest device of each stage
+        extra = np.zeros((K, S))
+        extra[:, -1] = self.head_s[grids[:, -1]].max(axis=1)
+        counts = np.ones((K, S), dtype=np.int64)
+        if self.usable_memory is not None:
+            memory = self.usable_memory[grids].min(axis=2)
+            cap = np.floor((memory - self.mem_fixed) / self.mem_per_layer)
+        else:
+            cap = np.full((K, S), np.inf)
+        rows = np.arange(K)
+        for _ in range(L - S):
+            finish = (counts + 1) * per_layer + extra
+            within = np.where(counts + 1 <= cap, finish, np.inf)
+            choice = np.where(np.isfinite(within.min(axis=1)), within.argmin(axis=1), finish.argmin(axis=1))
+            counts[rows, choice] += 1
+        if self.usable_memory is None:
+            return counts, np.zeros(K)
+        need = self.mem_fixed + counts * self.mem_per_layer
+        return counts, np.maximum(need - memory, 0).sum(axis=1)
+
+    def _evaluate(self, grids: np.ndarray) -> dict[str, np.ndarray]:
+        problem, M = self.problem, self.micro_batches
+        K, S, m = grids.shape
+        counts, overflow = self._layers(grids)
+        t = counts[:, :, None] * self.layer_s[grids]
+        t[:, -1, :] += self.head_s[grids[:, -1, :]]
+        if S > 1:
+            h = self.link_cost[grids[:, :-1, :], grids[:, 1:, :]]
+        else:
+            h = np.zeros((K, 1, m))
+        t_max, h_max = t.max(axis=1), h.max(axis=1)
+        lane = t.sum(axis=1) + 2 * h.sum(axis=1) + (M - 1) * np.maximum(t_max, h_max)  # (K, m)
+        slowest = lane.argmax(axis=1)
+        lane_s = lane[np.arange(K), slowest]
+
+        stage_bytes = counts * self.wire_per_layer + self.wire_fixed  # (K, S)
+        latency, bandwidth = problem.latency_s, problem.bandwidth_bytes_per_s
+        if m == 1:
+            sync_s = np.zeros((K, S))
+            use_gossip = np.zeros((K, S), dtype=bool)
+        else:
+            ring = np.roll(grids, -1, axis=2)
+            allreduce = 2 * (m - 1) * (
+                latency[grids, ring].max(axis=2) + stage_bytes / (m * bandwidth[grids, ring].min(axis=2))
+            )
+            rounds = [
+                (latency[grids, partner] + stage_bytes[:, :, None] / bandwidth[grids, partner]).max(axis=2)
+                for partner in (np.roll(grids, -offset, axis=2) for offset in self.offsets)
+            ]
+            gossip = np.maximum(np.mean(rounds, axis=0) - lane_s[:, None], 0.0)
+            if self.sync == "allreduce":
+                use_gossip = np.zeros((K, S), dtype=bool)
+            elif self.sync == "gossip":
+                use_gossip = np.ones((K, S), dtype=bool)
+            else:
+                use_gossip = allreduce > gossip + AUTO_ALLREDUCE_SLACK * lane_s[:, None]
+            sync_s = np.where(use_gossip, gossip, allreduce)
+        total = lane_s + sync_s.max(axis=1)
+        move = self._move_s(grids, counts) if self._current is not None else np.zeros(K)
+        objective = total + move / self.horizon_steps + OVERFLOW_PENALTY_S_PER_GB * overflow / 1e9
+        return {
+            "counts": counts, "t": t, "h": h, "slowest": slowest, "lane_s": lane_s, "sync_s": sync_s,
+            "use_gossip": use_gossip, "total": total, "move": move, "overflow": overflow, "objective": objective,
+        }  # fmt: skip
+
+    def _move_s(self, grids: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Seconds for the slowest device to fetch the layers it would hold but does not hold now."""
+        held_start, held_end, incoming_bytes_per_s = self._current
+        end = np.cumsum(counts, axis=1)[:, :, None]
+        start = end - counts[:, :, None]
+        kept = np.clip(np.minimum(end, held_end[grids]) - np.maximum(start, held_start[grids]), 0, None)
+        missing = (counts[:, :, None] - kept) * self.problem.workload.model.layer_params * STATE_BYTES_PER_PARAM
+        return (missing / incoming_bytes_per_s[grids]).max(axis=(1, 2))
+
+    # -- the interface the search uses -----------------------------------------------------------
+
+    def batch_cost(self, grids: np.ndarray) -> np.ndarray:
+        return self._evaluate(grids)["objective"]
+
+    def report(self, grid: np.ndarray) -> Report:
+        e = self._evaluate(grid[None])
+        lane = int(e["slowest"][0])
+        t, h, M = e["t"][0, :, lane], e["h"][0, :, lane], self.micro_batches
+        sync = tuple(
+            "none" if self.shape.group_size == 1 else ("gossip" if g else "allreduce") for g in e["use_gossip"][0]
+        )
+        cost = {
+            "compute_s": float(M * t.max()),
+            "bubble_s": float(t.sum() - t.max()),
+            "activation_s": float(2 * h.sum() + (M - 1) * max(0.0, h.max() - t.max())),
+            "sync_s": float(e["sync_s"][0].max()),
+            "total_s": float(e["total"][0]),
+        }
+        if self._current is not None:
+            cost["move_s"] = float(e["move"][0])
+        return Report(
+            layers=tuple(int(c) for c in e["counts"][0]),
+            sync=sync,
+            cost=cost,
+            objective=float(e["objective"][0]),
+            fits_memory=bool(e["overflow"][0] == 0),
+        )
+
+
+def _held_layers(problem: Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per device: the layer range it holds in the current plan (empty if none), and the best
+    bandwidth into it from a device that holds anything."""
+    index = {d: i for i, d in enumerate(problem.device_ids)}
+    start = np.zeros(problem.n, dtype=np.int64)
+    end = np.zeros(problem.n, dtype=np.int64)
+    holders = []
+    for stage in problem.current.stages:
+        for device in stage.devices:
+            if device in index:
+                start[index[device]], end[index[device]] = stage.layer_start, stage.layer_end
+                holders.append(index[device])
+    bandwidth = problem.bandwidth_bytes_per_s.copy()
+    np.fill_diagonal(bandwidth, 0.0)
+    incoming = bandwidth[holders].max(axis=0) if holders else np.zeros(problem.n)
+    # A swarm with no current holder has nothing to move from: the fetch is from the data's owner.
+    incoming = np.where(incoming > 0, incoming, np.inf)
+    return start, end, incoming

@@ -1,0 +1,1 @@
+"""The contract between peers and coordinator: schemas and their wire forms. Imports nothing from hetpeer."""

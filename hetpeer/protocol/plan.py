@@ -1,0 +1,211 @@
+"""The plan: which peers hold which layers, how they chain into lanes, and how each group syncs.
+
+A plan is what the coordinator publishes and what `hetpeer plan --json` prints. Its wire form:
+
+    {"version": 1, "epoch": int, "start_step": int, "cost_model": "dtfm" | "time",
+     "model": str, "layers": int, "batch": int, "micro_batch": int, "micro_batches": int, "dtype": str,
+     "stages": [{"index": s, "layer_start": int, "layer_end": int (exclusive),
+                 "devices": [device id per lane], "sync": "allreduce" | "gossip" | "none"}],
+     "lanes": [[device id per stage], ...],          # lanes[l][s] == stages[s].devices[l]
+     "standby": [device id, ...],
+     "cost": {"total_s": float, ...}}                 # predicted seconds, by component
+
+`from_wire` checks every invariant a peer relies on, so a plan that parses is a plan a peer can run.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field as dataclass_field
+from typing import Any, Mapping
+
+from hetpeer.protocol.wire import (
+    SchemaError,
+    field,
+    need_int,
+    need_list,
+    need_mapping,
+    need_str,
+    no_extra_fields,
+)
+
+PLAN_VERSION = 1
+SYNC_MODES = ("allreduce", "gossip", "none")
+COST_MODELS = ("dtfm", "time")
+
+
+@dataclass(frozen=True, slots=True)
+class StagePlan:
+    index: int
+    layer_start: int
+    layer_end: int  # exclusive
+    devices: tuple[str, ...]  # one per lane, in lane order
+    sync: str
+
+    @property
+    def layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    cost_model: str
+    model: str
+    layers: int
+    batch: int
+    micro_batch: int
+    micro_batches: int  # per lane per step
+    dtype: str
+    stages: tuple[StagePlan, ...]
+    standby: tuple[str, ...] = ()
+    cost: Mapping[str, float] = dataclass_field(default_factory=dict)
+    epoch: int = 0
+    start_step: int = 0
+    version: int = PLAN_VERSION
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+    @property
+    def lanes(self) -> tuple[tuple[str, ...], ...]:
+        return tuple(zip(*(stage.devices for stage in self.stages)))
+
+    @property
+    def group_size(self) -> int:
+        return len(self.stages[0].devices)
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(d for stage in self.stages for d in stage.devices)
+
+    @property
+    def total_s(self) -> float:
+        return self.cost.get("total_s", math.nan)
+
+    def stage_of(self, device_id: str) -> StagePlan | None:
+        for stage in self.stages:
+            if device_id in stage.devices:
+                return stage
+        return None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "version": self.version,
+            "epoch": self.epoch,
+            "start_step": self.start_step,
+            "cost_model": self.cost_model,
+            "model": self.model,
+            "layers": self.layers,
+            "batch": self.batch,
+            "micro_batch": self.micro_batch,
+            "micro_batches": self.micro_batches,
+            "dtype": self.dtype,
+            "stages": [
+                {
+                    "index": s.index,
+                    "layer_start": s.layer_start,
+                    "layer_end": s.layer_end,
+                    "devices": list(s.devices),
+                    "sync": s.sync,
+                }
+                for s in self.stages
+            ],
+            "lanes": [list(lane) for lane in self.lanes],
+            "standby": list(self.standby),
+            "cost": dict(self.cost),
+        }
+
+    @staticmethod
+    def from_wire(raw: Any) -> "Plan":
+        root = need_mapping(raw, "plan")
+        no_extra_fields(
+            root,
+            {"version", "epoch", "start_step", "cost_model", "model", "layers", "batch", "micro_batch",
+             "micro_batches", "dtype", "stages", "lanes", "standby", "cost"},
+            "plan",
+        )
+        version = need_int(field(root, "version", "plan"), "plan.version")
+        if version != PLAN_VERSION:
+            raise SchemaError("plan.version", f"unsupported plan version {version} (this peer reads {PLAN_VERSION})")
+        stages = []
+        for i, entry in enumerate(need_list(field(root, "stages", "plan"), "plan.stages")):
+            path = f"plan.stages[{i}]"
+            record = need_mapping(entry, path)
+            no_extra_fields(record, {"index", "layer_start", "layer_end", "devices", "sync"}, path)
+            stages.append(
+                StagePlan(
+                    index=need_int(field(record, "index", path), f"{path}.index"),
+                    layer_start=need_int(field(record, "layer_start", path), f"{path}.layer_start", minimum=0),
+                    layer_end=need_int(field(record, "layer_end", path), f"{path}.layer_end", minimum=1),
+                    devices=tuple(
+                        need_str(d, f"{path}.devices[{j}]")
+                        for j, d in enumerate(need_list(field(record, "devices", path), f"{path}.devices"))
+                    ),
+                    sync=need_str(field(record, "sync", path), f"{path}.sync"),
+                )
+            )
+        cost: dict[str, float] = {}
+        for key, value in need_mapping(field(root, "cost", "plan"), "plan.cost").items():
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise SchemaError(f"plan.cost.{key}", f"must be a number, got {value!r}")
+            cost[key] = float(value)
+        plan = Plan(
+            cost_model=need_str(field(root, "cost_model", "plan"), "plan.cost_model"),
+            model=need_str(field(root, "model", "plan"), "plan.model"),
+            layers=need_int(field(root, "layers", "plan"), "plan.layers", minimum=1),
+            batch=need_int(field(root, "batch", "plan"), "plan.batch", minimum=1),
+            micro_batch=need_int(field(root, "micro_batch", "plan"), "plan.micro_batch", minimum=1),
+            micro_batches=need_int(field(root, "micro_batches", "plan"), "plan.micro_batches", minimum=1),
+            dtype=need_str(field(root, "dtype", "plan"), "plan.dtype"),
+            stages=tuple(stages),
+            standby=tuple(
+                need_str(d, f"plan.standby[{j}]")
+                for j, d in enumerate(need_list(root.get("standby", []), "plan.standby"))
+            ),
+            cost=cost,
+            epoch=need_int(field(root, "epoch", "plan"), "plan.epoch", minimum=0),
+            start_step=need_int(field(root, "start_step", "plan"), "plan.start_step", minimum=0),
+            version=version,
+        )
+        if "lanes" in root:
+            lanes = [tuple(need_list(lane, f"plan.lanes[{i}]")) for i, lane in enumerate(need_list(root["lanes"], "plan.lanes"))]
+            if tuple(lanes) != plan.lanes:
+                raise SchemaError("plan.lanes", "do not match the stages' device lists (lanes[l][s] must be stages[s].devices[l])")
+        return plan
+
+
+def _check(plan: Plan) -> None:
+    """Raise SchemaError unless the plan is runnable: contiguous layers, equal groups, no device twice."""
+    if plan.cost_model not in COST_MODELS:
+        raise SchemaError("plan.cost_model", f"must be one of {', '.join(COST_MODELS)}, got {plan.cost_model!r}")
+    if not plan.stages:
+        raise SchemaError("plan.stages", "must hold at least one stage")
+    expected_start = 0
+    lanes = len(plan.stages[0].devices)
+    seen: set[str] = set()
+    for s, stage in enumerate(plan.stages):
+        path = f"plan.stages[{s}]"
+        if stage.index != s:
+            raise SchemaError(f"{path}.index", f"must be {s}, got {stage.index}")
+        if stage.layer_start != expected_start or stage.layer_end <= stage.layer_start:
+            raise SchemaError(
+                path, f"layers [{stage.layer_start}, {stage.layer_end}) do not continue from layer {expected_start}"
+            )
+        expected_start = stage.layer_end
+        if not stage.devices or len(stage.devices) != lanes:
+            raise SchemaError(f"{path}.devices", f"must list one device per lane ({lanes}), got {len(stage.devices)}")
+        if stage.sync not in SYNC_MODES:
+            raise SchemaError(f"{path}.sync", f"must be one of {', '.join(SYNC_MODES)}, got {stage.sync!r}")
+        for device in stage.devices:
+            if device in seen:
+                raise SchemaError(f"{path}.devices", f"device {device!r} appears more than once in the plan")
+            seen.add(device)
+    if expected_start != plan.layers:
+        raise SchemaError("plan.stages", f"cover layers [0, {expected_start}) but the model has {plan.layers}")
+    for device in plan.standby:
+        if device in seen:
+            raise SchemaError("plan.standby", f"device {device!r} appears more than once in the plan")
+        seen.add(device)
+    for key, value in plan.cost.items():
+        if not math.isfinite(value) or value < 0:
+            raise SchemaError(f"plan.cost.{key}", f"must be a finite, non-negative number of seconds, got {value!r}")

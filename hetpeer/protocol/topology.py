@@ -1,0 +1,190 @@
+"""The topology file: which devices exist, where they are, and how well they are connected.
+
+Schema (JSON; see docs/topology.md):
+
+    {"name": str?, "description": str?,
+     "devices": [{"id": str, "region": str, "tflops": number?, "memory_gb": number?}, ...],
+     "regions": {name: {"latency_ms": number, "bandwidth_gbps": number}},     # inside a region
+     "region_links": [{"a": region, "b": region, "latency_ms": .., "bandwidth_gbps": ..}],
+     "default_link": {"latency_ms": .., "bandwidth_gbps": ..}?,              # unlisted region pairs
+     "links": [{"a": device id, "b": device id, "latency_ms": .., "bandwidth_gbps": ..}]?}
+
+A link listed once is symmetric. A link listed in both directions with different values is
+averaged, as Yuan et al. (NeurIPS 2022) do for asymmetric measurements. Device-level `links`
+override region values. Bandwidth is in Gbit/s (1e9 bit/s), latency in milliseconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from hetpeer.protocol.wire import (
+    SchemaError,
+    field,
+    need_list,
+    need_mapping,
+    need_number,
+    need_str,
+    no_extra_fields,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Device:
+    id: str
+    region: str
+    tflops: float | None = None
+    memory_gb: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    latency_ms: float
+    bandwidth_gbps: float
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """A parsed, validated topology. Build it with `Topology.from_wire`."""
+
+    devices: tuple[Device, ...]
+    regions: Mapping[str, Link]
+    region_links: Mapping[tuple[str, str], Link]  # directed; both directions present
+    device_links: Mapping[tuple[str, str], Link]  # directed; both directions present
+    default_link: Link | None = None
+    name: str = ""
+
+    def link(self, a: Device, b: Device) -> Link:
+        """The link from device a to device b (a != b)."""
+        if (a.id, b.id) in self.device_links:
+            return self.device_links[(a.id, b.id)]
+        if a.region == b.region:
+            return self.regions[a.region]
+        if (a.region, b.region) in self.region_links:
+            return self.region_links[(a.region, b.region)]
+        assert self.default_link is not None, "checked by from_wire"
+        return self.default_link
+
+    @staticmethod
+    def from_wire(raw: Any) -> "Topology":
+        root = need_mapping(raw, "topology")
+        no_extra_fields(
+            root,
+            {"name", "description", "devices", "regions", "region_links", "default_link", "links"},
+            "topology",
+        )
+        name = need_str(root["name"], "topology.name") if "name" in root else ""
+        regions = {
+            need_str(region, "topology.regions"): _link(value, f"topology.regions.{region}")
+            for region, value in need_mapping(field(root, "regions", "topology"), "topology.regions").items()
+        }
+        devices = _devices(field(root, "devices", "topology"), regions)
+        region_links = _links(root.get("region_links", []), "topology.region_links", set(regions), "region")
+        device_links = _links(root.get("links", []), "topology.links", {d.id for d in devices}, "device")
+        default_link = _link(root["default_link"], "topology.default_link") if "default_link" in root else None
+        if default_link is None:
+            used = sorted({d.region for d in devices})
+            for i, a in enumerate(used):
+                for b in used[i + 1 :]:
+                    if (a, b) not in region_links:
+                        raise SchemaError(
+                            "topology.region_links",
+                            f"no link between regions {a!r} and {b!r}, and no default_link",
+                        )
+        return Topology(
+            devices=devices,
+            regions=regions,
+            region_links=region_links,
+            device_links=device_links,
+            default_link=default_link,
+            name=name,
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        def link(value: Link) -> dict[str, float]:
+            return {"latency_ms": value.latency_ms, "bandwidth_gbps": value.bandwidth_gbps}
+
+        def pairs(table: Mapping[tuple[str, str], Link]) -> list[dict[str, Any]]:
+            return [{"a": a, "b": b, **link(v)} for (a, b), v in sorted(table.items())]
+
+        devices = []
+        for device in self.devices:
+            entry: dict[str, Any] = {"id": device.id, "region": device.region}
+            if device.tflops is not None:
+                entry["tflops"] = device.tflops
+            if device.memory_gb is not None:
+                entry["memory_gb"] = device.memory_gb
+            devices.append(entry)
+        wire: dict[str, Any] = {
+            "devices": devices,
+            "regions": {name: link(v) for name, v in self.regions.items()},
+            "region_links": pairs(self.region_links),
+            "links": pairs(self.device_links),
+        }
+        if self.name:
+            wire["name"] = self.name
+        if self.default_link is not None:
+            wire["default_link"] = link(self.default_link)
+        return wire
+
+
+def _link(raw: Any, path: str, extra: set[str] = frozenset()) -> Link:
+    record = need_mapping(raw, path)
+    no_extra_fields(record, {"latency_ms", "bandwidth_gbps"} | extra, path)
+    return Link(
+        latency_ms=need_number(field(record, "latency_ms", path), f"{path}.latency_ms"),
+        bandwidth_gbps=need_number(field(record, "bandwidth_gbps", path), f"{path}.bandwidth_gbps", positive=True),
+    )
+
+
+def _devices(raw: Any, regions: Mapping[str, Link]) -> tuple[Device, ...]:
+    entries = need_list(raw, "topology.devices")
+    if not entries:
+        raise SchemaError("topology.devices", "must list at least one device")
+    devices: list[Device] = []
+    seen: set[str] = set()
+    for i, entry in enumerate(entries):
+        path = f"topology.devices[{i}]"
+        record = need_mapping(entry, path)
+        no_extra_fields(record, {"id", "region", "tflops", "memory_gb"}, path)
+        device_id = need_str(field(record, "id", path), f"{path}.id")
+        if device_id in seen:
+            raise SchemaError(f"{path}.id", f"duplicate device id {device_id!r}")
+        seen.add(device_id)
+        region = need_str(field(record, "region", path), f"{path}.region")
+        if region not in regions:
+            raise SchemaError(f"{path}.region", f"unknown region {region!r} (not in topology.regions)")
+        tflops = need_number(record["tflops"], f"{path}.tflops", positive=True) if "tflops" in record else None
+        memory = need_number(record["memory_gb"], f"{path}.memory_gb", positive=True) if "memory_gb" in record else None
+        devices.append(Device(id=device_id, region=region, tflops=tflops, memory_gb=memory))
+    return tuple(devices)
+
+
+def _links(raw: Any, path: str, known: set[str], kind: str) -> dict[tuple[str, str], Link]:
+    """Directed link table from a list of {a, b, ...}; one direction given means both."""
+    given: dict[tuple[str, str], Link] = {}
+    for i, entry in enumerate(need_list(raw, path)):
+        where = f"{path}[{i}]"
+        record = need_mapping(entry, where)
+        ends = []
+        for end in ("a", "b"):
+            name = need_str(field(record, end, where), f"{where}.{end}")
+            if name not in known:
+                raise SchemaError(f"{where}.{end}", f"unknown {kind} {name!r}")
+            ends.append(name)
+        if ends[0] == ends[1]:
+            raise SchemaError(where, f"links {kind} {ends[0]!r} to itself")
+        key = (ends[0], ends[1])
+        if key in given:
+            raise SchemaError(where, f"duplicate link {ends[0]!r} -> {ends[1]!r}")
+        given[key] = _link(record, where, extra={"a", "b"})
+    table: dict[tuple[str, str], Link] = {}
+    for (a, b), forward in given.items():
+        backward = given.get((b, a), forward)
+        table[(a, b)] = Link(
+            latency_ms=(forward.latency_ms + backward.latency_ms) / 2,
+            bandwidth_gbps=(forward.bandwidth_gbps + backward.bandwidth_gbps) / 2,
+        )
+        table[(b, a)] = table[(a, b)]
+    return table
