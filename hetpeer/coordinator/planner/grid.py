@@ -63,11 +63,11 @@ def chain_order(link_cost: np.ndarray, devices: np.ndarray) -> np.ndarray:
     return np.array(chain)
 
 
-def constructive(shape: Shape, active: np.ndarray, link_cost: np.ndarray) -> list[np.ndarray]:
-    """Seed grids from the active devices: close devices sharing a group ("clustered"), close
-    devices sharing a lane ("strided"), and the same two in the given device order."""
+def constructive(shape: Shape, active: np.ndarray, chained: np.ndarray) -> list[np.ndarray]:
+    """Seed grids from the active devices, given in file order and in `chain_order`: close devices
+    sharing a group ("clustered"), close devices sharing a lane ("strided"), and the same two in
+    file order."""
     S, m = shape.stages, shape.group_size
-    chained = chain_order(link_cost, active)
     return [
         chained.reshape(S, m),
         chained.reshape(m, S).T.copy(),

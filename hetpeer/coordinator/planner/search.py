@@ -8,8 +8,9 @@ it is better and new. The local search swaps two devices (between groups, betwee
 standby device), taking the best swap for one device at a time from a batch evaluated at once; for
 large swarms the batch is the devices most attached to the target group plus a random sample.
 
-Across shapes: every shape is scored by its best seed grid, and the most promising few share the
-time budget. The search stops when a shape's population has not improved for `patience`
+Across shapes: every shape is scored by its best seed grid; the most promising few each improve
+their best seed in a short trial, and the shape whose trial came out best gets the rest of the
+budget. The search stops when a shape's population has not improved for `patience`
 generations or at the deadline, so it is deterministic for a seed whenever the deadline is not hit,
 and anytime when it is.
 """
@@ -22,10 +23,13 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from hetpeer.coordinator.planner.grid import Aligner, constructive, crossover
+from hetpeer.coordinator.planner.grid import Aligner, chain_order, constructive, crossover
 from hetpeer.coordinator.planner.problem import Problem, Report, Shape
 
 IMPROVEMENT = 1e-9  # relative; smaller changes are rounding, not progress
+CONFIRMED = 3  # screened swaps confirmed with the exact cost per move
+TRIAL_SHARE = 0.3  # of the budget, spent trying the most promising shapes before evolving one
+POPULATION_CELLS = 4096  # large swarms get a smaller population: each member costs a local search
 
 
 class CostModel(Protocol):
@@ -36,6 +40,8 @@ class CostModel(Protocol):
 
     def batch_cost(self, grids: np.ndarray) -> np.ndarray: ...
 
+    def screen(self, grid: np.ndarray, batch: np.ndarray, cells: np.ndarray) -> np.ndarray: ...
+
     def report(self, grid: np.ndarray) -> Report: ...
 
 
@@ -44,7 +50,7 @@ class SearchConfig:
     population: int = 10
     patience: int = 25  # generations without improvement before a shape is done
     shapes_searched: int = 3  # shapes that share the budget after screening
-    max_candidates: int = 96  # swaps evaluated per local-search move
+    max_candidates: int = 64  # swaps screened per local-search move
 
     def __post_init__(self) -> None:
         for name in ("population", "patience", "shapes_searched", "max_candidates"):
@@ -75,28 +81,41 @@ def search(
 ) -> Found:
     """Best grid over the given shapes. `deadline` is a reading of `clock`."""
     scored = []
+    chain = None
     for shape in shapes:
         model = make_model(shape)
-        seeds = _seeds(problem, shape, model, rng)
+        if chain is None:  # one chain for every shape: link costs differ between shapes only in scale
+            chain = chain_order(model.link_cost, np.arange(problem.n))
+        seeds = _seeds(problem, shape, model, chain, rng)
         costs = model.batch_cost(np.stack(seeds))
         scored.append((float(costs.min()), shape, model, seeds))
         if clock() > deadline and len(scored) >= 1:
             break
     scored.sort(key=lambda entry: entry[0])
     chosen = scored[: config.shapes_searched]
-    best: Found | None = None
+    # Trials: each promising shape improves its best seed within a short share of the budget;
+    # the rest of the budget goes to evolving the shape whose trial came out best.
+    trials = []
     for k, (_, shape, model, seeds) in enumerate(chosen):
-        share = (deadline - clock()) / (len(chosen) - k)
-        found = _evolve(problem, model, seeds, config, rng, clock() + max(share, 0.0), clock)
+        if len(chosen) == 1:
+            trials.append((np.inf, None, shape, model, seeds))
+            break
+        share = TRIAL_SHARE * (deadline - clock()) / (len(chosen) - k)
+        best_seed = seeds[int(np.argmin(model.batch_cost(np.stack(seeds))))]
+        grid, cost = _improve(problem, model, Aligner(model.link_cost), best_seed, config, rng, clock() + share, clock)
         if progress is not None:
-            progress(f"{shape}: {found.objective:.4g} s after {found.generations} generations")
-        if best is None or found.objective < best.objective:
-            best = found
-    assert best is not None
-    return best
+            progress(f"{shape}: trial {cost:.4g} s")
+        trials.append((cost, grid, shape, model, seeds))
+    _, grid, shape, model, seeds = min(trials, key=lambda entry: entry[0])
+    found = _evolve(problem, model, seeds, [] if grid is None else [grid], config, rng, deadline, clock)
+    if progress is not None:
+        progress(f"{shape}: {found.objective:.4g} s after {found.generations} generations")
+    return found
 
 
-def _seeds(problem: Problem, shape: Shape, model: CostModel, rng: np.random.Generator) -> list[np.ndarray]:
+def _seeds(
+    problem: Problem, shape: Shape, model: CostModel, chain: np.ndarray, rng: np.random.Generator
+) -> list[np.ndarray]:
     """Constructed and random grids; with room for standby, several choices of who takes part."""
     n, k = problem.n, shape.devices
     everyone = np.arange(n)
@@ -106,7 +125,7 @@ def _seeds(problem: Problem, shape: Shape, model: CostModel, rng: np.random.Gene
             actives.append(np.sort(np.argsort(-problem.tflops, kind="stable")[:k]))
         closeness = np.median(model.link_cost + model.link_cost.T, axis=1)
         actives.append(np.sort(np.argsort(closeness, kind="stable")[:k]))
-    seeds = [grid for active in actives for grid in constructive(shape, active, model.link_cost)]
+    seeds = [grid for active in actives for grid in constructive(shape, active, chain[np.isin(chain, active)])]
     seeds += [rng.permutation(n)[:k].reshape(shape.stages, shape.group_size) for _ in range(2)]
     return seeds
 
@@ -115,16 +134,19 @@ def _evolve(
     problem: Problem,
     model: CostModel,
     seeds: list[np.ndarray],
+    improved: list[np.ndarray],
     config: SearchConfig,
     rng: np.random.Generator,
     deadline: float,
     clock: Callable[[], float],
 ) -> Found:
+    """Evolve one shape's population from `improved` grids (already local optima) and raw seeds."""
     aligner = Aligner(model.link_cost)
     seed_costs = model.batch_cost(np.stack(seeds))
-    population: list[np.ndarray] = []
-    costs: list[float] = []
-    for index in np.argsort(seed_costs, kind="stable")[: config.population]:
+    population: list[np.ndarray] = list(improved)
+    costs: list[float] = [float(c) for c in model.batch_cost(np.stack(improved))] if improved else []
+    size = max(2, min(config.population, POPULATION_CELLS // model.shape.devices))
+    for index in np.argsort(seed_costs, kind="stable")[: size - len(population)]:
         grid, cost = _improve(problem, model, aligner, seeds[int(index)], config, rng, deadline, clock)
         if not any(_same_partition(grid, other) for other in population):
             population.append(grid)
@@ -176,15 +198,19 @@ def local_search(
     deadline: float,
     clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[np.ndarray, float]:
-    """Best-swap descent, one device at a time, until a full sweep finds nothing or time is up."""
+    """Best-swap descent, one device at a time, until no cell can improve or time is up. A move's
+    candidates are screened by the model's cheap estimate and the best few confirmed exactly. After
+    a swap, only the cells sharing a stage or a lane with the two moved cells are looked at again."""
     S, m = grid.shape
     grid = grid.copy()
     cells = S * m
     standby = np.setdiff1d(np.arange(problem.n), grid.ravel())
-    improved = True
-    while improved and clock() < deadline:
-        improved = False
+    look = np.ones(cells, dtype=bool)  # "don't look" bits: cells whose surroundings have not changed rest
+    while look.any() and clock() < deadline:
         for cell in rng.permutation(cells):
+            if not look[cell]:
+                continue
+            look[cell] = False
             targets = _candidates(model, grid, standby, int(cell), max_candidates, rng)
             batch = np.repeat(grid[None], len(targets), axis=0)
             flat = batch.reshape(len(targets), cells)
@@ -194,13 +220,18 @@ def local_search(
             flat[in_grid, cell] = flat[in_grid, cell_targets]
             flat[np.flatnonzero(in_grid), cell_targets] = here[in_grid]
             flat[~in_grid, cell] = standby[targets[~in_grid] - cells]
-            trial = model.batch_cost(batch)
-            best = int(np.argmin(trial))
-            if trial[best] < cost - IMPROVEMENT * abs(cost):
+            changed = np.stack([np.full(len(targets), cell), np.where(in_grid, targets, cell)], axis=1)
+            shortlist = np.argsort(model.screen(grid, batch, changed), kind="stable")[:CONFIRMED]
+            trial = model.batch_cost(batch[shortlist])
+            best = int(shortlist[np.argmin(trial)])
+            if trial.min() < cost - IMPROVEMENT * abs(cost):
                 target = int(targets[best])
                 if target >= cells:
                     standby[target - cells] = grid.flat[cell]
-                grid, cost, improved = batch[best].copy(), float(trial[best]), True
+                for moved in (int(cell), target) if target < cells else (int(cell),):
+                    look.reshape(S, m)[moved // m, :] = True
+                    look.reshape(S, m)[:, moved % m] = True
+                grid, cost = batch[best].copy(), float(trial.min())
             if clock() > deadline:
                 break
     return grid, cost

@@ -87,82 +87,133 @@ class TimeCost:
         self.wire_per_layer = float(model.layer_params * wire)
         self.wire_fixed = (first * model.embedding_params + last * model.head_params) * float(wire)
         self.usable_memory = None if problem.memory_bytes is None else problem.memory_bytes * (1 - memory_reserve)
-        self.offsets = [2**r % m for r in range(int(np.ceil(np.log2(m))))] if m > 1 else []
+        rounds = int(np.ceil(np.log2(m))) if m > 1 else 0
+        self.partners = (np.arange(m)[None, :] + (2 ** np.arange(rounds))[:, None]) % m  # (rounds, m)
         self._current = _held_layers(problem) if problem.current is not None else None
+        self._screened: tuple[bytes, dict[str, np.ndarray]] | None = None
 
     # -- the model -------------------------------------------------------------------------------
 
-    def _layers(self, grids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Greedy min-max allocation of layers to stages, within memory where possible.
-
-        Returns (layers (K, S), overflow bytes (K,)).
-        """
+    def _layers(self, grids: np.ndarray) -> np.ndarray:
+        """Greedy min-max allocation of layers to stages, within memory where possible: (K, S)."""
         K, S, _ = grids.shape
         L = self.problem.layers
         per_layer = self.layer_s[grids].max(axis=2)  # slowest device of each stage
         extra = np.zeros((K, S))
         extra[:, -1] = self.head_s[grids[:, -1]].max(axis=1)
-        counts = np.ones((K, S), dtype=np.int64)
         if self.usable_memory is not None:
             memory = self.usable_memory[grids].min(axis=2)
             cap = np.floor((memory - self.mem_fixed) / self.mem_per_layer)
         else:
             cap = np.full((K, S), np.inf)
+        # Start from the continuous bound: no stage can finish before `floor` in any allocation, so
+        # every count reaching at most `floor` is part of the greedy answer; the greedy then places
+        # the remaining few layers (at most S).
+        floor = (L + (extra / per_layer).sum(axis=1)) / (1 / per_layer).sum(axis=1)
+        counts = np.floor((floor[:, None] - extra) / per_layer).astype(np.int64)
+        counts = np.clip(counts, 1, np.where(np.isfinite(cap), np.maximum(cap, 1), L).astype(np.int64))
+        counts[counts.sum(axis=1) > L] = 1
         rows = np.arange(K)
-        for _ in range(L - S):
+        for _ in range(L - int(counts.sum(axis=1).min())):
+            fill = counts.sum(axis=1) < L
             finish = (counts + 1) * per_layer + extra
             within = np.where(counts + 1 <= cap, finish, np.inf)
             choice = np.where(np.isfinite(within.min(axis=1)), within.argmin(axis=1), finish.argmin(axis=1))
-            counts[rows, choice] += 1
+            counts[rows[fill], choice[fill]] += 1
+        return counts
+
+    def _lanes(self, cols: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Lane times for lanes given as (..., S) device indices with (..., S) layer counts:
+        (lane seconds (...), per-stage compute t (..., S), per-hop h (..., S-1 or 1))."""
+        t = counts * self.layer_s[cols]
+        t[..., -1] += self.head_s[cols[..., -1]]
+        if cols.shape[-1] > 1:
+            h = self.link_cost[cols[..., :-1], cols[..., 1:]]
+        else:
+            h = np.zeros(cols.shape[:-1] + (1,))
+        lane = t.sum(-1) + 2 * h.sum(-1) + (self.micro_batches - 1) * np.maximum(t.max(-1), h.max(-1))
+        return lane, t, h
+
+    def _groups(self, rows: np.ndarray, stage_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(all-reduce seconds, gossip seconds before overlap) for groups given as (..., m) devices."""
+        if rows.shape[-1] == 1:
+            zero = np.zeros(rows.shape[:-1])
+            return zero, zero
+        m = rows.shape[-1]
+        latency, bandwidth = self.problem.latency_s, self.problem.bandwidth_bytes_per_s
+        ring = np.roll(rows, -1, axis=-1)
+        allreduce = 2 * (m - 1) * (
+            latency[rows, ring].max(-1) + stage_bytes / (m * bandwidth[rows, ring].min(-1))
+        )
+        here, partner = rows[..., None, :], rows[..., self.partners]  # (..., 1, m), (..., rounds, m)
+        rounds = (latency[here, partner] + stage_bytes[..., None, None] / bandwidth[here, partner]).max(-1)
+        return allreduce, rounds.mean(-1)
+
+    def _sync(self, allreduce: np.ndarray, gossip: np.ndarray, lane_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per group (K, S): exposed sync seconds and whether it gossips."""
+        gossip = np.maximum(gossip - lane_s[:, None], 0.0)
+        if self.shape.group_size == 1 or self.sync == "allreduce":
+            use_gossip = np.zeros(allreduce.shape, dtype=bool)
+        elif self.sync == "gossip":
+            use_gossip = np.ones(allreduce.shape, dtype=bool)
+        else:
+            use_gossip = allreduce > gossip + AUTO_ALLREDUCE_SLACK * lane_s[:, None]
+        return np.where(use_gossip, gossip, allreduce), use_gossip
+
+    def _overflow(self, rows: np.ndarray, need: np.ndarray) -> np.ndarray:
+        """Bytes by which each group's smallest device falls short of `need`; (..., m) -> (...)."""
         if self.usable_memory is None:
-            return counts, np.zeros(K)
-        need = self.mem_fixed + counts * self.mem_per_layer
-        return counts, np.maximum(need - memory, 0).sum(axis=1)
+            return np.zeros(rows.shape[:-1])
+        return np.maximum(need - self.usable_memory[rows].min(-1), 0)
 
     def _evaluate(self, grids: np.ndarray) -> dict[str, np.ndarray]:
-        problem, M = self.problem, self.micro_batches
-        K, S, m = grids.shape
-        counts, overflow = self._layers(grids)
-        t = counts[:, :, None] * self.layer_s[grids]
-        t[:, -1, :] += self.head_s[grids[:, -1, :]]
-        if S > 1:
-            h = self.link_cost[grids[:, :-1, :], grids[:, 1:, :]]
-        else:
-            h = np.zeros((K, 1, m))
-        t_max, h_max = t.max(axis=1), h.max(axis=1)
-        lane = t.sum(axis=1) + 2 * h.sum(axis=1) + (M - 1) * np.maximum(t_max, h_max)  # (K, m)
+        K = grids.shape[0]
+        counts = self._layers(grids)
+        lane, t, h = self._lanes(grids.transpose(0, 2, 1), counts[:, None, :])  # lanes: (K, m)
         slowest = lane.argmax(axis=1)
         lane_s = lane[np.arange(K), slowest]
-
         stage_bytes = counts * self.wire_per_layer + self.wire_fixed  # (K, S)
-        latency, bandwidth = problem.latency_s, problem.bandwidth_bytes_per_s
-        if m == 1:
-            sync_s = np.zeros((K, S))
-            use_gossip = np.zeros((K, S), dtype=bool)
-        else:
-            ring = np.roll(grids, -1, axis=2)
-            allreduce = 2 * (m - 1) * (
-                latency[grids, ring].max(axis=2) + stage_bytes / (m * bandwidth[grids, ring].min(axis=2))
-            )
-            rounds = [
-                (latency[grids, partner] + stage_bytes[:, :, None] / bandwidth[grids, partner]).max(axis=2)
-                for partner in (np.roll(grids, -offset, axis=2) for offset in self.offsets)
-            ]
-            gossip = np.maximum(np.mean(rounds, axis=0) - lane_s[:, None], 0.0)
-            if self.sync == "allreduce":
-                use_gossip = np.zeros((K, S), dtype=bool)
-            elif self.sync == "gossip":
-                use_gossip = np.ones((K, S), dtype=bool)
-            else:
-                use_gossip = allreduce > gossip + AUTO_ALLREDUCE_SLACK * lane_s[:, None]
-            sync_s = np.where(use_gossip, gossip, allreduce)
+        allreduce, gossip = self._groups(grids, stage_bytes)
+        sync_s, use_gossip = self._sync(allreduce, gossip, lane_s)
+        need = self.mem_fixed + counts * self.mem_per_layer  # (K, S)
+        overflow = self._overflow(grids, need)
         total = lane_s + sync_s.max(axis=1)
         move = self._move_s(grids, counts) if self._current is not None else np.zeros(K)
-        objective = total + move / self.horizon_steps + OVERFLOW_PENALTY_S_PER_GB * overflow / 1e9
+        objective = total + move / self.horizon_steps + OVERFLOW_PENALTY_S_PER_GB * overflow.sum(axis=1) / 1e9
         return {
-            "counts": counts, "t": t, "h": h, "slowest": slowest, "lane_s": lane_s, "sync_s": sync_s,
-            "use_gossip": use_gossip, "total": total, "move": move, "overflow": overflow, "objective": objective,
+            "counts": counts, "lane": lane, "t": t, "h": h, "slowest": slowest, "lane_s": lane_s,
+            "allreduce": allreduce, "gossip": gossip, "sync_s": sync_s, "use_gossip": use_gossip, "total": total,
+            "move": move, "overflow": overflow.sum(axis=1), "row_overflow": overflow, "objective": objective,
         }  # fmt: skip
+
+    def screen(self, grid: np.ndarray, batch: np.ndarray, cells: np.ndarray) -> np.ndarray:
+        """Approximate objectives of grids that differ from `grid` at two cells each.
+
+        `cells` (K, 2) holds the flat indices of the changed cells (equal when a device came in
+        from standby). The layer allocation is held at `grid`'s, so only the two lanes and two
+        groups touched are re-evaluated: O(K (S + m log m)) instead of O(K S m log m). The search
+        confirms the best screened swaps with `batch_cost`.
+        """
+        key = grid.tobytes()
+        if self._screened is None or self._screened[0] != key:  # a search screens one grid many times
+            self._screened = (key, self._evaluate(grid[None]))
+        base = self._screened[1]
+        K, (S, m) = len(batch), grid.shape
+        counts = base["counts"]  # (1, S)
+        pick = np.arange(K)[:, None]
+        rows, lanes = cells // m, cells % m  # (K, 2)
+        lane = np.repeat(base["lane"], K, axis=0)
+        lane[pick, lanes] = self._lanes(batch[pick, :, lanes], counts[:, None, :])[0]
+        lane_s = lane.max(axis=1)
+        stage_bytes = (counts * self.wire_per_layer + self.wire_fixed)[0]
+        allreduce = np.repeat(base["allreduce"], K, axis=0)
+        gossip = np.repeat(base["gossip"], K, axis=0)
+        allreduce[pick, rows], gossip[pick, rows] = self._groups(batch[pick, rows], stage_bytes[rows])
+        sync_s, _ = self._sync(allreduce, gossip, lane_s)
+        overflow = np.repeat(base["row_overflow"], K, axis=0)
+        need = self.mem_fixed + counts[0] * self.mem_per_layer
+        overflow[pick, rows] = self._overflow(batch[pick, rows], need[rows])
+        return lane_s + sync_s.max(axis=1) + OVERFLOW_PENALTY_S_PER_GB * overflow.sum(axis=1) / 1e9
 
     def _move_s(self, grids: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Seconds for the slowest device to fetch the layers it would hold but does not hold now."""
@@ -181,7 +232,7 @@ class TimeCost:
     def report(self, grid: np.ndarray) -> Report:
         e = self._evaluate(grid[None])
         lane = int(e["slowest"][0])
-        t, h, M = e["t"][0, :, lane], e["h"][0, :, lane], self.micro_batches
+        t, h, M = e["t"][0, lane], e["h"][0, lane], self.micro_batches
         sync = tuple(
             "none" if self.shape.group_size == 1 else ("gossip" if g else "allreduce") for g in e["use_gossip"][0]
         )
