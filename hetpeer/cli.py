@@ -28,6 +28,13 @@ class UserError(Exception):
     """Bad input from the person at the keyboard: reported in one line, exit code 2."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line, like every other user error."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -35,6 +42,16 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {text!r}")
     return value
 
 
@@ -49,7 +66,7 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hetpeer", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="hetpeer", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"hetpeer {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -84,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--current", type=Path,
                        help="the plan running now (JSON); the time model then counts the cost of moving weights")
     search = plan.add_argument_group("search")
-    search.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    search.add_argument("--seed", type=_non_negative_int, default=0, help="random seed (default 0)")
     search.add_argument("--time-budget", type=_positive_float, default=2.0,
                         help="seconds to search (default 2)")
     search.add_argument("--random-samples", type=_positive_int, default=100,

@@ -31,7 +31,7 @@ class Shape:
         return self.stages * self.group_size
 
     def __str__(self) -> str:
-        return f"{self.stages} stages x {self.group_size} lanes"
+        return f"{self.stages} stage{'s' * (self.stages != 1)} x {self.group_size} lane{'s' * (self.group_size != 1)}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,8 +118,12 @@ class Problem:
         """Sequences per lane per step: the batch split over the lanes, rounded up."""
         return -(-self.workload.batch // group_size)
 
+    def lane_micro_batch(self, group_size: int) -> int:
+        """Sequences per micro-batch: the workload's, unless a lane's share of the batch is smaller."""
+        return min(self.workload.micro_batch, self.lanes_batch(group_size))
+
     def micro_batches(self, group_size: int) -> int:
-        return -(-self.lanes_batch(group_size) // self.workload.micro_batch)
+        return -(-self.lanes_batch(group_size) // self.lane_micro_batch(group_size))
 
     def shapes(self, stages: int | None, group_size: int | None, allow_standby: bool) -> list[Shape]:
         """Every shape the search may use, or PlanningError naming why there is none."""

@@ -33,5 +33,6 @@ def format_plan(plan: Plan, baselines: dict[str, float | None], random_samples: 
         if value is None:
             lines.append(f"  {label:<32} {'does not fit in memory':>10}")
         else:
-            lines.append(f"  {label:<32} {value:10.4f}   ({value / total:.2f}x this plan)")
+            ratio = f"   ({value / total:.2f}x this plan)" if total > 0 else ""
+            lines.append(f"  {label:<32} {value:10.4f}{ratio}")
     return "\n".join(lines)

@@ -1,10 +1,12 @@
 """The hybrid genetic search of Yuan et al. (NeurIPS 2022), on grids, over shapes.
 
 Per shape: a small population of grids, seeded by construction (clustered, strided, file order) and
-at random, each improved by local search. A generation picks two parents by tournament, crosses
-their partitions (balanced, see grid.crossover), aligns the child (TSP order over bottleneck
-matchings), improves it by local search, aligns it again, and lets it replace the worst member if
-it is better and new. The local search swaps two devices (between groups, between lanes, or with a
+at random (and, where devices may stand by, tight clusters around random centres), each improved
+by local search. A generation picks two parents by tournament and crosses their partitions
+(balanced, see grid.crossover), or kicks one with a few random swaps when the tournament picks the
+same member twice (so a population of one still searches); it aligns the child (TSP order over bottleneck
+matchings), improves it by local search, aligns it again, and lets it replace the member with the same
+groups, or else the worst member, if it is better. The local search swaps two devices (between groups, between lanes, or with a
 standby device), taking the best swap for one device at a time from a batch evaluated at once; for
 large swarms the batch is the devices most attached to the target group plus a random sample.
 
@@ -29,6 +31,7 @@ from hetpeer.coordinator.planner.problem import Problem, Report, Shape
 IMPROVEMENT = 1e-9  # relative; smaller changes are rounding, not progress
 CONFIRMED = 3  # screened swaps confirmed with the exact cost per move
 TRIAL_SHARE = 0.3  # of the budget, spent trying the most promising shapes before evolving one
+CLUSTER_SEEDS = 8  # active sets grown around random centres, when some devices may stand by
 POPULATION_CELLS = 4096  # large swarms get a smaller population: each member costs a local search
 
 
@@ -125,6 +128,9 @@ def _seeds(
             actives.append(np.sort(np.argsort(-problem.tflops, kind="stable")[:k]))
         closeness = np.median(model.link_cost + model.link_cost.T, axis=1)
         actives.append(np.sort(np.argsort(closeness, kind="stable")[:k]))
+        # Tight clusters: a centre and the k - 1 devices it is best connected to.
+        for centre in rng.permutation(n)[:CLUSTER_SEEDS]:
+            actives.append(np.sort(np.argsort(model.group_cost[centre], kind="stable")[:k]))
     seeds = [grid for active in actives for grid in constructive(shape, active, chain[np.isin(chain, active)])]
     seeds += [rng.permutation(n)[:k].reshape(shape.stages, shape.group_size) for _ in range(2)]
     return seeds
@@ -140,32 +146,36 @@ def _evolve(
     deadline: float,
     clock: Callable[[], float],
 ) -> Found:
-    """Evolve one shape's population from `improved` grids (already local optima) and raw seeds."""
+    """Evolve one shape's population, grown from `improved` grids (a trial's, which local search
+    resumes first: a trial may end before its local optimum) and then the best raw seeds."""
     aligner = Aligner(model.link_cost)
     seed_costs = model.batch_cost(np.stack(seeds))
-    population: list[np.ndarray] = list(improved)
-    costs: list[float] = [float(c) for c in model.batch_cost(np.stack(improved))] if improved else []
     size = max(2, min(config.population, POPULATION_CELLS // model.shape.devices))
-    for index in np.argsort(seed_costs, kind="stable")[: size - len(population)]:
-        grid, cost = _improve(problem, model, aligner, seeds[int(index)], config, rng, deadline, clock)
+    starts = improved + [seeds[int(i)] for i in np.argsort(seed_costs, kind="stable")[: size - len(improved)]]
+    population: list[np.ndarray] = []
+    costs: list[float] = []
+    for start in starts:
+        grid, cost = _improve(problem, model, aligner, start, config, rng, deadline, clock)
         if not any(_same_partition(grid, other) for other in population):
             population.append(grid)
             costs.append(cost)
         if clock() > deadline:
             break
     generations = stale = 0
-    while len(population) > 1 and stale < config.patience and clock() < deadline:
+    while stale < config.patience and clock() < deadline:
         generations += 1
         first, second = (_tournament(costs, rng) for _ in range(2))
-        if first == second:
-            stale += 1
-            continue
-        child = crossover(population[first], population[second], problem.n, model.group_cost, rng)
+        if first == second:  # nothing to cross: kick a member instead (iterated local search)
+            child = perturb(population[first], problem.n, rng)
+        else:
+            child = crossover(population[first], population[second], problem.n, model.group_cost, rng)
         child, cost = _improve(problem, model, aligner, child, config, rng, deadline, clock)
-        worst = int(np.argmax(costs))
         best_before = min(costs)
-        if cost < costs[worst] and not any(_same_partition(child, other) for other in population):
-            population[worst], costs[worst] = child, cost
+        # A child replaces its twin (same groups, maybe another order) if better, else the worst.
+        twins = [k for k, other in enumerate(population) if _same_partition(child, other)]
+        replaced = twins[0] if twins else int(np.argmax(costs))
+        if cost < costs[replaced]:
+            population[replaced], costs[replaced] = child, cost
         stale = 0 if cost < best_before * (1 - IMPROVEMENT) else stale + 1
     best = int(np.argmin(costs))
     return Found(model.shape, population[best], costs[best], generations)
@@ -212,6 +222,8 @@ def local_search(
                 continue
             look[cell] = False
             targets = _candidates(model, grid, standby, int(cell), max_candidates, rng)
+            if len(targets) == 0:  # a single device and no standby: nothing to swap
+                return grid, cost
             batch = np.repeat(grid[None], len(targets), axis=0)
             flat = batch.reshape(len(targets), cells)
             here = flat[:, cell].copy()
@@ -250,6 +262,18 @@ def _candidates(model, grid, standby, cell, limit, rng) -> np.ndarray:
     near = everything[np.argsort(attachment, kind="stable")[: limit // 2]]
     rest = np.setdiff1d(everything, near)
     return np.concatenate([near, rng.choice(rest, size=limit - len(near), replace=False)])
+
+
+def perturb(grid: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
+    """A copy of `grid` with a few random swaps (cells, or a cell and a standby device): a kick out
+    of a local optimum that single swaps cannot leave, such as a whole group in the wrong place."""
+    S, m = grid.shape
+    pool = np.concatenate([grid.ravel(), np.setdiff1d(np.arange(n), grid.ravel())])
+    for _ in range(max(2, S * m // 8)):
+        a = int(rng.integers(S * m))
+        b = int(rng.integers(len(pool)))
+        pool[a], pool[b] = pool[b], pool[a]
+    return pool[: S * m].reshape(S, m)
 
 
 def _tournament(costs: list[float], rng: np.random.Generator) -> int:

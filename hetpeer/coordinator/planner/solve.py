@@ -117,7 +117,7 @@ def to_plan(problem: Problem, cost_model: str, grid: np.ndarray, report: Report)
         model=w.model.name,
         layers=w.model.layers,
         batch=w.batch,
-        micro_batch=w.micro_batch,
+        micro_batch=problem.lane_micro_batch(grid.shape[1]),
         micro_batches=problem.micro_batches(grid.shape[1]),
         dtype=w.dtype,
         stages=stages,

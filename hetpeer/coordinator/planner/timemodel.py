@@ -61,7 +61,8 @@ class TimeCost:
             raise PlanningError(f"sync must be one of {', '.join(SYNC_CHOICES)}, got {sync!r}")
         self.problem, self.shape, self.sync, self.horizon_steps = problem, shape, sync, horizon_steps
         w, model = problem.workload, problem.workload.model
-        mb, stages, m = w.micro_batch, shape.stages, shape.group_size
+        stages, m = shape.stages, shape.group_size
+        mb = problem.lane_micro_batch(m)
         self.micro_batches = problem.micro_batches(m)
         flops_per_s = problem.tflops * 1e12
         self.layer_s = 3 * mb * w.layer_fwd_flops_per_seq / flops_per_s  # (n,)
