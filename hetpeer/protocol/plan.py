@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field as dataclass_field
 from typing import Any, Mapping
 
+from hetpeer.protocol.workload import DTYPE_BYTES
 from hetpeer.protocol.wire import (
     SchemaError,
     field,
@@ -178,6 +179,10 @@ def _check(plan: Plan) -> None:
     """Raise SchemaError unless the plan is runnable: contiguous layers, equal groups, no device twice."""
     if plan.cost_model not in COST_MODELS:
         raise SchemaError("plan.cost_model", f"must be one of {', '.join(COST_MODELS)}, got {plan.cost_model!r}")
+    if plan.dtype not in DTYPE_BYTES:
+        raise SchemaError("plan.dtype", f"must be one of {', '.join(DTYPE_BYTES)}, got {plan.dtype!r}")
+    if plan.micro_batch > plan.batch:
+        raise SchemaError("plan.micro_batch", f"{plan.micro_batch} is larger than the batch {plan.batch}")
     if not plan.stages:
         raise SchemaError("plan.stages", "must hold at least one stage")
     expected_start = 0

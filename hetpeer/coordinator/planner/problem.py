@@ -97,8 +97,8 @@ class Problem:
         tflops = memory = None
         if all(d.tflops is not None for d in devices):
             tflops = np.array([d.tflops for d in devices], dtype=float)
-        if all(d.memory_gb is not None for d in devices):
-            memory = np.array([d.memory_gb * 1e9 for d in devices], dtype=float)
+        if any(d.memory_gb is not None for d in devices):  # a device that does not say is not limited
+            memory = np.array([np.inf if d.memory_gb is None else d.memory_gb * 1e9 for d in devices])
         for name, value in (("dp_bytes", dp_bytes), ("pp_bytes", pp_bytes)):
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise PlanningError(f"{name} must be a positive number of bytes, got {value}")

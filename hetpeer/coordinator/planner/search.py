@@ -84,18 +84,20 @@ def search(
 ) -> Found:
     """Best grid over the given shapes. `deadline` is a reading of `clock`."""
     scored = []
-    chain = None
+    orders = None
     for shape in shapes:
         model = make_model(shape)
-        if chain is None:  # one chain for every shape: link costs differ between shapes only in scale
-            chain = chain_order(model.link_cost, np.arange(problem.n))
-        seeds = _seeds(problem, shape, model, chain, rng)
-        costs = model.batch_cost(np.stack(seeds))
-        scored.append((float(costs.min()), shape, model, seeds))
-        if clock() > deadline and len(scored) >= 1:
+        if orders is None:  # shared by every shape: link costs differ between shapes only in scale
+            orders = _device_orders(problem, model)
+        costs = model.batch_cost(np.stack(_constructed(problem, shape, orders)))
+        scored.append((float(costs.min()), shape, model))
+        if clock() > deadline:
             break
     scored.sort(key=lambda entry: entry[0])
-    chosen = scored[: config.shapes_searched]
+    chosen = [
+        (cost, shape, model, _constructed(problem, shape, orders) + _sampled(problem, shape, model, rng))
+        for cost, shape, model in scored[: config.shapes_searched]
+    ]
     # Trials: each promising shape improves its best seed within a short share of the budget;
     # the rest of the budget goes to evolving the shape whose trial came out best.
     trials = []
@@ -116,23 +118,36 @@ def search(
     return found
 
 
-def _seeds(
-    problem: Problem, shape: Shape, model: CostModel, chain: np.ndarray, rng: np.random.Generator
-) -> list[np.ndarray]:
-    """Constructed and random grids; with room for standby, several choices of who takes part."""
+def _device_orders(problem: Problem, model: CostModel) -> dict[str, np.ndarray]:
+    """Orders of all devices that seeds are cut from: a nearest-neighbour chain, fastest first,
+    best connected (lowest median link cost) first."""
+    orders = {
+        "chain": chain_order(model.link_cost, np.arange(problem.n)),
+        "connected": np.argsort(np.median(model.link_cost, axis=1), kind="stable"),
+    }
+    if problem.tflops is not None:
+        orders["fastest"] = np.argsort(-problem.tflops, kind="stable")
+    return orders
+
+
+def _constructed(problem: Problem, shape: Shape, orders: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """Deterministic seed grids; with room for standby, the active devices are the first in the
+    file, the fastest, or the best connected. Cheap: every shape is scored by these."""
+    k, chain = shape.devices, orders["chain"]
+    actives = [np.arange(k)]
+    if k < problem.n:
+        actives += [np.sort(orders[key][:k]) for key in ("fastest", "connected") if key in orders]
+    return [grid for active in actives for grid in constructive(shape, active, chain[np.isin(chain, active)])]
+
+
+def _sampled(problem: Problem, shape: Shape, model: CostModel, rng: np.random.Generator) -> list[np.ndarray]:
+    """Random seed grids and, with room for standby, tight clusters: a random centre and the
+    k - 1 devices it is best connected to, laid out clustered."""
     n, k = problem.n, shape.devices
-    everyone = np.arange(n)
-    actives = [everyone[:k]]
+    seeds = [rng.permutation(n)[:k].reshape(shape.stages, shape.group_size) for _ in range(2)]
     if k < n:
-        if problem.tflops is not None:
-            actives.append(np.sort(np.argsort(-problem.tflops, kind="stable")[:k]))
-        closeness = np.median(model.link_cost + model.link_cost.T, axis=1)
-        actives.append(np.sort(np.argsort(closeness, kind="stable")[:k]))
-        # Tight clusters: a centre and the k - 1 devices it is best connected to.
         for centre in rng.permutation(n)[:CLUSTER_SEEDS]:
-            actives.append(np.sort(np.argsort(model.group_cost[centre], kind="stable")[:k]))
-    seeds = [grid for active in actives for grid in constructive(shape, active, chain[np.isin(chain, active)])]
-    seeds += [rng.permutation(n)[:k].reshape(shape.stages, shape.group_size) for _ in range(2)]
+            seeds.append(np.argsort(model.group_cost[centre], kind="stable")[:k].reshape(shape.stages, shape.group_size))
     return seeds
 
 
@@ -215,13 +230,15 @@ def local_search(
     grid = grid.copy()
     cells = S * m
     standby = np.setdiff1d(np.arange(problem.n), grid.ravel())
+    # Mean group cost of every device to each stage's group, refreshed for the rows a swap changes.
+    attachment = model.group_cost[:, grid].mean(axis=2) if problem.n + 1 > max_candidates else None
     look = np.ones(cells, dtype=bool)  # "don't look" bits: cells whose surroundings have not changed rest
     while look.any() and clock() < deadline:
         for cell in rng.permutation(cells):
             if not look[cell]:
                 continue
             look[cell] = False
-            targets = _candidates(model, grid, standby, int(cell), max_candidates, rng)
+            targets = _candidates(grid, standby, attachment, int(cell), max_candidates, rng)
             if len(targets) == 0:  # a single device and no standby: nothing to swap
                 return grid, cost
             batch = np.repeat(grid[None], len(targets), axis=0)
@@ -244,22 +261,24 @@ def local_search(
                     look.reshape(S, m)[moved // m, :] = True
                     look.reshape(S, m)[:, moved % m] = True
                 grid, cost = batch[best].copy(), float(trial.min())
+                if attachment is not None:
+                    rows = [int(cell) // m] + ([target // m] if target < cells else [])
+                    attachment[:, rows] = model.group_cost[:, grid[rows]].mean(axis=2)
             if clock() > deadline:
                 break
     return grid, cost
 
 
-def _candidates(model, grid, standby, cell, limit, rng) -> np.ndarray:
-    """Swap partners for `cell`: cell indices below S*m, standby devices as S*m + their index."""
+def _candidates(grid, standby, attachment, cell, limit, rng) -> np.ndarray:
+    """Swap partners for `cell`: cell indices below S*m, standby devices as S*m + their index.
+    Beyond `limit`, half are the devices most attached to the cell's group, half at random."""
     S, m = grid.shape
     cells = S * m
     everything = np.concatenate([np.delete(np.arange(cells), cell), cells + np.arange(len(standby))])
     if len(everything) <= limit:
         return everything
-    s = cell // m
     devices = np.concatenate([grid.ravel(), standby])[everything]
-    attachment = model.group_cost[np.ix_(devices, grid[s])].mean(axis=1)
-    near = everything[np.argsort(attachment, kind="stable")[: limit // 2]]
+    near = everything[np.argpartition(attachment[devices, cell // m], limit // 2)[: limit // 2]]
     rest = np.setdiff1d(everything, near)
     return np.concatenate([near, rng.choice(rest, size=limit - len(near), replace=False)])
 

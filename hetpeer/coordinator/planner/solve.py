@@ -129,11 +129,12 @@ def to_plan(problem: Problem, cost_model: str, grid: np.ndarray, report: Report)
 def _memory_message(problem: Problem, shape: Shape, config: PlannerConfig) -> str:
     model = problem.workload.model
     state_gb = model.params * STATE_BYTES_PER_PARAM / 1e9
-    usable_gb = float(problem.memory_bytes.sum()) * (1 - config.memory_reserve) / 1e9
-    largest_gb = float(problem.memory_bytes.max()) / 1e9
+    limited = problem.memory_bytes[np.isfinite(problem.memory_bytes)]
+    usable_gb = float(limited.sum()) * (1 - config.memory_reserve) / 1e9
+    largest_gb = float(limited.max()) / 1e9
     return (
         f"nothing fits in memory: {model.name} with {model.layers} layers needs {state_gb:.1f} GB of training "
-        f"state alone plus activations; the best plan found ({shape}) still overflows. The devices have "
+        f"state alone plus activations; the best plan found ({shape}) still overflows. The devices that state their memory have "
         f"{usable_gb:.1f} GB usable together, {largest_gb:.1f} GB at most each. Use fewer layers, a smaller "
         f"micro-batch, or more devices"
     )

@@ -30,6 +30,8 @@ Costs are evaluated on batches of grids, (K, S, m) -> (K,), in O(K (S m log m + 
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import numpy as np
 
 from hetpeer.coordinator.planner.problem import PlanningError, Problem, Report, Shape
@@ -56,7 +58,10 @@ class TimeCost:
         horizon_steps: int = 100,
     ) -> None:
         if problem.tflops is None:
-            raise PlanningError("the time cost model needs tflops for every device (topology.devices[*].tflops)")
+            raise PlanningError(
+                "the time cost model needs tflops for every device (topology.devices[*].tflops); "
+                "use --cost-model dtfm for links alone"
+            )
         if sync not in SYNC_CHOICES:
             raise PlanningError(f"sync must be one of {', '.join(SYNC_CHOICES)}, got {sync!r}")
         self.problem, self.shape, self.sync, self.horizon_steps = problem, shape, sync, horizon_steps
@@ -67,11 +72,10 @@ class TimeCost:
         flops_per_s = problem.tflops * 1e12
         self.layer_s = 3 * mb * w.layer_fwd_flops_per_seq / flops_per_s  # (n,)
         self.head_s = 3 * mb * w.head_fwd_flops_per_seq / flops_per_s  # (n,)
-        latency, bandwidth = problem.latency_s, problem.bandwidth_bytes_per_s
-        self.link_cost = latency + mb * w.boundary_bytes_per_seq / bandwidth
-        np.fill_diagonal(self.link_cost, 0.0)
-        self.group_cost = latency + model.layer_params * w.dtype_bytes / bandwidth
-        np.fill_diagonal(self.group_cost, 0.0)
+        self.hop_bytes = mb * w.boundary_bytes_per_seq
+        # Flat copies: gathering pairs by one flat index is about twice as fast as 2-D indexing.
+        self._latency_flat = problem.latency_s.ravel()
+        self._seconds_per_byte_flat = (1 / problem.bandwidth_bytes_per_s).ravel()
 
         first, last = np.arange(stages) == 0, np.arange(stages) == stages - 1
         wire = w.dtype_bytes
@@ -92,6 +96,17 @@ class TimeCost:
         self.partners = (np.arange(m)[None, :] + (2 ** np.arange(rounds))[:, None]) % m  # (rounds, m)
         self._current = _held_layers(problem) if problem.current is not None else None
         self._screened: tuple[bytes, dict[str, np.ndarray]] | None = None
+
+    @cached_property
+    def link_cost(self) -> np.ndarray:
+        """(n, n) seconds to pass one micro-batch's activations; built only for shapes searched."""
+        return _transfer_s(self.problem, self.hop_bytes)
+
+    @cached_property
+    def group_cost(self) -> np.ndarray:
+        """(n, n) seconds to send one layer's parameters: how much two devices gain from sharing a group."""
+        w = self.problem.workload
+        return _transfer_s(self.problem, w.model.layer_params * w.dtype_bytes)
 
     # -- the model -------------------------------------------------------------------------------
 
@@ -129,7 +144,8 @@ class TimeCost:
         t = counts * self.layer_s[cols]
         t[..., -1] += self.head_s[cols[..., -1]]
         if cols.shape[-1] > 1:
-            h = self.link_cost[cols[..., :-1], cols[..., 1:]]
+            latency, per_byte = self._pairs(cols[..., :-1], cols[..., 1:])
+            h = latency + self.hop_bytes * per_byte
         else:
             h = np.zeros(cols.shape[:-1] + (1,))
         lane = t.sum(-1) + 2 * h.sum(-1) + (self.micro_batches - 1) * np.maximum(t.max(-1), h.max(-1))
@@ -141,14 +157,16 @@ class TimeCost:
             zero = np.zeros(rows.shape[:-1])
             return zero, zero
         m = rows.shape[-1]
-        latency, bandwidth = self.problem.latency_s, self.problem.bandwidth_bytes_per_s
-        ring = np.roll(rows, -1, axis=-1)
-        allreduce = 2 * (m - 1) * (
-            latency[rows, ring].max(-1) + stage_bytes / (m * bandwidth[rows, ring].min(-1))
-        )
-        here, partner = rows[..., None, :], rows[..., self.partners]  # (..., 1, m), (..., rounds, m)
-        rounds = (latency[here, partner] + stage_bytes[..., None, None] / bandwidth[here, partner]).max(-1)
+        latency, per_byte = self._pairs(rows, np.roll(rows, -1, axis=-1))
+        allreduce = 2 * (m - 1) * (latency.max(-1) + stage_bytes / m * per_byte.max(-1))
+        latency, per_byte = self._pairs(rows[..., None, :], rows[..., self.partners])  # (..., rounds, m)
+        rounds = (latency + stage_bytes[..., None, None] * per_byte).max(-1)
         return allreduce, rounds.mean(-1)
+
+    def _pairs(self, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(latency seconds, seconds per byte) from devices a to devices b, elementwise."""
+        index = a * self.problem.n + b
+        return self._latency_flat.take(index), self._seconds_per_byte_flat.take(index)
 
     def _sync(self, allreduce: np.ndarray, gossip: np.ndarray, lane_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Per group (K, S): exposed sync seconds and whether it gossips."""
@@ -253,6 +271,12 @@ class TimeCost:
             objective=float(e["objective"][0]),
             fits_memory=bool(e["overflow"][0] == 0),
         )
+
+
+def _transfer_s(problem: Problem, size_bytes: float) -> np.ndarray:
+    seconds = problem.latency_s + size_bytes / problem.bandwidth_bytes_per_s
+    np.fill_diagonal(seconds, 0.0)
+    return seconds
 
 
 def _held_layers(problem: Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

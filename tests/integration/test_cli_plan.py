@@ -1,0 +1,167 @@
+"""`hetpeer plan` as a user runs it: a real subprocess of the CLI, its stdout, stderr and exit code."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hetpeer import scenarios
+from hetpeer.protocol.plan import Plan
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def hetpeer(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "hetpeer.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def scenario_ids(name: str) -> list[str]:
+    return [d["id"] for d in scenarios.load(name)["devices"]]
+
+
+def topology_file(tmp_path: Path, devices: list[dict], name: str = "topology.json") -> Path:
+    path = tmp_path / name
+    path.write_text(json.dumps({"devices": devices, "regions": {"r": {"latency_ms": 1.0, "bandwidth_gbps": 10.0}}}))
+    return path
+
+
+def device(i: int, **fields) -> dict:
+    return {"id": f"d{i}", "region": "r", "tflops": 100.0, "memory_gb": 16.0} | fields
+
+
+def test_json_plan_for_world_wide():
+    done = hetpeer("plan", "--scenario", "world-wide", "--json", "--time-budget", "1")
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "planning world-wide" in done.stderr  # progress goes to stderr; stdout is only the plan
+    plan = Plan.from_wire(json.loads(done.stdout))
+    assert plan.cost_model == "time"
+    assert plan.model == "gpt3-xl" and plan.layers == 24 and plan.batch == 512
+    placed = list(plan.devices) + list(plan.standby)
+    assert len(placed) == 64
+    assert sorted(placed) == sorted(scenario_ids("world-wide"))
+    assert plan.total_s > 0
+
+
+def test_readable_plan_names_the_baselines(tmp_path):
+    raw = scenarios.load("regional")
+    path = tmp_path / "regional.json"
+    path.write_text(json.dumps(raw))
+    done = hetpeer("plan", str(path), "--time-budget", "0.5", "--random-samples", "10", "--quiet")
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""  # --quiet
+    out = done.stdout
+    assert "blocks" in out and "random" in out
+    assert "this plan" in out
+    assert "lane 0:" in out
+    # Every device of the file is named somewhere in the plan.
+    assert all(device["id"] in out for device in raw["devices"])
+
+
+def test_dtfm_reaches_the_papers_best_on_datacenter_on_demand():
+    done = hetpeer(
+        "plan", "--scenario", "datacenter-on-demand", "--cost-model", "dtfm", "--stages", "8", "--group-size", "8",
+        "--dp-bytes", "0.65e9", "--pp-bytes", "0.471248e9", "--json", "--quiet", "--time-budget", "2",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    plan = Plan.from_wire(json.loads(done.stdout))
+    assert plan.cost_model == "dtfm"
+    assert len(plan.stages) == 8 and plan.group_size == 8 and plan.standby == ()
+    assert plan.cost["total_s"] <= 3.441
+
+
+def test_current_plan_is_read(tmp_path):
+    topology = topology_file(tmp_path, [device(i) for i in range(6)])
+    common = ["plan", str(topology), "--model", "tiny", "--batch", "16", "--json", "--quiet", "--time-budget", "0.3"]
+    first = hetpeer(*common)
+    assert first.returncode == 0, first.stderr
+    current = tmp_path / "current.json"
+    current.write_text(first.stdout)
+    second = hetpeer(*common, "--current", str(current))
+    assert second.returncode == 0, second.stderr
+    plan = Plan.from_wire(json.loads(second.stdout))
+    assert "move_s" in plan.cost
+    assert sorted(plan.devices + plan.standby) == [f"d{i}" for i in range(6)]
+
+
+@pytest.mark.parametrize("cost_model", ["dtfm", "time"])
+def test_a_single_device_plan_prints(cost_model, tmp_path):
+    topology = topology_file(tmp_path, [device(0)])
+    done = hetpeer("plan", str(topology), "--model", "tiny", "--batch", "8", "--cost-model", cost_model,
+                   "--quiet", "--time-budget", "0.3", "--random-samples", "5")
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    assert "lane 0: d0" in done.stdout and "this plan" in done.stdout
+
+
+def test_help_lists_the_options():
+    done = hetpeer("plan", "--help")
+    assert done.returncode == 0
+    assert "--scenario" in done.stdout and "--cost-model" in done.stdout
+
+
+# -- bad input: exit 2, one line on stderr, no traceback -----------------------------------------
+
+
+def bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], list[str]]]:
+    """case -> (arguments, words the error line must contain)."""
+    unparseable = tmp_path / "broken.json"
+    unparseable.write_text('{"devices": [')
+    no_region = device(1)
+    del no_region["region"]
+    missing_field = topology_file(tmp_path, [device(0), no_region], "a.json")
+    negative_tflops = topology_file(tmp_path, [device(0, tflops=-3.0)], "b.json")
+    unknown_region = topology_file(tmp_path, [device(0), device(1, region="mars")], "c.json")
+    small_memory = topology_file(tmp_path, [device(i, memory_gb=0.5) for i in range(4)], "d.json")
+    no_tflops = topology_file(tmp_path, [device(0), {"id": "d1", "region": "r"}], "e.json")
+    world = ["--scenario", "world-wide"]
+    return {
+        "unparseable json": ([str(unparseable)], ["broken.json", "not valid JSON"]),
+        "missing file": ([str(tmp_path / "absent.json")], ["absent.json", "No such file"]),
+        "missing field": ([str(missing_field)], ["topology.devices[1].region", "missing"]),
+        "negative tflops": ([str(negative_tflops)], ["topology.devices[0].tflops", "-3.0"]),
+        "unknown region": ([str(unknown_region)], ["topology.devices[1].region", "mars"]),
+        "no shape fits": ([*world, "--no-standby", "--stages", "5"], ["no shape fits 64 devices", "5 stages"]),
+        "nothing fits in memory": ([str(small_memory), "--time-budget", "0.3"], ["nothing fits in memory", "gpt3-xl"]),
+        "dp bytes with time model": ([*world, "--dp-bytes", "0.65e9"], ["--dp-bytes", "dtfm"]),
+        "time model without tflops": ([str(no_tflops)], ["tflops"]),
+        "micro-batch larger than batch": ([*world, "--batch", "4", "--micro-batch", "8"], ["micro-batch 8", "batch 4"]),
+        "zero stages": ([*world, "--stages", "0"], ["--stages", "'0'"]),
+        "negative seed": ([*world, "--seed=-1", "--time-budget", "0.2"], ["seed", "-1"]),
+    }
+
+
+CASES = ["unparseable json", "missing file", "missing field", "negative tflops", "unknown region", "no shape fits",
+         "nothing fits in memory", "dp bytes with time model", "time model without tflops",
+         "micro-batch larger than batch", "zero stages", "negative seed"]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_is_one_line_and_exit_2(case, tmp_path):
+    args, words = bad_inputs(tmp_path)[case]
+    done = hetpeer("plan", *args, "--quiet")
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stderr
+    assert done.stdout == ""
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("hetpeer plan: error: ")
+    for word in words:
+        assert word in lines[0]
+
+
+def test_bad_input_without_quiet_still_ends_in_one_error_line():
+    """Progress lines may come first, but the error is one line and there is no traceback."""
+    done = hetpeer("plan", "--scenario", "world-wide", "--no-standby", "--stages", "5")
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].startswith("hetpeer plan: error: no shape fits")

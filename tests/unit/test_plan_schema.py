@@ -1,0 +1,88 @@
+"""The plan's wire form: a plan that parses is one a peer can run; anything else names where it breaks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from hetpeer.protocol.plan import Plan
+from hetpeer.protocol.wire import SchemaError
+
+
+def wire() -> dict:
+    """2 stages x 2 lanes over 6 layers, one device on standby."""
+    return {
+        "version": 1,
+        "epoch": 3,
+        "start_step": 100,
+        "cost_model": "time",
+        "model": "tiny",
+        "layers": 6,
+        "batch": 8,
+        "micro_batch": 1,
+        "micro_batches": 4,
+        "dtype": "fp16",
+        "stages": [
+            {"index": 0, "layer_start": 0, "layer_end": 4, "devices": ["a", "b"], "sync": "allreduce"},
+            {"index": 1, "layer_start": 4, "layer_end": 6, "devices": ["c", "d"], "sync": "gossip"},
+        ],
+        "lanes": [["a", "c"], ["b", "d"]],
+        "standby": ["e"],
+        "cost": {"total_s": 1.5, "sync_s": 0.25},
+    }
+
+
+def test_round_trip_and_derived_views():
+    plan = Plan.from_wire(wire())
+    assert plan.to_wire() == wire()
+    assert plan.lanes == (("a", "c"), ("b", "d"))
+    assert plan.group_size == 2
+    assert plan.devices == ("a", "b", "c", "d")
+    assert plan.total_s == 1.5
+    assert plan.stage_of("d").index == 1
+    assert plan.stage_of("e") is None
+    assert [s.layers for s in plan.stages] == [4, 2]
+
+
+def test_lanes_may_be_left_out():
+    raw = wire()
+    del raw["lanes"]
+    assert Plan.from_wire(raw).lanes == (("a", "c"), ("b", "d"))
+
+
+def _with(edit) -> dict:
+    raw = copy.deepcopy(wire())
+    edit(raw)
+    return raw
+
+
+BAD = [
+    ("gap between stages", lambda r: r["stages"][1].update(layer_start=5), "plan.stages[1]"),
+    ("overlapping stages", lambda r: r["stages"][1].update(layer_start=3), "plan.stages[1]"),
+    ("empty stage", lambda r: r["stages"][1].update(layer_end=4), "plan.stages[1]"),
+    ("layers not all covered", lambda r: r.update(layers=7), "plan.stages"),
+    ("not starting at layer 0", lambda r: r["stages"][0].update(layer_start=1), "plan.stages[0]"),
+    ("stage index out of order", lambda r: r["stages"][1].update(index=2), "plan.stages[1].index"),
+    ("unequal groups", lambda r: r["stages"][1].update(devices=["c", "d", "f"]), "plan.stages[1].devices"),
+    ("device twice", lambda r: r["stages"][1].update(devices=["c", "a"]), "plan.stages[1].devices"),
+    ("standby device also placed", lambda r: r.update(standby=["b"]), "plan.standby"),
+    ("unknown sync", lambda r: r["stages"][0].update(sync="psum"), "plan.stages[0].sync"),
+    ("lanes not the stage columns", lambda r: r.update(lanes=[["a", "d"], ["b", "c"]]), "plan.lanes"),
+    ("newer version", lambda r: r.update(version=2), "plan.version"),
+    ("unknown cost model", lambda r: r.update(cost_model="flops"), "plan.cost_model"),
+    ("negative cost", lambda r: r["cost"].update(total_s=-1.0), "plan.cost.total_s"),
+    ("cost as string", lambda r: r["cost"].update(total_s="1.5"), "plan.cost.total_s"),
+    ("no stages", lambda r: r.update(stages=[], lanes=[]), "plan.stages"),
+    ("unknown field", lambda r: r.update(owner="me"), "plan.owner"),
+    ("missing field", lambda r: r.pop("epoch"), "plan.epoch"),
+    ("bool as int", lambda r: r.update(batch=True), "plan.batch"),
+]
+
+
+@pytest.mark.parametrize("edit, path", [case[1:] for case in BAD], ids=[case[0] for case in BAD])
+def test_broken_plans_are_refused_with_their_path(edit, path):
+    with pytest.raises(SchemaError) as caught:
+        Plan.from_wire(_with(edit))
+    assert caught.value.path == path
+    assert str(caught.value).startswith(f"{path}: ")

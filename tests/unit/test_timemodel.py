@@ -1,0 +1,238 @@
+"""The time cost model on cases small enough to work out from the formulas in its docstring."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from hetpeer.coordinator.planner import PlannerConfig, PlanningError, Problem, Shape, make_model
+from hetpeer.protocol.plan import Plan, StagePlan
+from hetpeer.protocol.topology import Topology
+from hetpeer.protocol.workload import Workload, preset
+
+# tiny: hidden 64, seq 64, vocab 256.
+H, SEQ, VOCAB = 64, 64, 256
+LAYER_FLOPS = SEQ * (24 * H * H + 4 * SEQ * H)  # forward, per sequence
+HEAD_FLOPS = SEQ * 2 * H * VOCAB
+BOUNDARY_BYTES = SEQ * H * 2  # fp16 activations per sequence
+LAYER_PARAMS = 12 * H * H + 13 * H
+EMBEDDING_PARAMS = VOCAB * H + SEQ * H
+HEAD_PARAMS = VOCAB * H + 2 * H
+
+
+def topology(tflops: list[float], latency_ms: float, gbps: float, memory_gb: list[float] | None = None) -> Topology:
+    memory_gb = memory_gb or [100.0] * len(tflops)
+    return Topology.from_wire(
+        {
+            "devices": [
+                {"id": f"d{i}", "region": "r", "tflops": t, "memory_gb": m}
+                for i, (t, m) in enumerate(zip(tflops, memory_gb))
+            ],
+            "regions": {"r": {"latency_ms": latency_ms, "bandwidth_gbps": gbps}},
+        }
+    )
+
+
+def pipeline_step(stage_tflops: list[float], layers: int, micro_batches: int, hop_s: float) -> tuple:
+    """One lane, one device per stage: the min-max layer split (brute force, must be unique), and
+    T = sum t + 2 sum h + (M - 1) max(max t, max h)."""
+
+    def times(split):
+        t = [n * 3 * LAYER_FLOPS / (f * 1e12) for n, f in zip(split, stage_tflops)]
+        t[-1] += 3 * HEAD_FLOPS / (stage_tflops[-1] * 1e12)
+        return t
+
+    S = len(stage_tflops)
+    splits = [c for c in itertools.product(range(1, layers + 1), repeat=S) if sum(c) == layers]
+    best = min(max(times(c)) for c in splits)
+    winners = [c for c in splits if max(times(c)) == best]
+    assert len(winners) == 1, "pick numbers with a unique best split"
+    t = times(winners[0])
+    hops = [hop_s] * (S - 1)
+    total = sum(t) + 2 * sum(hops) + (micro_batches - 1) * max(max(t), max(hops, default=0.0))
+    return winners[0], total, t
+
+
+@pytest.mark.parametrize(
+    "latency_ms, gbps, bound",
+    [(10.0, 1.0, "compute"), (50.0, 0.01, "link")],
+)
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_two_stage_lane_by_hand(latency_ms, gbps, bound, order):
+    # d0 twice as fast as d1; 4 layers, batch 4 in micro-batches of 1: M = 4.
+    tflops = [2e-3, 1e-3]
+    problem = Problem.from_topology(topology(tflops, latency_ms, gbps), Workload(preset("tiny", 4), batch=4))
+    model = make_model(problem, PlannerConfig(stages=2, group_size=1), Shape(2, 1))
+    grid = np.array([[order[0]], [order[1]]])
+
+    hop_s = latency_ms / 1e3 + BOUNDARY_BYTES / (gbps * 1e9 / 8)
+    split, total, t = pipeline_step([tflops[d] for d in order], 4, 4, hop_s)
+    assert (max(t) > hop_s) == (bound == "compute")
+    if order == (0, 1):
+        # By hand: from (1, 1), adding a layer to the fast first stage finishes sooner twice: (3, 1).
+        assert split == (3, 1)
+
+    report = model.report(grid)
+    assert report.layers == split
+    assert report.sync == ("none", "none")
+    assert report.fits_memory
+    assert report.cost["total_s"] == pytest.approx(total, rel=1e-12)
+    assert report.objective == pytest.approx(total, rel=1e-12)
+    assert model.batch_cost(grid[None])[0] == pytest.approx(total, rel=1e-12)
+    # The parts add up to the step: compute of the bottleneck, fill and drain, exposed transfers.
+    M = 4
+    assert report.cost["compute_s"] == pytest.approx(M * max(t))
+    assert report.cost["bubble_s"] == pytest.approx(sum(t) - max(t))
+    assert report.cost["activation_s"] == pytest.approx(2 * hop_s + (M - 1) * max(0.0, hop_s - max(t)))
+    assert report.cost["sync_s"] == 0.0
+    parts = sum(v for k, v in report.cost.items() if k != "total_s")
+    assert parts == pytest.approx(report.cost["total_s"])
+
+
+@pytest.mark.parametrize("tflops", [1e-3, 1.0])
+@pytest.mark.parametrize("sync", ["allreduce", "gossip", "auto"])
+def test_one_stage_two_lanes_sync_by_hand(tflops, sync):
+    latency_s, bandwidth = 0.005, 0.1 * 1e9 / 8
+    problem = Problem.from_topology(topology([tflops, tflops], 5.0, 0.1), Workload(preset("tiny", 4), batch=4))
+    model = make_model(problem, PlannerConfig(stages=1, group_size=2, sync=sync), Shape(1, 2))
+    report = model.report(np.array([[0, 1]]))
+
+    # Each lane: 2 sequences, M = 2 micro-batches through one stage holding all 4 layers and the head.
+    t = (4 * 3 * LAYER_FLOPS + 3 * HEAD_FLOPS) / (tflops * 1e12)
+    lane_s = 2 * t
+    stage_bytes = (4 * LAYER_PARAMS + EMBEDDING_PARAMS + HEAD_PARAMS) * 2
+    allreduce = 2 * (2 - 1) * (latency_s + stage_bytes / (2 * bandwidth))
+    gossip = max(0.0, latency_s + stage_bytes / bandwidth - lane_s)  # one round: lane 0 <-> lane 1
+    if sync == "auto":
+        sync = "gossip" if allreduce > gossip + 0.02 * lane_s else "allreduce"
+    expected_sync = allreduce if sync == "allreduce" else gossip
+
+    assert report.layers == (4,)
+    assert report.sync == (sync,)
+    assert report.cost["sync_s"] == pytest.approx(expected_sync, rel=1e-12)
+    assert report.cost["total_s"] == pytest.approx(lane_s + expected_sync, rel=1e-12)
+
+
+@pytest.mark.parametrize("sync", ["gossip", "auto"])
+def test_gossip_rounds_of_the_exponential_graph_by_hand(sync):
+    # 1 stage x 4 lanes; ring neighbours on 8 Gbit/s (1e9 B/s), opposite lanes (d0-d2, d1-d3) on 0.8 Gbit/s.
+    # Gossip round 0 pairs lane l with l + 1, round 1 with l + 2; a step pays the mean round.
+    raw = {
+        "devices": [{"id": f"d{i}", "region": "r", "tflops": 1000.0, "memory_gb": 100.0} for i in range(4)],
+        "regions": {"r": {"latency_ms": 0.0, "bandwidth_gbps": 8.0}},
+        "links": [{"a": "d0", "b": "d2", "latency_ms": 0.0, "bandwidth_gbps": 0.8},
+                  {"a": "d1", "b": "d3", "latency_ms": 0.0, "bandwidth_gbps": 0.8}],
+    }  # fmt: skip
+    problem = Problem.from_topology(Topology.from_wire(raw), Workload(preset("tiny", 4), batch=4))
+    report = make_model(problem, PlannerConfig(stages=1, group_size=4, sync=sync), Shape(1, 4)).report(
+        np.array([[0, 1, 2, 3]])
+    )
+    stage_bytes = (4 * LAYER_PARAMS + EMBEDDING_PARAMS + HEAD_PARAMS) * 2  # 473_856
+    lane_s = (4 * 3 * LAYER_FLOPS + 3 * HEAD_FLOPS) / 1000e12  # M = 1
+    gossip = (stage_bytes / 1e9 + stage_bytes / 1e8) / 2 - lane_s
+    allreduce = 2 * 3 * (stage_bytes / (4 * 1e9))  # the ring d0 d1 d2 d3 uses fast links only
+    if sync == "gossip":
+        assert report.sync == ("gossip",)
+        assert report.cost["sync_s"] == pytest.approx(gossip, rel=1e-9)
+    else:
+        assert allreduce < gossip  # so auto keeps exact averaging
+        assert report.sync == ("allreduce",)
+        assert report.cost["sync_s"] == pytest.approx(allreduce, rel=1e-9)
+    assert report.cost["total_s"] == pytest.approx(lane_s + report.cost["sync_s"], rel=1e-9)
+
+
+def test_memory_by_hand_and_overflow_penalty():
+    workload = Workload(preset("tiny", 4), batch=1)
+    # One device holds everything: 20 bytes per parameter (16 of state, 2 wire copies in fp16), one
+    # micro-batch of stored activations per layer, and the fp32 logits and their gradient.
+    need = (
+        4 * (20 * LAYER_PARAMS + 34 * SEQ * H)
+        + 20 * (EMBEDDING_PARAMS + HEAD_PARAMS)
+        + 2 * 4 * SEQ * VOCAB
+    )
+    config = PlannerConfig(stages=1, group_size=1, memory_reserve=0.0)
+    grid = np.array([[0]])
+
+    roomy = Problem.from_topology(topology([1.0], 1.0, 1.0, [need * 1.001 / 1e9]), workload)
+    report = make_model(roomy, config, Shape(1, 1)).report(grid)
+    assert report.fits_memory
+    assert report.objective == pytest.approx(report.cost["total_s"])
+
+    tight = Problem.from_topology(topology([1.0], 1.0, 1.0, [need * 0.999 / 1e9]), workload)
+    report = make_model(tight, config, Shape(1, 1)).report(grid)
+    assert not report.fits_memory
+    overflow = need - need * 0.999
+    assert report.objective - report.cost["total_s"] == pytest.approx(1e4 * overflow / 1e9, rel=1e-6)
+
+    # The reserve is taken off the top: with 10% kept back, the roomy device no longer fits.
+    reserved = make_model(roomy, PlannerConfig(stages=1, group_size=1, memory_reserve=0.1), Shape(1, 1))
+    assert not reserved.report(grid).fits_memory
+
+
+def test_memory_caps_a_fast_stage():
+    # d0 is 10x faster but, as stage 0 with 2 micro-batches in flight, has room for one layer only:
+    # 409_600 fixed (embeddings) + 1_278_208 per layer <= 2e6 < 409_600 + 2 x 1_278_208.
+    per_layer = 20 * LAYER_PARAMS + 2 * 34 * SEQ * H
+    fixed = 20 * EMBEDDING_PARAMS
+    assert fixed + per_layer <= 2e6 < fixed + 2 * per_layer
+    problem = Problem.from_topology(
+        topology([1e-2, 1e-3], 1.0, 10.0, [2e-3, 100.0]), Workload(preset("tiny", 4), batch=4)
+    )
+    config = PlannerConfig(stages=2, group_size=1, memory_reserve=0.0)
+    report = make_model(problem, config, Shape(2, 1)).report(np.array([[0], [1]]))
+    assert report.layers == (1, 3)
+    assert report.fits_memory
+    # Without the cap the fast stage would take more layers.
+    free = Problem.from_topology(topology([1e-2, 1e-3], 1.0, 10.0), Workload(preset("tiny", 4), batch=4))
+    assert make_model(free, config, Shape(2, 1)).report(np.array([[0], [1]])).layers[0] > 1
+
+
+def test_moving_weights_from_the_current_plan_is_amortised():
+    tflops, gbps = [2e-3, 1e-3], 1.0
+    current = Plan(
+        cost_model="time", model="tiny", layers=4, batch=4, micro_batch=1, micro_batches=4, dtype="fp16",
+        stages=(StagePlan(0, 0, 3, ("d0",), "none"), StagePlan(1, 3, 4, ("d1",), "none")),
+    )  # fmt: skip
+    problem = Problem.from_topology(
+        topology(tflops, 10.0, gbps), Workload(preset("tiny", 4), batch=4), current=current
+    )
+    model = make_model(problem, PlannerConfig(stages=2, group_size=1, horizon_steps=10), Shape(2, 1))
+
+    same = model.report(np.array([[0], [1]]))  # layers (3, 1): exactly what each device holds now
+    assert same.layers == (3, 1)
+    assert same.cost["move_s"] == 0.0
+    assert same.objective == pytest.approx(same.cost["total_s"])
+
+    swapped = model.report(np.array([[1], [0]]))
+    # The fast d0 is now last: split (1, 3) (see the brute force), so d1 needs layer 0 it does not hold,
+    # d0 needs layers 1-3 and holds 1-2: one layer of training state each, over the 1 Gbit/s link.
+    assert swapped.layers == pipeline_step([1e-3, 2e-3], 4, 4, 0.0)[0] == (1, 3)
+    move_s = LAYER_PARAMS * 16 / (gbps * 1e9 / 8)
+    assert swapped.cost["move_s"] == pytest.approx(move_s)
+    assert swapped.objective == pytest.approx(swapped.cost["total_s"] + move_s / 10)
+
+
+def test_a_lane_computes_only_its_share_of_the_batch():
+    """batch 8 in micro-batches of 8 over 4 lanes: each lane holds 2 sequences, so it cannot take as
+    long as one device running all 8."""
+    problem = Problem.from_topology(
+        topology([1e-3] * 4, 0.01, 100.0), Workload(preset("tiny", 4), batch=8, micro_batch=8)
+    )
+    config = PlannerConfig(sync="allreduce")
+    alone = make_model(problem, config, Shape(1, 1)).report(np.array([[0]]))
+    four = make_model(problem, config, Shape(1, 4)).report(np.array([[0, 1, 2, 3]]))
+    per_sequence = (4 * 3 * LAYER_FLOPS + 3 * HEAD_FLOPS) / 1e9
+    assert alone.cost["compute_s"] == pytest.approx(8 * per_sequence)
+    assert four.cost["compute_s"] == pytest.approx(2 * per_sequence)
+    assert four.cost["total_s"] < alone.cost["total_s"]
+
+
+def test_time_model_needs_tflops():
+    raw = {"devices": [{"id": "a", "region": "r"}, {"id": "b", "region": "r", "tflops": 1.0}],
+           "regions": {"r": {"latency_ms": 1.0, "bandwidth_gbps": 1.0}}}  # fmt: skip
+    problem = Problem.from_topology(Topology.from_wire(raw), Workload(preset("tiny"), batch=2))
+    with pytest.raises(PlanningError, match="tflops"):
+        make_model(problem, PlannerConfig(), Shape(1, 2))
+
