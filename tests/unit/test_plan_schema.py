@@ -77,6 +77,8 @@ BAD = [
     ("unknown field", lambda r: r.update(owner="me"), "plan.owner"),
     ("missing field", lambda r: r.pop("epoch"), "plan.epoch"),
     ("bool as int", lambda r: r.update(batch=True), "plan.batch"),
+    ("unknown dtype", lambda r: r.update(dtype="fp8"), "plan.dtype"),
+    ("micro-batch above the batch", lambda r: r.update(micro_batch=r["batch"] + 1), "plan.micro_batch"),
 ]
 
 

@@ -63,17 +63,11 @@ def chain_order(link_cost: np.ndarray, devices: np.ndarray) -> np.ndarray:
     return np.array(chain)
 
 
-def constructive(shape: Shape, active: np.ndarray, chained: np.ndarray) -> list[np.ndarray]:
-    """Seed grids from the active devices, given in file order and in `chain_order`: close devices
-    sharing a group ("clustered"), close devices sharing a lane ("strided"), and the same two in
-    file order."""
+def layouts(shape: Shape, ordered: np.ndarray) -> list[np.ndarray]:
+    """Two grids from devices in a meaningful order: consecutive devices share a group
+    ("clustered", as blocks are) or a lane ("strided")."""
     S, m = shape.stages, shape.group_size
-    return [
-        chained.reshape(S, m),
-        chained.reshape(m, S).T.copy(),
-        active.reshape(S, m).copy(),
-        active.reshape(m, S).T.copy(),
-    ]
+    return [ordered.reshape(S, m).copy(), ordered.reshape(m, S).T.copy()]
 
 
 def crossover(

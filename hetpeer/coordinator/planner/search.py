@@ -1,20 +1,23 @@
 """The hybrid genetic search of Yuan et al. (NeurIPS 2022), on grids, over shapes.
 
-Per shape: a small population of grids, seeded by construction (clustered, strided, file order) and
-at random (and, where devices may stand by, tight clusters around random centres), each improved
-by local search. A generation picks two parents by tournament and crosses their partitions
-(balanced, see grid.crossover), or kicks one with a few random swaps when the tournament picks the
-same member twice (so a population of one still searches); it aligns the child (TSP order over bottleneck
-matchings), improves it by local search, aligns it again, and lets it replace the member with the same
-groups, or else the worst member, if it is better. The local search swaps two devices (between groups, between lanes, or with a
-standby device), taking the best swap for one device at a time from a batch evaluated at once; for
-large swarms the batch is the devices most attached to the target group plus a random sample.
+Per shape: a small population of grids, seeded by construction (clustered, strided, file order),
+at random, and, where devices may stand by, as tight clusters around random centres; each seed is
+improved by local search. A generation picks two parents by tournament and crosses their
+partitions (balanced, see grid.crossover), or kicks one with a few random swaps when the
+tournament picks the same member twice (so that a population of one still searches). The child is
+aligned (TSP order over bottleneck matchings), improved by local search and aligned again; it
+replaces the member with the same groups, or else the worst member, if it is better.
 
-Across shapes: every shape is scored by its best seed grid; the most promising few each improve
-their best seed in a short trial, and the shape whose trial came out best gets the rest of the
-budget. The search stops when a shape's population has not improved for `patience`
-generations or at the deadline, so it is deterministic for a seed whenever the deadline is not hit,
-and anytime when it is.
+The local search swaps two devices (between groups, between lanes, or with a standby device),
+taking the best swap for one device at a time: candidates are screened by the cost model's cheap
+estimate and the best few confirmed exactly; for large swarms the candidates are the devices most
+attached to the device's group plus a random sample.
+
+Across shapes: every shape is scored by its best constructed seed; the most promising few each
+improve their best seed in a short trial, and the shape whose trial came out best is evolved with
+the rest of the budget. The search stops when the population has not improved for `patience`
+generations or at the deadline, so it is deterministic for a seed whenever the deadline is not
+hit, and anytime when it is.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 
-from hetpeer.coordinator.planner.grid import Aligner, chain_order, constructive, crossover
+from hetpeer.coordinator.planner.grid import Aligner, chain_order, crossover, layouts
 from hetpeer.coordinator.planner.problem import Problem, Report, Shape
 
 IMPROVEMENT = 1e-9  # relative; smaller changes are rounding, not progress
@@ -52,7 +55,7 @@ class CostModel(Protocol):
 class SearchConfig:
     population: int = 10
     patience: int = 25  # generations without improvement before a shape is done
-    shapes_searched: int = 3  # shapes that share the budget after screening
+    shapes_searched: int = 3  # shapes given a trial before one is evolved
     max_candidates: int = 64  # swaps screened per local-search move
 
     def __post_init__(self) -> None:
@@ -88,14 +91,14 @@ def search(
     for shape in shapes:
         model = make_model(shape)
         if orders is None:  # shared by every shape: link costs differ between shapes only in scale
-            orders = _device_orders(problem, model)
+            orders = _device_orders(problem, model, rng)
         costs = model.batch_cost(np.stack(_constructed(problem, shape, orders)))
         scored.append((float(costs.min()), shape, model))
         if clock() > deadline:
             break
     scored.sort(key=lambda entry: entry[0])
     chosen = [
-        (cost, shape, model, _constructed(problem, shape, orders) + _sampled(problem, shape, model, rng))
+        (cost, shape, model, _constructed(problem, shape, orders) + _sampled(problem, shape, rng))
         for cost, shape, model in scored[: config.shapes_searched]
     ]
     # Trials: each promising shape improves its best seed within a short share of the budget;
@@ -118,37 +121,37 @@ def search(
     return found
 
 
-def _device_orders(problem: Problem, model: CostModel) -> dict[str, np.ndarray]:
-    """Orders of all devices that seeds are cut from: a nearest-neighbour chain, fastest first,
-    best connected (lowest median link cost) first."""
+def _device_orders(problem: Problem, model: CostModel, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Orders of all devices that seeds are cut from, computed once for every shape: a
+    nearest-neighbour chain; fastest first; best connected (lowest median link cost) first; and
+    around random centres, the devices a centre shares a group with most cheaply first."""
     orders = {
         "chain": chain_order(model.link_cost, np.arange(problem.n)),
         "connected": np.argsort(np.median(model.link_cost, axis=1), kind="stable"),
     }
     if problem.tflops is not None:
         orders["fastest"] = np.argsort(-problem.tflops, kind="stable")
+    for k, centre in enumerate(rng.permutation(problem.n)[:CLUSTER_SEEDS]):
+        orders[f"cluster{k}"] = np.argsort(model.group_cost[centre], kind="stable")
     return orders
 
 
 def _constructed(problem: Problem, shape: Shape, orders: dict[str, np.ndarray]) -> list[np.ndarray]:
-    """Deterministic seed grids; with room for standby, the active devices are the first in the
-    file, the fastest, or the best connected. Cheap: every shape is scored by these."""
+    """Seed grids every shape is scored by: blocks and strided in file order, and the active devices
+    (the first, or with room for standby, the first in each of `orders`) laid out along the chain."""
     k, chain = shape.devices, orders["chain"]
+    seeds = layouts(shape, np.arange(k))
     actives = [np.arange(k)]
     if k < problem.n:
-        actives += [np.sort(orders[key][:k]) for key in ("fastest", "connected") if key in orders]
-    return [grid for active in actives for grid in constructive(shape, active, chain[np.isin(chain, active)])]
-
-
-def _sampled(problem: Problem, shape: Shape, model: CostModel, rng: np.random.Generator) -> list[np.ndarray]:
-    """Random seed grids and, with room for standby, tight clusters: a random centre and the
-    k - 1 devices it is best connected to, laid out clustered."""
-    n, k = problem.n, shape.devices
-    seeds = [rng.permutation(n)[:k].reshape(shape.stages, shape.group_size) for _ in range(2)]
-    if k < n:
-        for centre in rng.permutation(n)[:CLUSTER_SEEDS]:
-            seeds.append(np.argsort(model.group_cost[centre], kind="stable")[:k].reshape(shape.stages, shape.group_size))
+        actives += [np.sort(order[:k]) for key, order in orders.items() if key != "chain"]
+    for active in actives:
+        seeds += layouts(shape, chain[np.isin(chain, active)])
     return seeds
+
+
+def _sampled(problem: Problem, shape: Shape, rng: np.random.Generator) -> list[np.ndarray]:
+    """Random seed grids, for diversity."""
+    return [rng.permutation(problem.n)[: shape.devices].reshape(shape.stages, shape.group_size) for _ in range(2)]
 
 
 def _evolve(
@@ -250,7 +253,11 @@ def local_search(
             flat[np.flatnonzero(in_grid), cell_targets] = here[in_grid]
             flat[~in_grid, cell] = standby[targets[~in_grid] - cells]
             changed = np.stack([np.full(len(targets), cell), np.where(in_grid, targets, cell)], axis=1)
-            shortlist = np.argsort(model.screen(grid, batch, changed), kind="stable")[:CONFIRMED]
+            screened = model.screen(grid, batch, changed)
+            # The screen holds the layer split, which the exact cost re-balances (mostly for the
+            # better): the best few are confirmed when the screen promises a gain, else the best.
+            confirmed = CONFIRMED if screened.min() < cost else 1
+            shortlist = np.argsort(screened, kind="stable")[:confirmed]
             trial = model.batch_cost(batch[shortlist])
             best = int(shortlist[np.argmin(trial)])
             if trial.min() < cost - IMPROVEMENT * abs(cost):
@@ -279,8 +286,7 @@ def _candidates(grid, standby, attachment, cell, limit, rng) -> np.ndarray:
         return everything
     devices = np.concatenate([grid.ravel(), standby])[everything]
     near = everything[np.argpartition(attachment[devices, cell // m], limit // 2)[: limit // 2]]
-    rest = np.setdiff1d(everything, near)
-    return np.concatenate([near, rng.choice(rest, size=limit - len(near), replace=False)])
+    return np.concatenate([near, everything[rng.integers(len(everything), size=limit - len(near))]])
 
 
 def perturb(grid: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:

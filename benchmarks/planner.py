@@ -1,0 +1,406 @@
+"""Planner benchmark: how good and how fast `solve` is, against references measured in the same run.
+
+    python3 benchmarks/planner.py [--part scenarios|tiny|scale|all] [options]
+
+Parts:
+
+- scenarios: the five networks of Yuan et al. (NeurIPS 2022) under their cost model (dtfm), 8 stages x
+  8 lanes, against their GCMA figures and the blocks, strided and random baselines;
+- tiny: random 8-device topologies, every shape, against exhaustive search (the true optimum);
+- scale: random geo topologies of 64 to 1024 devices under the time model, a budget T against 10 T.
+
+The machine is shared and noisy, so every ratio is between figures taken in the same run. Defaults give
+the full benchmark (about 15 minutes on 2 cores); the options shrink it for a quick run. Exit status 1
+when a part misses its goal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from hetpeer import scenarios
+from hetpeer.coordinator.planner import PlannerConfig, PlanningError, Problem, Shape, Solution, make_model, solve
+from hetpeer.coordinator.planner import baselines, synthetic
+from hetpeer.coordinator.planner.grid import Aligner
+from hetpeer.protocol.topology import Topology
+from hetpeer.protocol.workload import Workload, preset
+
+# The paper's c_DP and c_PP for GPT3-XL (bytes), as in their scheduler's configuration.
+PAPER_DP_BYTES = 0.65e9
+PAPER_PP_BYTES = 0.471248e9
+# Their GCMA scheduler's best cost (s) per scenario; it needs 14-17 minutes for 5,000 candidates here.
+GCMA_S = {"datacenter-on-demand": 3.440, "datacenter-spot": 49.504, "world-wide": 49.218}
+GCMA_DECIMALS = 3  # the figures are rounded, so "reached" allows half a unit of the last digit
+DEADLINE_SLACK_S = 0.1  # solve returns at its deadline plus the move under way; this much counts as on time
+NEAR_OPTIMAL = 1e-9  # relative gap counted as equal to the optimum
+WITHIN = 0.01
+DEFAULT_SCALE_BUDGET_S = {64: 2.0, 256: 6.0, 1024: 30.0}
+SCALE_WALL_GOAL_S = 60.0
+
+
+def say(line: str = "") -> None:
+    print(line, flush=True)
+
+
+def code_state() -> str:
+    """The commit, and a digest of uncommitted changes to hetpeer/, so that figures name the code they measured."""
+
+    def git(*command: str) -> str:
+        root = Path(__file__).resolve().parent.parent
+        done = subprocess.run(["git", *command], cwd=root, capture_output=True, text=True, check=True, timeout=10)
+        return done.stdout
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD").strip()
+        diff = git("diff", "HEAD", "--", "hetpeer")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown (not a git checkout)"
+    if not diff:
+        return f"commit {commit}"
+    digest = hashlib.sha1(diff.encode()).hexdigest()[:10]
+    return f"commit {commit} + uncommitted changes to hetpeer/ (diff sha1 {digest})"
+
+
+def header(title: str, measures: str, goal: str) -> None:
+    say()
+    say(f"== {title} ==")
+    say(f"measures: {measures}")
+    say(f"goal:     {goal}")
+    say()
+
+
+def timed_solve(
+    problem: Problem, config: PlannerConfig, seed: int, progress: Callable[[str], None] | None = None
+) -> tuple[Solution, float]:
+    started = time.perf_counter()
+    solution = solve(problem, config, np.random.default_rng(seed), progress=progress)
+    return solution, time.perf_counter() - started
+
+
+def percent(gap: float) -> str:
+    """A relative gap; tiny nonzero ones (rounding-level misses) in scientific notation."""
+    return f"{gap:.3%}" if gap == 0 or abs(gap) >= 1e-5 else f"{gap:.1e}"
+
+
+def ratio(a: float, b: float | None) -> str:
+    return "n/a" if b is None or b == 0 else f"{a / b:.3f}"
+
+
+def table(rows: list[list[str]]) -> None:
+    """Left-aligned first column, right-aligned figures."""
+    widths = [max(len(row[k]) for row in rows) for k in range(len(rows[0]))]
+    for row in rows:
+        cells = [row[0].ljust(widths[0])] + [cell.rjust(width) for cell, width in zip(row[1:], widths[1:])]
+        say("  " + "  ".join(cells))
+
+
+# -- scenarios ---------------------------------------------------------------------------------------
+
+
+def scenario_problem(name: str) -> Problem:
+    topology = Topology.from_wire(scenarios.load(name))
+    workload = Workload(preset("gpt3-xl"), batch=512)
+    return Problem.from_topology(topology, workload, dp_bytes=PAPER_DP_BYTES, pp_bytes=PAPER_PP_BYTES)
+
+
+def run_scenarios(args: argparse.Namespace) -> bool:
+    header(
+        "scenarios: the paper's five networks, dtfm cost, 8 stages x 8 lanes, GPT3-XL",
+        f"our cost (s) and wall time of solve with a {args.budget:g} s budget (seed {args.seed}); GCMA's "
+        "published cost; blocks and strided grids after TSP/matching alignment; mean of 100 random grids "
+        f"in their own order and pairing (the authors' random scheduler); worst cost and time over "
+        f"{args.seeds} seeds",
+        f"reach GCMA's cost or better on every scenario within {args.budget:g} s",
+    )
+    config = PlannerConfig(cost_model="dtfm", stages=8, group_size=8, time_budget_s=args.budget)
+    shape = Shape(8, 8)
+    rows = [["scenario", "ours", "time s", "GCMA", "blocks", "strided", "random", "/GCMA", "/blocks", "/random",
+             "worst", "worst s"]]  # fmt: skip
+    reached, worst_time = [], 0.0
+    for name in args.scenario_names:
+        problem = scenario_problem(name)
+        runs = []
+        for k in range(args.seeds):
+            solution, wall_s = timed_solve(problem, config, args.seed + k)
+            runs.append((solution.report.objective, wall_s))
+            say(f"  {name} seed {args.seed + k}: {solution.report.objective:.4f} s in {wall_s:.2f} s")
+        ours, ours_s = runs[0]
+        worst_cost = max(cost for cost, _ in runs)
+        worst_s = max(wall_s for _, wall_s in runs)
+        worst_time = max(worst_time, worst_s)
+        model = make_model(problem, config, shape)
+        aligner = Aligner(model.link_cost)
+        blocks = float(model.batch_cost(aligner.align(baselines.blocks_grid(shape))[None])[0])
+        strided = float(model.batch_cost(aligner.align(baselines.strided_grid(shape))[None])[0])
+        grids = baselines.random_grids(problem, shape, args.random_samples, np.random.default_rng(args.seed))
+        random_mean = float(model.batch_cost(grids).mean())
+        gcma = GCMA_S.get(name)
+        if gcma is not None:
+            reached.append(worst_cost <= gcma + 0.5 * 10.0**-GCMA_DECIMALS)
+        rows.append([
+            name, f"{ours:.4f}", f"{ours_s:.2f}", "n/a" if gcma is None else f"{gcma:.3f}", f"{blocks:.4f}",
+            f"{strided:.4f}", f"{random_mean:.4f}", ratio(ours, gcma), ratio(ours, blocks), ratio(ours, random_mean),
+            f"{worst_cost:.4f}", f"{worst_s:.2f}" + ("*" if worst_s >= 0.98 * args.budget else ""),
+        ])  # fmt: skip
+    say()
+    table(rows)
+    ok = all(reached) and worst_time <= args.budget + DEADLINE_SLACK_S
+    say()
+    say("  ratios are ours / reference (below 1 is better); * the search ran to its deadline (did not converge)")
+    say(f"result: GCMA reached on {sum(reached)}/{len(reached)} scenarios with a figure (worst of {args.seeds} "
+        f"seeds; GCMA + {0.5 * 10.0**-GCMA_DECIMALS:g} allowed for its rounding); slowest solve {worst_time:.2f} s "
+        f"(budget {args.budget:g} s + {DEADLINE_SLACK_S:g} s overshoot): "
+        f"{'goal met' if ok else 'goal NOT met'}")  # fmt: skip
+    return ok
+
+
+# -- tiny --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Case:
+    cost_model: str
+    topology: int
+    shape: Shape
+    ours: float
+    optimum: float
+    solve_s: float
+    exhaustive_s: float
+
+    @property
+    def gap(self) -> float:
+        if self.optimum == 0:
+            return 0.0 if self.ours == 0 else math.inf
+        return (self.ours - self.optimum) / abs(self.optimum)
+
+
+def tiny_shapes(cost_model: str, devices: int) -> list[Shape]:
+    if cost_model == "dtfm":  # the paper's cost uses every device
+        return [Shape(s, devices // s) for s in range(1, devices + 1) if devices % s == 0]
+    return [Shape(s, m) for s in range(1, devices + 1) for m in range(1, devices // s + 1)]
+
+
+def tiny_problem(cost_model: str, topology: Topology) -> Problem:
+    if cost_model == "dtfm":
+        workload = Workload(preset("gpt3-xl"), batch=512)
+        return Problem.from_topology(topology, workload, dp_bytes=PAPER_DP_BYTES, pp_bytes=PAPER_PP_BYTES)
+    return Problem.from_topology(topology, Workload(preset("tiny", layers=8), batch=64))
+
+
+def run_tiny(args: argparse.Namespace) -> bool:
+    devices = 8
+    counts = {model: len(tiny_shapes(model, devices)) for model in args.cost_models}
+    header(
+        f"tiny: {args.topologies} random topologies of {devices} devices in 3 regions, every shape",
+        "solve with the shape fixed and a "
+        f"{args.tiny_budget:g} s budget against exhaustive search (every ordered choice of devices). "
+        f"dtfm: GPT3-XL with the paper's c_DP/c_PP, stages x lanes = {devices} ({counts.get('dtfm', 0)} shapes); "
+        f"time: tiny preset with 8 layers, batch 64, standby allowed, stages x lanes <= {devices} "
+        f"({counts.get('time', 0)} shapes). Topology i is random_topology({devices}, 3, default_rng(i))",
+        f"always within {WITHIN:.0%} of the optimum",
+    )
+    cases: dict[str, list[Case]] = {model: [] for model in args.cost_models}
+    failures: list[str] = []
+    started = time.perf_counter()
+    for i in range(args.topologies):
+        topology = Topology.from_wire(synthetic.random_topology(devices, 3, np.random.default_rng(i)))
+        for cost_model in args.cost_models:
+            problem = tiny_problem(cost_model, topology)
+            for shape in tiny_shapes(cost_model, devices):
+                config = PlannerConfig(
+                    cost_model=cost_model, stages=shape.stages, group_size=shape.group_size,
+                    time_budget_s=args.tiny_budget,
+                )  # fmt: skip
+                exhaustive_start = time.perf_counter()
+                _, optimum = baselines.exhaustive(problem, make_model(problem, config, shape))
+                exhaustive_s = time.perf_counter() - exhaustive_start
+                try:
+                    solution, solve_s = timed_solve(problem, config, args.seed)
+                except PlanningError as error:
+                    failures.append(f"topology {i}, {cost_model}, {shape}: {error}")
+                    continue
+                found = Case(cost_model, i, shape, solution.report.objective, optimum, solve_s, exhaustive_s)
+                cases[cost_model].append(found)
+        if (i + 1) % args.progress_every == 0 or i + 1 == args.topologies:
+            far = sum(case.gap > WITHIN for group in cases.values() for case in group)
+            say(f"  {i + 1}/{args.topologies} topologies, {time.perf_counter() - started:.0f} s, "
+                f"{far} cases over {WITHIN:.0%} so far")  # fmt: skip
+
+    say()
+    rows = [["cost model", "shapes", "cases", "optimal", f"within {WITHIN:.0%}", "worst gap", "worst case",
+             "solve mean s", "exhaustive mean s", "exhaustive s/topology"]]  # fmt: skip
+    ok = not failures
+    for cost_model, group in cases.items():
+        if not group:
+            continue
+        worst = max(group, key=lambda case: case.gap)
+        topologies = len({case.topology for case in group})
+        ok &= worst.gap <= WITHIN
+        rows.append([
+            cost_model, str(counts[cost_model]), str(len(group)),
+            str(sum(case.gap <= NEAR_OPTIMAL for case in group)), str(sum(case.gap <= WITHIN for case in group)),
+            percent(worst.gap), f"t{worst.topology} {worst.shape.stages}x{worst.shape.group_size}",
+            f"{np.mean([c.solve_s for c in group]):.3f}", f"{np.mean([c.exhaustive_s for c in group]):.3f}",
+            f"{sum(c.exhaustive_s for c in group) / topologies:.2f}",
+        ])  # fmt: skip
+    table(rows)
+    far = sorted((case for group in cases.values() for case in group if case.gap > NEAR_OPTIMAL),
+                 key=lambda case: -case.gap)  # fmt: skip
+    if far:
+        say()
+        say(f"cases not at the optimum ({len(far)}; worst {min(len(far), args.show_worst)} shown):")
+        by_shape: dict[str, int] = {}
+        for case in far:
+            key = f"{case.cost_model} {case.shape.stages}x{case.shape.group_size}"
+            by_shape[key] = by_shape.get(key, 0) + 1
+        for case in far[: args.show_worst]:
+            say(f"  {case.cost_model:<5} topology {case.topology:>3}  {case.shape.stages}x{case.shape.group_size}  "
+                f"ours {case.ours:.6g}  optimum {case.optimum:.6g}  gap {percent(case.gap)}")  # fmt: skip
+        say("  by shape: " + ", ".join(f"{key}: {count}" for key, count in sorted(by_shape.items())))
+    for line in failures:
+        say(f"  no plan: {line}")
+    say()
+    say(f"result: {'goal met' if ok else 'goal NOT met'} ({time.perf_counter() - started:.0f} s for this part)")
+    return ok
+
+
+# -- scale -------------------------------------------------------------------------------------------
+
+
+def run_scale(args: argparse.Namespace) -> bool:
+    budgets = dict(zip(args.sizes, args.scale_budgets))
+    header(
+        "scale: random geo topologies, time cost model, GPT3-XL, batch 512, shape searched, standby allowed",
+        f"objective (s per step) and wall time of solve with a budget T and with {args.factor:g} T "
+        f"(same seed {args.seed}, same topology random_topology(n, max(4, n // 16), default_rng({args.seed})))",
+        f"cost(T) within {WITHIN:.0%} of cost({args.factor:g} T), and the {max(args.sizes)}-device run under "
+        f"{SCALE_WALL_GOAL_S:g} s",
+    )
+    rows = [["devices", "regions", "shapes", "T s", "cost(T)", "wall s", "shape(T)", f"{args.factor:g}T s",
+             f"cost({args.factor:g}T)", "wall s", f"shape({args.factor:g}T)", "ratio"]]  # fmt: skip
+    ok = True
+    for n in args.sizes:
+        regions = max(4, n // 16)
+        raw = synthetic.random_topology(n, regions, np.random.default_rng(args.seed))
+        problem = Problem.from_topology(Topology.from_wire(raw), Workload(preset("gpt3-xl"), batch=512))
+        shapes = len(problem.shapes(None, None, allow_standby=True))
+        results = []
+        for budget_s in (budgets[n], args.factor * budgets[n]):
+            say(f"  {n} devices, budget {budget_s:g} s, {shapes} shapes:")
+            started = time.perf_counter()
+
+            def progress(line: str, started: float = started) -> None:
+                say(f"    {time.perf_counter() - started:6.1f} s  {line}")
+
+            try:
+                solution, wall_s = timed_solve(problem, PlannerConfig(time_budget_s=budget_s), args.seed, progress)
+            except PlanningError as error:
+                say(f"    no plan: {error}")
+                results.append(None)
+                continue
+            say(f"    done: {solution.report.objective:.4f} s per step with {solution.shape} in {wall_s:.1f} s")
+            results.append((solution.report.objective, wall_s, solution.shape))
+        short, long = results
+        if short is None or long is None:
+            ok = False
+            continue
+        within = short[0] / long[0]
+        ok &= within <= 1 + WITHIN
+        if n == max(args.sizes):
+            ok &= short[1] < SCALE_WALL_GOAL_S
+        rows.append([
+            str(n), str(regions), str(shapes), f"{budgets[n]:g}", f"{short[0]:.4f}", f"{short[1]:.1f}",
+            f"{short[2].stages}x{short[2].group_size}", f"{args.factor * budgets[n]:g}", f"{long[0]:.4f}",
+            f"{long[1]:.1f}", f"{long[2].stages}x{long[2].group_size}", f"{within:.4f}",
+        ])  # fmt: skip
+    say()
+    say(f"  shapes: stages x lanes considered; ratio: cost(T) / cost({args.factor:g}T), 1 or below is converged")
+    table(rows)
+    say()
+    say(f"result: {'goal met' if ok else 'goal NOT met'}")
+    return ok
+
+
+# -- command line ------------------------------------------------------------------------------------
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(part) for part in text.split(",") if part]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        values = [float(part) for part in text.split(",") if part]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") from None
+    if not values or not all(v > 0 and math.isfinite(v) for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("scenarios", "tiny", "scale", "all"), default="all")
+    parser.add_argument("--seed", type=int, default=0, help="seed of solve (and of the scale topologies)")
+    group = parser.add_argument_group("scenarios")
+    group.add_argument("--scenario", dest="scenario_names", action="append", choices=scenarios.NAMES,
+                       help="a scenario to run (repeatable; default all five)")
+    group.add_argument("--budget", type=float, default=2.0, help="solve budget in seconds (default 2)")
+    group.add_argument("--seeds", type=int, default=3, help="seeds per scenario, from --seed on (default 3)")
+    group.add_argument("--random-samples", type=int, default=100, help="random grids averaged (default 100)")
+    group = parser.add_argument_group("tiny")
+    group.add_argument("--topologies", type=int, default=100, help="random 8-device topologies (default 100)")
+    group.add_argument("--cost-models", type=lambda text: text.split(","), default=["dtfm", "time"],
+                       help="comma-separated, from dtfm,time (default both)")
+    group.add_argument("--tiny-budget", type=float, default=1.0, help="solve budget in seconds (default 1)")
+    group.add_argument("--show-worst", type=int, default=15, help="non-optimal cases listed (default 15)")
+    group.add_argument("--progress-every", type=int, default=10, help="topologies between progress lines")
+    group = parser.add_argument_group("scale")
+    group.add_argument("--sizes", type=_int_list, default=[64, 256, 1024], help="devices, e.g. 64,256")
+    group.add_argument("--scale-budgets", type=_float_list,
+                       help="budget T in seconds per size, in --sizes order (default 64:2, 256:6, 1024:30)")
+    group.add_argument("--factor", type=float, default=10.0, help="the long run's budget in T (default 10)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.scenario_names = args.scenario_names or list(scenarios.NAMES)
+    if unknown := set(args.cost_models) - {"dtfm", "time"}:
+        parser.error(f"--cost-models: unknown {', '.join(sorted(unknown))} (known: dtfm, time)")
+    if min(args.budget, args.tiny_budget, args.factor) <= 0 or min(args.seeds, args.topologies) < 1:
+        parser.error("budgets, --factor, --seeds and --topologies must be positive")
+    if args.scale_budgets is None:
+        if missing := [n for n in args.sizes if n not in DEFAULT_SCALE_BUDGET_S]:
+            parser.error(f"no default budget for {missing} devices: give --scale-budgets")
+        args.scale_budgets = [DEFAULT_SCALE_BUDGET_S[n] for n in args.sizes]
+    if len(args.scale_budgets) != len(args.sizes):
+        parser.error(f"--scale-budgets has {len(args.scale_budgets)} values for {len(args.sizes)} sizes")
+    say(f"hetpeer planner benchmark; code: {code_state()}")
+    parts = {"scenarios": run_scenarios, "tiny": run_tiny, "scale": run_scale}
+    chosen = list(parts) if args.part == "all" else [args.part]
+    results = {name: parts[name](args) for name in chosen}
+    say()
+    say("summary: " + ", ".join(f"{name} {'met' if ok else 'NOT met'}" for name, ok in results.items()))
+    return 0 if all(results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
