@@ -334,24 +334,19 @@ def run_scale(args: argparse.Namespace) -> bool:
 # -- command line ------------------------------------------------------------------------------------
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
+def _positive_list(kind: type) -> Callable[[str], list]:
+    """An argparse type: positive values of `kind` separated by commas, e.g. 64,256."""
 
+    def parse(text: str) -> list:
+        try:
+            values = [kind(part) for part in text.split(",") if part]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}s separated by commas, got {text!r}") from None
+        if not values or not all(v > 0 and math.isfinite(v) for v in values):
+            raise argparse.ArgumentTypeError(f"expected positive {kind.__name__}s, got {text!r}")
+        return values
 
-def _float_list(text: str) -> list[float]:
-    try:
-        values = [float(part) for part in text.split(",") if part]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") from None
-    if not values or not all(v > 0 and math.isfinite(v) for v in values):
-        raise argparse.ArgumentTypeError(f"expected positive numbers, got {text!r}")
-    return values
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -372,8 +367,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--show-worst", type=int, default=15, help="non-optimal cases listed (default 15)")
     group.add_argument("--progress-every", type=int, default=10, help="topologies between progress lines")
     group = parser.add_argument_group("scale")
-    group.add_argument("--sizes", type=_int_list, default=[64, 256, 1024], help="devices, e.g. 64,256")
-    group.add_argument("--scale-budgets", type=_float_list,
+    group.add_argument("--sizes", type=_positive_list(int), default=[64, 256, 1024], help="devices, e.g. 64,256")
+    group.add_argument("--scale-budgets", type=_positive_list(float),
                        help="budget T in seconds per size, in --sizes order (default 64:2, 256:6, 1024:30)")
     group.add_argument("--factor", type=float, default=10.0, help="the long run's budget in T (default 10)")
     return parser

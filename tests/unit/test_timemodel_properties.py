@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from hetpeer.coordinator.planner import PlannerConfig, Problem, Shape, make_model
+from hetpeer.coordinator.planner.timemodel import TIE_BREAK
 from hetpeer.protocol.topology import Topology
 from hetpeer.protocol.workload import Workload, preset
 
@@ -20,8 +21,9 @@ HEAD_PARAMS = VOCAB * H + 2 * H
 
 
 
-def docstring_step(problem: Problem, grid: np.ndarray, layers: tuple[int, ...], sync: str) -> float:
-    """Step seconds of a grid with a given layer split, from the formulas in timemodel's docstring."""
+def docstring_step(problem: Problem, grid: np.ndarray, layers: tuple[int, ...], sync: str) -> tuple[float, float]:
+    """(step seconds, search objective) of a grid with a given layer split, from the formulas in
+    timemodel's docstring: the objective adds TIE_BREAK x (mean lane time + mean exposed sync)."""
     w = problem.workload
     S, m = grid.shape
     M = problem.micro_batches(m)
@@ -35,7 +37,7 @@ def docstring_step(problem: Problem, grid: np.ndarray, layers: tuple[int, ...], 
         lanes.append(sum(t) + 2 * sum(h) + (M - 1) * max(max(t), max(h, default=0.0)))
     lane_s = max(lanes)
     if m == 1:
-        return lane_s
+        return lane_s, lane_s + TIE_BREAK * float(np.mean(lanes))
     model = w.model
     exposed = []
     for s in range(S):
@@ -52,7 +54,8 @@ def docstring_step(problem: Problem, grid: np.ndarray, layers: tuple[int, ...], 
         gossip = max(0.0, float(np.mean(rounds)) - lane_s)
         choice = sync if sync != "auto" else ("gossip" if allreduce > gossip + 0.02 * lane_s else "allreduce")
         exposed.append(gossip if choice == "gossip" else allreduce)
-    return lane_s + max(exposed)
+    step = lane_s + max(exposed)
+    return step, step + TIE_BREAK * (float(np.mean(lanes)) + float(np.mean(exposed)))
 
 
 def min_max_stage_time(problem: Problem, grid: np.ndarray, caps: list[float] | None = None) -> float:
@@ -123,9 +126,10 @@ def test_random_grids_follow_the_docstring(seed):
         # The split is a min-max one (any tie will do)...
         assert stage_time(problem, grid, report.layers) == pytest.approx(min_max_stage_time(problem, grid), rel=1e-12)
         # ...and the step follows from it.
-        expected = docstring_step(problem, grid, report.layers, sync)
+        expected, objective = docstring_step(problem, grid, report.layers, sync)
         assert report.cost["total_s"] == pytest.approx(expected, rel=1e-9)
-        assert cost == pytest.approx(expected, rel=1e-9)
+        assert report.objective == pytest.approx(objective, rel=1e-9)
+        assert cost == pytest.approx(objective, rel=1e-9)
 
 
 @pytest.mark.parametrize("seed", range(8))

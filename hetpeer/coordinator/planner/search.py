@@ -14,7 +14,7 @@ estimate and the best few confirmed exactly; for large swarms the candidates are
 attached to the device's group plus a random sample.
 
 Across shapes: every shape is scored by its best constructed seed; the most promising few each
-improve their best seed in a short trial, and the shape whose trial came out best is evolved with
+evolve in a trial, and the shape whose trial came out best evolves on from its population with
 the rest of the budget. The search stops when the population has not improved for `patience`
 generations or at the deadline, so it is deterministic for a seed whenever the deadline is not
 hit, and anytime when it is.
@@ -33,7 +33,7 @@ from hetpeer.coordinator.planner.problem import Problem, Report, Shape
 
 IMPROVEMENT = 1e-9  # relative; smaller changes are rounding, not progress
 CONFIRMED = 3  # screened swaps confirmed with the exact cost per move
-TRIAL_SHARE = 0.3  # of the budget, spent trying the most promising shapes before evolving one
+TRIAL_SHARE = 0.6  # of the budget, spent evolving the most promising shapes before the best goes on
 CLUSTER_SEEDS = 8  # active sets grown around random centres, when some devices may stand by
 POPULATION_CELLS = 4096  # large swarms get a smaller population: each member costs a local search
 
@@ -53,7 +53,7 @@ class CostModel(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class SearchConfig:
-    population: int = 10
+    population: int = 6
     patience: int = 25  # generations without improvement before a shape is done
     shapes_searched: int = 3  # shapes given a trial before one is evolved
     max_candidates: int = 64  # swaps screened per local-search move
@@ -70,6 +70,8 @@ class Found:
     grid: np.ndarray
     objective: float
     generations: int
+    converged: bool  # stopped for lack of progress, not at the deadline
+    population: tuple[np.ndarray, ...]
 
 
 Progress = Callable[[str], None]
@@ -101,23 +103,20 @@ def search(
         (cost, shape, model, _constructed(problem, shape, orders) + _sampled(problem, shape, rng))
         for cost, shape, model in scored[: config.shapes_searched]
     ]
-    # Trials: each promising shape improves its best seed within a short share of the budget;
-    # the rest of the budget goes to evolving the shape whose trial came out best.
+    # Trials: each promising shape evolves for a share of the budget (a share it leaves unused goes
+    # to the next); the best then evolves on from its population with the rest, unless converged.
     trials = []
     for k, (_, shape, model, seeds) in enumerate(chosen):
-        if len(chosen) == 1:
-            trials.append((np.inf, None, shape, model, seeds))
-            break
-        share = TRIAL_SHARE * (deadline - clock()) / (len(chosen) - k)
-        best_seed = seeds[int(np.argmin(model.batch_cost(np.stack(seeds))))]
-        grid, cost = _improve(problem, model, Aligner(model.link_cost), best_seed, config, rng, clock() + share, clock)
+        share = (TRIAL_SHARE if len(chosen) > 1 else 1.0) * (deadline - clock()) / (len(chosen) - k)
+        found = _evolve(problem, model, seeds, [], config, rng, clock() + share, clock)
         if progress is not None:
-            progress(f"{shape}: trial {cost:.4g} s")
-        trials.append((cost, grid, shape, model, seeds))
-    _, grid, shape, model, seeds = min(trials, key=lambda entry: entry[0])
-    found = _evolve(problem, model, seeds, [] if grid is None else [grid], config, rng, deadline, clock)
-    if progress is not None:
-        progress(f"{shape}: {found.objective:.4g} s after {found.generations} generations")
+            progress(f"{shape}: trial {found.objective:.4g} s after {found.generations} generations")
+        trials.append((found, model))
+    found, model = min(trials, key=lambda entry: entry[0].objective)
+    if not found.converged and clock() < deadline:
+        found = _evolve(problem, model, [], list(found.population), config, rng, deadline, clock)
+        if progress is not None:
+            progress(f"{found.shape}: {found.objective:.4g} s after {found.generations} more generations")
     return found
 
 
@@ -164,12 +163,14 @@ def _evolve(
     deadline: float,
     clock: Callable[[], float],
 ) -> Found:
-    """Evolve one shape's population, grown from `improved` grids (a trial's, which local search
-    resumes first: a trial may end before its local optimum) and then the best raw seeds."""
+    """Evolve one shape's population, grown from `improved` grids (a trial's population, which local
+    search resumes first: a trial may end before its local optima) and then the best raw seeds."""
     aligner = Aligner(model.link_cost)
-    seed_costs = model.batch_cost(np.stack(seeds))
     size = max(2, min(config.population, POPULATION_CELLS // model.shape.devices))
-    starts = improved + [seeds[int(i)] for i in np.argsort(seed_costs, kind="stable")[: size - len(improved)]]
+    starts = list(improved)
+    if seeds and len(starts) < size:
+        seed_costs = model.batch_cost(np.stack(seeds))
+        starts += [seeds[int(i)] for i in np.argsort(seed_costs, kind="stable")[: size - len(starts)]]
     population: list[np.ndarray] = []
     costs: list[float] = []
     for start in starts:
@@ -196,7 +197,8 @@ def _evolve(
             population[replaced], costs[replaced] = child, cost
         stale = 0 if cost < best_before * (1 - IMPROVEMENT) else stale + 1
     best = int(np.argmin(costs))
-    return Found(model.shape, population[best], costs[best], generations)
+    converged = stale >= config.patience
+    return Found(model.shape, population[best], costs[best], generations, converged, tuple(population))
 
 
 def _improve(problem, model, aligner, grid, config, rng, deadline, clock) -> tuple[np.ndarray, float]:

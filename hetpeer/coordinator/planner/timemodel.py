@@ -16,7 +16,9 @@ For a grid (rows = stages in order, columns = lanes), with M micro-batches per l
   or by gossip (decentralized Adam, one-peer exponential graph: round r pairs lane l with lane
   l + 2^r mod m), whose exchange overlaps the next step's compute, so only max(0, gossip - T) shows;
   `auto` takes all-reduce (exact averaging) unless it costs more than 2% of the step over gossip;
-- step = slowest lane + slowest group's exposed sync;
+- step = slowest lane + slowest group's exposed sync; the search minimises the step plus
+  TIE_BREAK (1%) of the mean lane time and mean exposed sync, so that swaps which do not move the
+  slowest lane or group still show whether they help;
 - memory per device: 16 bytes per parameter of training state, two wire copies of its parameters
   for sync, and the activations of min(M, S - s) micro-batches in flight at stage s under 1F1B
   (the last stage also holds fp32 logits); a grid that does not fit is penalised, not dropped, so
@@ -41,6 +43,9 @@ NAME = "time"
 SYNC_CHOICES = ("auto", "allreduce", "gossip")
 AUTO_ALLREDUCE_SLACK = 0.02  # all-reduce is preferred while it costs at most this share of a step more
 OVERFLOW_PENALTY_S_PER_GB = 1e4
+# The step is a max over lanes and groups, flat under most swaps; a sliver of the mean lane and
+# sync time gives the search a slope on those plateaus.
+TIE_BREAK = 0.01
 
 
 class TimeCost:
@@ -198,7 +203,12 @@ class TimeCost:
         overflow = self._overflow(grids, need)
         total = lane_s + sync_s.max(axis=1)
         move = self._move_s(grids, counts) if self._current is not None else np.zeros(K)
-        objective = total + move / self.horizon_steps + OVERFLOW_PENALTY_S_PER_GB * overflow.sum(axis=1) / 1e9
+        objective = (
+            total
+            + TIE_BREAK * (lane.mean(axis=1) + sync_s.mean(axis=1))
+            + move / self.horizon_steps
+            + OVERFLOW_PENALTY_S_PER_GB * overflow.sum(axis=1) / 1e9
+        )
         return {
             "counts": counts, "lane": lane, "t": t, "h": h, "slowest": slowest, "lane_s": lane_s,
             "allreduce": allreduce, "gossip": gossip, "sync_s": sync_s, "use_gossip": use_gossip, "total": total,
@@ -232,7 +242,12 @@ class TimeCost:
         overflow = np.repeat(base["row_overflow"], K, axis=0)
         need = self.mem_fixed + counts[0] * self.mem_per_layer
         overflow[pick, rows] = self._overflow(batch[pick, rows], need[rows])
-        return lane_s + sync_s.max(axis=1) + OVERFLOW_PENALTY_S_PER_GB * overflow.sum(axis=1) / 1e9
+        return (
+            lane_s
+            + sync_s.max(axis=1)
+            + TIE_BREAK * (lane.mean(axis=1) + sync_s.mean(axis=1))
+            + OVERFLOW_PENALTY_S_PER_GB * overflow.sum(axis=1) / 1e9
+        )
 
     def _move_s(self, grids: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Seconds for the slowest device to fetch the layers it would hold but does not hold now."""
