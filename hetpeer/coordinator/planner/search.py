@@ -5,8 +5,8 @@ at random, and, where devices may stand by, as tight clusters around random cent
 improved by local search. A generation picks two parents by tournament and crosses their
 partitions (balanced, see grid.crossover), or kicks one with a few random swaps when the
 tournament picks the same member twice (so that a population of one still searches). The child is
-aligned (TSP order over bottleneck matchings), improved by local search and aligned again; it
-replaces the member with the same groups, or else the worst member, if it is better.
+aligned (TSP order over bottleneck matchings), improved by local search, its lanes reordered, and
+aligned again; it replaces the member with the same groups, or else the worst member, if better.
 
 The local search swaps two devices (between groups, between lanes, or with a standby device),
 taking the best swap for one device at a time: candidates are screened by the cost model's cheap
@@ -185,7 +185,7 @@ def _evolve(
         generations += 1
         first, second = (_tournament(costs, rng) for _ in range(2))
         if first == second:  # nothing to cross: kick a member instead (iterated local search)
-            child = perturb(population[first], problem.n, rng)
+            child = perturb(population[first], problem.n, model.group_cost, rng)
         else:
             child = crossover(population[first], population[second], problem.n, model.group_cost, rng)
         child, cost = _improve(problem, model, aligner, child, config, rng, deadline, clock)
@@ -205,7 +205,32 @@ def _improve(problem, model, aligner, grid, config, rng, deadline, clock) -> tup
     """Align, local search, align again; keep whichever orientation is cheapest."""
     grid, cost = _best_alignment(model, aligner, grid)
     grid, cost = local_search(problem, model, grid, cost, config.max_candidates, rng, deadline, clock)
+    grid, cost = reorder_lanes(model, grid, cost, config.max_candidates, rng)
     return _best_alignment(model, aligner, grid, (grid, cost))
+
+
+def reorder_lanes(
+    model: CostModel, grid: np.ndarray, cost: float, max_candidates: int, rng: np.random.Generator
+) -> tuple[np.ndarray, float]:
+    """Swap whole lanes while that helps. Lane order sets who all-reduces or gossips with whom in
+    every group; changing it cell by cell would break the lanes, so single swaps never find it."""
+    m = grid.shape[1]
+    pairs = np.array([(a, b) for a in range(m) for b in range(a + 1, m)], dtype=np.int64).reshape(-1, 2)
+    for _ in range(m):
+        trial_pairs = pairs if len(pairs) <= max_candidates else pairs[rng.choice(len(pairs), max_candidates)]
+        if len(trial_pairs) == 0:
+            break
+        batch = np.repeat(grid[None], len(trial_pairs), axis=0)
+        rows = np.arange(len(trial_pairs))
+        batch[rows, :, trial_pairs[:, 0]], batch[rows, :, trial_pairs[:, 1]] = (
+            grid[:, trial_pairs[:, 1]].T, grid[:, trial_pairs[:, 0]].T,
+        )
+        costs = model.batch_cost(batch)
+        best = int(np.argmin(costs))
+        if costs[best] >= cost - IMPROVEMENT * abs(cost):
+            break
+        grid, cost = batch[best], float(costs[best])
+    return grid, cost
 
 
 def _best_alignment(model, aligner, grid, incumbent=None) -> tuple[np.ndarray, float]:
@@ -291,11 +316,20 @@ def _candidates(grid, standby, attachment, cell, limit, rng) -> np.ndarray:
     return np.concatenate([near, everything[rng.integers(len(everything), size=limit - len(near))]])
 
 
-def perturb(grid: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
-    """A copy of `grid` with a few random swaps (cells, or a cell and a standby device): a kick out
-    of a local optimum that single swaps cannot leave, such as a whole group in the wrong place."""
+def perturb(grid: np.ndarray, n: int, group_cost: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """A kick out of a local optimum that single swaps cannot leave: a copy of `grid` with either a
+    whole lane replaced by a tight cluster of standby devices (a random standby device and those it
+    is best connected to: a well-placed site can take over a lane only all at once), or a few
+    random swaps (cells, or a cell and a standby device)."""
     S, m = grid.shape
-    pool = np.concatenate([grid.ravel(), np.setdiff1d(np.arange(n), grid.ravel())])
+    standby = np.setdiff1d(np.arange(n), grid.ravel())
+    if len(standby) >= S and rng.random() < 0.5:
+        centre = standby[rng.integers(len(standby))]
+        cluster = standby[np.argsort(group_cost[centre, standby], kind="stable")[:S]]
+        kicked = grid.copy()
+        kicked[:, rng.integers(m)] = cluster
+        return kicked
+    pool = np.concatenate([grid.ravel(), standby])
     for _ in range(max(2, S * m // 8)):
         a = int(rng.integers(S * m))
         b = int(rng.integers(len(pool)))
