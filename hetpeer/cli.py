@@ -75,34 +75,34 @@ def build_parser() -> argparse.ArgumentParser:
         "blocks and random baselines.",
     )
     source = plan.add_mutually_exclusive_group(required=True)
-    source.add_argument("topology", nargs="?", type=Path, help="topology file (JSON, see docs/topology.md)")
+    source.add_argument("topology", nargs="?", type=Path, metavar="TOPOLOGY.json", help="topology file (JSON, see docs/topology.md)")
     source.add_argument("--scenario", choices=scenarios.NAMES, help="a built-in scenario of Yuan et al. (2022)")
     work = plan.add_argument_group("workload")
     work.add_argument("--model", choices=sorted(PRESETS), default="gpt3-xl", help="model preset (default gpt3-xl)")
-    work.add_argument("--layers", type=_positive_int, help="number of transformer layers (default: the preset's)")
-    work.add_argument("--batch", type=_positive_int, default=512, help="global batch in sequences (default 512)")
-    work.add_argument("--micro-batch", type=_positive_int, default=1, help="micro-batch in sequences (default 1)")
+    work.add_argument("--layers", type=_positive_int, metavar="N", help="number of transformer layers (default: the preset's)")
+    work.add_argument("--batch", type=_positive_int, default=512, metavar="N", help="global batch in sequences (default 512)")
+    work.add_argument("--micro-batch", type=_positive_int, default=1, metavar="N", help="micro-batch in sequences (default 1)")
     work.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="fp16", help="training dtype (default fp16)")
     model = plan.add_argument_group("cost model")
     model.add_argument("--cost-model", choices=COST_MODELS, default="time",
                        help="time: predicted seconds per step (default); dtfm: the paper's communication cost")
-    model.add_argument("--stages", type=_positive_int, help="fix the number of pipeline stages")
-    model.add_argument("--group-size", type=_positive_int, help="fix the data-parallel group size (lanes)")
+    model.add_argument("--stages", type=_positive_int, metavar="S", help="fix the number of pipeline stages")
+    model.add_argument("--group-size", type=_positive_int, metavar="M", help="fix the data-parallel group size (lanes)")
     model.add_argument("--no-standby", action="store_true",
                        help="use every device (time model; dtfm always does)")
     model.add_argument("--sync", choices=("auto", "allreduce", "gossip"), default="auto",
                        help="how groups average weights (time model; default auto: per group)")
-    model.add_argument("--dp-bytes", type=_positive_float, help="dtfm: override c_DP, bytes of one stage's gradients")
+    model.add_argument("--dp-bytes", type=_positive_float, metavar="BYTES", help="dtfm: override c_DP, bytes of one stage's gradients")
     model.add_argument("--pp-bytes", type=_positive_float,
-                       help="dtfm: override c_PP, bytes of one lane's activations per step")
+                       metavar="BYTES", help="dtfm: override c_PP, bytes of one lane's activations per step")
     model.add_argument("--current", type=Path,
-                       help="the plan running now (JSON); the time model then counts the cost of moving weights")
+                       metavar="PLAN.json", help="the plan running now (JSON); the time model then counts the cost of moving weights")
     search = plan.add_argument_group("search")
-    search.add_argument("--seed", type=_non_negative_int, default=0, help="random seed (default 0)")
+    search.add_argument("--seed", type=_non_negative_int, default=0, metavar="N", help="random seed (default 0)")
     search.add_argument("--time-budget", type=_positive_float, default=2.0,
-                        help="seconds to search (default 2)")
+                        metavar="SECONDS", help="seconds to search (default 2)")
     search.add_argument("--random-samples", type=_positive_int, default=100,
-                        help="random plans averaged for the baseline (default 100)")
+                        metavar="N", help="random plans averaged for the baseline (default 100)")
     plan.add_argument("--json", action="store_true", help="print the plan as the protocol's Plan object")
     plan.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     plan.set_defaults(run=run_plan)

@@ -202,7 +202,7 @@ def _evolve(
 
 
 def _improve(problem, model, aligner, grid, config, rng, deadline, clock) -> tuple[np.ndarray, float]:
-    """Align, local search, align again; keep whichever orientation is cheapest."""
+    """Align, local search, reorder lanes, align again; keep whichever orientation is cheapest."""
     grid, cost = _best_alignment(model, aligner, grid)
     grid, cost = local_search(problem, model, grid, cost, config.max_candidates, rng, deadline, clock)
     grid, cost = reorder_lanes(model, grid, cost, config.max_candidates, rng)
