@@ -83,12 +83,6 @@ class Plan:
     def total_s(self) -> float:
         return self.cost.get("total_s", math.nan)
 
-    def stage_of(self, device_id: str) -> StagePlan | None:
-        for stage in self.stages:
-            if device_id in stage.devices:
-                return stage
-        return None
-
     def to_wire(self) -> dict[str, Any]:
         return {
             "version": self.version,
