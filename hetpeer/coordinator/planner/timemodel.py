@@ -203,12 +203,7 @@ class TimeCost:
         overflow = self._overflow(grids, need)
         total = lane_s + sync_s.max(axis=1)
         move = self._move_s(grids, counts) if self._current is not None else np.zeros(K)
-        objective = (
-            total
-            + TIE_BREAK * (lane.mean(axis=1) + sync_s.mean(axis=1))
-            + move / self.horizon_steps
-            + OVERFLOW_PENALTY_S_PER_GB * overflow.sum(axis=1) / 1e9
-        )
+        objective = self._objective(lane, sync_s, overflow, move)
         return {
             "counts": counts, "lane": lane, "t": t, "h": h, "slowest": slowest, "lane_s": lane_s,
             "allreduce": allreduce, "gossip": gossip, "sync_s": sync_s, "use_gossip": use_gossip, "total": total,
@@ -220,8 +215,8 @@ class TimeCost:
 
         `cells` (K, 2) holds the flat indices of the changed cells (equal when a device came in
         from standby). The layer allocation is held at `grid`'s, so only the two lanes and two
-        groups touched are re-evaluated: O(K (S + m log m)) instead of O(K S m log m). The search
-        confirms the best screened swaps with `batch_cost`.
+        groups touched are re-evaluated: O(K (S + m log m)) instead of O(K S m log m). The cost of
+        moving weights is left out. The search confirms the best screened swaps with `batch_cost`.
         """
         key = grid.tobytes()
         if self._screened is None or self._screened[0] != key:  # a search screens one grid many times
@@ -242,10 +237,16 @@ class TimeCost:
         overflow = np.repeat(base["row_overflow"], K, axis=0)
         need = self.mem_fixed + counts[0] * self.mem_per_layer
         overflow[pick, rows] = self._overflow(batch[pick, rows], need[rows])
+        return self._objective(lane, sync_s, overflow, np.zeros(K))
+
+    def _objective(self, lane: np.ndarray, sync_s: np.ndarray, overflow: np.ndarray, move: np.ndarray) -> np.ndarray:
+        """What the search minimises, from lane times (K, m), exposed sync (K, S), overflow bytes
+        (K, S) and move seconds (K,): the step, the tie-break, the amortised move, the penalty."""
         return (
-            lane_s
+            lane.max(axis=1)
             + sync_s.max(axis=1)
             + TIE_BREAK * (lane.mean(axis=1) + sync_s.mean(axis=1))
+            + move / self.horizon_steps
             + OVERFLOW_PENALTY_S_PER_GB * overflow.sum(axis=1) / 1e9
         )
 
