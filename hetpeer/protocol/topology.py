@@ -17,7 +17,9 @@ override region values. Bandwidth is in Gbit/s (1e9 bit/s), latency in milliseco
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Collection, Mapping
+
+import numpy as np
 
 from hetpeer.protocol.wire import (
     SchemaError,
@@ -57,13 +59,28 @@ class Topology:
 
     def link(self, a: Device, b: Device) -> Link:
         """The link from device a to device b (a != b)."""
-        if (a.id, b.id) in self.device_links:
-            return self.device_links[(a.id, b.id)]
-        if a.region == b.region:
-            return self.regions[a.region]
-        if (a.region, b.region) in self.region_links:
-            return self.region_links[(a.region, b.region)]
-        assert self.default_link is not None, "checked by from_wire"
+        return self.device_links.get((a.id, b.id)) or self._region_link(a.region, b.region)
+
+    def link_matrices(self) -> tuple[np.ndarray, np.ndarray]:
+        """(latency_ms, bandwidth_gbps) between every pair of devices, (n, n) in device order, as
+        `link` gives them; the diagonal is left as a region's own link. O(regions^2 + n^2 + links)."""
+        names = sorted({d.region for d in self.devices})
+        table = [[self._region_link(a, b) for b in names] for a in names]
+        latency = np.array([[link.latency_ms for link in row] for row in table])
+        bandwidth = np.array([[link.bandwidth_gbps for link in row] for row in table])
+        region = np.array([names.index(d.region) for d in self.devices])
+        latency, bandwidth = latency[np.ix_(region, region)], bandwidth[np.ix_(region, region)]
+        index = {d.id: i for i, d in enumerate(self.devices)}
+        for (a, b), link in self.device_links.items():
+            latency[index[a], index[b]], bandwidth[index[a], index[b]] = link.latency_ms, link.bandwidth_gbps
+        return latency, bandwidth
+
+    def _region_link(self, a: str, b: str) -> Link:
+        if a == b:
+            return self.regions[a]
+        if (a, b) in self.region_links:
+            return self.region_links[(a, b)]
+        assert self.default_link is not None, "from_wire checks every pair of regions in use"
         return self.default_link
 
     @staticmethod
@@ -129,9 +146,9 @@ class Topology:
         return wire
 
 
-def _link(raw: Any, path: str, extra: set[str] = frozenset()) -> Link:
+def _link(raw: Any, path: str, extra: Collection[str] = ()) -> Link:
     record = need_mapping(raw, path)
-    no_extra_fields(record, {"latency_ms", "bandwidth_gbps"} | extra, path)
+    no_extra_fields(record, {"latency_ms", "bandwidth_gbps", *extra}, path)
     return Link(
         latency_ms=need_number(field(record, "latency_ms", path), f"{path}.latency_ms"),
         bandwidth_gbps=need_number(field(record, "bandwidth_gbps", path), f"{path}.bandwidth_gbps", positive=True),

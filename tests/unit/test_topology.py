@@ -180,3 +180,24 @@ def test_not_an_object():
     with pytest.raises(SchemaError) as caught:
         Topology.from_wire([base()])
     assert caught.value.path == "topology"
+
+
+def test_link_matrices_give_every_pair_what_link_gives():
+    raw = base()
+    raw["links"] = [
+        {"a": "a0", "b": "c0", "latency_ms": 7.0, "bandwidth_gbps": 3.0},
+        {"a": "b1", "b": "a1", "latency_ms": 10.0, "bandwidth_gbps": 2.0},
+        {"a": "a1", "b": "b1", "latency_ms": 30.0, "bandwidth_gbps": 4.0},  # asymmetric: averaged
+    ]
+    raw["regions"]["unused"] = {"latency_ms": 9.0, "bandwidth_gbps": 9.0}  # no device, no links
+    topology = Topology.from_wire(raw)
+    latency, bandwidth = topology.link_matrices()
+    assert latency.shape == bandwidth.shape == (5, 5)
+    for i, a in enumerate(topology.devices):
+        for j, b in enumerate(topology.devices):
+            if i != j:
+                assert (latency[i, j], bandwidth[i, j]) == (topology.link(a, b).latency_ms, topology.link(a, b).bandwidth_gbps)
+    d = devices(topology)
+    assert topology.link(d["a1"], d["b1"]) == topology.link(d["b1"], d["a1"]) == Link(20.0, 3.0)
+    assert topology.link(d["c0"], d["a0"]) == Link(7.0, 3.0)
+    assert topology.link(d["c0"], d["b0"]) == Link(200.0, 0.5)

@@ -85,15 +85,11 @@ class Problem:
         current: Plan | None = None,
     ) -> "Problem":
         devices = topology.devices
-        n = len(devices)
-        latency = np.zeros((n, n))
-        bandwidth = np.full((n, n), np.inf)
-        for i, a in enumerate(devices):
-            for j, b in enumerate(devices):
-                if i != j:
-                    link = topology.link(a, b)
-                    latency[i, j] = link.latency_ms / 1e3
-                    bandwidth[i, j] = link.bandwidth_gbps * 1e9 / 8
+        latency_ms, bandwidth_gbps = topology.link_matrices()
+        latency = latency_ms / 1e3
+        bandwidth = bandwidth_gbps * 1e9 / 8
+        np.fill_diagonal(latency, 0.0)  # a device does not talk to itself
+        np.fill_diagonal(bandwidth, np.inf)
         tflops = memory = None
         if all(d.tflops is not None for d in devices):
             tflops = np.array([d.tflops for d in devices], dtype=float)
