@@ -16,6 +16,7 @@ from hetpeer import __version__, scenarios
 from hetpeer.coordinator.planner import PlannerConfig, PlanningError, Problem, make_model, solve
 from hetpeer.coordinator.planner.baselines import baseline_costs
 from hetpeer.coordinator.planner.render import format_plan
+from hetpeer.coordinator.planner.timemodel import SYNC_CHOICES
 from hetpeer.protocol.plan import COST_MODELS, Plan
 from hetpeer.protocol.topology import Topology
 from hetpeer.protocol.wire import SchemaError
@@ -90,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--group-size", type=_positive_int, metavar="M", help="fix the data-parallel group size (lanes)")
     model.add_argument("--no-standby", action="store_true",
                        help="use every device (time model; dtfm always does)")
-    model.add_argument("--sync", choices=("auto", "allreduce", "gossip"), default="auto",
+    model.add_argument("--sync", choices=SYNC_CHOICES, default="auto",
                        help="how groups average weights (time model; default auto: per group)")
     model.add_argument("--dp-bytes", type=_positive_float, metavar="BYTES", help="dtfm: override c_DP, bytes of one stage's gradients")
     model.add_argument("--pp-bytes", type=_positive_float,

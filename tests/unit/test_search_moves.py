@@ -20,13 +20,18 @@ def problem(n: int, seed: int) -> Problem:
     return Problem.from_topology(Topology.from_wire(raw), Workload(preset("tiny", 8), batch=32))
 
 
+def start(n: int, shape: Shape, seed: int, config: PlannerConfig = PlannerConfig()):
+    """A problem, its cost model, a random grid of the shape and its cost."""
+    p = problem(n, seed)
+    model = make_model(p, config, shape)
+    rng = np.random.default_rng(seed)
+    grid = rng.permutation(n)[: shape.devices].reshape(shape.stages, shape.group_size)
+    return p, model, rng, grid, float(model.batch_cost(grid[None])[0])
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_reordering_lanes_keeps_lanes_whole_and_never_hurts(seed):
-    p = problem(12, seed)
-    model = make_model(p, PlannerConfig(sync="gossip"), Shape(2, 5))
-    rng = np.random.default_rng(seed)
-    grid = rng.permutation(12)[:10].reshape(2, 5)
-    cost = float(model.batch_cost(grid[None])[0])
+    _, model, rng, grid, cost = start(12, Shape(2, 5), seed, PlannerConfig(sync="gossip"))
     reordered, new_cost = reorder_lanes(model, grid, cost, 64, rng)
     assert new_cost <= cost
     assert new_cost == pytest.approx(float(model.batch_cost(reordered[None])[0]))
@@ -40,10 +45,7 @@ def test_reordering_lanes_keeps_lanes_whole_and_never_hurts(seed):
 
 @pytest.mark.parametrize("seed", range(20))
 def test_kicks_give_valid_grids(seed):
-    p = problem(12, seed)
-    model = make_model(p, PlannerConfig(), Shape(3, 2))
-    rng = np.random.default_rng(seed)
-    grid = rng.permutation(12)[:6].reshape(3, 2)
+    _, model, rng, grid, _ = start(12, Shape(3, 2), seed)
     kicked = perturb(grid, 12, model.group_cost, rng)
     assert kicked.shape == grid.shape
     assert len(set(kicked.ravel())) == 6 and set(kicked.ravel()) <= set(range(12))
@@ -59,19 +61,24 @@ def test_a_lane_kick_brings_in_a_tight_standby_cluster():
     for seed in range(40):
         kicked = perturb(grid, 12, model.group_cost, np.random.default_rng(seed))
         for lane in range(2):
-            if set(kicked[:, lane]) <= standby and (kicked[:, 1 - lane] == grid[:, 1 - lane]).all():
+            incoming = set(int(d) for d in kicked[:, lane])
+            if incoming <= standby and (kicked[:, 1 - lane] == grid[:, 1 - lane]).all():
                 lane_kicks += 1
+                # A tight cluster: some incoming device and the standby devices it is best
+                # connected to, nothing else.
+                others = sorted(standby)
+                assert any(
+                    incoming == {others[k] for k in np.argsort(model.group_cost[c, others], kind="stable")[:3]}
+                    for c in incoming
+                )
     assert lane_kicks > 0
 
 
+@pytest.mark.parametrize("limit", [64, 6])  # 6: fewer screened than partners, the sampled path
 @pytest.mark.parametrize("seed", range(5))
-def test_local_search_never_makes_a_grid_worse(seed):
-    p = problem(16, seed)
-    model = make_model(p, PlannerConfig(), Shape(3, 4))
-    rng = np.random.default_rng(seed)
-    grid = rng.permutation(16)[:12].reshape(3, 4)
-    cost = float(model.batch_cost(grid[None])[0])
-    better, new_cost = local_search(p, model, grid, cost, 64, rng, deadline=np.inf)
+def test_local_search_never_makes_a_grid_worse(seed, limit):
+    p, model, rng, grid, cost = start(16, Shape(3, 4), seed)
+    better, new_cost = local_search(p, model, grid, cost, limit, rng, deadline=np.inf)
     assert new_cost <= cost
     assert new_cost == pytest.approx(float(model.batch_cost(better[None])[0]))
     assert len(set(better.ravel())) == 12

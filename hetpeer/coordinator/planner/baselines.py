@@ -13,6 +13,7 @@ import math
 
 import numpy as np
 
+from hetpeer.coordinator.planner.grid import layouts
 from hetpeer.coordinator.planner.problem import PlanningError, Problem, Shape
 from hetpeer.coordinator.planner.search import CostModel
 
@@ -28,12 +29,12 @@ def random_grids(problem: Problem, shape: Shape, count: int, rng: np.random.Gene
 
 
 def blocks_grid(shape: Shape) -> np.ndarray:
-    return np.arange(shape.devices).reshape(shape.stages, shape.group_size)
+    return layouts(shape, np.arange(shape.devices))[0]
 
 
 def strided_grid(shape: Shape) -> np.ndarray:
     """Group j = devices j, j + S, j + 2S, ...: lane l holds devices l S .. l S + S - 1."""
-    return np.arange(shape.devices).reshape(shape.group_size, shape.stages).T.copy()
+    return layouts(shape, np.arange(shape.devices))[1]
 
 
 def exhaustive(problem: Problem, model: CostModel) -> tuple[np.ndarray, float]:

@@ -260,8 +260,9 @@ def local_search(
     grid = grid.copy()
     cells = S * m
     standby = np.setdiff1d(np.arange(problem.n), grid.ravel())
-    # Mean group cost of every device to each stage's group, refreshed for the rows a swap changes.
-    attachment = model.group_cost[:, grid].mean(axis=2) if problem.n + 1 > max_candidates else None
+    # Mean group cost of every device to each stage's group, refreshed for the rows a swap changes;
+    # needed only when a cell has more swap partners (every other device) than are screened.
+    attachment = model.group_cost[:, grid].mean(axis=2) if problem.n - 1 > max_candidates else None
     look = np.ones(cells, dtype=bool)  # "don't look" bits: cells whose surroundings have not changed rest
     while look.any() and clock() < deadline:
         for cell in rng.permutation(cells):

@@ -27,7 +27,8 @@ For a grid (rows = stages in order, columns = lanes), with M micro-batches per l
   incoming bandwidth from a current holder; the slowest such move, spread over `horizon_steps`
   steps, is added to the objective, so a plan must be worth its move.
 
-Costs are evaluated on batches of grids, (K, S, m) -> (K,), in O(K (S m log m + L S)).
+Costs are evaluated on batches of grids, (K, S, m) -> (K,), in O(K S m log m) plus a few greedy
+layer placements per grid (the split starts from its continuous bound).
 """
 
 from __future__ import annotations
