@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -17,6 +19,9 @@ from hetpeer.coordinator.planner import PlannerConfig, PlanningError, Problem, m
 from hetpeer.coordinator.planner.baselines import baseline_costs
 from hetpeer.coordinator.planner.render import format_plan
 from hetpeer.coordinator.planner.timemodel import SYNC_CHOICES
+from hetpeer.peer.node import LINK_CHOICES
+from hetpeer.protocol.addresses import AddressBook
+from hetpeer.protocol.frame import CODECS
 from hetpeer.protocol.plan import COST_MODELS, Plan
 from hetpeer.protocol.topology import Topology
 from hetpeer.protocol.wire import SchemaError
@@ -83,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     work.add_argument("--layers", type=_positive_int, metavar="N", help="number of transformer layers (default: the preset's)")
     work.add_argument("--batch", type=_positive_int, default=512, metavar="N", help="global batch in sequences (default 512)")
     work.add_argument("--micro-batch", type=_positive_int, default=1, metavar="N", help="micro-batch in sequences (default 1)")
-    work.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="fp16", help="training dtype (default fp16)")
+    work.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="training dtype (default bf16)")
     model = plan.add_argument_group("cost model")
     model.add_argument("--cost-model", choices=COST_MODELS, default="time",
                        help="time: predicted seconds per step (default); dtfm: the paper's communication cost")
@@ -107,7 +112,67 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the plan as the protocol's Plan object")
     plan.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     plan.set_defaults(run=run_plan)
+
+    join = commands.add_parser(
+        "join",
+        help="run one peer of a plan",
+        description="Start one peer: listen for its lane neighbours, run its stage of the plan for --steps steps "
+        "with the 1F1B schedule, and print a line per step. The address book (written by `hetpeer launch`, "
+        "or by hand for a fixed set of machines) says where every peer of the plan can be reached.",
+    )
+    join.add_argument("--plan", type=Path, required=True, metavar="PLAN.json", help="the plan to run (from `hetpeer plan --json`)")
+    join.add_argument("--as", dest="device_id", required=True, metavar="DEVICE", help="this peer's device id in the plan")
+    join.add_argument("--peers", type=Path, required=True, metavar="ADDRESSES.json", help="the address book (see docs/pipeline.md)")
+    join.add_argument("--listen", metavar="HOST:PORT", help="where to accept direct connections (default: this peer's address in the book)")
+    join.add_argument("--identity", metavar="KEY", help="this peer's P2P private key file (needed when the book gives it a P2P address)")
+    _add_link_option(join)
+    _add_run_options(join)
+    join.set_defaults(run=run_join)
+
+    launch = commands.add_parser(
+        "launch",
+        help="run every peer of a plan on this machine",
+        description="Start every peer of a plan on this machine as separate `hetpeer join` processes, with ports "
+        "and P2P keys of their own, show their output, and stop them all when one fails or on Ctrl+C.",
+    )
+    launch.add_argument("plan", type=Path, metavar="PLAN.json", help="the plan to run (from `hetpeer plan --json`)")
+    launch.add_argument("--out", type=Path, metavar="DIR", help="folder for the address book, keys and logs (default: a new temporary folder)")
+    _add_link_option(launch)
+    _add_run_options(launch)
+    launch.set_defaults(run=run_launch)
     return parser
+
+
+def _add_link_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--link", choices=LINK_CHOICES, default="auto",
+                        help="how peers reach each other: auto (direct TCP, falling back to hivemind P2P; default), tcp or p2p")
+
+
+def _add_run_options(parser: argparse.ArgumentParser) -> None:
+    run = parser.add_argument_group("training")
+    run.add_argument("--steps", type=_positive_int, default=20, metavar="N", help="optimizer steps to run (default 20)")
+    run.add_argument("--data", type=Path, metavar="PATH", help="folder (or file) of text to train on (default: the Python standard library's sources)")
+    run.add_argument("--device", default="cpu", metavar="DEVICE", help="torch device, e.g. cpu or cuda:0 (default cpu)")
+    run.add_argument("--lr", type=_positive_float, default=3e-4, metavar="LR", help="AdamW learning rate (default 3e-4)")
+    run.add_argument("--seed", type=_non_negative_int, default=0, metavar="N", help="seed of the initial weights and the data order (default 0)")
+    run.add_argument("--timeout", type=_positive_float, default=60.0, metavar="SECONDS",
+                     help="deadline for every tensor a peer waits for (default 60)")
+    run.add_argument("--compress", choices=CODECS, default="raw",
+                     help="how activations and gradients travel: raw (default), fp16, bf16 or int8")
+    run.add_argument("--threads", type=_positive_int, metavar="N", help="torch threads per peer (default: torch's)")
+
+
+def _run_options(args: argparse.Namespace) -> list[str]:
+    """The training options of `hetpeer launch`, passed on to each `hetpeer join`."""
+    passed = ["--steps", str(args.steps), "--device", args.device, "--lr", repr(args.lr), "--seed", str(args.seed),
+              "--timeout", repr(args.timeout), "--compress", args.compress]
+    if args.data is not None:
+        passed += ["--data", str(args.data)]
+    return passed
+
+
+def _load_plan(path: Path) -> Plan:
+    return Plan.from_wire(_read_json(path, "plan file"))
 
 
 def _read_json(path: Path, what: str) -> Any:
@@ -163,6 +228,53 @@ def run_plan(args: argparse.Namespace) -> int:
     baselines = baseline_costs(problem, model, args.random_samples, np.random.default_rng(args.seed))
     print(format_plan(solution.plan, baselines, args.random_samples))
     return 0
+
+
+def run_join(args: argparse.Namespace) -> int:
+    from hetpeer.peer import node
+    from hetpeer.peer.data.corpus import CorpusError
+    from hetpeer.peer.pipeline.worker import WorkerConfig
+    from hetpeer.peer.transport import TransportError
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stdout)
+    logging.getLogger("hivemind").setLevel(logging.WARNING)
+    try:
+        setup = node.PeerSetup(
+            device_id=args.device_id,
+            plan=_load_plan(args.plan),
+            book=AddressBook.load(args.peers),
+            worker=WorkerConfig(device=args.device, seed=args.seed, lr=args.lr, timeout_s=args.timeout, codec=args.compress),
+            steps=args.steps,
+            links=args.link,
+            listen=_host_port(args.listen) if args.listen else None,
+            identity_path=args.identity,
+            data=str(args.data) if args.data else None,
+            threads=args.threads,
+        )
+        node.run(setup, lambda line: print(line, flush=True))
+    except (node.PeerSetupError, CorpusError) as error:
+        raise UserError(str(error)) from None
+    except ValueError as error:  # the worker refuses a plan it cannot run (dtype, device)
+        raise UserError(str(error)) from None
+    except TransportError as error:
+        print(f"hetpeer join: {args.device_id} stopped: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_launch(args: argparse.Namespace) -> int:
+    from hetpeer.peer.launch import launch
+
+    plan = _load_plan(args.plan)
+    out = args.out or Path(tempfile.mkdtemp(prefix="hetpeer-launch-"))
+    return launch(args.plan.resolve(), plan, out, args.steps, args.link, _run_options(args), lambda line: print(line, flush=True))
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise UserError(f"--listen must be HOST:PORT, got {text!r}")
+    return host or "0.0.0.0", int(port)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -80,6 +80,25 @@ class Plan:
         return tuple(d for stage in self.stages for d in stage.devices)
 
     @property
+    def lane_batch(self) -> int:
+        """Sequences each lane processes per step: the batch split over the lanes, rounded up."""
+        return -(-self.batch // self.group_size)
+
+    @property
+    def micro_batch_sizes(self) -> tuple[int, ...]:
+        """Sequences in each of a lane's micro-batches; the last one takes what is left."""
+        return (self.micro_batch,) * (self.micro_batches - 1) + (
+            self.lane_batch - self.micro_batch * (self.micro_batches - 1),
+        )
+
+    def position(self, device: str) -> tuple[int, int]:
+        """(stage, lane) of a device in the plan; KeyError for a device on standby or not in the plan."""
+        for stage in self.stages:
+            if device in stage.devices:
+                return stage.index, stage.devices.index(device)
+        raise KeyError(f"device {device!r} holds no stage in plan epoch {self.epoch}")
+
+    @property
     def total_s(self) -> float:
         return self.cost.get("total_s", math.nan)
 
@@ -199,6 +218,13 @@ def _check(plan: Plan) -> None:
             if device in seen:
                 raise SchemaError(f"{path}.devices", f"device {device!r} appears more than once in the plan")
             seen.add(device)
+    lane_batch = -(-plan.batch // lanes)
+    if plan.micro_batch > lane_batch or plan.micro_batches != -(-lane_batch // plan.micro_batch):
+        raise SchemaError(
+            "plan.micro_batches",
+            f"{plan.micro_batches} micro-batches of {plan.micro_batch} do not cover a lane's {lane_batch} sequences "
+            f"(batch {plan.batch} over {lanes} lanes) exactly once",
+        )
     if expected_start != plan.layers:
         raise SchemaError("plan.stages", f"cover layers [0, {expected_start}) but the model has {plan.layers}")
     for device in plan.standby:

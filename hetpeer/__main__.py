@@ -1,0 +1,5 @@
+import sys
+
+from hetpeer.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""The peer runtime: a model stage, its data, the transport between stages, and gossip within a group."""

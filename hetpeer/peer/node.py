@@ -1,0 +1,123 @@
+"""The peer behind `hetpeer join`: set up the transport and the stage worker, then run the plan's steps.
+
+This version follows a static plan and address book given as files; announcing itself and following
+the coordinator's plans through the DHT build on the same pieces.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from hetpeer.peer.data.corpus import Corpus
+from hetpeer.peer.pipeline.worker import StageWorker, StepResult, WorkerConfig
+from hetpeer.peer.transport.network import Link, NetworkTransport, P2PLink, TcpLink
+from hetpeer.protocol.addresses import AddressBook
+from hetpeer.protocol.plan import Plan
+
+log = logging.getLogger("hetpeer.peer")
+LINK_CHOICES = ("auto", "tcp", "p2p")
+
+
+class PeerSetupError(ValueError):
+    """The peer's own configuration does not fit the plan or the address book."""
+
+
+@dataclass(frozen=True, slots=True)
+class PeerSetup:
+    device_id: str
+    plan: Plan
+    book: AddressBook
+    worker: WorkerConfig
+    steps: int
+    links: str = "auto"  # auto: direct TCP, falling back to P2P
+    listen: tuple[str, int] | None = None  # where to accept TCP; default: this peer's address in the book
+    identity_path: str | None = None  # P2P private key; its peer id must be the book's
+    data: str | None = None  # corpus folder; default: the Python standard library's sources
+    threads: int | None = None  # torch intra-op threads
+
+    def __post_init__(self) -> None:
+        if self.links not in LINK_CHOICES:
+            raise PeerSetupError(f"links must be one of {', '.join(LINK_CHOICES)}, got {self.links!r}")
+        if self.steps < 1:
+            raise PeerSetupError(f"steps must be at least 1, got {self.steps}")
+        try:
+            self.plan.position(self.device_id)
+            address = self.book.get(self.device_id)
+        except KeyError as error:
+            raise PeerSetupError(error.args[0]) from None
+        if self.links in ("auto", "tcp") and address.direct is None and self.listen is None:
+            raise PeerSetupError(f"{self.device_id} has no direct address in the book; give --listen or use --link p2p")
+        if self.links in ("auto", "p2p") and address.p2p:
+            if self.identity_path is None:
+                raise PeerSetupError(f"the book gives {self.device_id} a P2P identity; give its key file (--identity)")
+            own = p2p_peer_id(self.identity_path)
+            if own != address.p2p_peer_id:
+                raise PeerSetupError(
+                    f"key {self.identity_path} is P2P peer {own}, the book says {self.device_id} is {address.p2p_peer_id}"
+                )
+        if self.links == "p2p" and not address.p2p:
+            raise PeerSetupError(f"{self.device_id} has no P2P address in the book")
+
+
+def p2p_peer_id(identity_path: str) -> str:
+    from hivemind.p2p import PeerID
+
+    try:
+        return PeerID.from_identity(Path(identity_path).read_bytes()).to_base58()
+    except OSError as error:
+        raise PeerSetupError(f"cannot read P2P key {identity_path}: {error.strerror or error}") from None
+
+
+def build_transport(setup: PeerSetup) -> NetworkTransport:
+    address = setup.book.get(setup.device_id)
+    links: list[Link] = []
+    if setup.links in ("auto", "tcp"):
+        host, port = setup.listen or address.direct
+        links.append(TcpLink(host, port, advertise_host=address.direct[0] if address.direct else None))
+    if setup.links in ("auto", "p2p") and address.p2p:
+        host_maddrs = [maddr.rsplit("/p2p/", 1)[0] for maddr in address.p2p]
+        links.append(P2PLink(identity_path=setup.identity_path, host_maddrs=host_maddrs))
+    return NetworkTransport(
+        setup.device_id, setup.book, links, connect_timeout_s=setup.worker.timeout_s
+    )
+
+
+def run(setup: PeerSetup, report: Callable[[str], None]) -> list[StepResult]:
+    """Run `setup.steps` steps of the plan; raises TransportTimeout/PeerUnreachable when a neighbour fails."""
+    if setup.threads is not None:
+        torch.set_num_threads(setup.threads)
+    stage, lane = setup.plan.position(setup.device_id)
+    corpus = None
+    if stage == 0:
+        corpus = Corpus.from_folder(setup.data) if setup.data else Corpus.default()
+        report(f"data: {corpus.description}")
+    results = []
+    with build_transport(setup) as transport:
+        worker = StageWorker(setup.plan, setup.device_id, transport, corpus, setup.worker)
+        params = sum(p.numel() for p in worker.model.parameters())
+        report(
+            f"stage {stage + 1}/{len(setup.plan.stages)} (layers {worker.model.layer_start}-"
+            f"{worker.model.layer_end - 1}, {params:,} parameters), lane {lane + 1}/{setup.plan.group_size}, "
+            f"on {setup.worker.device}"
+        )
+        for _ in range(setup.steps):
+            started = time.perf_counter()
+            result = worker.train_step()
+            results.append(result)
+            report(format_step(result, time.perf_counter() - started, setup.plan.start_step + setup.steps))
+        report(f"routes: {', '.join(f'{d} over {link}' for d, link in sorted(transport.routes.items())) or 'none'}")
+    return results
+
+
+def format_step(result: StepResult, seconds: float, last_step: int) -> str:
+    loss = f"loss {result.loss:.4f}" if result.loss is not None else "loss -"
+    return (
+        f"step {result.step + 1}/{last_step}  {loss}  {result.tokens / seconds:,.0f} tok/s  "
+        f"{seconds:.2f} s (compute {result.compute_s:.2f}, wait {result.wait_s:.2f})"
+    )

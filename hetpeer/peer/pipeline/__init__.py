@@ -1,0 +1,1 @@
+"""The stage worker and its micro-batch schedule."""

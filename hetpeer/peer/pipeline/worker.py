@@ -1,0 +1,199 @@
+"""The stage worker: one peer's share of a lane, run step by step under a plan.
+
+A step is `compute` (the 1F1B schedule over the lane's micro-batches: receive, forward, send; then
+backward in reverse, accumulating gradients) followed by `apply` (the optimizer step). They are
+separate so data-parallel sync can sit between them. Stage 0 reads its lane's data and sends the
+labels along the lane with the activations; the last stage computes the loss, scaled so the
+accumulated gradient is that of the mean loss over the lane's batch.
+
+The worker tells its transport what it accepts (`accept`): from the previous peer of its lane,
+activations and labels; from the next, gradients; each of the shape, dtype, epoch and step the plan
+implies. Every receive has the configured deadline, so a dead neighbour raises `TransportTimeout`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hetpeer.peer.data.corpus import Corpus
+from hetpeer.peer.model.gpt import build_stage
+from hetpeer.peer.pipeline.schedule import FORWARD, one_f_one_b
+from hetpeer.peer.transport.base import Transport
+from hetpeer.peer.transport.codec import TORCH_DTYPES
+from hetpeer.protocol.frame import CODECS, FrameHeader
+from hetpeer.protocol.plan import Plan
+from hetpeer.protocol.workload import preset
+
+COMPUTE_DTYPES = ("fp32", "bf16")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    device: str = "cpu"  # torch device of this peer
+    seed: int = 0  # model initialisation and data order
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    timeout_s: float = 60.0  # deadline for every frame this peer waits for
+    codec: str = "raw"  # how activations and gradients travel: raw, fp16, bf16 or int8
+
+    def __post_init__(self) -> None:
+        if self.codec not in CODECS:
+            raise ValueError(f"codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if not self.lr > 0 or self.weight_decay < 0:
+            raise ValueError(f"lr must be positive and weight_decay non-negative, got {self.lr}, {self.weight_decay}")
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    step: int
+    loss: float | None  # the lane's mean loss; known on the last stage only
+    sequences: int
+    tokens: int
+    compute_s: float  # forward and backward
+    wait_s: float  # blocked on neighbours
+
+
+class StageWorker:
+    def __init__(self, plan: Plan, device_id: str, transport: Transport, corpus: Corpus | None, config: WorkerConfig):
+        if plan.dtype not in COMPUTE_DTYPES:
+            raise ValueError(
+                f"plan dtype {plan.dtype} is not supported by the runtime (it runs {', '.join(COMPUTE_DTYPES)}; "
+                "fp16 would need loss scaling): plan with --dtype bf16 or fp32"
+            )
+        self.plan, self.device_id, self.transport, self.config = plan, device_id, transport, config
+        self.stage, self.lane = plan.position(device_id)
+        stage_plan = plan.stages[self.stage]
+        self.spec = preset(plan.model, plan.layers)
+        lane = plan.lanes[self.lane]
+        self.previous = lane[self.stage - 1] if self.stage > 0 else None
+        self.next = lane[self.stage + 1] if self.stage + 1 < len(lane) else None
+        if self.previous is None and corpus is None:
+            raise ValueError(f"{device_id} holds stage 0 and needs a corpus to read")
+        self.corpus = corpus
+        self.model = build_stage(self.spec, stage_plan.layer_start, stage_plan.layer_end, config.seed, config.device)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
+        )
+        self.schedule = one_f_one_b(self.stage, len(plan.stages), plan.micro_batches)
+        self.sizes = plan.micro_batch_sizes
+        self.step = plan.start_step
+        self._dtype = TORCH_DTYPES[plan.dtype]
+        transport.set_policy(self.accept)
+
+    # -- what this peer takes from the network --------------------------------------------------
+    def accept(self, header: FrameHeader) -> str | None:
+        """Why a frame is not what the plan says this peer should get, or None if it is."""
+        if header.sender == self.previous:
+            allowed = ("activation", "labels")
+        elif header.sender == self.next:
+            allowed = ("gradient",)
+        else:
+            return f"{header.sender} is not a neighbour of {self.device_id} in lane {self.lane}"
+        if header.kind not in allowed:
+            return f"{header.kind} is not expected from {header.sender}"
+        if header.epoch != self.plan.epoch:
+            return f"plan epoch {header.epoch}, this peer runs epoch {self.plan.epoch}"
+        if not self.step <= header.step <= self.step + 1:
+            return f"step {header.step} is not {self.step} or the next"
+        if header.micro >= len(self.sizes):
+            return f"micro-batch {header.micro} of {len(self.sizes)}"
+        rows = (self.sizes[header.micro], self.spec.seq_len)
+        shape, dtype = (rows, "int64") if header.kind == "labels" else ((*rows, self.spec.hidden), self.plan.dtype)
+        if header.shape != shape or header.dtype != dtype:
+            return f"{header.kind} is {header.dtype}{list(header.shape)}, expected {dtype}{list(shape)}"
+        return None
+
+    # -- one step ---------------------------------------------------------------------------------
+    def compute(self) -> StepResult:
+        """Forward and backward over the lane's micro-batches; gradients are left in `.grad`."""
+        self.optimizer.zero_grad(set_to_none=True)
+        step, timeout = self.step, self.config.timeout_s
+        data = self._lane_data(step)
+        held: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        loss_sum = torch.zeros((), device=self.config.device)
+        wait_s = 0.0
+        started = time.perf_counter()
+        for op, micro in self.schedule:
+            if op == FORWARD:
+                tick = time.perf_counter()
+                if data is not None:
+                    x, labels = data[micro]
+                    inputs = None
+                else:
+                    x = self._recv("activation", self.previous, step, micro).requires_grad_()
+                    labels = self._recv("labels", self.previous, step, micro)
+                    inputs = x
+                wait_s += time.perf_counter() - tick
+                with self._autocast():
+                    y = self.model(x)
+                    if self.next is None:
+                        y = self.model.loss(y, labels) * (self.sizes[micro] / self.plan.lane_batch)
+                        loss_sum += y.detach()
+                if self.next is not None:
+                    self._send("activation", self.next, y.detach().to(self._dtype), micro)
+                    self._send("labels", self.next, labels, micro)
+                held[micro] = (inputs, y)
+            else:
+                inputs, y = held.pop(micro)
+                if self.next is None:
+                    y.backward()
+                else:
+                    tick = time.perf_counter()
+                    grad = self._recv("gradient", self.next, step, micro)
+                    wait_s += time.perf_counter() - tick
+                    y.backward(grad.to(y.dtype))
+                if inputs is not None:
+                    self._send("gradient", self.previous, inputs.grad, micro)
+        tick = time.perf_counter()
+        self.transport.flush(timeout)
+        wait_s += time.perf_counter() - tick
+        sequences = self.plan.lane_batch
+        return StepResult(
+            step=step,
+            loss=float(loss_sum) if self.next is None else None,
+            sequences=sequences,
+            tokens=sequences * self.spec.seq_len,
+            compute_s=time.perf_counter() - started - wait_s,
+            wait_s=wait_s,
+        )
+
+    def apply(self) -> None:
+        """The optimizer step that closes the current step."""
+        self.optimizer.step()
+        self.step += 1
+        self.transport.inbox.discard_before(self.step)
+
+    def train_step(self) -> StepResult:
+        result = self.compute()
+        self.apply()
+        return result
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _lane_data(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        if self.previous is not None:
+            return None
+        batch = self.corpus.batch(self.lane, step, self.plan.lane_batch, self.spec.seq_len, seed=self.config.seed)
+        device = self.config.device
+        return [
+            (torch.from_numpy(part.tokens).to(device), torch.from_numpy(part.labels).to(device))
+            for part in batch.split(self.sizes)
+        ]
+
+    def _recv(self, kind: str, sender: str, step: int, micro: int) -> torch.Tensor:
+        tensor = self.transport.recv(kind, sender, step, micro, self.config.timeout_s)
+        return tensor.to(self.config.device)
+
+    def _send(self, kind: str, to: str, tensor: torch.Tensor, micro: int) -> None:
+        self.transport.send(to, kind, tensor, step=self.step, micro=micro, epoch=self.plan.epoch, codec=self.config.codec)
+
+    def _autocast(self):
+        if self.plan.dtype == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(torch.device(self.config.device).type, dtype=self._dtype)

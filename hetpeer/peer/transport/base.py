@@ -1,0 +1,69 @@
+"""What the pipeline and gossip code see of the network: send a tensor to a peer, receive an expected one.
+
+Implementations: `NetworkTransport` (a direct TCP path with hivemind P2P as the fallback) and
+`MemoryTransport` (in-process, for tests and simulations). Both run every frame through the same
+encoding and the same `Inbox` checks, so what a test sees is what the network does.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from hetpeer.peer.transport.codec import checksum, encode
+from hetpeer.peer.transport.inbox import Inbox, Policy
+from hetpeer.protocol.frame import FrameHeader
+
+DEFAULT_MAX_FRAME_BYTES = 1 << 30
+
+
+class Transport(ABC):
+    def __init__(self, device: str, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+        self.device = device
+        self.inbox = Inbox(device, max_frame_bytes=max_frame_bytes)
+
+    def set_policy(self, policy: Policy) -> None:
+        """What this peer accepts: a function of the header that returns a reason to refuse, or None."""
+        self.inbox.policy = policy
+
+    def send(
+        self, to: str, kind: str, tensor: torch.Tensor, *, step: int, micro: int = 0, epoch: int = 0, codec: str = "raw"
+    ) -> None:
+        """Queue a copy of `tensor` for `to` and return; delivery errors surface at a later send or `flush`."""
+        dtype, payload = encode(tensor, codec)
+        header = FrameHeader(
+            kind=kind,
+            dtype=dtype,
+            shape=tuple(tensor.shape),
+            sender=self.device,
+            step=step,
+            micro=micro,
+            epoch=epoch,
+            codec=codec if dtype in ("fp32", "fp16", "bf16") else "raw",
+            checksum=checksum(payload),
+        )
+        self._send(to, header, payload)
+
+    def recv(self, kind: str, sender: str, step: int, micro: int, timeout_s: float) -> torch.Tensor:
+        return self.inbox.recv(kind, sender, step, micro, timeout_s)
+
+    @abstractmethod
+    def _send(self, to: str, header: FrameHeader, payload: bytes) -> None: ...
+
+    @abstractmethod
+    def flush(self, timeout_s: float) -> None:
+        """Block until every queued frame has left, or raise the error that stopped one."""
+
+    @abstractmethod
+    def start(self) -> None: ...
+
+    @abstractmethod
+    def shutdown(self) -> None: ...
+
+    def __enter__(self) -> "Transport":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

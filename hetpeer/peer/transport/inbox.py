@@ -1,0 +1,114 @@
+"""The receiving side of a peer: frames are checked, then wait in a mailbox until the worker asks.
+
+Every frame passes three gates before anything uses it: the frame limit (checked on the header,
+before a byte of payload is read), the receiver's policy (what the plan says this peer should get:
+sender, kind, shape, dtype, step), and the payload itself (checksum, finiteness). A frame that fails
+is dropped with a logged reason and its claimed sender is counted as misbehaving; the worker never
+sees it. `recv` blocks for one expected frame with a deadline, so a silent peer raises
+`TransportTimeout` instead of hanging.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Callable
+
+import torch
+
+from hetpeer.peer.transport.codec import decode
+from hetpeer.protocol.frame import FrameError, FrameHeader
+
+log = logging.getLogger("hetpeer.transport")
+
+Policy = Callable[[FrameHeader], "str | None"]
+Key = tuple[str, str, int, int]  # kind, sender, step, micro-batch
+
+
+class TransportError(RuntimeError):
+    """Moving tensors between peers failed."""
+
+
+class TransportTimeout(TransportError, TimeoutError):
+    """An expected frame did not arrive before its deadline."""
+
+
+class PeerUnreachable(TransportError):
+    """No link reached the peer, or the connection to it broke and could not be rebuilt."""
+
+
+def accept_all(header: FrameHeader) -> str | None:
+    return None
+
+
+class Inbox:
+    def __init__(self, device: str, *, max_frame_bytes: int, policy: Policy = accept_all) -> None:
+        if max_frame_bytes < 1:
+            raise ValueError(f"max_frame_bytes must be positive, got {max_frame_bytes}")
+        self.device = device
+        self.max_frame_bytes = max_frame_bytes
+        self.policy = policy
+        self.misbehaving: collections.Counter[str] = collections.Counter()
+        self.rejections: collections.deque[tuple[str, str]] = collections.deque(maxlen=256)
+        self._frames: dict[Key, torch.Tensor] = {}
+        self._arrived = threading.Condition()
+
+    def screen(self, header: FrameHeader, authenticated: str | None = None) -> str | None:
+        """Why a frame must be refused before its payload is read, or None to read it."""
+        if header.payload_bytes > self.max_frame_bytes:
+            return f"payload of {header.payload_bytes} bytes is over the {self.max_frame_bytes}-byte frame limit"
+        if authenticated is not None and header.sender != authenticated:
+            return f"sender claims to be {header.sender!r} on a stream from {authenticated!r}"
+        try:
+            return self.policy(header)
+        except Exception as error:  # a policy bug must not kill the receiving loop
+            log.exception("frame policy failed")
+            return f"policy failed: {error!r}"
+
+    def offer(self, header: FrameHeader, payload: bytearray | bytes) -> bool:
+        """Decode and deliver a screened frame; False (logged, counted) when its payload is bad."""
+        try:
+            tensor = decode(header, payload)
+        except FrameError as error:
+            self.reject(header.sender, f"{header.kind} step {header.step} micro {header.micro}: {error}")
+            return False
+        key = (header.kind, header.sender, header.step, header.micro)
+        with self._arrived:
+            if key in self._frames:
+                duplicate = True
+            else:
+                duplicate = False
+                self._frames[key] = tensor
+                self._arrived.notify_all()
+        if duplicate:
+            self.reject(header.sender, f"duplicate {header.kind} for step {header.step} micro {header.micro}")
+        return not duplicate
+
+    def reject(self, sender: str, reason: str) -> None:
+        self.misbehaving[sender] += 1
+        self.rejections.append((sender, reason))
+        log.warning("%s rejected a frame from %s: %s", self.device, sender, reason)
+
+    def recv(self, kind: str, sender: str, step: int, micro: int, timeout_s: float) -> torch.Tensor:
+        key = (kind, sender, step, micro)
+        deadline = time.monotonic() + timeout_s
+        with self._arrived:
+            while key not in self._frames:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransportTimeout(
+                        f"{self.device}: no {kind} for step {step} micro-batch {micro} "
+                        f"from {sender} within {timeout_s:g} s"
+                    )
+                self._arrived.wait(left)
+            return self._frames.pop(key)
+
+    def discard_before(self, step: int) -> int:
+        """Drop frames of steps before `step` (left by a lane that timed out); how many were dropped."""
+        with self._arrived:
+            stale = [key for key in self._frames if key[2] < step]
+            for key in stale:
+                del self._frames[key]
+        return len(stale)

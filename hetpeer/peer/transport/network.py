@@ -1,0 +1,407 @@
+"""The networked transport: one asyncio loop thread per peer moves frames over the links it has.
+
+Links are tried in order for each destination, so `[TcpLink(), P2PLink()]` means: use the direct TCP
+path when the peer is reachable at its direct address, fall back to hivemind P2P (which works behind
+NAT through relays) when it is not. Frames to one destination leave in the order they were sent, from
+a queue of their own, so compute never waits for the network; `flush` waits for the queues.
+
+The direct path reads payloads straight into their final buffer (`sock_recv_into`): on loopback it
+runs at most of a raw socket's speed, where P2P streams copy through the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Awaitable, Callable, Sequence
+
+from hetpeer.peer.transport.base import DEFAULT_MAX_FRAME_BYTES, Transport
+from hetpeer.peer.transport.inbox import PeerUnreachable, TransportError
+from hetpeer.protocol.addresses import AddressBook, PeerAddress
+from hetpeer.protocol.frame import PREFIX, FrameError, FrameHeader, decode_header, header_length
+
+log = logging.getLogger("hetpeer.transport")
+P2P_PROTOCOL = "/hetpeer/frames/1"
+
+
+class Stream(ABC):
+    remote: str  # for logs
+    authenticated: str | None  # the device at the other end, when the link proves it
+
+    @abstractmethod
+    async def read_exactly(self, n: int) -> bytearray:
+        """Exactly n bytes, or ConnectionError when the stream ends first."""
+
+    @abstractmethod
+    async def write(self, parts: Sequence[bytes]) -> None: ...
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+Serve = Callable[[Stream], Awaitable[None]]
+Identify = Callable[[str], "str | None"]
+
+
+class Link(ABC):
+    name: str
+    errors: tuple[type[BaseException], ...]  # what `open` raises when the peer is not reachable this way
+
+    @abstractmethod
+    async def start(self, device: str, identify: Identify, serve: Serve) -> None:
+        """Listen; `identify` maps an authenticated P2P peer id to a device id (None: a stranger)."""
+
+    @abstractmethod
+    def address(self) -> PeerAddress:
+        """How others reach this peer over this link (valid after start)."""
+
+    @abstractmethod
+    def reaches(self, address: PeerAddress) -> bool: ...
+
+    @abstractmethod
+    async def open(self, address: PeerAddress) -> Stream: ...
+
+    @abstractmethod
+    async def shutdown(self) -> None: ...
+
+
+class _SocketStream(Stream):
+    def __init__(self, sock: socket.socket, remote: str) -> None:
+        self.sock, self.remote, self.authenticated = sock, remote, None
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    async def read_exactly(self, n: int) -> bytearray:
+        loop = asyncio.get_running_loop()
+        buffer = bytearray(n)
+        view, got = memoryview(buffer), 0
+        while got < n:
+            chunk = await loop.sock_recv_into(self.sock, view[got:])
+            if chunk == 0:
+                raise ConnectionError(f"{self.remote} closed the connection")
+            got += chunk
+        return buffer
+
+    async def write(self, parts: Sequence[bytes]) -> None:
+        loop = asyncio.get_running_loop()
+        for part in parts:
+            await loop.sock_sendall(self.sock, part)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class TcpLink(Link):
+    """The direct path: plain TCP to the peer's announced host and port."""
+
+    name = "tcp"
+    errors = (OSError, asyncio.TimeoutError)
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None) -> None:
+        self.host, self.port, self.advertise_host = host, port, advertise_host
+        self._listener: socket.socket | None = None
+        self._accepting: asyncio.Task | None = None
+
+    async def start(self, device: str, identify: Identify, serve: Serve) -> None:
+        listener = socket.create_server((self.host, self.port), reuse_port=False)
+        listener.setblocking(False)
+        self._listener, self.port = listener, listener.getsockname()[1]
+        self._accepting = asyncio.create_task(self._accept(serve), name=f"{device}-tcp-accept")
+
+    async def _accept(self, serve: Serve) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            sock, peer = await loop.sock_accept(self._listener)
+            _spawn(serve(_SocketStream(sock, f"tcp {peer[0]}:{peer[1]}")), "tcp-serve")
+
+    def address(self) -> PeerAddress:
+        return PeerAddress(direct=(self.advertise_host or self.host, self.port))
+
+    def reaches(self, address: PeerAddress) -> bool:
+        return address.direct is not None
+
+    async def open(self, address: PeerAddress) -> Stream:
+        host, port = address.direct
+        reader_sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        reader_sock.setblocking(False)
+        try:
+            await asyncio.get_running_loop().sock_connect(reader_sock, (host, port))
+        except BaseException:
+            reader_sock.close()
+            raise
+        return _SocketStream(reader_sock, f"tcp {host}:{port}")
+
+    async def shutdown(self) -> None:
+        if self._accepting is not None:
+            self._accepting.cancel()
+        if self._listener is not None:
+            self._listener.close()
+
+
+class _P2PStream(Stream):
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, remote: str, device: str | None):
+        self.reader, self.writer, self.remote, self.authenticated = reader, writer, remote, device
+
+    async def read_exactly(self, n: int) -> bytearray:
+        try:
+            return bytearray(await self.reader.readexactly(n))
+        except asyncio.IncompleteReadError:
+            raise ConnectionError(f"{self.remote} closed the stream") from None
+
+    async def write(self, parts: Sequence[bytes]) -> None:
+        for part in parts:
+            self.writer.write(part)
+        await self.writer.drain()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class P2PLink(Link):
+    """hivemind P2P streams: libp2p with NAT traversal and relays; the remote peer id is authenticated."""
+
+    name = "p2p"
+
+    def __init__(self, identity_path: str | None = None, host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",)):
+        from hivemind.p2p import P2PDaemonError
+        from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
+
+        self.errors = (OSError, asyncio.TimeoutError, P2PDaemonError, ControlFailure)
+        self.identity_path, self.host_maddrs = identity_path, tuple(host_maddrs)
+        self.p2p = None
+        self._maddrs: tuple[str, ...] = ()
+
+    async def start(self, device: str, identify: Identify, serve: Serve) -> None:
+        from hivemind.p2p import P2P
+
+        self.p2p = await P2P.create(host_maddrs=self.host_maddrs, identity_path=self.identity_path)
+        self._maddrs = tuple(str(m) for m in await self.p2p.get_visible_maddrs())
+
+        async def handle(info, reader, writer) -> None:
+            peer_id = info.peer_id.to_base58()
+            sender = identify(peer_id)
+            stream = _P2PStream(reader, writer, f"p2p {peer_id}", sender)
+            if sender is None:
+                log.warning("%s refused a P2P stream from %s: not in the address book", device, peer_id)
+                stream.close()
+                return
+            await serve(stream)
+
+        await self.p2p.add_binary_stream_handler(P2P_PROTOCOL, handle)
+
+    def address(self) -> PeerAddress:
+        return PeerAddress(p2p=self._maddrs)
+
+    def reaches(self, address: PeerAddress) -> bool:
+        return bool(address.p2p)
+
+    async def open(self, address: PeerAddress) -> Stream:
+        from hivemind.p2p import PeerID
+        from hivemind.utils.multiaddr import Multiaddr
+
+        peer_id = PeerID.from_base58(address.p2p_peer_id)
+        # the daemon only dials peers it has addresses for; hivemind itself connects the same way
+        await self.p2p._client.connect(peer_id, [Multiaddr(m.rsplit("/p2p/", 1)[0]) for m in address.p2p])
+        _, reader, writer = await self.p2p.call_binary_stream_handler(peer_id, P2P_PROTOCOL)
+        return _P2PStream(reader, writer, f"p2p {address.p2p_peer_id}", None)
+
+    async def shutdown(self) -> None:
+        if self.p2p is None:
+            return
+        sockets = [self.p2p.daemon_listen_maddr, self.p2p._client_listen_maddr]
+        await self.p2p.shutdown()
+        for maddr in sockets:  # p2pd leaves its unix sockets behind
+            Path(str(maddr).removeprefix("/unix")).unlink(missing_ok=True)
+
+
+class NetworkTransport(Transport):
+    def __init__(
+        self,
+        device: str,
+        book: AddressBook,
+        links: Sequence[Link],
+        *,
+        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        connect_timeout_s: float = 10.0,
+    ) -> None:
+        if not links:
+            raise ValueError("a transport needs at least one link")
+        super().__init__(device, max_frame_bytes=max_frame_bytes)
+        self.book, self.links, self.connect_timeout_s = book, tuple(links), connect_timeout_s
+        self.routes: dict[str, str] = {}  # destination -> name of the link that reached it
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._pumps: dict[str, asyncio.Task] = {}
+        self._failures: dict[str, str] = {}
+
+    # -- life cycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"{self.device}-transport", daemon=True)
+        self._thread.start()
+        try:
+            self._call(self._start_links(), timeout_s=60)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    async def _start_links(self) -> None:
+        for link in self.links:
+            await link.start(self.device, lambda peer_id: self.book.device_of_p2p_id(peer_id), self._serve)
+
+    def address(self) -> PeerAddress:
+        """This peer's entry for the address book: every link's address together."""
+        parts = [link.address() for link in self.links]
+        direct = next((p.direct for p in parts if p.direct is not None), None)
+        return PeerAddress(direct=direct, p2p=tuple(m for p in parts for m in p.p2p))
+
+    def shutdown(self) -> None:
+        if self._loop is None:
+            return
+        if self._loop.is_running():
+            try:
+                self._call(self._stop(), timeout_s=30)
+            except (TimeoutError, TransportError) as error:
+                log.warning("%s: transport did not stop cleanly: %s", self.device, error)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+        self._loop.close()
+        self._loop = None
+
+    async def _stop(self) -> None:
+        for link in self.links:
+            await link.shutdown()
+        current = asyncio.current_task()
+        tasks = [task for task in asyncio.all_tasks() if task is not current]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _call(self, coroutine: Awaitable, timeout_s: float):
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        try:
+            return future.result(timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    # -- sending ------------------------------------------------------------------------------
+    def _send(self, to: str, header: FrameHeader, payload: bytes) -> None:
+        if to in self._failures:
+            raise PeerUnreachable(self._failures.pop(to))
+        self._loop.call_soon_threadsafe(self._enqueue, to, (header.encode(), payload))
+
+    def _enqueue(self, to: str, parts: tuple[bytes, bytes]) -> None:
+        if to not in self._queues:
+            self._queues[to] = asyncio.Queue()
+            self._pumps[to] = _spawn(self._pump(to, self._queues[to]), f"{self.device}->{to}")
+        self._queues[to].put_nowait(parts)
+
+    async def _pump(self, to: str, queue: asyncio.Queue) -> None:
+        stream: Stream | None = None
+        while True:
+            parts = await queue.get()
+            try:
+                if stream is None:
+                    stream = await self._connect(to)
+                await stream.write(parts)
+            except (PeerUnreachable, ConnectionError, OSError) as error:
+                dropped = 1 + queue.qsize()
+                self._failures[to] = f"{self.device}: sending to {to} failed, {dropped} frame(s) dropped: {error}"
+                log.warning("%s", self._failures[to])
+                if stream is not None:
+                    stream.close()
+                    stream = None
+                while not queue.empty():
+                    queue.get_nowait()
+                    queue.task_done()
+            finally:
+                queue.task_done()
+
+    async def _connect(self, to: str) -> Stream:
+        try:
+            address = self.book.get(to)
+        except KeyError as error:
+            raise PeerUnreachable(str(error.args[0])) from None
+        deadline = time.monotonic() + self.connect_timeout_s
+        tried: dict[str, str] = {}
+        while True:
+            for link in self.links:
+                if not link.reaches(address):
+                    continue
+                try:
+                    stream = await asyncio.wait_for(link.open(address), max(0.1, deadline - time.monotonic()))
+                except link.errors as error:
+                    tried[link.name] = str(error) or type(error).__name__
+                    continue
+                if self.routes.get(to) != link.name:
+                    log.info("%s reaches %s over %s", self.device, to, link.name)
+                self.routes[to] = link.name
+                return stream
+            if not tried:
+                raise PeerUnreachable(f"no link of {self.device} can use the addresses of {to}")
+            if time.monotonic() >= deadline:
+                reasons = "; ".join(f"{name}: {reason}" for name, reason in tried.items())
+                raise PeerUnreachable(f"cannot reach {to} within {self.connect_timeout_s:g} s ({reasons})")
+            await asyncio.sleep(0.1)  # the peer may still be starting
+
+    def flush(self, timeout_s: float) -> None:
+        self._call(self._drain(), timeout_s)
+        if self._failures:
+            to = next(iter(self._failures))
+            raise PeerUnreachable(self._failures.pop(to))
+
+    async def _drain(self) -> None:
+        for queue in list(self._queues.values()):
+            await queue.join()
+
+    # -- receiving ----------------------------------------------------------------------------
+    async def _serve(self, stream: Stream) -> None:
+        """Read frames off one stream until it ends; garbage or an oversize frame closes it."""
+        inbox = self.inbox
+        try:
+            while True:
+                try:
+                    prefix = await stream.read_exactly(PREFIX.size)
+                except ConnectionError:
+                    return  # closed between frames: the normal end
+                header = decode_header(await stream.read_exactly(header_length(bytes(prefix))))
+                reason = inbox.screen(header, stream.authenticated)
+                if header.payload_bytes > inbox.max_frame_bytes:
+                    inbox.reject(header.sender, f"{header.kind} step {header.step}: {reason}; connection closed")
+                    return
+                payload = await stream.read_exactly(header.payload_bytes)
+                if reason is not None:
+                    inbox.reject(header.sender, f"{header.kind} step {header.step} micro {header.micro}: {reason}")
+                    continue
+                inbox.offer(header, payload)
+        except FrameError as error:
+            inbox.reject(stream.authenticated or stream.remote, f"garbage on the stream: {error}; connection closed")
+        except ConnectionError as error:
+            log.info("%s: stream from %s ended inside a frame: %s", self.device, stream.remote, error)
+        finally:
+            stream.close()
+
+
+_tasks: set[asyncio.Task] = set()
+
+
+def _spawn(coroutine: Awaitable, name: str) -> asyncio.Task:
+    """A background task that is kept referenced and whose unexpected end is logged."""
+    task = asyncio.ensure_future(coroutine)
+    task.set_name(name)
+    _tasks.add(task)
+
+    def done(task: asyncio.Task) -> None:
+        _tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("task %s failed", name, exc_info=task.exception())
+
+    task.add_done_callback(done)
+    return task

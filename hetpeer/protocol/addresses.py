@@ -1,0 +1,107 @@
+"""Where each peer can be reached: a direct TCP address and hivemind P2P multiaddrs.
+
+The address book maps device ids to addresses. A static run reads it from a file that the local
+launcher writes (or that the organisers of a fixed set of machines write by hand); its wire form:
+
+    {"version": 1,
+     "peers": {"DEVICE": {"direct": "HOST:PORT",                        # optional
+                          "p2p": ["/ip4/.../tcp/PORT/p2p/PEER_ID", ...]}}} # optional, may be empty
+
+A peer with neither kind of address cannot be reached and is refused at parse time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+from hetpeer.protocol.wire import SchemaError, field, need_int, need_list, need_mapping, need_str, no_extra_fields
+
+BOOK_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class PeerAddress:
+    direct: tuple[str, int] | None = None  # (host, port)
+    p2p: tuple[str, ...] = ()  # multiaddrs that end in /p2p/<peer id>
+
+    @property
+    def p2p_peer_id(self) -> str | None:
+        return self.p2p[0].rsplit("/p2p/", 1)[1] if self.p2p else None
+
+    def to_wire(self) -> dict[str, Any]:
+        wire: dict[str, Any] = {"p2p": list(self.p2p)}
+        if self.direct is not None:
+            wire["direct"] = f"{self.direct[0]}:{self.direct[1]}"
+        return wire
+
+    @staticmethod
+    def from_wire(raw: Any, path: str) -> "PeerAddress":
+        record = need_mapping(raw, path)
+        no_extra_fields(record, {"direct", "p2p"}, path)
+        direct = _host_port(record["direct"], f"{path}.direct") if "direct" in record else None
+        p2p = tuple(
+            need_str(maddr, f"{path}.p2p[{i}]") for i, maddr in enumerate(need_list(record.get("p2p", []), f"{path}.p2p"))
+        )
+        ids = set()
+        for i, maddr in enumerate(p2p):
+            if "/p2p/" not in maddr or not maddr.startswith("/"):
+                raise SchemaError(f"{path}.p2p[{i}]", f"must be a multiaddr ending in /p2p/<peer id>, got {maddr!r}")
+            ids.add(maddr.rsplit("/p2p/", 1)[1])
+        if len(ids) > 1:
+            raise SchemaError(f"{path}.p2p", f"multiaddrs name different peer ids: {sorted(ids)}")
+        if direct is None and not p2p:
+            raise SchemaError(path, "has neither a direct address nor a p2p multiaddr")
+        return PeerAddress(direct=direct, p2p=p2p)
+
+
+@dataclass(frozen=True, slots=True)
+class AddressBook:
+    peers: Mapping[str, PeerAddress]
+
+    def get(self, device: str) -> PeerAddress:
+        if device not in self.peers:
+            raise KeyError(f"no address for peer {device!r} in the address book")
+        return self.peers[device]
+
+    def device_of_p2p_id(self, peer_id: str) -> str | None:
+        """The device whose P2P identity is `peer_id`: P2P streams authenticate their remote end."""
+        for device, address in self.peers.items():
+            if address.p2p_peer_id == peer_id:
+                return device
+        return None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"version": BOOK_VERSION, "peers": {d: a.to_wire() for d, a in sorted(self.peers.items())}}
+
+    @staticmethod
+    def from_wire(raw: Any) -> "AddressBook":
+        root = need_mapping(raw, "addresses")
+        no_extra_fields(root, {"version", "peers"}, "addresses")
+        version = need_int(field(root, "version", "addresses"), "addresses.version")
+        if version != BOOK_VERSION:
+            raise SchemaError("addresses.version", f"must be {BOOK_VERSION}, got {version}")
+        peers = need_mapping(field(root, "peers", "addresses"), "addresses.peers")
+        return AddressBook(
+            {need_str(d, "addresses.peers"): PeerAddress.from_wire(a, f"addresses.peers.{d}") for d, a in peers.items()}
+        )
+
+    @staticmethod
+    def load(path: str | Path) -> "AddressBook":
+        try:
+            raw = json.loads(Path(path).read_text())
+        except OSError as error:
+            raise SchemaError("addresses", f"cannot read {path}: {error.strerror or error}") from None
+        except json.JSONDecodeError as error:
+            raise SchemaError("addresses", f"{path} is not JSON: {error}") from None
+        return AddressBook.from_wire(raw)
+
+
+def _host_port(raw: Any, path: str) -> tuple[str, int]:
+    text = need_str(raw, path)
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise SchemaError(path, f"must be HOST:PORT with a port in 1..65535, got {text!r}")
+    return host.strip("[]"), int(port)
