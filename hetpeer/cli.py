@@ -135,7 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start every peer of a plan on this machine as separate `hetpeer join` processes, with ports "
         "and P2P keys of their own, show their output, and stop them all when one fails or on Ctrl+C.",
     )
-    launch.add_argument("plan", type=Path, metavar="PLAN.json", help="the plan to run (from `hetpeer plan --json`)")
+    launch.add_argument("plan", type=Path, nargs="?", metavar="PLAN.json",
+                        help="the plan to run (from `hetpeer plan --json`); without one, a demo: the tiny model "
+                        "on --local-peers equal peers, 2 stages deep")
+    launch.add_argument("--local-peers", type=_positive_int, default=4, metavar="N",
+                        help="peers of the demo plan when no PLAN.json is given (default 4)")
     launch.add_argument("--out", type=Path, metavar="DIR", help="folder for the address book, keys and logs (default: a new temporary folder)")
     _add_link_option(launch)
     _add_run_options(launch)
@@ -265,9 +269,29 @@ def run_join(args: argparse.Namespace) -> int:
 def run_launch(args: argparse.Namespace) -> int:
     from hetpeer.peer.launch import launch
 
-    plan = _load_plan(args.plan)
     out = args.out or Path(tempfile.mkdtemp(prefix="hetpeer-launch-"))
-    return launch(args.plan.resolve(), plan, out, args.steps, args.link, _run_options(args), lambda line: print(line, flush=True))
+    out.mkdir(parents=True, exist_ok=True)
+    if args.plan is None:
+        plan = demo_plan(args.local_peers)
+        path = out / "plan.json"
+        path.write_text(json.dumps(plan.to_wire(), indent=1))
+        print(f"demo: the tiny model on {args.local_peers} local peers, {len(plan.stages)} stage(s) x "
+              f"{plan.group_size} lane(s), plan in {path}", flush=True)
+    else:
+        plan, path = _load_plan(args.plan), args.plan.resolve()
+    return launch(path, plan, out, args.steps, args.link, _run_options(args), lambda line: print(line, flush=True))
+
+
+def demo_plan(peers: int) -> Plan:
+    """The tiny model over `peers` equal local peers: two stages (one if alone), as many lanes as fit."""
+    stages = min(2, peers)
+    devices = [{"id": f"peer{i}", "region": "local", "tflops": 0.05} for i in range(peers)]
+    topology = Topology.from_wire(
+        {"name": "demo", "regions": {"local": {"latency_ms": 0.1, "bandwidth_gbps": 10}}, "devices": devices}
+    )
+    workload = Workload(preset("tiny"), batch=16, micro_batch=2, dtype="fp32")
+    config = PlannerConfig(cost_model="time", stages=stages, group_size=peers // stages, time_budget_s=1.0)
+    return solve(Problem.from_topology(topology, workload), config, np.random.default_rng(0)).plan
 
 
 def _host_port(text: str) -> tuple[str, int]:

@@ -73,13 +73,15 @@ def launch(
             reader.start()
             readers.append(reader)
         failed = _wait(processes)
+        if failed:
+            _stop(processes.values())
         for reader in readers:
             reader.join(timeout=5)
         if failed:
             device, code = failed
             echo(f"peer {device} failed (exit {code}); the other peers were stopped. Its log: {out_dir / device}.log")
             return 1
-        echo(f"all {len(devices)} peers finished {steps} step(s)")
+        echo(f"done: {len(devices)} peer(s) finished {steps} step(s)")
         return 0
     finally:
         _stop(processes.values())

@@ -15,10 +15,13 @@ from typing import Callable
 import torch
 
 from hetpeer.peer.data.corpus import Corpus
+from hetpeer.peer.pipeline.schedule import in_flight
 from hetpeer.peer.pipeline.worker import StageWorker, StepResult, WorkerConfig
+from hetpeer.peer.probe import peak_resident_bytes, resident_bytes
 from hetpeer.peer.transport.network import Link, NetworkTransport, P2PLink, TcpLink
 from hetpeer.protocol.addresses import AddressBook
 from hetpeer.protocol.plan import Plan
+from hetpeer.protocol.workload import STATE_BYTES_PER_PARAM, Workload
 
 log = logging.getLogger("hetpeer.peer")
 LINK_CHOICES = ("auto", "tcp", "p2p")
@@ -97,6 +100,9 @@ def run(setup: PeerSetup, report: Callable[[str], None]) -> list[StepResult]:
     if stage == 0:
         corpus = Corpus.from_folder(setup.data) if setup.data else Corpus.default()
         report(f"data: {corpus.description}")
+    if setup.plan.group_size > 1:
+        report(f"note: the {setup.plan.group_size} lanes train side by side; averaging within groups is not run yet")
+    start_bytes = resident_bytes()
     results = []
     with build_transport(setup) as transport:
         worker = StageWorker(setup.plan, setup.device_id, transport, corpus, setup.worker)
@@ -112,7 +118,34 @@ def run(setup: PeerSetup, report: Callable[[str], None]) -> list[StepResult]:
             results.append(result)
             report(format_step(result, time.perf_counter() - started, setup.plan.start_step + setup.steps))
         report(f"routes: {', '.join(f'{d} over {link}' for d, link in sorted(transport.routes.items())) or 'none'}")
+        report(format_memory(worker, peak_resident_bytes() - start_bytes))
     return results
+
+
+def format_memory(worker: StageWorker, peak_bytes: int) -> str:
+    """Peak memory of the peer beside what its stage should need: training state and activations in flight."""
+    if torch.device(worker.config.device).type == "cuda":
+        peak_bytes = torch.cuda.max_memory_allocated(worker.config.device)
+    expected = stage_memory(worker)
+    mib = 2**20
+    return (
+        f"memory: peak {peak_bytes / mib:.0f} MiB above start; the stage needs {expected['state_bytes'] / mib:.0f} MiB "
+        f"of weights, gradients and Adam moments and {expected['activation_bytes'] / mib:.0f} MiB of activations "
+        f"in flight ({peak_bytes / max(1, sum(expected.values())):.2f}x)"
+    )
+
+
+def stage_memory(worker: StageWorker) -> dict[str, float]:
+    """The workload's count of a stage's bytes: 16 per parameter, and stored activations under 1F1B."""
+    plan, model = worker.plan, worker.model
+    workload = Workload(worker.spec, batch=plan.batch, micro_batch=plan.micro_batch, dtype=plan.dtype)
+    per_micro_batch = (model.layer_end - model.layer_start) * workload.stored_activation_bytes_per_layer_per_seq
+    if model.last:
+        per_micro_batch += workload.logits_bytes_per_seq
+    return {
+        "state_bytes": STATE_BYTES_PER_PARAM * sum(p.numel() for p in model.parameters()),
+        "activation_bytes": in_flight(worker.schedule) * plan.micro_batch * per_micro_batch,
+    }
 
 
 def format_step(result: StepResult, seconds: float, last_step: int) -> str:

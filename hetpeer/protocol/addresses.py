@@ -47,7 +47,7 @@ class PeerAddress:
         )
         ids = set()
         for i, maddr in enumerate(p2p):
-            if "/p2p/" not in maddr or not maddr.startswith("/"):
+            if "/p2p/" not in maddr or not maddr.startswith("/") or not maddr.rsplit("/p2p/", 1)[1]:
                 raise SchemaError(f"{path}.p2p[{i}]", f"must be a multiaddr ending in /p2p/<peer id>, got {maddr!r}")
             ids.add(maddr.rsplit("/p2p/", 1)[1])
         if len(ids) > 1:
@@ -94,7 +94,7 @@ class AddressBook:
             raw = json.loads(Path(path).read_text())
         except OSError as error:
             raise SchemaError("addresses", f"cannot read {path}: {error.strerror or error}") from None
-        except json.JSONDecodeError as error:
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise SchemaError("addresses", f"{path} is not JSON: {error}") from None
         return AddressBook.from_wire(raw)
 
@@ -102,6 +102,6 @@ class AddressBook:
 def _host_port(raw: Any, path: str) -> tuple[str, int]:
     text = need_str(raw, path)
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise SchemaError(path, f"must be HOST:PORT with a port in 1..65535, got {text!r}")
     return host.strip("[]"), int(port)

@@ -66,8 +66,10 @@ class ModelSpec:
 PRESETS: dict[str, ModelSpec] = {
     # GPT-3 XL (Brown et al., 2020, Table 2.1): 1.3B parameters at 24 layers.
     "gpt3-xl": ModelSpec("gpt3-xl", hidden=2048, heads=16, seq_len=2048, vocab=50257, layers=24),
-    # Byte-level toy model that trains on a CPU in seconds.
+    # Byte-level models for CPUs: `tiny` trains in seconds (tests, demos); in `small` the matrix
+    # multiplies dominate a step, as on real GPUs (benchmarks that hold the planner to the runtime).
     "tiny": ModelSpec("tiny", hidden=64, heads=4, seq_len=64, vocab=256, layers=4),
+    "small": ModelSpec("small", hidden=256, heads=8, seq_len=128, vocab=256, layers=8),
 }
 
 

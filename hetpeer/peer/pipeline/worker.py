@@ -191,7 +191,9 @@ class StageWorker:
         return tensor.to(self.config.device)
 
     def _send(self, kind: str, to: str, tensor: torch.Tensor, micro: int) -> None:
-        self.transport.send(to, kind, tensor, step=self.step, micro=micro, epoch=self.plan.epoch, codec=self.config.codec)
+        self.transport.send(
+            to, kind, tensor, step=self.step, micro=micro, epoch=self.plan.epoch, codec=self.config.codec, copy=False
+        )
 
     def _autocast(self):
         if self.plan.dtype == "fp32":

@@ -11,7 +11,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from hetpeer.peer.transport.codec import checksum, encode
+from hetpeer.peer.transport.codec import checksum, encode, wire_codec
 from hetpeer.peer.transport.inbox import Inbox, Policy
 from hetpeer.protocol.frame import FrameHeader
 
@@ -28,10 +28,24 @@ class Transport(ABC):
         self.inbox.policy = policy
 
     def send(
-        self, to: str, kind: str, tensor: torch.Tensor, *, step: int, micro: int = 0, epoch: int = 0, codec: str = "raw"
+        self,
+        to: str,
+        kind: str,
+        tensor: torch.Tensor,
+        *,
+        step: int,
+        micro: int = 0,
+        epoch: int = 0,
+        codec: str = "raw",
+        copy: bool = True,
     ) -> None:
-        """Queue a copy of `tensor` for `to` and return; delivery errors surface at a later send or `flush`."""
-        dtype, payload = encode(tensor, codec)
+        """Queue `tensor` for `to` and return; delivery errors surface at a later send or `flush`.
+
+        With `copy=False` the frame may read the tensor's memory until it has left: the caller must not
+        change the tensor before `flush` (the pipeline never changes activations or gradients it sent).
+        """
+        codec = wire_codec(tensor, codec)
+        dtype, payload = encode(tensor, codec, copy=copy)
         header = FrameHeader(
             kind=kind,
             dtype=dtype,
@@ -40,7 +54,7 @@ class Transport(ABC):
             step=step,
             micro=micro,
             epoch=epoch,
-            codec=codec if dtype in ("fp32", "fp16", "bf16") else "raw",
+            codec=codec,
             checksum=checksum(payload),
         )
         self._send(to, header, payload)
@@ -49,7 +63,7 @@ class Transport(ABC):
         return self.inbox.recv(kind, sender, step, micro, timeout_s)
 
     @abstractmethod
-    def _send(self, to: str, header: FrameHeader, payload: bytes) -> None: ...
+    def _send(self, to: str, header: FrameHeader, payload: memoryview) -> None: ...
 
     @abstractmethod
     def flush(self, timeout_s: float) -> None:

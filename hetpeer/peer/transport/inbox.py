@@ -67,7 +67,7 @@ class Inbox:
             log.exception("frame policy failed")
             return f"policy failed: {error!r}"
 
-    def offer(self, header: FrameHeader, payload: bytearray | bytes) -> bool:
+    def offer(self, header: FrameHeader, payload: memoryview | bytearray) -> bool:
         """Decode and deliver a screened frame; False (logged, counted) when its payload is bad."""
         try:
             tensor = decode(header, payload)

@@ -37,7 +37,7 @@ class MemoryTransport(Transport):
         with self.hub.lock:
             self.hub.peers.pop(self.device, None)
 
-    def _send(self, to: str, header: FrameHeader, payload: bytes) -> None:
+    def _send(self, to: str, header: FrameHeader, payload: memoryview) -> None:
         with self.hub.lock:
             target = self.hub.peers.get(to)
             cut = {to, self.device} & self.hub.unplugged

@@ -20,6 +20,8 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Awaitable, Callable, Sequence
 
+import numpy
+
 from hetpeer.peer.transport.base import DEFAULT_MAX_FRAME_BYTES, Transport
 from hetpeer.peer.transport.inbox import PeerUnreachable, TransportError
 from hetpeer.protocol.addresses import AddressBook, PeerAddress
@@ -27,6 +29,8 @@ from hetpeer.protocol.frame import PREFIX, FrameError, FrameHeader, decode_heade
 
 log = logging.getLogger("hetpeer.transport")
 P2P_PROTOCOL = "/hetpeer/frames/1"
+SOCKET_BUFFER_BYTES = 4 << 20
+DRAIN_LIMIT_BYTES = 1 << 20  # a refused frame's payload up to this size is read past; beyond, the stream is closed
 
 
 class Stream(ABC):
@@ -34,8 +38,8 @@ class Stream(ABC):
     authenticated: str | None  # the device at the other end, when the link proves it
 
     @abstractmethod
-    async def read_exactly(self, n: int) -> bytearray:
-        """Exactly n bytes, or ConnectionError when the stream ends first."""
+    async def read_exactly(self, n: int) -> memoryview | bytearray:
+        """Exactly n bytes in a writable buffer, or ConnectionError when the stream ends first."""
 
     @abstractmethod
     async def write(self, parts: Sequence[bytes]) -> None: ...
@@ -75,17 +79,19 @@ class _SocketStream(Stream):
         self.sock, self.remote, self.authenticated = sock, remote, None
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
 
-    async def read_exactly(self, n: int) -> bytearray:
+    async def read_exactly(self, n: int) -> memoryview:
         loop = asyncio.get_running_loop()
-        buffer = bytearray(n)
+        buffer = numpy.empty(n, numpy.uint8)  # not zero-filled, unlike bytearray: 64 MB costs no memset
         view, got = memoryview(buffer), 0
         while got < n:
             chunk = await loop.sock_recv_into(self.sock, view[got:])
             if chunk == 0:
                 raise ConnectionError(f"{self.remote} closed the connection")
             got += chunk
-        return buffer
+        return view
 
     async def write(self, parts: Sequence[bytes]) -> None:
         loop = asyncio.get_running_loop()
@@ -149,7 +155,7 @@ class _P2PStream(Stream):
 
     async def read_exactly(self, n: int) -> bytearray:
         try:
-            return bytearray(await self.reader.readexactly(n))
+            return bytearray(await self.reader.readexactly(n))  # writable, as the tensor built on it must be
         except asyncio.IncompleteReadError:
             raise ConnectionError(f"{self.remote} closed the stream") from None
 
@@ -292,12 +298,12 @@ class NetworkTransport(Transport):
             raise
 
     # -- sending ------------------------------------------------------------------------------
-    def _send(self, to: str, header: FrameHeader, payload: bytes) -> None:
+    def _send(self, to: str, header: FrameHeader, payload: memoryview) -> None:
         if to in self._failures:
             raise PeerUnreachable(self._failures.pop(to))
         self._loop.call_soon_threadsafe(self._enqueue, to, (header.encode(), payload))
 
-    def _enqueue(self, to: str, parts: tuple[bytes, bytes]) -> None:
+    def _enqueue(self, to: str, parts: tuple[bytes, memoryview]) -> None:
         if to not in self._queues:
             self._queues[to] = asyncio.Queue()
             self._pumps[to] = _spawn(self._pump(to, self._queues[to]), f"{self.device}->{to}")
@@ -371,9 +377,11 @@ class NetworkTransport(Transport):
                     prefix = await stream.read_exactly(PREFIX.size)
                 except ConnectionError:
                     return  # closed between frames: the normal end
-                header = decode_header(await stream.read_exactly(header_length(bytes(prefix))))
+                header = decode_header(bytes(await stream.read_exactly(header_length(bytes(prefix)))))
                 reason = inbox.screen(header, stream.authenticated)
-                if header.payload_bytes > inbox.max_frame_bytes:
+                oversize = header.payload_bytes > inbox.max_frame_bytes
+                if oversize or (reason is not None and header.payload_bytes > DRAIN_LIMIT_BYTES):
+                    # never read past the limit, nor a large payload we will drop: close, the sender reconnects
                     inbox.reject(header.sender, f"{header.kind} step {header.step}: {reason}; connection closed")
                     return
                 payload = await stream.read_exactly(header.payload_bytes)

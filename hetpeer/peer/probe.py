@@ -1,0 +1,70 @@
+"""What this machine can do: achieved TFLOPS and the memory a peer uses.
+
+`block_tflops` times forward and backward passes of one transformer block of the model at the
+plan's micro-batch and divides the FLOPs the planner counts for them (3x the forward) by the time.
+It is what the planner's `time` model means by a device's TFLOPS: throughput achieved on this model,
+with its attention, norms and activations, not a datasheet peak. `matmul_tflops` is the plain
+matrix-multiply rate, the usual quick probe, for comparison.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from hetpeer.peer.model.gpt import Block
+from hetpeer.protocol.workload import ModelSpec, Workload
+
+
+def block_tflops(spec: ModelSpec, micro_batch: int, device: str = "cpu", seconds: float = 1.0) -> float:
+    """Achieved fp32 TFLOPS of forward + backward through one block of `spec` (at least 2 passes timed)."""
+    block = Block(spec).to(device)
+    x = torch.randn(micro_batch, spec.seq_len, spec.hidden, device=device, requires_grad=True)
+    flops = 3 * micro_batch * Workload(spec, batch=micro_batch, micro_batch=micro_batch).layer_fwd_flops_per_seq
+
+    def run() -> None:
+        block(x).sum().backward()
+
+    return flops / _time_per_call(run, device, seconds) / 1e12
+
+
+def matmul_tflops(size: int = 1024, device: str = "cpu", seconds: float = 1.0) -> float:
+    """Achieved fp32 TFLOPS of square matrix multiplies of `size`."""
+    a = torch.randn(size, size, device=device)
+    b = torch.randn(size, size, device=device)
+    return 2 * size**3 / _time_per_call(lambda: a @ b, device, seconds) / 1e12
+
+
+def _time_per_call(run, device: str, seconds: float) -> float:
+    run()  # warm up
+    _sync(device)
+    calls, started = 0, time.perf_counter()
+    while calls < 2 or time.perf_counter() - started < seconds:
+        run()
+        calls += 1
+    _sync(device)
+    return (time.perf_counter() - started) / calls
+
+
+def _sync(device: str) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (Linux), or its peak where /proc is missing."""
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return peak_resident_bytes()
+
+
+def peak_resident_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024

@@ -1,0 +1,238 @@
+"""`hetpeer launch` and `hetpeer join` as a user runs them: real processes, their output and exit codes.
+
+Every command runs in a session of its own, so the fixture can find (and, at the end, kill) whatever it
+left behind: the launcher's `hetpeer join` peers and their hivemind daemons share its process group.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetpeer.peer.data.corpus import Corpus
+from hetpeer.peer.launch import free_port
+from hetpeer.peer.model.gpt import build_stage
+from hetpeer.protocol.addresses import AddressBook
+from hetpeer.protocol.plan import Plan, StagePlan
+from hetpeer.protocol.workload import preset
+
+ROOT = Path(__file__).resolve().parents[2]
+SPEC = preset("tiny")
+HANG_GUARD_S = 180  # generous: these commands take seconds; this only stops a hang
+
+
+def make_plan(lanes: int, *, batch: int = 8, micro_batch: int = 2, dtype: str = "fp32") -> Plan:
+    """Two stages of the tiny model, `lanes` lanes; stage s of lane l is device d{s * lanes + l}."""
+    stages = tuple(
+        StagePlan(index=s, layer_start=2 * s, layer_end=2 * s + 2,
+                  devices=tuple(f"d{s * lanes + lane}" for lane in range(lanes)), sync="none")
+        for s in range(2)
+    )  # fmt: skip
+    lane_batch = -(-batch // lanes)
+    return Plan(
+        cost_model="time", model="tiny", layers=SPEC.layers, batch=batch, micro_batch=micro_batch,
+        micro_batches=-(-lane_batch // micro_batch), dtype=dtype, stages=stages,
+    )  # fmt: skip
+
+
+def write_json(path: Path, wire) -> Path:
+    path.write_text(json.dumps(wire))
+    return path
+
+
+def live_members(group: int) -> list[str]:
+    """Command lines of the running (not zombie) processes of a process group."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # it ended while we looked
+            continue
+        state, _ppid, pgrp = stat[stat.rindex(")") + 2 :].split()[:3]
+        if int(pgrp) == group and state != "Z":
+            found.append(f"{entry.name}: {cmdline}")
+    return found
+
+
+class Cli:
+    """Runs `python -m hetpeer ...`, each in a new session; kills what is left of them at the end."""
+
+    def __init__(self) -> None:
+        self.groups: list[int] = []
+
+    def __call__(self, *args: str, timeout_s: float = HANG_GUARD_S) -> subprocess.CompletedProcess:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "hetpeer", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        self.groups.append(process.pid)  # a new session's leader: its pid is the group id
+        try:
+            stdout, stderr = process.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill(process.pid)
+            stdout, stderr = process.communicate()
+            pytest.fail(f"hetpeer {' '.join(args)} hung for {timeout_s} s\n{stdout}\n{stderr}")
+        return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+    @staticmethod
+    def kill(group: int) -> None:
+        if live_members(group):
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def cleanup(self) -> None:
+        for group in self.groups:
+            self.kill(group)
+
+
+@pytest.fixture
+def cli():
+    runner = Cli()
+    yield runner
+    runner.cleanup()
+
+
+def lane_loss(lane: int, lane_batch: int) -> float:
+    """The untrained model's mean loss on a lane's batch of step 0: what that lane's first step reports."""
+    model = build_stage(SPEC, 0, SPEC.layers)
+    batch = Corpus.default().batch(lane=lane, step=0, sequences=lane_batch, seq_len=SPEC.seq_len, seed=0)
+    with torch.no_grad():
+        return model.loss(model(torch.from_numpy(batch.tokens)), torch.from_numpy(batch.labels)).item()
+
+
+# -- hetpeer launch ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_launch_runs_every_peer_to_the_end(tmp_path, cli):
+    plan = make_plan(lanes=2)  # stage 0: d0 d1, stage 1: d2 d3
+    plan_path = write_json(tmp_path / "plan.json", plan.to_wire())
+    out = tmp_path / "run"
+    done = cli("launch", str(plan_path), "--steps", "3", "--out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    assert re.search(r"\b(all 4 peers|4 peer\(s\)) finished 3 step", lines[-1]), lines[-1]
+
+    for lane, device in enumerate(("d2", "d3")):  # the last stage reports the loss of its lane
+        losses = []
+        for step in (1, 2, 3):
+            found = [re.match(rf"\[{device}\] step {step}/3\s+loss (\d+\.\d+)", line) for line in lines]
+            found = [m for m in found if m]
+            assert len(found) == 1, (device, step, done.stdout)
+            losses.append(float(found[0].group(1)))
+        assert all(math.isfinite(loss) for loss in losses)
+        # step 1 runs the untrained model on the lane's own data: the printed loss is that loss, to 4 places
+        assert losses[0] == pytest.approx(lane_loss(lane, plan.lane_batch), abs=1e-4)
+    for device in ("d0", "d1"):
+        for step in (1, 2, 3):
+            assert any(re.match(rf"\[{device}\] step {step}/3\s+loss -", line) for line in lines), (device, step)
+
+    book = AddressBook.load(out / "addresses.json")
+    assert sorted(book.peers) == ["d0", "d1", "d2", "d3"]
+    for device in plan.devices:
+        log = (out / f"{device}.log").read_text()
+        assert "step 3/3" in log, (device, log)
+    assert live_members(cli.groups[-1]) == []
+
+
+@pytest.mark.slow
+def test_launch_stops_everyone_when_a_peer_fails(tmp_path, cli):
+    plan_path = write_json(tmp_path / "plan.json", make_plan(lanes=1).to_wire())  # d0 -> d1
+    empty = tmp_path / "no-text"
+    empty.mkdir()
+    out = tmp_path / "run"
+    done = cli("launch", str(plan_path), "--steps", "3", "--out", str(out), "--data", str(empty))
+    assert done.returncode not in (0, None), done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    assert re.search(r"peer d0 failed \(exit 2\)", done.stdout), done.stdout
+    assert re.search(r"\[d0\] hetpeer join: error: corpus path .*no-text.* holds no UTF-8 text files", done.stdout)
+    assert "holds no UTF-8 text files" in (out / "d0.log").read_text()
+    assert live_members(cli.groups[-1]) == []  # d1 and the hivemind daemons are gone too
+
+
+# -- hetpeer join: bad input is one line and exit code 2 ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    """Two P2P keys and their peer ids."""
+    from hivemind.p2p import P2P
+
+    from hetpeer.peer.node import p2p_peer_id
+
+    folder = tmp_path_factory.mktemp("keys")
+    found = {}
+    for name in ("mine", "other"):
+        path = folder / f"{name}.key"
+        P2P.generate_identity(str(path))
+        found[name] = (str(path), p2p_peer_id(str(path)))
+    return found
+
+
+def join_case(case: str, tmp_path: Path, keys) -> tuple[list[str], list[str]]:
+    """(arguments of `hetpeer join`, words its error line must hold)."""
+    plan = make_plan(lanes=1, batch=4, micro_batch=2)
+    book = {"version": 1, "peers": {d: {"direct": f"127.0.0.1:{free_port()}"} for d in ("d0", "d1")}}
+    plan_path = tmp_path / "plan.json"
+    book_path = tmp_path / "addresses.json"
+    device, extra, words = "d0", [], []
+    if case == "device not in the plan":
+        device, words = "d7", ["'d7'", "holds no stage"]
+    elif case == "device not in the address book":
+        del book["peers"]["d0"]
+        words = ["no address for peer 'd0'"]
+    elif case == "key of another peer":
+        (mine, mine_id), (other, other_id) = keys["mine"], keys["other"]
+        book["peers"]["d0"]["p2p"] = [f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{other_id}"]
+        extra, words = ["--identity", mine], [mine, mine_id, other_id]
+    elif case == "plan is not JSON":
+        plan_path.write_text('{"version": 1, "stages": [')
+        words = [str(plan_path), "not valid JSON"]
+    elif case == "fp16 plan":
+        plan = make_plan(lanes=1, batch=4, micro_batch=2, dtype="fp16")
+        words = ["fp16", "bf16 or fp32"]
+    elif case == "bad --listen":
+        extra, words = ["--listen", "localhost"], ["--listen", "HOST:PORT", "'localhost'"]
+    elif case == "bad address book entry":
+        book["peers"]["d1"]["direct"] = "127.0.0.1"
+        words = ["addresses.peers.d1.direct", "HOST:PORT", "'127.0.0.1'"]
+    else:
+        raise AssertionError(case)
+    if not plan_path.exists():
+        write_json(plan_path, plan.to_wire())
+    write_json(book_path, book)
+    args = ["join", "--plan", str(plan_path), "--as", device, "--peers", str(book_path), "--steps", "1", *extra]
+    return args, words
+
+
+JOIN_CASES = ["device not in the plan", "device not in the address book", "key of another peer", "plan is not JSON",
+              "fp16 plan", "bad --listen", "bad address book entry"]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", JOIN_CASES)
+def test_join_bad_input_is_one_line_and_exit_2(case, tmp_path, cli, keys):
+    args, words = join_case(case, tmp_path, keys)
+    done = cli(*args, timeout_s=60)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "Traceback" not in done.stdout + done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("hetpeer join: error: "), lines[0]
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    assert live_members(cli.groups[-1]) == []
