@@ -1,10 +1,11 @@
 """Transport benchmark: moving 64 MB of activations between two processes on 127.0.0.1.
 
-    python3 benchmarks/transport.py [--mbytes 64] [--repeats 5] [--codecs]
+    python3 benchmarks/transport.py [--mbytes 64] [--repeats 15] [--codecs]
 
 Three paths in one run, each timed from the sender's `send` until the receiver's acknowledgement
 arrives (so the figure covers encoding, checksums, the copy through the kernel, decoding and the
-finiteness check):
+finiteness check). The paths take turns within each round, so the shared machine's noise falls on
+all of them alike; each figure is the median over the rounds:
 
 - plain TCP: `sendall` of the raw bytes into a receiver's preallocated buffer, a one-byte ack: the
   reference no transport that frames and checks its data can beat;
@@ -31,6 +32,7 @@ import torch
 
 from hetpeer.peer.launch import free_port
 from hetpeer.peer.node import p2p_peer_id
+from hetpeer.peer.transport.inbox import TransportTimeout
 from hetpeer.peer.transport.network import NetworkTransport, P2PLink, TcpLink
 from hetpeer.protocol.addresses import AddressBook, PeerAddress
 
@@ -61,103 +63,135 @@ def transport_for(device: str, book: AddressBook, keys: dict[str, str], mode: st
     return NetworkTransport(device, book, [link], max_frame_bytes=1 << 31)
 
 
-def receiver(folder: Path, mode: str, rounds: int) -> None:
+def receiver(folder: Path, mode: str) -> None:
     book = AddressBook.load(folder / "addresses.json")
     keys = json.loads((folder / "keys.json").read_text())
     torch.set_num_threads(1)
     with transport_for("receiver", book, keys, mode) as transport:
         print("ready", flush=True)
-        for step in range(rounds):
-            transport.recv("activation", "sender", step, 0, timeout_s=120)
+        step = 0
+        while True:
+            try:
+                transport.recv("activation", "sender", step, 0, timeout_s=300)
+            except TransportTimeout:
+                return  # the sender is gone
             transport.send("sender", "gradient", ACK, step=step)
             transport.flush(60)
-        transport.recv("probe", "sender", 0, 0, timeout_s=60)  # the sender is done with us
+            step += 1
+
+
+class Framed:
+    """A sender here and a receiver process, over hetpeer's transport; `transfer` times one round trip."""
+
+    def __init__(self, mode: str) -> None:
+        self.mode, self.step = mode, 0
+        folder = Path(tempfile.mkdtemp(prefix="hetpeer-bench-"))
+        self.book, keys = book_for(folder, mode)
+        (folder / "addresses.json").write_text(json.dumps(self.book.to_wire()))
+        (folder / "keys.json").write_text(json.dumps(keys))
+        self.child = subprocess.Popen(
+            [sys.executable, __file__, "--role", "receiver", "--mode", mode, "--folder", str(folder)],
+            stdout=subprocess.PIPE, text=True,
+        )
+        if self.child.stdout.readline().strip() != "ready":
+            raise SystemExit(f"the {mode} receiver did not start")
+        self.transport = transport_for("sender", self.book, keys, mode)
+        self.transport.start()
+
+    def transfer(self, tensor: torch.Tensor, codec: str = "raw") -> float:
+        started = time.perf_counter()
+        self.transport.send("receiver", "activation", tensor, step=self.step, codec=codec, copy=False)
+        self.transport.recv("gradient", "receiver", self.step, 0, timeout_s=120)
+        self.step += 1
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        self.transport.shutdown()
+        self.child.kill()
+        self.child.wait()
+
+
+class PlainTcp:
+    """The reference: a blocking socket, `sendall` into a receiver's preallocated buffer, a one-byte ack."""
+
+    def __init__(self, size: int) -> None:
+        listener = socket.create_server(("127.0.0.1", 0))
+        code = (
+            "import socket\n"
+            f"s=socket.create_connection(('127.0.0.1',{listener.getsockname()[1]}))\n"
+            f"buf=bytearray({size});v=memoryview(buf)\n"
+            "while True:\n"
+            "    got=0\n"
+            f"    while got<{size}:\n"
+            "        n=s.recv_into(v[got:])\n"
+            "        if n==0: raise SystemExit\n"
+            "        got+=n\n"
+            "    s.sendall(b'k')\n"
+        )
+        self.child = subprocess.Popen([sys.executable, "-c", code])
+        self.conn, _ = listener.accept()
+        listener.close()
+
+    def transfer(self, payload: bytes) -> float:
+        started = time.perf_counter()
+        self.conn.sendall(payload)
+        self.conn.recv(1)
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        self.conn.close()
+        self.child.wait(timeout=30)
 
 
 def framed(mode: str, tensor: torch.Tensor, repeats: int, codec: str = "raw") -> list[float]:
-    folder = Path(tempfile.mkdtemp(prefix="hetpeer-bench-"))
-    book, keys = book_for(folder, mode)
-    (folder / "addresses.json").write_text(json.dumps(book.to_wire()))
-    (folder / "keys.json").write_text(json.dumps(keys))
-    child = subprocess.Popen(
-        [sys.executable, __file__, "--role", "receiver", "--mode", mode, "--folder", str(folder),
-         "--rounds", str(repeats + 1)],
-        stdout=subprocess.PIPE, text=True,
-    )
+    """`repeats` timed transfers of `tensor` over `mode` (after one untimed that opens the connection)."""
+    path = Framed(mode)
     try:
-        assert child.stdout.readline().strip() == "ready", "receiver did not start"
-        times = []
-        torch.set_num_threads(1)
-        with transport_for("sender", book, keys, mode) as transport:
-            for step in range(repeats + 1):  # the first round opens the connection and is not counted
-                started = time.perf_counter()
-                transport.send("receiver", "activation", tensor, step=step, codec=codec, copy=False)
-                transport.recv("gradient", "receiver", step, 0, timeout_s=120)
-                if step:
-                    times.append(time.perf_counter() - started)
-            transport.send("receiver", "probe", ACK, step=0)
-            transport.flush(60)
-        child.wait(timeout=60)
-        return times
+        path.transfer(tensor, codec)
+        return [path.transfer(tensor, codec) for _ in range(repeats)]
     finally:
-        if child.poll() is None:
-            child.kill()
-
-
-def plain_tcp(payload: bytes, repeats: int) -> list[float]:
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
-    code = (
-        "import socket,sys\n"
-        f"s=socket.create_connection(('127.0.0.1',{port}));buf=bytearray({len(payload)});v=memoryview(buf)\n"
-        f"for _ in range({repeats + 1}):\n"
-        "    got=0\n"
-        f"    while got<{len(payload)}: got+=s.recv_into(v[got:])\n"
-        "    s.sendall(b'k')\n"
-    )
-    child = subprocess.Popen([sys.executable, "-c", code])
-    try:
-        conn, _ = listener.accept()
-        times = []
-        for i in range(repeats + 1):
-            started = time.perf_counter()
-            conn.sendall(payload)
-            conn.recv(1)
-            if i:
-                times.append(time.perf_counter() - started)
-        child.wait(timeout=60)
-        return times
-    finally:
-        listener.close()
-        if child.poll() is None:
-            child.kill()
+        path.close()
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mbytes", type=int, default=64, help="size of the activation tensor in MB (default 64)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed transfers per path (default 5)")
+    parser.add_argument("--repeats", type=int, default=15, help="timed rounds (default 15)")
     parser.add_argument("--codecs", action="store_true", help="also time fp16, bf16 and int8 frames on the direct path")
     parser.add_argument("--role", default="sender", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--rounds", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role == "receiver":
-        receiver(args.folder, args.mode, args.rounds)
+        receiver(args.folder, args.mode)
         return 0
 
     size = args.mbytes * 10**6
     tensor = torch.randn(size // 4)  # fp32 activations
-    rows = [("plain TCP socket", plain_tcp(tensor.numpy().tobytes(), args.repeats))]
-    rows.append(("direct (NetworkTransport, TcpLink)", framed("direct", tensor, args.repeats)))
-    rows.append(("hivemind P2P (NetworkTransport, P2PLink)", framed("p2p", tensor, args.repeats)))
-    if args.codecs:
-        for codec in ("fp16", "bf16", "int8"):
-            rows.append((f"direct, {codec} frames", framed("direct", tensor, args.repeats, codec)))
+    payload = tensor.numpy().tobytes()
+    torch.set_num_threads(1)
+    # Every round times each path once, in turn, so that the shared machine's noise falls on all of them.
+    paths = {"plain TCP socket": PlainTcp(size), "direct (NetworkTransport, TcpLink)": Framed("direct"),
+             "hivemind P2P (NetworkTransport, P2PLink)": Framed("p2p")}
+    codecs = ("fp16", "bf16", "int8") if args.codecs else ()
+    times: dict[str, list[float]] = {name: [] for name in paths}
+    times.update({f"direct, {codec} frames": [] for codec in codecs})
+    try:
+        for round_ in range(args.repeats + 1):  # the first round opens connections and is not counted
+            measured = {name: path.transfer(payload) if isinstance(path, PlainTcp) else path.transfer(tensor)
+                        for name, path in paths.items()}
+            for codec in codecs:
+                measured[f"direct, {codec} frames"] = paths["direct (NetworkTransport, TcpLink)"].transfer(tensor, codec)
+            if round_:
+                for name, seconds in measured.items():
+                    times[name].append(seconds)
+    finally:
+        for path in paths.values():
+            path.close()
+    rows = list(times.items())
     reference = statistics.median(rows[0][1])
     print(f"moving {args.mbytes} MB of fp32 activations between two processes on 127.0.0.1, "
-          f"median of {args.repeats} (first transfer not counted)")
+          f"median of {args.repeats} rounds (paths take turns within a round; the first round is not counted)")
     print(f"{'path':44s} {'median s':>9s} {'MB/s':>8s} {'vs plain TCP':>13s}")
     for name, times in rows:
         median = statistics.median(times)

@@ -42,9 +42,12 @@ def encode(tensor: torch.Tensor, codec: str, copy: bool = True) -> tuple[str, me
     data = tensor.detach().to("cpu").contiguous()
     if codec == "raw":
         return dtype, _bytes(data.clone() if copy and data.data_ptr() == tensor.data_ptr() else data)
-    if codec == "fp16":  # saturate finite values: past fp16's range they would arrive as inf and be refused
-        limit = torch.finfo(torch.float16).max
-        return dtype, _bytes(torch.where(data.isinf(), data, data.clamp(-limit, limit)).to(torch.float16))
+    if codec == "fp16":
+        half = data.to(torch.float16)
+        if not all_finite(half):  # saturate finite values past fp16's range: as inf they would be refused
+            limit = torch.finfo(torch.float16).max
+            half = torch.where(data.isinf(), data, data.clamp(-limit, limit)).to(torch.float16)
+        return dtype, _bytes(half)
     if codec == "bf16":
         return dtype, _bytes(data.to(torch.bfloat16))
     rows = data.float().reshape(-1, data.shape[-1])
@@ -53,29 +56,71 @@ def encode(tensor: torch.Tensor, codec: str, copy: bool = True) -> tuple[str, me
     return dtype, memoryview(bytes(_bytes(scales)) + bytes(_bytes(values)))
 
 
-def decode(header: FrameHeader, payload: memoryview | bytearray) -> torch.Tensor:
-    """The tensor a checked frame carries; FrameError if its bytes are inconsistent or not finite."""
-    if len(payload) != header.payload_bytes:
-        raise FrameError(f"payload of {len(payload)} bytes, header says {header.payload_bytes}")
-    if checksum(payload) != header.checksum:
-        raise FrameError("payload checksum does not match")
+class PayloadCheck:
+    """Checks a payload as its bytes arrive: the XXH3-64 checksum, and that every float is finite.
+
+    Fed chunk by chunk (`update`) while the rest is still on the wire, so checking overlaps the
+    transfer instead of following it. Floats are checked in the wire layout: the raw tensor, the
+    16-bit values of an fp16/bf16 frame, or the float32 row scales of an int8 frame.
+    """
+
+    def __init__(self, header: FrameHeader) -> None:
+        self.header = header
+        self.hasher = xxhash.xxh3_64()
+        self.received = 0
+        self.finite = True
+        self.checked = 0  # bytes of the float region already checked
+        if header.dtype not in FLOAT_DTYPES:
+            self.float_dtype, self.float_end = None, 0
+        elif header.codec == "int8":
+            width = header.shape[-1] if header.shape else 1
+            self.float_dtype, self.float_end = torch.float32, (header.numel // width if width else 0) * 4
+        else:
+            name = header.dtype if header.codec == "raw" else header.codec
+            self.float_dtype, self.float_end = TORCH_DTYPES[name], header.payload_bytes
+        self.item_bytes = torch.empty((), dtype=self.float_dtype).element_size() if self.float_dtype else 1
+
+    def update(self, buffer: memoryview | bytearray, end: int) -> None:
+        """The payload's bytes up to `end` have arrived in `buffer` (which holds the whole payload)."""
+        view = memoryview(buffer)
+        self.hasher.update(view[self.received : end])
+        self.received = end
+        ready = min(end, self.float_end) // self.item_bytes * self.item_bytes
+        if self.finite and ready > self.checked:
+            floats = torch.frombuffer(view[self.checked : ready], dtype=self.float_dtype)
+            self.finite = all_finite(floats)
+            self.checked = ready
+
+    def verify(self, checksum: int) -> None:
+        if self.received != self.header.payload_bytes:
+            raise FrameError(f"payload of {self.received} bytes, header says {self.header.payload_bytes}")
+        if self.hasher.intdigest() != checksum:
+            raise FrameError("payload checksum does not match")
+        if not self.finite:
+            raise FrameError("tensor holds NaN or infinite values")
+
+
+def decode(header: FrameHeader, payload: memoryview | bytearray, check: PayloadCheck | None = None) -> torch.Tensor:
+    """The tensor a frame carries, once its payload passes its check (run here unless given, fed whole);
+    FrameError if its bytes are inconsistent with the header, corrupted or not finite."""
+    if check is None:
+        check = PayloadCheck(header)
+        if len(payload):
+            check.update(payload, len(payload))
+    check.verify(header.checksum)
     dtype = TORCH_DTYPES[header.dtype]
     if header.numel == 0:
         return torch.empty(header.shape, dtype=dtype)
     raw = torch.frombuffer(payload, dtype=torch.uint8)
     if header.codec == "raw":
-        tensor = raw.view(dtype).reshape(header.shape)
-    elif header.codec in ("fp16", "bf16"):
-        tensor = raw.view(TORCH_DTYPES[header.codec]).reshape(header.shape).to(dtype)
-    else:
-        width = header.shape[-1]
-        rows = header.numel // width
-        scales = raw[: rows * 4].view(torch.float32)
-        values = raw[rows * 4 :].view(torch.int8).reshape(rows, width)
-        tensor = (values.float() * scales[:, None]).reshape(header.shape).to(dtype)
-    if header.dtype in FLOAT_DTYPES and not all_finite(tensor):
-        raise FrameError("tensor holds NaN or infinite values")
-    return tensor
+        return raw.view(dtype).reshape(header.shape)
+    if header.codec in ("fp16", "bf16"):
+        return raw.view(TORCH_DTYPES[header.codec]).reshape(header.shape).to(dtype)
+    width = header.shape[-1]
+    rows = header.numel // width
+    scales = raw[: rows * 4].view(torch.float32)
+    values = raw[rows * 4 :].view(torch.int8).reshape(rows, width)
+    return (values.float() * scales[:, None]).reshape(header.shape).to(dtype)
 
 
 def all_finite(tensor: torch.Tensor) -> bool:

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from hetpeer.peer.transport.codec import decode
+from hetpeer.peer.transport.codec import PayloadCheck, decode
 from hetpeer.protocol.frame import FrameError, FrameHeader
 
 log = logging.getLogger("hetpeer.transport")
@@ -67,10 +67,11 @@ class Inbox:
             log.exception("frame policy failed")
             return f"policy failed: {error!r}"
 
-    def offer(self, header: FrameHeader, payload: memoryview | bytearray) -> bool:
-        """Decode and deliver a screened frame; False (logged, counted) when its payload is bad."""
+    def offer(self, header: FrameHeader, payload: memoryview | bytearray, check: PayloadCheck | None = None) -> bool:
+        """Decode and deliver a screened frame (its payload checked as it arrived when `check` is given);
+        False (logged, counted) when the payload is bad."""
         try:
-            tensor = decode(header, payload)
+            tensor = decode(header, payload, check)
         except FrameError as error:
             self.reject(header.sender, f"{header.kind} step {header.step} micro {header.micro}: {error}")
             return False

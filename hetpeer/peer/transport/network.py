@@ -23,6 +23,7 @@ from typing import Awaitable, Callable, Sequence
 import numpy
 
 from hetpeer.peer.transport.base import DEFAULT_MAX_FRAME_BYTES, Transport
+from hetpeer.peer.transport.codec import PayloadCheck
 from hetpeer.peer.transport.inbox import PeerUnreachable, TransportError
 from hetpeer.protocol.addresses import AddressBook, PeerAddress
 from hetpeer.protocol.frame import PREFIX, FrameError, FrameHeader, decode_header, header_length
@@ -38,8 +39,9 @@ class Stream(ABC):
     authenticated: str | None  # the device at the other end, when the link proves it
 
     @abstractmethod
-    async def read_exactly(self, n: int) -> memoryview | bytearray:
-        """Exactly n bytes in a writable buffer, or ConnectionError when the stream ends first."""
+    async def read_exactly(self, n: int, progress: Progress | None = None) -> memoryview | bytearray:
+        """Exactly n bytes in a writable buffer, or ConnectionError when the stream ends first;
+        `progress(buffer, end)` hears of the bytes as they arrive."""
 
     @abstractmethod
     async def write(self, parts: Sequence[bytes]) -> None: ...
@@ -49,6 +51,7 @@ class Stream(ABC):
 
 
 Serve = Callable[[Stream], Awaitable[None]]
+Progress = Callable[[memoryview, int], None]
 Identify = Callable[[str], "str | None"]
 
 
@@ -82,7 +85,7 @@ class _SocketStream(Stream):
         for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
             sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
 
-    async def read_exactly(self, n: int) -> memoryview:
+    async def read_exactly(self, n: int, progress: Progress | None = None) -> memoryview:
         loop = asyncio.get_running_loop()
         buffer = numpy.empty(n, numpy.uint8)  # not zero-filled, unlike bytearray: 64 MB costs no memset
         view, got = memoryview(buffer), 0
@@ -91,6 +94,8 @@ class _SocketStream(Stream):
             if chunk == 0:
                 raise ConnectionError(f"{self.remote} closed the connection")
             got += chunk
+            if progress is not None:
+                progress(view, got)
         return view
 
     async def write(self, parts: Sequence[bytes]) -> None:
@@ -153,11 +158,14 @@ class _P2PStream(Stream):
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, remote: str, device: str | None):
         self.reader, self.writer, self.remote, self.authenticated = reader, writer, remote, device
 
-    async def read_exactly(self, n: int) -> bytearray:
+    async def read_exactly(self, n: int, progress: Progress | None = None) -> bytearray:
         try:
-            return bytearray(await self.reader.readexactly(n))  # writable, as the tensor built on it must be
+            data = bytearray(await self.reader.readexactly(n))  # writable, as the tensor built on it must be
         except asyncio.IncompleteReadError:
             raise ConnectionError(f"{self.remote} closed the stream") from None
+        if progress is not None and n:
+            progress(memoryview(data), n)
+        return data
 
     async def write(self, parts: Sequence[bytes]) -> None:
         for part in parts:
@@ -384,11 +392,13 @@ class NetworkTransport(Transport):
                     # never read past the limit, nor a large payload we will drop: close, the sender reconnects
                     inbox.reject(header.sender, f"{header.kind} step {header.step}: {reason}; connection closed")
                     return
-                payload = await stream.read_exactly(header.payload_bytes)
                 if reason is not None:
+                    await stream.read_exactly(header.payload_bytes)
                     inbox.reject(header.sender, f"{header.kind} step {header.step} micro {header.micro}: {reason}")
                     continue
-                inbox.offer(header, payload)
+                check = PayloadCheck(header)
+                payload = await stream.read_exactly(header.payload_bytes, check.update)
+                inbox.offer(header, payload, check)
         except FrameError as error:
             inbox.reject(stream.authenticated or stream.remote, f"garbage on the stream: {error}; connection closed")
         except ConnectionError as error:
