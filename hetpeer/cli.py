@@ -69,7 +69,7 @@ _non_negative_int = _int_at_least(0)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="hetpeer", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="hetpeer", description="Train foundation models on volunteer GPUs over slow, uneven links.")
     parser.add_argument("--version", action="version", version=f"hetpeer {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
