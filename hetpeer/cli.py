@@ -19,6 +19,7 @@ from hetpeer.coordinator.planner import PlannerConfig, PlanningError, Problem, m
 from hetpeer.coordinator.planner.baselines import baseline_costs
 from hetpeer.coordinator.planner.render import format_plan
 from hetpeer.coordinator.planner.timemodel import SYNC_CHOICES
+from hetpeer.peer.gossip.topology import TOPOLOGIES
 from hetpeer.peer.node import LINK_CHOICES
 from hetpeer.protocol.addresses import AddressBook
 from hetpeer.protocol.frame import CODECS
@@ -125,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--peers", type=Path, required=True, metavar="ADDRESSES.json", help="the address book (see docs/pipeline.md)")
     join.add_argument("--listen", metavar="HOST:PORT", help="where to accept direct connections (default: this peer's address in the book)")
     join.add_argument("--identity", metavar="KEY", help="this peer's P2P private key file (needed when the book gives it a P2P address)")
+    join.add_argument("--rejoin", action="store_true",
+                      help="first download the stage's parameters and optimizer state from the rest of its group, "
+                      "and enter at the group's step")
+    join.add_argument("--save", type=Path, metavar="DIR", help="at the end, write the stage's parameters to DIR/DEVICE.npy")
     _add_link_option(join)
     _add_run_options(join)
     join.set_defaults(run=run_join)
@@ -164,15 +169,51 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--compress", choices=CODECS, default="raw",
                      help="how activations and gradients travel: raw (default), fp16, bf16 or int8")
     run.add_argument("--threads", type=_positive_int, metavar="N", help="torch threads per peer (default: torch's)")
+    run.add_argument("--bandwidth-cap", type=_positive_float, metavar="MBIT",
+                     help="emulate slow links: each peer sends at most MBIT Mbit/s to each other peer")
+    group = parser.add_argument_group("averaging within groups (gossip mode)")
+    group.add_argument("--topology", choices=TOPOLOGIES, default="one-peer-exp",
+                       help="who mixes with whom each step (default one-peer-exp)")
+    group.add_argument("--accumulate", type=_positive_int, default=1, metavar="A",
+                       help="AccumAdam: update the Adam moments every A steps from the mean gradient (default 1: Adam)")
+    group.add_argument("--mix-deadline", type=_positive_float, default=10.0, metavar="SECONDS",
+                       help="how long to wait for a neighbour's parameters before leaving it out of the step (default 10)")
+    group.add_argument("--sync-compress", choices=CODECS, default="raw",
+                       help="how parameters travel: raw (default), fp16, bf16 or int8")
+    group.add_argument("--robust", type=_positive_float, metavar="CLIP",
+                       help="robust mixing: clip each neighbour's difference at CLIP x the typical distance")
 
 
 def _run_options(args: argparse.Namespace) -> list[str]:
     """The training options of `hetpeer launch`, passed on to each `hetpeer join`."""
     passed = ["--steps", str(args.steps), "--device", args.device, "--lr", repr(args.lr), "--seed", str(args.seed),
-              "--timeout", repr(args.timeout), "--compress", args.compress]
+              "--timeout", repr(args.timeout), "--compress", args.compress, "--topology", args.topology,
+              "--accumulate", str(args.accumulate), "--mix-deadline", repr(args.mix_deadline),
+              "--sync-compress", args.sync_compress]
     if args.data is not None:
         passed += ["--data", str(args.data)]
+    if args.robust is not None:
+        passed += ["--robust", repr(args.robust)]
+    if args.bandwidth_cap is not None:
+        passed += ["--bandwidth-cap", repr(args.bandwidth_cap)]
     return passed
+
+
+def _worker_config(args: argparse.Namespace):
+    from hetpeer.peer.gossip.adam import AdamConfig
+    from hetpeer.peer.gossip.group import SyncConfig
+    from hetpeer.peer.pipeline.worker import WorkerConfig
+
+    return WorkerConfig(
+        device=args.device,
+        seed=args.seed,
+        adam=AdamConfig(lr=args.lr, accumulate=args.accumulate),
+        sync=SyncConfig(
+            topology=args.topology, deadline_s=args.mix_deadline, codec=args.sync_compress, clip=args.robust
+        ),
+        timeout_s=args.timeout,
+        codec=args.compress,
+    )
 
 
 def _load_plan(path: Path) -> Plan:
@@ -237,7 +278,6 @@ def run_plan(args: argparse.Namespace) -> int:
 def run_join(args: argparse.Namespace) -> int:
     from hetpeer.peer import node
     from hetpeer.peer.data.corpus import CorpusError
-    from hetpeer.peer.pipeline.worker import WorkerConfig
     from hetpeer.peer.transport import TransportError
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stdout)
@@ -247,13 +287,16 @@ def run_join(args: argparse.Namespace) -> int:
             device_id=args.device_id,
             plan=_load_plan(args.plan),
             book=AddressBook.load(args.peers),
-            worker=WorkerConfig(device=args.device, seed=args.seed, lr=args.lr, timeout_s=args.timeout, codec=args.compress),
+            worker=_worker_config(args),
             steps=args.steps,
             links=args.link,
             listen=_host_port(args.listen) if args.listen else None,
             identity_path=args.identity,
             data=str(args.data) if args.data else None,
             threads=args.threads,
+            rejoin=args.rejoin,
+            save=args.save,
+            bandwidth_cap_mbit=args.bandwidth_cap,
         )
         node.run(setup, lambda line: print(line, flush=True))
     except (node.PeerSetupError, CorpusError) as error:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy
 import torch
 
 from hetpeer.peer.data.corpus import Corpus
@@ -43,6 +44,9 @@ class PeerSetup:
     identity_path: str | None = None  # P2P private key; its peer id must be the book's
     data: str | None = None  # corpus folder; default: the Python standard library's sources
     threads: int | None = None  # torch intra-op threads
+    rejoin: bool = False  # download the stage's state from the group first
+    save: Path | None = None  # folder to write the stage's parameters to at the end
+    bandwidth_cap_mbit: float | None = None  # emulate a slow link: pace what this peer sends, per destination
 
     def __post_init__(self) -> None:
         if self.links not in LINK_CHOICES:
@@ -86,8 +90,9 @@ def build_transport(setup: PeerSetup) -> NetworkTransport:
     if setup.links in ("auto", "p2p") and address.p2p:
         host_maddrs = [maddr.rsplit("/p2p/", 1)[0] for maddr in address.p2p]
         links.append(P2PLink(identity_path=setup.identity_path, host_maddrs=host_maddrs))
+    rate = setup.bandwidth_cap_mbit * 1e6 / 8 if setup.bandwidth_cap_mbit is not None else None
     return NetworkTransport(
-        setup.device_id, setup.book, links, connect_timeout_s=setup.worker.timeout_s
+        setup.device_id, setup.book, links, connect_timeout_s=setup.worker.timeout_s, rate_limit_bytes_per_s=rate
     )
 
 
@@ -100,8 +105,6 @@ def run(setup: PeerSetup, report: Callable[[str], None]) -> list[StepResult]:
     if stage == 0:
         corpus = Corpus.from_folder(setup.data) if setup.data else Corpus.default()
         report(f"data: {corpus.description}")
-    if setup.plan.group_size > 1:
-        report(f"note: the {setup.plan.group_size} lanes train side by side; averaging within groups is not run yet")
     start_bytes = resident_bytes()
     results = []
     with build_transport(setup) as transport:
@@ -110,15 +113,28 @@ def run(setup: PeerSetup, report: Callable[[str], None]) -> list[StepResult]:
         report(
             f"stage {stage + 1}/{len(setup.plan.stages)} (layers {worker.model.layer_start}-"
             f"{worker.model.layer_end - 1}, {params:,} parameters), lane {lane + 1}/{setup.plan.group_size}, "
-            f"on {setup.worker.device}"
+            f"on {setup.worker.device}, group of {len(worker.sync.members)} ({worker.sync.mode}"
+            + (f", {setup.worker.sync.topology})" if worker.sync.mode == "gossip" else ")")
         )
+        if setup.rejoin:
+            download = worker.fetch_state()
+            report(
+                f"rejoined at step {download.step + 1}: {download.bytes / 2**20:.1f} MiB of state in {download.chunks} "
+                f"chunk(s) from {', '.join(download.donors)} in {download.seconds:.2f} s"
+            )
+        last_step = worker.step + setup.steps
         for _ in range(setup.steps):
             started = time.perf_counter()
             result = worker.train_step()
             results.append(result)
-            report(format_step(result, time.perf_counter() - started, setup.plan.start_step + setup.steps))
+            report(format_step(result, time.perf_counter() - started, last_step))
         report(f"routes: {', '.join(f'{d} over {link}' for d, link in sorted(transport.routes.items())) or 'none'}")
         report(format_memory(worker, peak_resident_bytes() - start_bytes))
+        if worker.sync.left_out:
+            report(f"left out of mixing: {', '.join(f'{d} {n}x' for d, n in sorted(worker.sync.left_out.items()))}")
+        if setup.save is not None:
+            setup.save.mkdir(parents=True, exist_ok=True)
+            numpy.save(setup.save / f"{setup.device_id}.npy", worker.flat.data.detach().cpu().numpy())
     return results
 
 
@@ -150,7 +166,12 @@ def stage_memory(worker: StageWorker) -> dict[str, float]:
 
 def format_step(result: StepResult, seconds: float, last_step: int) -> str:
     loss = f"loss {result.loss:.4f}" if result.loss is not None else "loss -"
+    sync = ""
+    if result.sync is not None and result.sync.mode != "none":
+        sync = f", sync {result.sync.wait_s:.2f}"
+        if result.sync.left_out:
+            sync += f" without {', '.join(result.sync.left_out)}"
     return (
         f"step {result.step + 1}/{last_step}  {loss}  {result.tokens / seconds:,.0f} tok/s  "
-        f"{seconds:.2f} s (compute {result.compute_s:.2f}, wait {result.wait_s:.2f})"
+        f"{seconds:.2f} s (compute {result.compute_s:.2f}, wait {result.wait_s:.2f}{sync})"
     )

@@ -15,6 +15,7 @@ import torch
 
 from hetpeer.peer.data.corpus import Corpus
 from hetpeer.peer.model.gpt import build_stage
+from hetpeer.peer.gossip.adam import AdamConfig
 from hetpeer.peer.pipeline.worker import StageWorker, WorkerConfig
 from hetpeer.peer.transport import MemoryHub, MemoryTransport, TransportTimeout
 from hetpeer.peer.transport.codec import checksum, encode
@@ -180,7 +181,7 @@ def test_two_lanes_read_their_own_batches(corpus):
 
 def test_training_lowers_the_loss(corpus):
     plan = make_plan(2, lane_batch=4, micro_batch=2)
-    pipeline = Pipeline(plan, corpus, WorkerConfig(lr=1e-3))
+    pipeline = Pipeline(plan, corpus, WorkerConfig(adam=AdamConfig(lr=1e-3)))
     steps = 15
     results = pipeline.run(lambda worker: [worker.train_step() for _ in range(steps)])
     losses = [r.loss for r in results[pipeline.last()]]

@@ -1,8 +1,8 @@
 """The stage worker: one peer's share of a lane, run step by step under a plan.
 
 A step is `compute` (the 1F1B schedule over the lane's micro-batches: receive, forward, send; then
-backward in reverse, accumulating gradients) followed by `apply` (the optimizer step). They are
-separate so data-parallel sync can sit between them. Stage 0 reads its lane's data and sends the
+backward in reverse, accumulating gradients) followed by `apply` (the group's averaging and the Adam
+step, `hetpeer.peer.gossip`). The stage's parameters travel to the group while `compute` runs. Stage 0 reads its lane's data and sends the
 labels along the lane with the activations; the last stage computes the loss, scaled so the
 accumulated gradient is that of the mean loss over the lane's batch.
 
@@ -14,12 +14,17 @@ implies. Every receive has the configured deadline, so a dead neighbour raises `
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from hetpeer.peer.data.corpus import Corpus
+from hetpeer.peer.gossip.adam import AdamConfig
+from hetpeer.peer.gossip.flat import FlatParams
+from hetpeer.peer.gossip.group import GroupSync, SyncConfig, SyncReport
+from hetpeer.peer.gossip.state import Download, fetch_state
 from hetpeer.peer.model.gpt import build_stage
 from hetpeer.peer.pipeline.schedule import FORWARD, one_f_one_b
 from hetpeer.peer.transport.base import Transport
@@ -29,16 +34,16 @@ from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.workload import preset
 
 COMPUTE_DTYPES = ("fp32", "bf16")
+log = logging.getLogger("hetpeer.peer")
 
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
     device: str = "cpu"  # torch device of this peer
     seed: int = 0  # model initialisation and data order
-    lr: float = 3e-4
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.95)
-    timeout_s: float = 60.0  # deadline for every frame this peer waits for
+    adam: AdamConfig = AdamConfig()
+    sync: SyncConfig = SyncConfig()  # how the group averages (gossip topology, deadline, codec, clipping)
+    timeout_s: float = 60.0  # deadline for every frame of the lane this peer waits for
     codec: str = "raw"  # how activations and gradients travel: raw, fp16, bf16 or int8
 
     def __post_init__(self) -> None:
@@ -46,8 +51,6 @@ class WorkerConfig:
             raise ValueError(f"codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
-        if not self.lr > 0 or self.weight_decay < 0:
-            raise ValueError(f"lr must be positive and weight_decay non-negative, got {self.lr}, {self.weight_decay}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +60,8 @@ class StepResult:
     sequences: int
     tokens: int
     compute_s: float  # forward and backward
-    wait_s: float  # blocked on neighbours
+    wait_s: float  # blocked on lane neighbours
+    sync: SyncReport | None = None  # the group's averaging, once the step is applied
 
 
 class StageWorker:
@@ -78,9 +82,8 @@ class StageWorker:
             raise ValueError(f"{device_id} holds stage 0 and needs a corpus to read")
         self.corpus = corpus
         self.model = build_stage(self.spec, stage_plan.layer_start, stage_plan.layer_end, config.seed, config.device)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=config.lr, betas=config.betas, weight_decay=config.weight_decay
-        )
+        self.flat = FlatParams(self.model)
+        self.sync = GroupSync(plan, device_id, transport, self.flat, config.adam, config.sync)
         self.schedule = one_f_one_b(self.stage, len(plan.stages), plan.micro_batches)
         self.sizes = plan.micro_batch_sizes
         self.step = plan.start_step
@@ -90,6 +93,8 @@ class StageWorker:
     # -- what this peer takes from the network --------------------------------------------------
     def accept(self, header: FrameHeader) -> str | None:
         """Why a frame is not what the plan says this peer should get, or None if it is."""
+        if header.kind in GroupSync.KINDS:
+            return self.sync.accept(header)
         if header.sender == self.previous:
             allowed = ("activation", "labels")
         elif header.sender == self.next:
@@ -113,7 +118,8 @@ class StageWorker:
     # -- one step ---------------------------------------------------------------------------------
     def compute(self) -> StepResult:
         """Forward and backward over the lane's micro-batches; gradients are left in `.grad`."""
-        self.optimizer.zero_grad(set_to_none=True)
+        self.sync.begin(self.step)  # x(step) starts travelling to the group while the gradient is computed
+        self.flat.zero_grad()
         step, timeout = self.step, self.config.timeout_s
         data = self._lane_data(step)
         held: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
@@ -152,7 +158,7 @@ class StageWorker:
                 if inputs is not None:
                     self._send("gradient", self.previous, inputs.grad, micro)
         tick = time.perf_counter()
-        self.transport.flush(timeout)
+        self.transport.flush(timeout, to=[p for p in (self.previous, self.next) if p is not None])
         wait_s += time.perf_counter() - tick
         sequences = self.plan.lane_batch
         return StepResult(
@@ -164,16 +170,31 @@ class StageWorker:
             wait_s=wait_s,
         )
 
-    def apply(self) -> None:
-        """The optimizer step that closes the current step."""
-        self.optimizer.step()
+    def apply(self) -> SyncReport:
+        """Average with the group and take the optimizer step that closes the current step."""
+        report = self.sync.finish(self.step)
         self.step += 1
+        if self.sync.ahead is not None and self.sync.ahead > self.step and len(self.plan.stages) == 1:
+            # the group is further on (this peer was slow, or just joined): skip to where it is
+            log.info("%s: group is at step %d, skipping from %d", self.device_id, self.sync.ahead, self.step)
+            self.step = self.sync.ahead
+        self.sync.ahead = None
         self.transport.inbox.discard_before(self.step)
+        self.sync.begin(self.step)
+        return report
 
     def train_step(self) -> StepResult:
         result = self.compute()
-        self.apply()
-        return result
+        return replace(result, sync=self.apply())
+
+    def fetch_state(self, timeout_s: float | None = None) -> Download:
+        """Download this stage's parameters and optimizer state from the rest of the group, and enter at
+        the step the group is at."""
+        donors = [d for d in self.sync.members if d != self.device_id]
+        download = fetch_state(self.sync, donors, timeout_s or self.config.timeout_s)
+        self.step = download.step
+        self.sync.sent = None
+        return download
 
     # -- helpers ----------------------------------------------------------------------------------
     def _lane_data(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:

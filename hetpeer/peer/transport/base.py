@@ -8,6 +8,7 @@ encoding and the same `Inbox` checks, so what a test sees is what the network do
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Iterable
 
 import torch
 
@@ -66,8 +67,9 @@ class Transport(ABC):
     def _send(self, to: str, header: FrameHeader, payload: memoryview) -> None: ...
 
     @abstractmethod
-    def flush(self, timeout_s: float) -> None:
-        """Block until every queued frame has left, or raise the error that stopped one."""
+    def flush(self, timeout_s: float, to: Iterable[str] | None = None) -> None:
+        """Block until every frame queued (for the peers `to`, or all) has left, or raise the error that
+        stopped one: PeerUnreachable, or TransportTimeout past the deadline."""
 
     @abstractmethod
     def start(self) -> None: ...

@@ -39,6 +39,10 @@ class PeerUnreachable(TransportError):
     """No link reached the peer, or the connection to it broke and could not be rebuilt."""
 
 
+class Late(str):
+    """A refusal that is no one's fault: a frame for a step this peer has left behind. Not counted."""
+
+
 def accept_all(header: FrameHeader) -> str | None:
     return None
 
@@ -52,6 +56,8 @@ class Inbox:
         self.policy = policy
         self.misbehaving: collections.Counter[str] = collections.Counter()
         self.rejections: collections.deque[tuple[str, str]] = collections.deque(maxlen=256)
+        self.late = 0  # frames dropped because they came after their step was done
+        self.handlers: dict[str, Callable[[FrameHeader, torch.Tensor], None]] = {}  # kinds served, not stored
         self._frames: dict[Key, torch.Tensor] = {}
         self._arrived = threading.Condition()
 
@@ -75,6 +81,10 @@ class Inbox:
         except FrameError as error:
             self.reject(header.sender, f"{header.kind} step {header.step} micro {header.micro}: {error}")
             return False
+        handler = self.handlers.get(header.kind)
+        if handler is not None:
+            handler(header, tensor)
+            return True
         key = (header.kind, header.sender, header.step, header.micro)
         with self._arrived:
             if key in self._frames:
@@ -87,7 +97,16 @@ class Inbox:
             self.reject(header.sender, f"duplicate {header.kind} for step {header.step} micro {header.micro}")
         return not duplicate
 
+    def refuse(self, header: FrameHeader, reason: str, consequence: str = "") -> None:
+        """`reject` a screened frame, naming it; a `Late` reason stays late."""
+        text = f"{header.kind} step {header.step} micro {header.micro}: {reason}{consequence}"
+        self.reject(header.sender, Late(text) if isinstance(reason, Late) else text)
+
     def reject(self, sender: str, reason: str) -> None:
+        if isinstance(reason, Late):
+            self.late += 1
+            log.debug("%s dropped a late frame from %s: %s", self.device, sender, reason)
+            return
         self.misbehaving[sender] += 1
         self.rejections.append((sender, reason))
         log.warning("%s rejected a frame from %s: %s", self.device, sender, reason)

@@ -7,6 +7,7 @@ A hub can cut a peer off (`unplug`) so tests can fault a peer without copying pr
 from __future__ import annotations
 
 import threading
+from typing import Iterable
 
 from hetpeer.peer.transport.base import DEFAULT_MAX_FRAME_BYTES, Transport
 from hetpeer.peer.transport.inbox import PeerUnreachable
@@ -49,9 +50,9 @@ class MemoryTransport(Transport):
         """Hand over one frame as if it came off the wire; False when it was refused."""
         reason = self.inbox.screen(header, authenticated)
         if reason is not None:
-            self.inbox.reject(header.sender, f"{header.kind} step {header.step} micro {header.micro}: {reason}")
+            self.inbox.refuse(header, reason)
             return False
         return self.inbox.offer(header, bytearray(payload))
 
-    def flush(self, timeout_s: float) -> None:
-        return None
+    def flush(self, timeout_s: float, to: Iterable[str] | None = None) -> None:
+        return None  # delivery happened in `send`

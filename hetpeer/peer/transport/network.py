@@ -18,13 +18,13 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Awaitable, Callable, Sequence
+from typing import Awaitable, Callable, Iterable, Sequence
 
 import numpy
 
 from hetpeer.peer.transport.base import DEFAULT_MAX_FRAME_BYTES, Transport
 from hetpeer.peer.transport.codec import PayloadCheck
-from hetpeer.peer.transport.inbox import PeerUnreachable, TransportError
+from hetpeer.peer.transport.inbox import PeerUnreachable, TransportError, TransportTimeout
 from hetpeer.protocol.addresses import AddressBook, PeerAddress
 from hetpeer.protocol.frame import PREFIX, FrameError, FrameHeader, decode_header, header_length
 
@@ -242,11 +242,15 @@ class NetworkTransport(Transport):
         *,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         connect_timeout_s: float = 10.0,
+        rate_limit_bytes_per_s: float | None = None,
     ) -> None:
         if not links:
             raise ValueError("a transport needs at least one link")
+        if rate_limit_bytes_per_s is not None and not rate_limit_bytes_per_s > 0:
+            raise ValueError(f"rate limit must be positive, got {rate_limit_bytes_per_s}")
         super().__init__(device, max_frame_bytes=max_frame_bytes)
         self.book, self.links, self.connect_timeout_s = book, tuple(links), connect_timeout_s
+        self.rate_limit_bytes_per_s = rate_limit_bytes_per_s  # per destination, to emulate slow links
         self.routes: dict[str, str] = {}  # destination -> name of the link that reached it
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -319,11 +323,16 @@ class NetworkTransport(Transport):
 
     async def _pump(self, to: str, queue: asyncio.Queue) -> None:
         stream: Stream | None = None
+        free_at = time.monotonic()  # with a rate limit: when the emulated link is free again
         while True:
             parts = await queue.get()
             try:
                 if stream is None:
                     stream = await self._connect(to)
+                if self.rate_limit_bytes_per_s is not None:
+                    start = max(time.monotonic(), free_at)
+                    free_at = start + sum(len(p) for p in parts) / self.rate_limit_bytes_per_s
+                    await asyncio.sleep(free_at - time.monotonic())  # the frame is on the wire until then
                 await stream.write(parts)
             except (PeerUnreachable, ConnectionError, OSError) as error:
                 dropped = 1 + queue.qsize()
@@ -365,15 +374,21 @@ class NetworkTransport(Transport):
                 raise PeerUnreachable(f"cannot reach {to} within {self.connect_timeout_s:g} s ({reasons})")
             await asyncio.sleep(0.1)  # the peer may still be starting
 
-    def flush(self, timeout_s: float) -> None:
-        self._call(self._drain(), timeout_s)
-        if self._failures:
-            to = next(iter(self._failures))
-            raise PeerUnreachable(self._failures.pop(to))
+    def flush(self, timeout_s: float, to: Iterable[str] | None = None) -> None:
+        destinations = set(self._queues) if to is None else set(to)
+        try:
+            self._call(self._drain(destinations), timeout_s)
+        except TimeoutError:
+            raise TransportTimeout(
+                f"{self.device}: frames to {', '.join(sorted(destinations))} not sent within {timeout_s:g} s"
+            ) from None
+        for destination in sorted(destinations & set(self._failures)):
+            raise PeerUnreachable(self._failures.pop(destination))
 
-    async def _drain(self) -> None:
-        for queue in list(self._queues.values()):
-            await queue.join()
+    async def _drain(self, destinations: set[str]) -> None:
+        for to in destinations:
+            if to in self._queues:
+                await self._queues[to].join()
 
     # -- receiving ----------------------------------------------------------------------------
     async def _serve(self, stream: Stream) -> None:
@@ -390,11 +405,11 @@ class NetworkTransport(Transport):
                 oversize = header.payload_bytes > inbox.max_frame_bytes
                 if oversize or (reason is not None and header.payload_bytes > DRAIN_LIMIT_BYTES):
                     # never read past the limit, nor a large payload we will drop: close, the sender reconnects
-                    inbox.reject(header.sender, f"{header.kind} step {header.step}: {reason}; connection closed")
+                    inbox.refuse(header, reason or "over the frame limit", "; connection closed")
                     return
                 if reason is not None:
                     await stream.read_exactly(header.payload_bytes)
-                    inbox.reject(header.sender, f"{header.kind} step {header.step} micro {header.micro}: {reason}")
+                    inbox.refuse(header, reason)
                     continue
                 check = PayloadCheck(header)
                 payload = await stream.read_exactly(header.payload_bytes, check.update)

@@ -1,0 +1,79 @@
+"""Adam on one flat vector per stage: local AdamW, and the update of decentralized Adam and AccumAdam.
+
+Decentralized Adam (Wang et al., ICLR 2025), peer i at step t (1-based), gradient g taken at x_i(t):
+
+    x_half = sum_j W_ij(t) x_j(t)                      (mixing: done by the caller, `group.py`)
+    m = b1 m + (1 - b1) g,  v = b2 v + (1 - b2) g^2     (moments are local and never sent)
+    x_i(t+1) = x_half - lr (m / (1 - b1^t) / (sqrt(v / (1 - b2^t)) + eps) + wd x_half)
+
+With W = I this is AdamW exactly (a test holds it to torch.optim.AdamW). AccumAdam (same paper, for the
+variance of small local batches) keeps persistent moments M, V that change only at the end of each
+window of A steps, from the window's mean gradient gbar: M = b1 M + (1 - b1) gbar,
+V = b2 V + (1 - b2) gbar^2. Every step still moves the parameters, with m = b1 M + (1 - b1) g and
+v = b2 V + (1 - b2) g^2 (M, V as they were before this step's window closed) and bias correction by
+k = ceil(t / A) in place of t. A = 1 is plain decentralized Adam.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class AdamConfig:
+    lr: float = 3e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    accumulate: int = 1  # AccumAdam's window A; 1 = Adam
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0 or self.weight_decay < 0 or not self.eps > 0:
+            raise ValueError(f"lr and eps must be positive and weight_decay non-negative: {self}")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas must be in [0, 1), got {self.betas}")
+        if self.accumulate < 1:
+            raise ValueError(f"accumulate must be at least 1 step, got {self.accumulate}")
+
+
+class AdamState:
+    """The optimizer state of one stage: moments (and AccumAdam's window sum), flat, plus the step count."""
+
+    NAMES = ("m", "v", "window")
+
+    def __init__(self, size: int, device: str | torch.device = "cpu") -> None:
+        self.m = torch.zeros(size, device=device)
+        self.v = torch.zeros(size, device=device)
+        self.window = torch.zeros(size, device=device)  # sum of this window's gradients (AccumAdam)
+        self.step = 0
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.m, self.v, self.window
+
+
+@torch.no_grad()
+def adam_update(x: torch.Tensor, grad: torch.Tensor, state: AdamState, config: AdamConfig) -> None:
+    """Move x (the mixed point, changed in place) by one (Accum)Adam step with `grad`."""
+    b1, b2 = config.betas
+    state.step += 1
+    t, window = state.step, config.accumulate
+    if window == 1:
+        state.m.mul_(b1).add_(grad, alpha=1 - b1)
+        state.v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        m, v, k = state.m, state.v, t
+    else:
+        m = state.m * b1 + grad * (1 - b1)
+        v = state.v * b2 + grad * grad * (1 - b2)
+        k = math.ceil(t / window)
+        state.window.add_(grad)
+        if t % window == 0:
+            mean = state.window / window
+            state.m.mul_(b1).add_(mean, alpha=1 - b1)
+            state.v.mul_(b2).addcmul_(mean, mean, value=1 - b2)
+            state.window.zero_()
+    denominator = v.sqrt().div_(math.sqrt(1 - b2**k)).add_(config.eps)
+    x.mul_(1 - config.lr * config.weight_decay)
+    x.addcdiv_(m, denominator, value=-config.lr / (1 - b1**k))

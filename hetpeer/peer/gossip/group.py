@@ -1,0 +1,300 @@
+"""A peer's part in its group's averaging, step by step: gossip with decentralized Adam, ring all-reduce,
+or nothing (a group of one); and serving its stage's state to a peer that (re)joins.
+
+Gossip, peer i of the group (members in lane order), step t:
+
+- `begin(t)`: as soon as x_i(t) exists, a copy goes to the peers that mix it in under W(t), in chunks,
+  so the exchange runs while step t's gradient is computed (`overlap`);
+- `finish(t)`: with the gradient ready, wait for the neighbours' x_j(t) until `deadline_s`; a neighbour
+  that is late or sent something unusable is left out and the weights renormalised; mix
+  (optionally clipping each neighbour's difference: robust mixing); take the Adam step from the mix.
+
+All-reduce: the gradient is averaged exactly by a ring (reduce-scatter, then all-gather: 2 (n - 1)
+messages of 1/n of it), then every peer takes the same Adam step. It needs every member: a missing one
+raises `TransportTimeout` (gossip is the mode that tolerates faults).
+
+Membership comes from the plan (`set_plan`, at a step boundary). Everything received is checked by
+`accept` before the transport hands it over: sender in the group, epoch, step, chunk index, shape, dtype.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hetpeer.peer.gossip.adam import AdamConfig, AdamState, adam_update
+from hetpeer.peer.gossip.flat import FlatParams
+from hetpeer.peer.gossip.topology import TOPOLOGIES, mixing_matrix, neighbours
+from hetpeer.peer.transport.base import Transport
+from hetpeer.peer.transport.inbox import Late, PeerUnreachable, TransportTimeout
+from hetpeer.protocol.frame import CODECS, FrameHeader
+from hetpeer.protocol.plan import Plan
+
+log = logging.getLogger("hetpeer.gossip")
+DISTANCE_MEMORY = 0.9  # weight of the past in the running typical distance of robust mixing
+SUSPECT_WAIT_S = 0.05
+# Peers of a group run at their own pace: one waits only for its neighbours of the round, so a sender
+# may be a few steps ahead of a receiver that waited on someone else. Frames that far ahead are kept.
+AHEAD_STEPS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class SyncConfig:
+    topology: str = "one-peer-exp"
+    deadline_s: float = 10.0  # once the gradient is ready, how long to wait for neighbours' parameters
+    codec: str = "raw"  # how parameters travel: raw, fp16, bf16 or int8
+    clip: float | None = None  # robust mixing: clip differences at clip x the typical neighbour distance
+    chunk_bytes: int = 16 << 20  # parameters travel in frames of at most this size
+    overlap: bool = True  # send x(t) as soon as it exists; False sends it after the gradient (to measure)
+
+    def __post_init__(self) -> None:
+        if self.topology not in TOPOLOGIES:
+            raise ValueError(f"topology must be one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
+        if self.codec not in CODECS:
+            raise ValueError(f"codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
+        if not self.deadline_s > 0 or self.chunk_bytes < 4:
+            raise ValueError(f"deadline_s must be positive and chunk_bytes at least 4: {self}")
+        if self.clip is not None and not self.clip > 0:
+            raise ValueError(f"clip must be positive, got {self.clip}")
+
+
+@dataclass(frozen=True, slots=True)
+class SyncReport:
+    mode: str
+    mixed: int  # neighbours whose parameters (or gradient shares) were used
+    left_out: tuple[str, ...]  # neighbours that were late or unusable this step
+    clipped: int
+    wait_s: float
+
+
+class GroupSync:
+    KINDS = ("params", "allreduce", "state_request", "state")
+
+    def __init__(
+        self, plan: Plan, device_id: str, transport: Transport, flat: FlatParams, adam: AdamConfig, config: SyncConfig
+    ) -> None:
+        self.device_id, self.transport, self.flat, self.adam, self.config = device_id, transport, flat, adam, config
+        self.state = AdamState(flat.size, flat.data.device)
+        self.lock = threading.Lock()  # parameters and moments change only under it; state serving reads under it
+        self.chunk_elems = max(1, config.chunk_bytes // 4)
+        self.step = plan.start_step
+        self.sent: int | None = None  # the step whose parameters have been sent
+        self.ahead: int | None = None  # the furthest step a group member has been seen at
+        self.typical_distance: float | None = None
+        self.left_out = collections.Counter()
+        self.suspects: set[str] = set()
+        self.set_plan(plan)
+        transport.inbox.handlers["state_request"] = self._serve_state
+
+    def set_plan(self, plan: Plan) -> None:
+        """Take the group of `plan` (members in lane order, sync mode); call at a step boundary."""
+        stage, _ = plan.position(self.device_id)
+        self.plan = plan
+        self.members = plan.stages[stage].devices
+        self.index = self.members.index(self.device_id)
+        self.mode = "none" if len(self.members) == 1 else plan.stages[stage].sync
+        self.ring_sizes = [len(part) for part in torch.empty(self.flat.size, device="meta").tensor_split(len(self.members))]
+        if self.mode == "none" and len(self.members) > 1:
+            log.warning("%s: plan says sync none for a group of %d; its lanes will drift apart", self.device_id, len(self.members))
+
+    # -- what this peer accepts -------------------------------------------------------------------
+    def accept(self, header: FrameHeader) -> str | None:
+        if header.sender not in self.members or header.sender == self.device_id:
+            return f"{header.sender} is not another member of {self.device_id}'s group"
+        self.suspects.discard(header.sender)  # it is sending: alive, if perhaps late
+        if header.epoch != self.plan.epoch:
+            return f"plan epoch {header.epoch}, this peer runs epoch {self.plan.epoch}"
+        if header.kind == "state_request":
+            return None if header.shape == (1,) and header.dtype == "int64" else "a state request is one int64"
+        if header.kind == "state":
+            expected = self._state_chunk_shape(header.micro)
+        else:
+            if header.step < self.step:
+                return Late(f"step {header.step} is done (this peer is at {self.step})")
+            if header.step > self.step + AHEAD_STEPS:
+                self.ahead = max(self.ahead or 0, header.step)
+                return Late(f"step {header.step} is far ahead of this peer ({self.step})")
+            expected = self._params_chunk_shape(header.micro) if header.kind == "params" else self._ring_shape(header)
+        if expected is None:
+            return f"{header.kind} chunk {header.micro} does not exist"
+        dtype = "int64" if header.kind == "state" and header.micro == META else "fp32"
+        if header.shape != expected or header.dtype != dtype:
+            return f"{header.kind} chunk {header.micro} is {header.dtype}{list(header.shape)}, expected {dtype}{list(expected)}"
+        return None
+
+    # -- a step -----------------------------------------------------------------------------------
+    def begin(self, step: int) -> None:
+        """x(step) exists: start sending it to the neighbours of round `step` (gossip with overlap)."""
+        self.step = step
+        if self.mode == "gossip" and self.config.overlap and self.sent != step:
+            self._send_params(step)
+
+    def finish(self, step: int) -> SyncReport:
+        """The gradient of `step` is in `flat.grad`: sync as the mode says and take the optimizer step."""
+        started = time.perf_counter()
+        if self.mode == "allreduce":
+            self._ring_allreduce(step)
+            with self.lock:
+                adam_update(self.flat.data, self.flat.grad, self.state, self.adam)
+            return SyncReport("allreduce", len(self.members) - 1, (), 0, time.perf_counter() - started)
+        if self.mode != "gossip":
+            with self.lock:
+                adam_update(self.flat.data, self.flat.grad, self.state, self.adam)
+            return SyncReport(self.mode, 0, (), 0, 0.0)
+        if self.sent != step:
+            self._send_params(step)
+        weights = mixing_matrix(self.config.topology, len(self.members), step)[self.index]
+        incoming, _ = neighbours(mixing_matrix(self.config.topology, len(self.members), step), self.index)
+        received, left_out = self._receive_params(step, incoming, time.monotonic() + self.config.deadline_s)
+        wait_s = time.perf_counter() - started
+        with self.lock:
+            clipped = self._mix(weights, received)
+            adam_update(self.flat.data, self.flat.grad, self.state, self.adam)
+        for device in left_out:
+            self.left_out[device] += 1
+        if left_out:
+            log.info("%s left %s out of step %d", self.device_id, ", ".join(left_out), step)
+        return SyncReport("gossip", len(received), tuple(left_out), clipped, wait_s)
+
+    # -- gossip -----------------------------------------------------------------------------------
+    def _send_params(self, step: int) -> None:
+        _, outgoing = neighbours(mixing_matrix(self.config.topology, len(self.members), step), self.index)
+        with self.lock:
+            copy = self.flat.data.detach().clone()
+        for j in outgoing:
+            try:
+                for c, chunk in enumerate(copy.split(self.chunk_elems)):
+                    self.transport.send(
+                        self.members[j], "params", chunk, step=step, micro=c, epoch=self.plan.epoch,
+                        codec=self.config.codec, copy=False,
+                    )
+            except PeerUnreachable as error:  # it will be left out of its own mixing; we go on
+                log.info("%s: parameters for %s not sent: %s", self.device_id, self.members[j], error)
+        self.sent = step
+
+    def _receive_params(self, step: int, incoming: list[int], deadline: float) -> tuple[dict[int, torch.Tensor], list[str]]:
+        received, left_out = {}, []
+        chunks = -(-self.flat.size // self.chunk_elems)
+        device = self.flat.data.device
+        for j in incoming:
+            sender = self.members[j]
+            # a neighbour silent since it missed a whole deadline gets a moment, not another deadline
+            until = min(deadline, time.monotonic() + SUSPECT_WAIT_S) if sender in self.suspects else deadline
+            try:
+                parts = [
+                    self.transport.recv("params", sender, step, c, max(0.0, until - time.monotonic()))
+                    for c in range(chunks)
+                ]
+            except TransportTimeout:
+                left_out.append(sender)
+                if time.monotonic() >= deadline:
+                    self.suspects.add(sender)
+                continue
+            received[j] = torch.cat(parts).to(device)
+        return received, left_out
+
+    def _mix(self, weights: np.ndarray, received: dict[int, torch.Tensor]) -> int:
+        """x_i <- x_i + sum_j w_ij / (w_ii + sum w_ij) * clip(x_j - x_i), over the neighbours received."""
+        if not received:
+            return 0
+        x = self.flat.data
+        total = weights[self.index] + sum(weights[j] for j in received)
+        differences = {j: x_j - x for j, x_j in received.items()}
+        norms = {j: float(d.norm()) for j, d in differences.items()}
+        clipped = 0
+        limit = None
+        if self.config.clip is not None and self.typical_distance is not None:
+            limit = self.config.clip * self.typical_distance
+        mix = torch.zeros_like(x)
+        for j, difference in differences.items():
+            scale = 1.0
+            if limit is not None and norms[j] > limit:
+                scale, clipped = limit / norms[j], clipped + 1
+            mix.add_(difference, alpha=float(weights[j] / total) * scale)
+        x.add_(mix)
+        kept = [min(n, limit) if limit is not None else n for n in norms.values()]
+        typical = float(np.median(kept))
+        self.typical_distance = typical if self.typical_distance is None else (
+            DISTANCE_MEMORY * self.typical_distance + (1 - DISTANCE_MEMORY) * typical
+        )
+        return clipped
+
+    # -- all-reduce -------------------------------------------------------------------------------
+    def _ring_allreduce(self, step: int) -> None:
+        n, i = len(self.members), self.index
+        parts = list(self.flat.grad.tensor_split(n))
+        after, before = self.members[(i + 1) % n], self.members[(i - 1) % n]
+        timeout = self.config.deadline_s
+        for r in range(2 * (n - 1)):
+            reduce = r < n - 1
+            send_index = (i - r) % n if reduce else (i + 1 - (r - n + 1)) % n
+            receive_index = (i - r - 1) % n if reduce else (i - (r - n + 1)) % n
+            self.transport.send(after, "allreduce", parts[send_index], step=step, micro=r, epoch=self.plan.epoch)
+            incoming = self.transport.recv("allreduce", before, step, r, timeout).to(parts[0].device)
+            if reduce:
+                parts[receive_index].add_(incoming)
+            else:
+                parts[receive_index].copy_(incoming)
+        self.flat.grad.div_(n)
+
+    def _ring_shape(self, header: FrameHeader) -> tuple[int, ...] | None:
+        n, i = len(self.members), self.index
+        if header.micro >= 2 * (n - 1) or header.sender != self.members[(i - 1) % n]:
+            return None
+        r = header.micro
+        index = (i - r - 1) % n if r < n - 1 else (i - (r - n + 1)) % n
+        return (self.ring_sizes[index],)
+
+    def _params_chunk_shape(self, micro: int) -> tuple[int, ...] | None:
+        start = micro * self.chunk_elems
+        return (min(self.chunk_elems, self.flat.size - start),) if start < self.flat.size else None
+
+    # -- state for (re)joining peers ---------------------------------------------------------------
+    def state_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.flat.data, *self.state.tensors())
+
+    def _state_chunk_shape(self, micro: int) -> tuple[int, ...] | None:
+        if micro == META:
+            return (3,)
+        total = self.flat.size * len(self.state_tensors())
+        start = micro * self.chunk_elems
+        return (min(self.chunk_elems, total - start),) if start < total else None
+
+    def _serve_state(self, header: FrameHeader, request: torch.Tensor) -> None:
+        """Answer a state request from a group member (runs on the transport's thread; never waits long)."""
+        micro = int(request[0])
+        if micro == META:
+            chunk = torch.tensor([self.state.step, self.flat.size, self.step], dtype=torch.int64)
+        else:
+            shape = self._state_chunk_shape(micro)
+            if shape is None:
+                self.transport.inbox.reject(header.sender, f"state request for chunk {micro}, which does not exist")
+                return
+            with self.lock:
+                chunk = state_slice(self.state_tensors(), micro * self.chunk_elems, shape[0])
+        try:
+            self.transport.send(header.sender, "state", chunk, step=header.step, micro=micro, epoch=self.plan.epoch)
+        except PeerUnreachable as error:
+            log.info("%s: state chunk %d for %s not sent: %s", self.device_id, micro, header.sender, error)
+
+
+META = 2**32 - 1  # the micro-batch index of the state's description frame: (Adam step, parameters, step)
+
+
+def state_slice(tensors: tuple[torch.Tensor, ...], start: int, length: int) -> torch.Tensor:
+    """Elements [start, start + length) of the concatenation of equally long flat tensors, as a copy."""
+    size = tensors[0].numel()
+    pieces = []
+    while length > 0:
+        k, offset = divmod(start, size)
+        take = min(length, size - offset)
+        pieces.append(tensors[k][offset : offset + take].detach().to("cpu", copy=True))
+        start, length = start + take, length - take
+    return torch.cat(pieces)
+
