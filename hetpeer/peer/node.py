@@ -123,9 +123,9 @@ def run(setup: PeerSetup, report: Callable[[str], None]) -> list[StepResult]:
                 f"chunk(s) from {', '.join(download.donors)} in {download.seconds:.2f} s"
             )
         last_step = worker.step + setup.steps
-        for _ in range(setup.steps):
+        for i in range(setup.steps):
             started = time.perf_counter()
-            result = worker.train_step()
+            result = worker.train_step(last=i + 1 == setup.steps)
             results.append(result)
             report(format_step(result, time.perf_counter() - started, last_step))
         report(f"routes: {', '.join(f'{d} over {link}' for d, link in sorted(transport.routes.items())) or 'none'}")

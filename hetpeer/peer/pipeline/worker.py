@@ -170,8 +170,9 @@ class StageWorker:
             wait_s=wait_s,
         )
 
-    def apply(self) -> SyncReport:
-        """Average with the group and take the optimizer step that closes the current step."""
+    def apply(self, last: bool = False) -> SyncReport:
+        """Average with the group and take the optimizer step that closes the current step; unless this is
+        the `last` step, the new parameters start travelling for the next one."""
         report = self.sync.finish(self.step)
         self.step += 1
         if self.sync.ahead is not None and self.sync.ahead > self.step and len(self.plan.stages) == 1:
@@ -180,12 +181,13 @@ class StageWorker:
             self.step = self.sync.ahead
         self.sync.ahead = None
         self.transport.inbox.discard_before(self.step)
-        self.sync.begin(self.step)
+        if not last:
+            self.sync.begin(self.step)
         return report
 
-    def train_step(self) -> StepResult:
+    def train_step(self, last: bool = False) -> StepResult:
         result = self.compute()
-        return replace(result, sync=self.apply())
+        return replace(result, sync=self.apply(last))
 
     def fetch_state(self, timeout_s: float | None = None) -> Download:
         """Download this stage's parameters and optimizer state from the rest of the group, and enter at
