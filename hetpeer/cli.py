@@ -182,6 +182,8 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
                        help="how parameters travel: raw (default), fp16, bf16 or int8")
     group.add_argument("--robust", type=_positive_float, metavar="CLIP",
                        help="robust mixing: clip each neighbour's difference at CLIP x the typical distance")
+    group.add_argument("--no-overlap", action="store_true",
+                       help="send parameters after the gradient instead of during it (to measure what overlap hides)")
 
 
 def _run_options(args: argparse.Namespace) -> list[str]:
@@ -196,6 +198,8 @@ def _run_options(args: argparse.Namespace) -> list[str]:
         passed += ["--robust", repr(args.robust)]
     if args.bandwidth_cap is not None:
         passed += ["--bandwidth-cap", repr(args.bandwidth_cap)]
+    if args.no_overlap:
+        passed.append("--no-overlap")
     return passed
 
 
@@ -209,7 +213,8 @@ def _worker_config(args: argparse.Namespace):
         seed=args.seed,
         adam=AdamConfig(lr=args.lr, accumulate=args.accumulate),
         sync=SyncConfig(
-            topology=args.topology, deadline_s=args.mix_deadline, codec=args.sync_compress, clip=args.robust
+            topology=args.topology, deadline_s=args.mix_deadline, codec=args.sync_compress, clip=args.robust,
+            overlap=not args.no_overlap,
         ),
         timeout_s=args.timeout,
         codec=args.compress,

@@ -80,8 +80,10 @@ def test_payload_sizes_follow_dtype_shape_and_codec():
     assert payload_bytes("int64", (2, 3), "raw") == 48
     assert payload_bytes("fp32", (2, 3), "bf16") == 12
     assert payload_bytes("bf16", (2, 3), "fp16") == 12
-    assert payload_bytes("fp32", (2, 3), "int8") == 2 * 4 + 6  # a float32 scale per row, a byte per element
-    assert payload_bytes("fp32", (4, 2, 3), "int8") == 8 * 4 + 24
+    assert payload_bytes("fp32", (2, 3), "int8") == 1 * 4 + 6  # a float32 scale per block of 64, a byte each
+    assert payload_bytes("fp32", (4, 2, 3), "int8") == 1 * 4 + 24
+    assert payload_bytes("fp32", (3, 64), "int8") == 3 * 4 + 192
+    assert payload_bytes("fp32", (65,), "int8") == 2 * 4 + 65
     assert payload_bytes("fp32", (), "raw") == 4
     assert payload_bytes("fp32", (0, 5), "int8") == 0
 
@@ -235,20 +237,20 @@ def test_16_bit_codecs_round_to_their_precision(codec, dtype, relative):
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-def test_int8_codec_keeps_each_row_within_half_a_step_of_its_own_scale(dtype):
+def test_int8_codec_keeps_each_block_within_half_a_step_of_its_own_scale(dtype):
     generator = torch.Generator().manual_seed(1)
-    rows = torch.randn(6, 40, generator=generator)
-    # Rows of very different scales (as far apart as the dtype holds as normal numbers): each has its own scale.
+    rows = torch.randn(6, 64, generator=generator)  # one row per 64-element block
+    # Blocks of very different scales (as far apart as the dtype holds as normal numbers): each has its own scale.
     small, large = (1e-3, 1e3) if dtype == "fp16" else (1e-6, 1e4)
     rows[1] *= small
     rows[2] *= large
-    rows[3] = 0.0  # an all-zero row
-    rows[4, 7] = -50.0  # one outlier sets its row's scale
-    tensor = rows.reshape(2, 3, 40).to(TORCH_DTYPES[dtype])
+    rows[3] = 0.0  # an all-zero block
+    rows[4, 7] = -50.0  # one outlier sets its block's scale
+    tensor = rows.reshape(2, 3, 64).to(TORCH_DTYPES[dtype])
     header, payload, back = _travel(tensor, "int8")
-    assert len(payload) == 6 * 4 + 6 * 40
+    assert len(payload) == 6 * 4 + 6 * 64
     assert back.dtype == tensor.dtype and back.shape == tensor.shape
-    original, rebuilt = tensor.float().reshape(6, 40), back.float().reshape(6, 40)
+    original, rebuilt = tensor.float().reshape(6, 64), back.float().reshape(6, 64)
     absmax = original.abs().amax(dim=1)
     # Rounding to the nearest of 127 levels is off by at most half a level (absmax / 254); the target dtype
     # may add its own rounding on top.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import xxhash
 
-from hetpeer.protocol.frame import FLOAT_DTYPES, FrameError, FrameHeader
+from hetpeer.protocol.frame import FLOAT_DTYPES, INT8_BLOCK, FrameError, FrameHeader
 
 TORCH_DTYPES = {
     "fp32": torch.float32,
@@ -50,9 +50,10 @@ def encode(tensor: torch.Tensor, codec: str, copy: bool = True) -> tuple[str, me
         return dtype, _bytes(half)
     if codec == "bf16":
         return dtype, _bytes(data.to(torch.bfloat16))
-    rows = data.float().reshape(-1, data.shape[-1])
-    scales = rows.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
-    values = torch.round(rows / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    numel = data.numel()
+    blocks = torch.nn.functional.pad(data.float().reshape(-1), (0, -numel % INT8_BLOCK)).view(-1, INT8_BLOCK)
+    scales = blocks.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
+    values = torch.round(blocks / scales[:, None]).clamp_(-127, 127).to(torch.int8).reshape(-1)[:numel]
     return dtype, memoryview(bytes(_bytes(scales)) + bytes(_bytes(values)))
 
 
@@ -61,7 +62,7 @@ class PayloadCheck:
 
     Fed chunk by chunk (`update`) while the rest is still on the wire, so checking overlaps the
     transfer instead of following it. Floats are checked in the wire layout: the raw tensor, the
-    16-bit values of an fp16/bf16 frame, or the float32 row scales of an int8 frame.
+    16-bit values of an fp16/bf16 frame, or the float32 block scales of an int8 frame.
     """
 
     def __init__(self, header: FrameHeader) -> None:
@@ -73,8 +74,7 @@ class PayloadCheck:
         if header.dtype not in FLOAT_DTYPES:
             self.float_dtype, self.float_end = None, 0
         elif header.codec == "int8":
-            width = header.shape[-1] if header.shape else 1
-            self.float_dtype, self.float_end = torch.float32, (header.numel // width if width else 0) * 4
+            self.float_dtype, self.float_end = torch.float32, -(-header.numel // INT8_BLOCK) * 4
         else:
             name = header.dtype if header.codec == "raw" else header.codec
             self.float_dtype, self.float_end = TORCH_DTYPES[name], header.payload_bytes
@@ -116,11 +116,11 @@ def decode(header: FrameHeader, payload: memoryview | bytearray, check: PayloadC
         return raw.view(dtype).reshape(header.shape)
     if header.codec in ("fp16", "bf16"):
         return raw.view(TORCH_DTYPES[header.codec]).reshape(header.shape).to(dtype)
-    width = header.shape[-1]
-    rows = header.numel // width
-    scales = raw[: rows * 4].view(torch.float32)
-    values = raw[rows * 4 :].view(torch.int8).reshape(rows, width)
-    return (values.float() * scales[:, None]).reshape(header.shape).to(dtype)
+    blocks = -(-header.numel // INT8_BLOCK)
+    scales = raw[: blocks * 4].view(torch.float32)
+    values = torch.nn.functional.pad(raw[blocks * 4 :].view(torch.int8).float(), (0, -header.numel % INT8_BLOCK))
+    flat = (values.view(blocks, INT8_BLOCK) * scales[:, None]).reshape(-1)[: header.numel]
+    return flat.reshape(header.shape).to(dtype)
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
