@@ -303,15 +303,21 @@ def run_join(args: argparse.Namespace) -> int:
             save=args.save,
             bandwidth_cap_mbit=args.bandwidth_cap,
         )
-        node.run(setup, lambda line: print(line, flush=True))
+        node.run(setup, _say)
     except (node.PeerSetupError, CorpusError) as error:
         raise UserError(str(error)) from None
     except ValueError as error:  # the worker refuses a plan it cannot run (dtype, device)
         raise UserError(str(error)) from None
     except TransportError as error:
-        print(f"hetpeer join: {args.device_id} stopped: {error}", file=sys.stderr)
+        print(f"hetpeer join: stopped: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _say(line: str) -> None:
+    # one write per line: the transport's log lines share stdout and must not land inside it
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def run_launch(args: argparse.Namespace) -> int:

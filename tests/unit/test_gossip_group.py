@@ -1,0 +1,678 @@
+"""A group's averaging in one process over MemoryTransport: exact all-reduce, gossip that leaves a dead or
+lying neighbour out instead of waiting or mixing garbage, robust mixing, what a peer refuses, state
+download from several donors, a change of membership, and compressed parameter frames."""
+
+from __future__ import annotations
+
+import collections
+import math
+import re
+import threading
+from typing import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from hetpeer.peer.gossip.adam import AdamConfig, AdamState, adam_update
+from hetpeer.peer.gossip.flat import FlatParams
+from hetpeer.peer.gossip.group import AHEAD_STEPS, META, SUSPECT_WAIT_S, GroupSync, SyncConfig
+from hetpeer.peer.gossip.state import StateDownloadError, fetch_state
+from hetpeer.peer.gossip.topology import mixing_matrix
+from hetpeer.peer.transport import MemoryHub, MemoryTransport, TransportTimeout
+from hetpeer.peer.transport.codec import checksum, encode
+from hetpeer.peer.transport.inbox import Late
+from hetpeer.protocol.frame import FrameHeader, payload_bytes
+from hetpeer.protocol.plan import Plan, StagePlan
+
+JOIN_S = 30.0  # a hang guard for the threads, not a timing
+NO_DECAY = AdamConfig(lr=1e-2, weight_decay=0.0)  # with a zero gradient the Adam step is exactly zero
+
+
+def one_group_plan(devices, sync: str = "gossip", *, epoch: int = 0, start_step: int = 0, standby=()) -> Plan:
+    stage = StagePlan(0, 0, 4, tuple(devices), sync)
+    return Plan("time", "tiny", 4, len(devices), 1, 1, "fp32", (stage,), standby=tuple(standby), epoch=epoch,
+                start_step=start_step)
+
+
+def run_all(actions: list[Callable[[], object]]) -> list[object]:
+    """Each action in its own thread; what each returned or raised, in order."""
+    outcomes: list[object] = [None] * len(actions)
+
+    def work(k: int) -> None:
+        try:
+            outcomes[k] = actions[k]()
+        except BaseException as error:  # handed to the test thread
+            outcomes[k] = error
+
+    threads = [threading.Thread(target=work, args=(k,), daemon=True) for k in range(len(actions))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(JOIN_S)
+    assert not any(thread.is_alive() for thread in threads), "a peer hung"
+    return outcomes
+
+
+class Group:
+    """n GroupSyncs p0..p{n-1} on one hub, each over a Linear(size - 1, 1) flattened (size parameters).
+    `frames` records every frame delivered: (receiver, header, payload bytes, accepted)."""
+
+    def __init__(self, n: int, *, sync: str = "gossip", config: SyncConfig = SyncConfig(), adam: AdamConfig = NO_DECAY,
+                 size: int = 10, x0: np.ndarray | None = None, plan: Plan | None = None) -> None:
+        self.devices = tuple(f"p{i}" for i in range(n))
+        self.plan = plan or one_group_plan(self.devices, sync)
+        self.hub = MemoryHub()
+        self.transports: dict[str, MemoryTransport] = {}
+        self.syncs: dict[str, GroupSync] = {}
+        self.frames: list[tuple[str, FrameHeader, int, bool]] = []
+        for i, device in enumerate(self.devices):
+            transport = MemoryTransport(device, self.hub)
+            transport.start()
+            transport.deliver = self._recording(device, transport.deliver)
+            flat = FlatParams(torch.nn.Linear(size - 1, 1))
+            if x0 is not None:
+                flat.data.copy_(torch.from_numpy(np.asarray(x0[i], dtype=np.float32)))
+            sync_i = GroupSync(self.plan, device, transport, flat, adam, config)
+            transport.set_policy(sync_i.accept)
+            self.transports[device], self.syncs[device] = transport, sync_i
+
+    def _recording(self, device: str, deliver: Callable) -> Callable:
+        def recording(header, payload, authenticated=None):
+            accepted = deliver(header, payload, authenticated)
+            self.frames.append((device, header, len(payload), accepted))
+            return accepted
+
+        return recording
+
+    def x(self, devices=None) -> np.ndarray:
+        return np.stack([self.syncs[d].flat.data.double().numpy() for d in (devices or self.devices)])
+
+    def step(self, t: int, grads: np.ndarray | None = None, members=None) -> dict[str, object]:
+        """begin(t) on every member (in order), then finish(t) on all at once; the reports (or errors)."""
+        members = members or self.devices
+        for k, device in enumerate(members):
+            flat = self.syncs[device].flat
+            if grads is None:
+                flat.zero_grad()
+            else:
+                flat.grad.copy_(torch.from_numpy(grads[k].astype(np.float32)))
+        for device in members:
+            self.syncs[device].begin(t)
+        outcomes = run_all([lambda d=d: self.syncs[d].finish(t) for d in members])
+        return dict(zip(members, outcomes))
+
+
+def ok(reports: dict[str, object]) -> dict[str, object]:
+    for device, report in reports.items():
+        if isinstance(report, BaseException):
+            raise report
+    return reports
+
+
+def consensus(x: np.ndarray) -> float:
+    """Mean distance of a peer's parameters to the group's mean, relative to the mean's norm."""
+    mean = x.mean(axis=0)
+    return float(np.mean(np.linalg.norm(x - mean, axis=1)) / np.linalg.norm(mean))
+
+
+def frame_of(tensor: torch.Tensor, kind: str, sender: str, *, step: int = 0, micro: int = 0, epoch: int = 0,
+             codec: str = "raw") -> tuple[FrameHeader, bytes]:
+    """An honestly encoded frame (right size and checksum) for whatever it claims."""
+    dtype, payload = encode(tensor, codec)
+    header = FrameHeader(kind=kind, dtype=dtype, shape=tuple(tensor.shape), sender=sender, step=step, micro=micro,
+                         epoch=epoch, codec=codec, checksum=checksum(payload))
+    return header, bytes(payload)
+
+
+class Quadratics:
+    """Peer i minimises 0.5 ||A_i x - b_i||^2 (a different problem per peer)."""
+
+    def __init__(self, peers: int, dim: int, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        self.a = rng.normal(size=(peers, dim + 2, dim)) / math.sqrt(dim + 2)
+        self.b = rng.normal(size=(peers, dim + 2))
+        self.x0 = rng.normal(size=(peers, dim))
+
+    def grads(self, x: np.ndarray) -> np.ndarray:
+        return np.einsum("prd,pr->pd", self.a, np.einsum("prd,pd->pr", self.a, x) - self.b)
+
+    def loss(self, x: np.ndarray) -> float:
+        mean = x.mean(axis=0)
+        return float(sum(0.5 * np.sum((a @ mean - b) ** 2) for a, b in zip(self.a, self.b)))
+
+
+# -- all-reduce ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_allreduce_gives_every_member_the_adam_step_of_the_mean_gradient(n):
+    rng = np.random.default_rng(n)
+    size = 40  # not a multiple of 3: the ring's shares are uneven
+    x0 = rng.normal(size=size).astype(np.float32)
+    adam = AdamConfig(lr=1e-2, weight_decay=0.1)
+    group = Group(n, sync="allreduce", adam=adam, size=size, x0=np.stack([x0] * n), config=SyncConfig(deadline_s=10))
+    reference, state = torch.from_numpy(x0.copy()), AdamState(size)
+    for t in range(3):
+        grads = rng.normal(size=(n, size)).astype(np.float32)
+        reports = ok(group.step(t, grads))
+        mean = torch.from_numpy(grads.astype(np.float64).mean(axis=0)).float()
+        adam_update(reference, mean, state, adam)
+        first = group.syncs["p0"].flat.data
+        for device, sync in group.syncs.items():
+            assert torch.equal(sync.flat.data, first), f"{device} differs from p0 at step {t}"
+            torch.testing.assert_close(sync.flat.grad, mean, rtol=1e-5, atol=1e-6)
+            assert (reports[device].mode, reports[device].mixed, reports[device].left_out) == ("allreduce", n - 1, ())
+        torch.testing.assert_close(first, reference, rtol=1e-5, atol=1e-6, msg=f"step {t}")
+        # a ring: 2 (n - 1) messages per peer and step, each a 1/n share of the gradient
+        frames = [(d, h) for d, h, _, accepted in group.frames if h.kind == "allreduce" and h.step == t and accepted]
+        assert collections.Counter(d for d, _ in frames) == {d: 2 * (n - 1) for d in group.devices}
+        assert all(h.numel in (size // n, size // n + 1) for _, h in frames)
+    assert not any(t.inbox.misbehaving for t in group.transports.values())
+
+
+def test_allreduce_with_a_member_missing_times_out_instead_of_hanging():
+    group = Group(3, sync="allreduce", config=SyncConfig(deadline_s=0.3))
+    reports = group.step(0, members=("p0", "p1"))
+    for device in ("p0", "p1"):
+        assert isinstance(reports[device], TransportTimeout), reports[device]
+
+
+# -- gossip ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_begin_sends_the_parameters_to_the_rounds_outgoing_neighbour_at_once_with_overlap(overlap):
+    rng = np.random.default_rng(2)
+    group = Group(4, config=SyncConfig(topology="one-peer-exp", chunk_bytes=16, overlap=overlap), x0=rng.normal(size=(4, 10)))
+    sync = group.syncs["p0"]
+    sync.begin(1)  # round 1 of 4: shift 2, so p0's parameters are mixed in by p2
+    sent = [(d, h) for d, h, _, _ in group.frames]
+    if not overlap:  # sent only once the gradient is ready, in finish
+        assert sent == [] and sync.sent is None
+        reports = ok(group.step(1))
+        assert all(r.mixed == 1 and r.left_out == () for r in reports.values())
+        assert len([h for _, h, _, accepted in group.frames if h.kind == "params" and accepted]) == 4 * 3
+        return
+    assert [(d, h.kind, h.step, h.micro, h.shape) for d, h in sent] == [
+        ("p2", "params", 1, 0, (4,)), ("p2", "params", 1, 1, (4,)), ("p2", "params", 1, 2, (2,))
+    ]
+    assert sync.sent == 1
+    parts = [group.transports["p2"].recv("params", "p0", 1, c, 1.0) for c in range(3)]
+    assert torch.equal(torch.cat(parts), sync.flat.data)
+    sync.begin(1)  # already sent: not again
+    assert len(group.frames) == 3
+
+
+# -- gossip with a dead neighbour -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["silent", "unplugged"])
+def test_a_dead_neighbour_is_left_out_with_renormalised_weights_and_not_waited_for_again(how):
+    deadline = 0.3
+    rng = np.random.default_rng(3)
+    x0 = rng.normal(size=(4, 10))
+    group = Group(4, config=SyncConfig(topology="complete", deadline_s=deadline), x0=x0)
+    alive = ("p0", "p1", "p2")
+    waits: dict[str, list[tuple[str, float]]] = {d: [] for d in group.devices}  # (sender, timeout asked)
+    for device in group.devices:
+        transport = group.transports[device]
+
+        def recv(kind, sender, step, micro, timeout_s, _recv=transport.recv, _device=device):
+            if kind == "params":
+                waits[_device].append((sender, timeout_s))
+            return _recv(kind, sender, step, micro, timeout_s)
+
+        transport.recv = recv
+    if how == "unplugged":
+        group.hub.unplug("p3")
+    members = group.devices if how == "unplugged" else alive  # an unplugged peer runs on, cut off
+
+    reports = ok(group.step(0, members=members))
+    expected = x0[:3].astype(np.float32).astype(np.float64).mean(axis=0)  # w = 1/4 each, renormalised to 1/3
+    for device in alive:
+        assert (reports[device].left_out, reports[device].mixed) == (("p3",), 2)
+        np.testing.assert_allclose(group.x([device])[0], expected, rtol=1e-6, atol=1e-6)
+        assert group.syncs[device].left_out == {"p3": 1}
+        first_wait = [timeout for sender, timeout in waits[device] if sender == "p3"]
+        assert len(first_wait) == 1 and SUSPECT_WAIT_S < first_wait[0] <= deadline  # the full deadline, once
+    if how == "unplugged":
+        assert reports["p3"].left_out == alive and reports["p3"].mixed == 0
+        np.testing.assert_allclose(group.x(["p3"])[0], x0[3], rtol=1e-6)  # nothing came: its own point
+
+    for device in group.devices:
+        waits[device].clear()
+    for t in range(1, 10):
+        reports = ok(group.step(t, members=members))
+        assert all(reports[d].left_out == ("p3",) for d in alive)
+    for device in alive:
+        assert group.syncs[device].left_out == {"p3": 10}
+        later = [timeout for sender, timeout in waits[device] if sender == "p3"]
+        assert len(later) == 9 and max(later) <= SUSPECT_WAIT_S  # a moment, not another deadline
+        np.testing.assert_allclose(group.x([device])[0], expected, rtol=1e-6, atol=1e-6)
+
+    if how == "silent":  # it comes back: heard from again, it gets the full deadline and is mixed in
+        for device in group.devices:
+            waits[device].clear()
+        group.syncs["p3"].begin(10)
+        reports = ok(group.step(10, members=("p3",) + alive))
+        assert all(r.left_out == () and r.mixed == 3 for r in reports.values())
+        for device in alive:
+            assert [t for s, t in waits[device] if s == "p3"][0] > SUSPECT_WAIT_S
+            assert group.syncs[device].left_out == {"p3": 10}
+        mean = (3 * expected + x0[3]) / 4
+        np.testing.assert_allclose(group.x(), np.stack([mean] * 4), rtol=1e-6, atol=1e-6)
+
+
+def test_a_dead_neighbour_in_one_peer_exp_leaves_the_peer_at_its_own_point():
+    group = Group(4, config=SyncConfig(topology="one-peer-exp", deadline_s=0.2), x0=np.eye(4, 10))
+    reports = ok(group.step(0, members=("p0", "p1", "p2")))  # round 0: i mixes with i - 1; p0's is p3
+    assert reports["p0"].left_out == ("p3",) and reports["p0"].mixed == 0
+    np.testing.assert_array_equal(group.x(["p0"])[0], np.eye(4, 10)[0])
+    assert reports["p1"].left_out == () and reports["p1"].mixed == 1
+    np.testing.assert_allclose(group.x(["p1"])[0], (np.eye(4, 10)[0] + np.eye(4, 10)[1]) / 2)
+
+
+# -- what a peer refuses ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def member() -> GroupSync:
+    """p1 of a gossip group p0..p3 at step 5 of plan epoch 2: 10 parameters in chunks of 4 (4, 4, 2);
+    its state (parameters, m, v, window: 40 values) in 10 chunks; ring shares of 3, 3, 2, 2."""
+    plan = one_group_plan(("p0", "p1", "p2", "p3"), epoch=2, start_step=5)
+    transport = MemoryTransport("p1", MemoryHub())
+    sync = GroupSync(plan, "p1", transport, FlatParams(torch.nn.Linear(9, 1)), NO_DECAY, SyncConfig(chunk_bytes=16))
+    transport.set_policy(sync.accept)
+    return sync
+
+
+def head(kind="params", sender="p0", step=5, micro=0, epoch=2, dtype="fp32", shape=(4,), codec="raw") -> FrameHeader:
+    return FrameHeader(kind=kind, dtype=dtype, shape=shape, sender=sender, step=step, micro=micro, epoch=epoch, codec=codec)
+
+
+ACCEPTED = {
+    "params": head(),
+    "params from another neighbour": head(sender="p3"),
+    "params a step ahead": head(step=6),
+    f"params {AHEAD_STEPS} steps ahead": head(step=5 + AHEAD_STEPS),
+    "last, shorter chunk": head(micro=2, shape=(2,)),
+    "params in bf16": head(codec="bf16"),
+    "params in int8": head(codec="int8"),
+    "state request": head("state_request", dtype="int64", shape=(1,), step=123456),
+    "state description": head("state", dtype="int64", shape=(3,), micro=META, step=123456),
+    "last state chunk": head("state", shape=(4,), micro=9, step=123456),
+    "allreduce share from the ring's predecessor": head("allreduce", shape=(3,)),
+    "last allreduce share": head("allreduce", shape=(2,), micro=5),
+}
+
+REFUSED = {
+    "a stranger": (head(sender="mallory"), "mallory is not another member of p1's group"),
+    "itself": (head(sender="p1"), "p1 is not another member"),
+    "older epoch": (head(epoch=1), "plan epoch 1, this peer runs epoch 2"),
+    "newer epoch": (head(epoch=3), "plan epoch 3, this peer runs epoch 2"),
+    "chunk index past the end": (head(micro=3), "params chunk 3 does not exist"),
+    "wrong shape": (head(shape=(5,)), r"params chunk 0 is fp32\[5\], expected fp32\[4\]"),
+    "full-size last chunk": (head(micro=2, shape=(4,)), r"expected fp32\[2\]"),
+    "two dimensions": (head(shape=(2, 2)), r"fp32\[2, 2\], expected fp32\[4\]"),
+    "wrong dtype": (head(dtype="bf16"), r"params chunk 0 is bf16\[4\], expected fp32\[4\]"),
+    "integer params": (head(dtype="int64"), r"is int64\[4\]"),
+    "state request of two values": (head("state_request", dtype="int64", shape=(2,)), "a state request is one int64"),
+    "state request as a float": (head("state_request", shape=(1,)), "a state request is one int64"),
+    "state chunk past the end": (head("state", shape=(4,), micro=10), "state chunk 10 does not exist"),
+    "state description as floats": (head("state", shape=(3,), micro=META), r"expected int64\[3\]"),
+    "allreduce share from a non-neighbour": (head("allreduce", sender="p2", shape=(3,)), "allreduce chunk 0 does not exist"),
+    "allreduce round past the end": (head("allreduce", shape=(3,), micro=6), "allreduce chunk 6 does not exist"),
+    "allreduce share of the wrong size": (head("allreduce", shape=(2,)), r"expected fp32\[3\]"),
+}
+
+
+@pytest.mark.parametrize("name", ACCEPTED)
+def test_accept_takes_what_the_group_should_send(member, name):
+    assert member.accept(ACCEPTED[name]) is None
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_accept_refuses_with_a_reason_that_is_someones_fault(member, name):
+    frame, reason = REFUSED[name]
+    refusal = member.accept(frame)
+    assert refusal is not None and not isinstance(refusal, Late), refusal
+    assert re.search(reason, refusal), refusal
+
+
+@pytest.mark.parametrize("kind", ["params", "allreduce"])
+def test_frames_of_a_finished_step_or_far_ahead_are_late_and_ahead_is_recorded(member, kind):
+    shape = (4,) if kind == "params" else (3,)
+    done = member.accept(head(kind, step=4, shape=shape))
+    assert isinstance(done, Late) and "step 4 is done (this peer is at 5)" in done
+    assert member.ahead is None
+    far = member.accept(head(kind, step=6 + AHEAD_STEPS, shape=shape))
+    assert isinstance(far, Late) and "far ahead" in far
+    assert member.ahead == 6 + AHEAD_STEPS
+    member.accept(head(kind, step=7 + AHEAD_STEPS, shape=shape))
+    member.accept(head(kind, step=6 + AHEAD_STEPS, shape=shape))
+    assert member.ahead == 7 + AHEAD_STEPS  # the furthest seen
+
+
+def test_refused_frames_are_counted_against_their_sender_and_late_ones_are_not(member):
+    transport = member.transport
+    chunk = torch.ones(4)
+    refused = [
+        frame_of(chunk, "params", "mallory", step=5, epoch=2),
+        frame_of(chunk, "params", "p0", step=5, epoch=1),
+        frame_of(chunk, "params", "p0", step=5, micro=3, epoch=2),
+        frame_of(torch.ones(5), "params", "p0", step=5, epoch=2),
+        frame_of(chunk.to(torch.bfloat16), "params", "p0", step=5, epoch=2),
+        frame_of(torch.ones(2, 2), "params", "p2", step=5, epoch=2),
+    ]
+    for header, payload in refused:
+        assert transport.deliver(header, payload) is False
+    late = [frame_of(chunk, "params", "p0", step=4, epoch=2), frame_of(chunk, "params", "p3", step=99, epoch=2)]
+    for header, payload in late:
+        assert transport.deliver(header, payload) is False
+    assert transport.inbox.misbehaving == {"mallory": 1, "p0": 4, "p2": 1}
+    assert transport.inbox.late == 2
+    assert member.ahead == 99
+    good = frame_of(chunk * 3, "params", "p0", step=5, epoch=2)
+    assert transport.deliver(*good) is True
+    assert torch.equal(transport.recv("params", "p0", 5, 0, 1.0), chunk * 3)
+
+
+@pytest.mark.parametrize(
+    "bad, codec", [(float("nan"), "raw"), (float("inf"), "raw"), (-float("inf"), "raw"), (float("nan"), "bf16")]
+)
+def test_non_finite_parameters_are_never_mixed(bad, codec):
+    """p1 (silent otherwise) sends three chunks of which the middle one holds one bad value: the frame is
+    refused by the payload check and counted, and p0 leaves p1 out entirely instead of mixing two chunks."""
+    x0 = np.stack([np.arange(10.0), np.arange(10.0) + 100])
+    group = Group(2, config=SyncConfig(deadline_s=0.3, chunk_bytes=16, codec=codec), x0=x0)
+    poisoned = torch.from_numpy(x0[1]).float()
+    poisoned[5] = bad
+    transport = group.transports["p0"]
+    delivered = [
+        transport.deliver(*frame_of(part, "params", "p1", step=0, micro=c, codec=codec))
+        for c, part in enumerate(poisoned.split(4))
+    ]
+    assert delivered == [True, False, True]
+    assert transport.inbox.misbehaving == {"p1": 1}
+    assert "NaN or infinite" in transport.inbox.rejections[-1][1]
+    report = ok(group.step(0, members=("p0",)))["p0"]
+    assert report.left_out == ("p1",) and report.mixed == 0
+    np.testing.assert_array_equal(group.x(["p0"])[0], x0[0])
+    assert group.syncs["p0"].left_out == {"p1": 1}
+
+
+# -- robust mixing ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("clip", [None, 1.0, 3.0])
+def test_clipping_bounds_how_far_a_poisoned_neighbour_moves_a_peer(clip):
+    rng = np.random.default_rng(4)
+    group = Group(4, config=SyncConfig(topology="one-peer-exp", deadline_s=10, clip=clip), x0=rng.normal(size=(4, 10)))
+    for t in range(6):  # honest rounds: the peers drift apart a little between mixings (local steps)
+        for sync in group.syncs.values():
+            sync.flat.data.add_(torch.from_numpy(rng.normal(scale=0.1, size=10)).float())
+        ok(group.step(t))
+    receiver, poisoner = group.syncs["p0"], group.syncs["p3"]
+    assert mixing_matrix("one-peer-exp", 4, 6)[0, 3] == 0.5  # round 6: p0 mixes in p3 with weight 1/2
+    typical = receiver.typical_distance
+    assert typical is not None and typical > 0
+    poisoner.flat.data.add_(1e3)
+    before = receiver.flat.data.clone()
+    distance = float((poisoner.flat.data - before).norm())
+    report = ok(group.step(6))["p0"]
+    moved = float((receiver.flat.data - before).norm())
+    assert report.mixed == 1
+    if clip is None:
+        assert report.clipped == 0
+        assert moved == pytest.approx(0.5 * distance, rel=1e-5)  # half way to the poisoned point
+        assert moved > 1e3
+    else:
+        assert report.clipped == 1
+        assert 0 < moved <= clip * typical * 0.5 * (1 + 1e-5)
+        assert moved == pytest.approx(clip * typical * 0.5, rel=1e-4)  # it moves towards it by the bound, no less
+
+
+def test_robust_mixing_still_mixes_peers_that_start_from_the_same_parameters():
+    """Every lane builds its stage from the same seed, so a group starts with identical parameters and the
+    first round's distances are all 0. Robust mixing must not take 0 as the typical distance for good:
+    with honest neighbours, clipping at 2x the typical distance still brings the peers together."""
+    problem = Quadratics(4, 10, seed=5)
+    start = np.stack([problem.x0[0]] * 4)
+    adam = AdamConfig(lr=0.05, weight_decay=0.0)
+    runs = {}
+    for name, sync, clip in [("plain", "gossip", None), ("robust", "gossip", 2.0), ("alone", "none", None)]:
+        group = Group(4, sync=sync, adam=adam, x0=start, config=SyncConfig(topology="one-peer-exp", deadline_s=10, clip=clip))
+        for t in range(12):
+            ok(group.step(t, problem.grads(group.x())))
+        runs[name] = group
+    assert consensus(runs["plain"].x()) < 0.5 * consensus(runs["alone"].x())  # mixing does bring them together
+    assert consensus(runs["robust"].x()) < 0.5 * consensus(runs["alone"].x())
+    assert runs["robust"].syncs["p0"].typical_distance > 0
+
+
+# -- state download -----------------------------------------------------------------------------------------
+
+
+SIZE = 10  # parameters; the state (parameters, m, v, window) is 40 values
+CHUNK_BYTES = 12  # 3 values a chunk: 14 chunks, the last one of 1
+
+
+def state_group(distinct: bool = True) -> Group:
+    """Four peers: p1..p3 hold their own state (parameters, moments, Adam step, step), or with `distinct`
+    False one and the same; p0, the one that (re)joins, holds zeros."""
+    rng = np.random.default_rng(6)
+    group = Group(4, size=SIZE, config=SyncConfig(chunk_bytes=CHUNK_BYTES))
+    shared = rng.normal(size=(4, SIZE))
+    for k, device in enumerate(group.devices):
+        sync = group.syncs[device]
+        values = np.zeros((4, SIZE)) if k == 0 else rng.normal(size=(4, SIZE)) if distinct else shared
+        for tensor, row in zip(sync.state_tensors(), values):
+            tensor.copy_(torch.from_numpy(row))
+        sync.state.v.abs_()  # a second moment is not negative
+        sync.state.step = 0 if k == 0 else 40 + k if distinct else 41
+        sync.step = 50 + k if distinct else 51
+    return group
+
+
+def whole_state(sync: GroupSync) -> torch.Tensor:
+    return torch.cat([t.detach().clone() for t in sync.state_tensors()])
+
+
+def count_requests(group: Group) -> dict[str, list[int]]:
+    """Each donor's state requests as they reach it: the chunk asked (META for the description)."""
+    served: dict[str, list[int]] = {d: [] for d in group.devices}
+    for device, transport in group.transports.items():
+        handler = transport.inbox.handlers["state_request"]
+
+        def serve(header, request, _handler=handler, _device=device):
+            served[_device].append(int(request[0]))
+            _handler(header, request)
+
+        transport.inbox.handlers["state_request"] = serve
+    return served
+
+
+@pytest.mark.parametrize("donors", [["p1"], ["p1", "p2"], ["p1", "p2", "p3"]])
+def test_state_download_takes_chunk_c_from_donor_c_mod_d(donors):
+    group = state_group()
+    served = count_requests(group)
+    joiner = group.syncs["p0"]
+    download = fetch_state(joiner, donors, timeout_s=5.0)
+    chunks = math.ceil(4 * SIZE / (CHUNK_BYTES // 4))
+    assert (download.chunks, download.donors, download.bytes) == (chunks, tuple(donors), 4 * SIZE * 4)
+    assert chunks > 1
+    assert download.step == group.syncs[donors[0]].step  # the description comes from the first donor
+    assert joiner.state.step == group.syncs[donors[0]].state.step
+    wholes = {d: whole_state(group.syncs[d]) for d in donors}
+    expected = torch.cat([wholes[donors[c % len(donors)]].split(3)[c] for c in range(chunks)])
+    assert torch.equal(whole_state(joiner), expected)
+    for k, donor in enumerate(donors):
+        assert served[donor] == [META] + [c for c in range(chunks) if c % len(donors) == k]
+    assert served["p0"] == [] and all(served[d] == [] for d in group.devices if d not in donors and d != "p0")
+    # the module's views were filled too: the joiner's Linear now holds the downloaded parameters
+    assert torch.equal(joiner.flat.data, expected[:SIZE])
+    assert not any(t.inbox.misbehaving for t in group.transports.values())
+
+
+def test_state_download_from_identical_donors_is_their_state_exactly():
+    group = state_group(distinct=False)
+    joiner = group.syncs["p0"]
+    download = fetch_state(joiner, ["p1", "p2", "p3"], timeout_s=5.0)
+    for name, mine, theirs in zip(("parameters", "m", "v", "window"), joiner.state_tensors(), group.syncs["p2"].state_tensors()):
+        assert torch.equal(mine, theirs), name
+    assert joiner.state.step == 41 and download.step == 51
+
+
+def test_a_donor_unplugged_midway_has_its_chunks_asked_of_another():
+    group = state_group()
+    served = count_requests(group)
+    handler = group.transports["p2"].inbox.handlers["state_request"]
+
+    def serve_then_die(header, request):  # p2 serves its description and one chunk, then drops off
+        handler(header, request)
+        if len(served["p2"]) == 2:
+            group.hub.unplug("p2")
+
+    group.transports["p2"].inbox.handlers["state_request"] = serve_then_die
+    joiner = group.syncs["p0"]
+    donors = ["p1", "p2", "p3"]
+    download = fetch_state(joiner, donors, timeout_s=0.1)
+    assert served["p2"] == [META, 1]
+    chunks = download.chunks
+    # who delivered each chunk: its first donor, or for p2's later ones the next donor in line
+    source = {c: donors[c % 3] if c % 3 != 1 or c == 1 else donors[(c + 1) % 3] for c in range(chunks)}
+    lost = [c for c in range(chunks) if c % 3 == 1 and c != 1]
+    assert lost and all(c in served["p3"] for c in lost)
+    assert sorted(served["p3"]) == sorted([META] + [c for c in range(chunks) if c % 3 == 2] + lost)
+    wholes = {d: whole_state(group.syncs[d]) for d in donors}
+    expected = torch.cat([wholes[source[c]].split(3)[c] for c in range(chunks)])
+    assert torch.equal(whole_state(joiner), expected)
+
+
+def test_when_every_donor_is_dead_the_download_fails_and_leaves_the_state_alone():
+    group = state_group()
+    joiner = group.syncs["p0"]
+    joiner.flat.data.fill_(7.0)
+    before = whole_state(joiner)
+    for donor in ("p1", "p2"):
+        group.hub.unplug(donor)
+    with pytest.raises(StateDownloadError, match="no donor \\(p1, p2\\) sent state chunk 0 within 0.2 s"):
+        fetch_state(joiner, ["p1", "p2"], timeout_s=0.2)
+    assert torch.equal(whole_state(joiner), before) and joiner.state.step == 0
+    with pytest.raises(StateDownloadError, match="p0 has no group member to download its state from"):
+        fetch_state(joiner, ["p0"], timeout_s=0.2)
+
+
+def make_liar(group: Group, device: str, lie: str) -> None:
+    """`device` answers the description honestly and every chunk request with a bad chunk."""
+    transport, sync = group.transports[device], group.syncs[device]
+
+    def serve_bad(header, request):
+        chunk = int(request[0])
+        if chunk == META:
+            value = torch.tensor([sync.state.step, SIZE, sync.step])
+        else:
+            value = whole_state(sync).split(3)[chunk].clone()
+            if lie == "wrong size":
+                value = torch.cat([value, value[:1]])
+            else:
+                value[0] = float("nan") if lie == "NaN" else float("inf")
+        transport.send(header.sender, "state", value, step=header.step, micro=chunk, epoch=0)
+
+    transport.inbox.handlers["state_request"] = serve_bad
+
+
+@pytest.mark.parametrize("lie", ["wrong size", "NaN", "infinity"])
+def test_a_donor_serving_bad_chunks_is_refused_and_its_chunks_asked_of_another(lie):
+    group = state_group(distinct=False)
+    make_liar(group, "p1", lie)
+    joiner = group.syncs["p0"]
+    download = fetch_state(joiner, ["p1", "p2"], timeout_s=0.1)
+    bad_chunks = [c for c in range(download.chunks) if c % 2 == 0]
+    assert group.transports["p0"].inbox.misbehaving == {"p1": len(bad_chunks)}
+    assert torch.equal(whole_state(joiner), whole_state(group.syncs["p2"]))  # every chunk from the honest donor
+
+    # with only the liar to ask, the download fails and nothing it sent lands in the state
+    fresh = state_group(distinct=False)
+    make_liar(fresh, "p1", lie)
+    before = whole_state(fresh.syncs["p0"])
+    with pytest.raises(StateDownloadError, match="no donor \\(p1\\) sent state chunk 0"):
+        fetch_state(fresh.syncs["p0"], ["p1"], timeout_s=0.1)
+    assert torch.equal(whole_state(fresh.syncs["p0"]), before)
+    assert fresh.transports["p0"].inbox.misbehaving == {"p1": math.ceil(4 * SIZE / 3)}  # every chunk was asked at once
+
+
+@pytest.mark.parametrize("chunk", [14, 1000, -1, -30], ids=["one-past-the-end", "far-past-the-end", "minus-one", "minus-thirty"])
+def test_a_request_for_a_chunk_that_does_not_exist_is_refused_and_counted(chunk):
+    """A group member asks for a state chunk outside 0..13 (or the description): the donor refuses it,
+    counts the asker as misbehaving, sends nothing, and the refusal does not raise out of the delivery."""
+    group = state_group()
+    asker = group.transports["p0"]
+    asker.send("p1", "state_request", torch.tensor([chunk]), step=7)
+    assert group.transports["p1"].inbox.misbehaving == {"p0": 1}
+    assert not [h for d, h, _, _ in group.frames if d == "p0" and h.kind == "state"]
+
+
+# -- membership change ----------------------------------------------------------------------------------
+
+
+def test_a_new_plan_with_three_of_the_four_mixes_over_three_and_refuses_the_one_removed():
+    rng = np.random.default_rng(7)
+    group = Group(4, config=SyncConfig(topology="one-peer-exp", deadline_s=10), x0=rng.normal(size=(4, 10)))
+    for t in range(2):
+        ok(group.step(t))
+    # p1 leaves; the others keep their lane order, so p2 and p3 move to positions 1 and 2
+    new = one_group_plan(("p0", "p2", "p3"), epoch=1, start_step=2, standby=("p1",))
+    remaining = ("p0", "p2", "p3")
+    for device in remaining:
+        group.syncs[device].set_plan(new)
+    assert [group.syncs[d].index for d in remaining] == [0, 1, 2]
+    assert all(group.syncs[d].members == remaining for d in remaining)
+    for t in range(2, 5):
+        before = group.x(remaining)
+        reports = ok(group.step(t, members=remaining))
+        w = mixing_matrix("one-peer-exp", 3, t)
+        np.testing.assert_allclose(group.x(remaining), w @ before, rtol=1e-6, atol=1e-6, err_msg=f"step {t}")
+        assert all(r.left_out == () and r.mixed == 1 for r in reports.values())
+    # p1, still on the old plan, sends its parameters to its old neighbours: refused as a stranger
+    group.frames.clear()
+    group.syncs["p1"].begin(5)
+    from_p1 = [(d, h, accepted) for d, h, _, accepted in group.frames if h.sender == "p1"]
+    assert from_p1 and not any(accepted for _, _, accepted in from_p1)
+    for device, _, _ in from_p1:
+        assert any(s == "p1" and "p1 is not another member of" in reason
+                   for s, reason in group.transports[device].inbox.rejections)
+    # and a frame of the old epoch from a member is refused too
+    header, payload = frame_of(torch.zeros(10), "params", "p0", step=5, epoch=0)
+    assert group.transports["p2"].deliver(header, payload) is False
+    assert "plan epoch 0, this peer runs epoch 1" in group.transports["p2"].inbox.rejections[-1][1]
+
+
+# -- compressed parameter frames ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec", ["bf16", "int8"])
+def test_compressed_parameters_still_converge_and_travel_compressed(codec):
+    problem, steps, size = Quadratics(4, 40, seed=8), 15, 41  # 41 = 40 + 1: Linear(40, 1); toy on the first 40
+    adam = AdamConfig(lr=0.02, weight_decay=0.0)
+    finals = {}
+    for name in ("raw", codec):
+        x0 = np.concatenate([problem.x0, np.zeros((4, 1))], axis=1)
+        group = Group(4, adam=adam, size=size, x0=x0, config=SyncConfig(codec=name, chunk_bytes=64, deadline_s=10))
+        start = consensus(group.x())
+        for t in range(steps):
+            grads = np.concatenate([problem.grads(group.x()[:, :40]), np.zeros((4, 1))], axis=1)
+            ok(group.step(t, grads))
+        x = group.x()
+        assert consensus(x) < 0.1 * start, name
+        assert problem.loss(x[:, :40]) < problem.loss(x0[:, :40]), name
+        params = [(h, n) for _, h, n, accepted in group.frames if h.kind == "params"]
+        assert params and all(accepted for _, h, _, accepted in group.frames if h.kind == "params")
+        for header, n in params:
+            assert header.codec == name and header.dtype == "fp32"
+            assert n == payload_bytes("fp32", header.shape, name)
+            assert (n < 4 * header.numel) == (name != "raw")
+        finals[name] = x
+    difference = np.linalg.norm(finals[codec] - finals["raw"]) / np.linalg.norm(finals["raw"])
+    assert 0 < difference < 0.02  # the codec rounded something, and not much
