@@ -31,11 +31,12 @@ class AdamConfig:
     accumulate: int = 1  # AccumAdam's window A; 1 = Adam
 
     def __post_init__(self) -> None:
-        if not self.lr > 0 or self.weight_decay < 0 or not self.eps > 0:
-            raise ValueError(f"lr and eps must be positive and weight_decay non-negative: {self}")
-        if not all(0 <= b < 1 for b in self.betas):
+        numbers = (self.lr, self.eps, self.weight_decay)
+        if not all(math.isfinite(v) for v in numbers) or not self.lr > 0 or not self.eps > 0 or self.weight_decay < 0:
+            raise ValueError(f"lr and eps must be positive and weight_decay non-negative, all finite: {self}")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"betas must be in [0, 1), got {self.betas}")
-        if self.accumulate < 1:
+        if not isinstance(self.accumulate, int) or self.accumulate < 1:
             raise ValueError(f"accumulate must be at least 1 step, got {self.accumulate}")
 
 

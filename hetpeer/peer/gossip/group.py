@@ -209,7 +209,7 @@ class GroupSync:
         norms = {j: float(d.norm()) for j, d in differences.items()}
         clipped = 0
         limit = None
-        if self.config.clip is not None and self.typical_distance is not None:
+        if self.config.clip is not None and self.typical_distance:  # 0 until the peers have drifted apart
             limit = self.config.clip * self.typical_distance
         mix = torch.zeros_like(x)
         for j, difference in differences.items():
@@ -220,7 +220,7 @@ class GroupSync:
         x.add_(mix)
         kept = [min(n, limit) if limit is not None else n for n in norms.values()]
         typical = float(np.median(kept))
-        self.typical_distance = typical if self.typical_distance is None else (
+        self.typical_distance = typical if not self.typical_distance else (  # the first spread seeds it
             DISTANCE_MEMORY * self.typical_distance + (1 - DISTANCE_MEMORY) * typical
         )
         return clipped
@@ -269,6 +269,9 @@ class GroupSync:
     def _serve_state(self, header: FrameHeader, request: torch.Tensor) -> None:
         """Answer a state request from a group member (runs on the transport's thread; never waits long)."""
         micro = int(request[0])
+        if micro < 0:
+            self.transport.inbox.reject(header.sender, f"state request for chunk {micro}, which does not exist")
+            return
         if micro == META:
             chunk = torch.tensor([self.state.step, self.flat.size, self.step], dtype=torch.int64)
         else:
