@@ -433,6 +433,23 @@ def test_clipping_bounds_how_far_a_poisoned_neighbour_moves_a_peer(clip):
         assert moved == pytest.approx(clip * typical * 0.5, rel=1e-4)  # it moves towards it by the bound, no less
 
 
+def test_a_steady_poisoner_widens_the_clipping_bound_only_slowly():
+    rng = np.random.default_rng(9)
+    clip = 3.0
+    group = Group(4, config=SyncConfig(topology="one-peer-exp", deadline_s=10, clip=clip), x0=rng.normal(size=(4, 10)))
+    for t in range(4):  # honest rounds set the typical distance
+        ok(group.step(t))
+    receiver = group.syncs["p0"]
+    start = receiver.typical_distance
+    for t in range(4, 24):  # from now on p3 and p1 (p0's partners) send points far away, every round
+        for poisoner in ("p1", "p3"):
+            group.syncs[poisoner].flat.data.copy_(receiver.flat.data + 1e3)
+        ok(group.step(t))
+    # each round may raise it by at most 5% (the cap on what feeds the running scale): 20 rounds, under 2.7x
+    assert receiver.typical_distance <= start * 1.05**20 * (1 + 1e-6)
+    assert receiver.typical_distance < 3 * start
+
+
 def test_robust_mixing_still_mixes_peers_that_start_from_the_same_parameters():
     """Every lane builds its stage from the same seed, so a group starts with identical parameters and the
     first round's distances are all 0. Robust mixing must not take 0 as the typical distance for good:

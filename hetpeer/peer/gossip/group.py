@@ -38,6 +38,7 @@ from hetpeer.protocol.plan import Plan
 
 log = logging.getLogger("hetpeer.gossip")
 DISTANCE_MEMORY = 0.9  # weight of the past in the running typical distance of robust mixing
+SCALE_GROWTH = 0.5  # an observation counts for at most 1.5x the typical distance: +5% a round at most
 SUSPECT_WAIT_S = 0.05
 # Peers of a group run at their own pace: one waits only for its neighbours of the round, so a sender
 # may be a few steps ahead of a receiver that waited on someone else. Frames that far ahead are kept.
@@ -107,7 +108,6 @@ class GroupSync:
     def accept(self, header: FrameHeader) -> str | None:
         if header.sender not in self.members or header.sender == self.device_id:
             return f"{header.sender} is not another member of {self.device_id}'s group"
-        self.suspects.discard(header.sender)  # it is sending: alive, if perhaps late
         if header.epoch != self.plan.epoch:
             return f"plan epoch {header.epoch}, this peer runs epoch {self.plan.epoch}"
         if header.kind == "state_request":
@@ -116,6 +116,7 @@ class GroupSync:
             expected = self._state_chunk_shape(header.micro)
         else:
             if header.step < self.step:
+                self.suspects.discard(header.sender)  # late, but alive: it gets a whole deadline again
                 return Late(f"step {header.step} is done (this peer is at {self.step})")
             if header.step > self.step + AHEAD_STEPS:
                 self.ahead = max(self.ahead or 0, header.step)
@@ -126,6 +127,7 @@ class GroupSync:
         dtype = "int64" if header.kind == "state" and header.micro == META else "fp32"
         if header.shape != expected or header.dtype != dtype:
             return f"{header.kind} chunk {header.micro} is {header.dtype}{list(header.shape)}, expected {dtype}{list(expected)}"
+        self.suspects.discard(header.sender)  # it is sending: alive
         return None
 
     # -- a step -----------------------------------------------------------------------------------
@@ -218,7 +220,9 @@ class GroupSync:
                 scale, clipped = limit / norms[j], clipped + 1
             mix.add_(difference, alpha=float(weights[j] / total) * scale)
         x.add_(mix)
-        kept = [min(n, limit) if limit is not None else n for n in norms.values()]
+        # what feeds the running scale is capped too, so a steady poisoner can raise it only slowly
+        cap = min(limit, (1 + SCALE_GROWTH) * self.typical_distance) if limit is not None else None
+        kept = [min(n, cap) if cap is not None else n for n in norms.values()]
         typical = float(np.median(kept))
         self.typical_distance = typical if not self.typical_distance else (  # the first spread seeds it
             DISTANCE_MEMORY * self.typical_distance + (1 - DISTANCE_MEMORY) * typical
