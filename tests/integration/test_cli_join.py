@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from p2p_keys import make_keys
 from hetpeer.peer.data.corpus import Corpus
 from hetpeer.peer.launch import free_port
 from hetpeer.peer.model.gpt import build_stage
@@ -171,17 +172,7 @@ def test_launch_stops_everyone_when_a_peer_fails(tmp_path, cli):
 @pytest.fixture(scope="module")
 def keys(tmp_path_factory):
     """Two P2P keys and their peer ids."""
-    from hivemind.p2p import P2P
-
-    from hetpeer.peer.node import p2p_peer_id
-
-    folder = tmp_path_factory.mktemp("keys")
-    found = {}
-    for name in ("mine", "other"):
-        path = folder / f"{name}.key"
-        P2P.generate_identity(str(path))
-        found[name] = (str(path), p2p_peer_id(str(path)))
-    return found
+    return make_keys(tmp_path_factory.mktemp("keys"), ("mine", "other"))
 
 
 def join_case(case: str, tmp_path: Path, keys) -> tuple[list[str], list[str]]:

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+from p2p_keys import make_keys
 from hetpeer.peer.data.corpus import Corpus
 from hetpeer.peer.launch import free_port
 from hetpeer.peer.model.gpt import build_stage
@@ -180,17 +181,7 @@ def test_tcp_pipeline_matches_the_whole_model(layers_per_stage, micro_batch, tmp
 @pytest.fixture(scope="module")
 def p2p_keys(tmp_path_factory):
     """P2P keys of d0 and d1 and their peer ids."""
-    from hivemind.p2p import P2P
-
-    from hetpeer.peer.node import p2p_peer_id
-
-    folder = tmp_path_factory.mktemp("keys")
-    keys = {}
-    for device in ("d0", "d1"):
-        path = folder / f"{device}.key"
-        P2P.generate_identity(str(path))
-        keys[device] = (str(path), p2p_peer_id(str(path)))
-    return keys
+    return make_keys(tmp_path_factory.mktemp("keys"), ("d0", "d1"))
 
 
 def p2p_maddr(peer_id: str) -> str:

@@ -15,13 +15,13 @@ networked path: four `GroupSync`s over `MemoryTransport`s, parameters travelling
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
 import torch
 
+from in_threads import results
 from hetpeer.peer.gossip.adam import AdamConfig, AdamState, adam_update
 from hetpeer.peer.gossip.flat import FlatParams
 from hetpeer.peer.gossip.group import GroupSync, SyncConfig
@@ -275,24 +275,7 @@ class Group:
 
 
 def run_all(actions) -> list:
-    """Run every action in its own thread; results in order; the first error is raised here."""
-    results, errors = [None] * len(actions), []
-
-    def work(k: int) -> None:
-        try:
-            results[k] = actions[k]()
-        except BaseException as error:  # handed to the test thread
-            errors.append(error)
-
-    threads = [threading.Thread(target=work, args=(k,), daemon=True) for k in range(len(actions))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(JOIN_S)
-    assert not any(thread.is_alive() for thread in threads), "a peer hung"
-    if errors:
-        raise errors[0]
-    return results
+    return results(actions, JOIN_S)
 
 
 @pytest.mark.parametrize("topology", ["one-peer-exp", "ring"])

@@ -7,13 +7,13 @@ from __future__ import annotations
 import collections
 import math
 import re
-import threading
 from typing import Callable
 
 import numpy as np
 import pytest
 import torch
 
+from in_threads import outcomes
 from hetpeer.peer.gossip.adam import AdamConfig, AdamState, adam_update
 from hetpeer.peer.gossip.flat import FlatParams
 from hetpeer.peer.gossip.group import AHEAD_STEPS, META, SUSPECT_WAIT_S, GroupSync, SyncConfig
@@ -37,21 +37,7 @@ def one_group_plan(devices, sync: str = "gossip", *, epoch: int = 0, start_step:
 
 def run_all(actions: list[Callable[[], object]]) -> list[object]:
     """Each action in its own thread; what each returned or raised, in order."""
-    outcomes: list[object] = [None] * len(actions)
-
-    def work(k: int) -> None:
-        try:
-            outcomes[k] = actions[k]()
-        except BaseException as error:  # handed to the test thread
-            outcomes[k] = error
-
-    threads = [threading.Thread(target=work, args=(k,), daemon=True) for k in range(len(actions))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(JOIN_S)
-    assert not any(thread.is_alive() for thread in threads), "a peer hung"
-    return outcomes
+    return outcomes(actions, JOIN_S)
 
 
 class Group:

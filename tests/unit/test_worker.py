@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import math
 import re
-import threading
 import time
 from typing import Callable
 
 import pytest
 import torch
 
+from in_threads import results
 from hetpeer.peer.data.corpus import Corpus
 from hetpeer.peer.model.gpt import build_stage
 from hetpeer.peer.gossip.adam import AdamConfig
@@ -81,24 +81,8 @@ class Pipeline:
 
     def run(self, action: Callable[[StageWorker], object]) -> dict[str, object]:
         """`action(worker)` for every worker, each in its own thread; the first error is raised here."""
-        results: dict[str, object] = {}
-        errors: dict[str, BaseException] = {}
-
-        def work(device: str) -> None:
-            try:
-                results[device] = action(self.workers[device])
-            except BaseException as error:  # handed to the test thread below
-                errors[device] = error
-
-        threads = [threading.Thread(target=work, args=(d,), daemon=True) for d in self.workers]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(JOIN_S)
-        assert not any(thread.is_alive() for thread in threads), "a worker hung"
-        if errors:
-            raise next(iter(errors.values()))
-        return results
+        devices = list(self.workers)
+        return dict(zip(devices, results([lambda d=d: action(self.workers[d]) for d in devices], JOIN_S)))
 
     def compute(self) -> dict[str, object]:
         return self.run(lambda worker: worker.compute())
