@@ -188,7 +188,7 @@ def join_case(case: str, tmp_path: Path, keys) -> tuple[list[str], list[str]]:
         del book["peers"]["d0"]
         words = ["no address for peer 'd0'"]
     elif case == "key of another peer":
-        (mine, mine_id), (other, other_id) = keys["mine"], keys["other"]
+        (mine, mine_id), (_, other_id) = keys["mine"], keys["other"]
         book["peers"]["d0"]["p2p"] = [f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{other_id}"]
         extra, words = ["--identity", mine], [mine, mine_id, other_id]
     elif case == "plan is not JSON":

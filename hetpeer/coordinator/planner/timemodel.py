@@ -223,7 +223,7 @@ class TimeCost:
         if self._screened is None or self._screened[0] != key:  # a search screens one grid many times
             self._screened = (key, self._evaluate(grid[None]))
         base = self._screened[1]
-        K, (S, m) = len(batch), grid.shape
+        K, m = len(batch), grid.shape[1]
         counts = base["counts"]  # (1, S)
         pick = np.arange(K)[:, None]
         rows, lanes = cells // m, cells % m  # (K, 2)

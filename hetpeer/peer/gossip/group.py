@@ -140,29 +140,26 @@ class GroupSync:
     def finish(self, step: int) -> SyncReport:
         """The gradient of `step` is in `flat.grad`: sync as the mode says and take the optimizer step."""
         started = time.perf_counter()
+        received: dict[int, torch.Tensor] = {}
+        left_out: list[str] = []
         if self.mode == "allreduce":
             self._ring_allreduce(step)
-            with self.lock:
-                adam_update(self.flat.data, self.flat.grad, self.state, self.adam)
-            return SyncReport("allreduce", len(self.members) - 1, (), 0, time.perf_counter() - started)
-        if self.mode != "gossip":
-            with self.lock:
-                adam_update(self.flat.data, self.flat.grad, self.state, self.adam)
-            return SyncReport(self.mode, 0, (), 0, 0.0)
-        if self.sent != step:
-            self._send_params(step)
-        weights = mixing_matrix(self.config.topology, len(self.members), step)[self.index]
-        incoming, _ = neighbours(mixing_matrix(self.config.topology, len(self.members), step), self.index)
-        received, left_out = self._receive_params(step, incoming, time.monotonic() + self.config.deadline_s)
+        elif self.mode == "gossip":
+            if self.sent != step:
+                self._send_params(step)
+            w = mixing_matrix(self.config.topology, len(self.members), step)
+            incoming, _ = neighbours(w, self.index)
+            received, left_out = self._receive_params(step, incoming, time.monotonic() + self.config.deadline_s)
         wait_s = time.perf_counter() - started
         with self.lock:
-            clipped = self._mix(weights, received)
+            clipped = self._mix(w[self.index], received) if self.mode == "gossip" else 0
             adam_update(self.flat.data, self.flat.grad, self.state, self.adam)
         for device in left_out:
             self.left_out[device] += 1
         if left_out:
             log.info("%s left %s out of step %d", self.device_id, ", ".join(left_out), step)
-        return SyncReport("gossip", len(received), tuple(left_out), clipped, wait_s)
+        mixed = len(self.members) - 1 if self.mode == "allreduce" else len(received)
+        return SyncReport(self.mode, mixed, tuple(left_out), clipped, wait_s)
 
     # -- gossip -----------------------------------------------------------------------------------
     def _send_params(self, step: int) -> None:

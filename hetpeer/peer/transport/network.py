@@ -138,14 +138,14 @@ class TcpLink(Link):
 
     async def open(self, address: PeerAddress) -> Stream:
         host, port = address.direct
-        reader_sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        reader_sock.setblocking(False)
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setblocking(False)
         try:
-            await asyncio.get_running_loop().sock_connect(reader_sock, (host, port))
+            await asyncio.get_running_loop().sock_connect(sock, (host, port))
         except BaseException:
-            reader_sock.close()
+            sock.close()
             raise
-        return _SocketStream(reader_sock, f"tcp {host}:{port}")
+        return _SocketStream(sock, f"tcp {host}:{port}")
 
     async def shutdown(self) -> None:
         if self._accepting is not None:
