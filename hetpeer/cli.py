@@ -29,6 +29,7 @@ from hetpeer.protocol.wire import SchemaError
 from hetpeer.protocol.workload import DTYPE_BYTES, PRESETS, Workload, preset
 
 EXIT_USAGE = 2
+DEFAULT_STEPS = 20
 
 
 class UserError(Exception):
@@ -116,20 +117,28 @@ def build_parser() -> argparse.ArgumentParser:
 
     join = commands.add_parser(
         "join",
-        help="run one peer of a plan",
-        description="Start one peer: listen for its lane neighbours, run its stage of the plan for --steps steps "
-        "with the 1F1B schedule, and print a line per step. The address book (written by `hetpeer launch`, "
-        "or by hand for a fixed set of machines) says where every peer of the plan can be reached.",
+        help="join a swarm as a peer (or run one peer of a fixed plan)",
+        description="Join a swarm (--swarm): reach it through --initial-peers, measure this machine and the links "
+        "to a few peers, announce them, and train the stage the coordinator's plans give this peer, following "
+        "new plans, until Ctrl+C (or --steps). Without --swarm, run one peer of a fixed plan (--plan, --as, "
+        "--peers) for --steps steps: the address book (written by `hetpeer launch`, or by hand for a fixed "
+        "set of machines) says where every peer of the plan can be reached.",
     )
-    join.add_argument("--plan", type=Path, required=True, metavar="PLAN.json", help="the plan to run (from `hetpeer plan --json`)")
-    join.add_argument("--as", dest="device_id", required=True, metavar="DEVICE", help="this peer's device id in the plan")
-    join.add_argument("--peers", type=Path, required=True, metavar="ADDRESSES.json", help="the address book (see docs/pipeline.md)")
-    join.add_argument("--listen", metavar="HOST:PORT", help="where to accept direct connections (default: this peer's address in the book)")
-    join.add_argument("--identity", metavar="KEY", help="this peer's P2P private key file (needed when the book gives it a P2P address)")
-    join.add_argument("--rejoin", action="store_true",
-                      help="first download the stage's parameters and optimizer state from the rest of its group, "
-                      "and enter at the group's step")
-    join.add_argument("--save", type=Path, metavar="DIR", help="at the end, write the stage's parameters to DIR/DEVICE.npy")
+    from hetpeer.cli_swarm import add_join_swarm_options
+
+    add_join_swarm_options(join)
+    static = join.add_argument_group("a fixed plan (without --swarm)")
+    static.add_argument("--plan", type=Path, metavar="PLAN.json", help="the plan to run (from `hetpeer plan --json`)")
+    static.add_argument("--as", dest="device_id", metavar="DEVICE", help="this peer's device id in the plan")
+    static.add_argument("--peers", type=Path, metavar="ADDRESSES.json", help="the address book (see docs/pipeline.md)")
+    static.add_argument("--identity", metavar="KEY", help="this peer's P2P private key file (needed when the book gives it a P2P address)")
+    static.add_argument("--rejoin", action="store_true",
+                        help="first download the stage's parameters and optimizer state from the rest of its group, "
+                        "and enter at the group's step")
+    static.add_argument("--save", type=Path, metavar="DIR", help="at the end, write the stage's parameters to DIR/DEVICE.npy")
+    join.add_argument("--listen", metavar="HOST:PORT",
+                      help="where to accept direct connections (default: this peer's address in the book; "
+                      "with --swarm: 127.0.0.1 on a free port)")
     _add_link_option(join)
     _add_run_options(join)
     join.set_defaults(run=run_join)
@@ -149,6 +158,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_link_option(launch)
     _add_run_options(launch)
     launch.set_defaults(run=run_launch)
+
+    from hetpeer.cli_swarm import add_commands
+
+    add_commands(commands)
     return parser
 
 
@@ -159,7 +172,8 @@ def _add_link_option(parser: argparse.ArgumentParser) -> None:
 
 def _add_run_options(parser: argparse.ArgumentParser) -> None:
     run = parser.add_argument_group("training")
-    run.add_argument("--steps", type=_positive_int, default=20, metavar="N", help="optimizer steps to run (default 20)")
+    run.add_argument("--steps", type=_positive_int, metavar="N",
+                     help="optimizer steps to run (default 20; with --swarm: until Ctrl+C, else leave at step N)")
     run.add_argument("--data", type=Path, metavar="PATH", help="folder (or file) of text to train on (default: the Python standard library's sources)")
     run.add_argument("--device", default="cpu", metavar="DEVICE", help="torch device, e.g. cpu or cuda:0 (default cpu)")
     run.add_argument("--lr", type=_positive_float, default=3e-4, metavar="LR", help="AdamW learning rate (default 3e-4)")
@@ -188,7 +202,7 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
 
 def _run_options(args: argparse.Namespace) -> list[str]:
     """The training options of `hetpeer launch`, passed on to each `hetpeer join`."""
-    passed = ["--steps", str(args.steps), "--device", args.device, "--lr", repr(args.lr), "--seed", str(args.seed),
+    passed = ["--steps", str(args.steps or DEFAULT_STEPS), "--device", args.device, "--lr", repr(args.lr), "--seed", str(args.seed),
               "--timeout", repr(args.timeout), "--compress", args.compress, "--topology", args.topology,
               "--accumulate", str(args.accumulate), "--mix-deadline", repr(args.mix_deadline),
               "--sync-compress", args.sync_compress]
@@ -285,15 +299,21 @@ def run_join(args: argparse.Namespace) -> int:
     from hetpeer.peer.data.corpus import CorpusError
     from hetpeer.peer.transport import TransportError
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stdout)
-    logging.getLogger("hivemind").setLevel(logging.WARNING)
+    if args.swarm is not None:
+        from hetpeer.cli_swarm import run_swarm_join
+
+        return run_swarm_join(args)
+    missing = [flag for flag, value in (("--plan", args.plan), ("--as", args.device_id), ("--peers", args.peers)) if value is None]
+    if missing:
+        raise UserError(f"give --swarm NAME to join a swarm, or {', '.join(missing)} to run a peer of a fixed plan")
+    log_to_stdout()
     try:
         setup = node.PeerSetup(
             device_id=args.device_id,
             plan=_load_plan(args.plan),
             book=AddressBook.load(args.peers),
             worker=_worker_config(args),
-            steps=args.steps,
+            steps=args.steps or DEFAULT_STEPS,
             links=args.link,
             listen=_host_port(args.listen) if args.listen else None,
             identity_path=args.identity,
@@ -312,6 +332,11 @@ def run_join(args: argparse.Namespace) -> int:
         print(f"hetpeer join: stopped: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def log_to_stdout() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stdout)
+    logging.getLogger("hivemind").setLevel(logging.WARNING)
 
 
 def _say(line: str) -> None:
@@ -333,7 +358,7 @@ def run_launch(args: argparse.Namespace) -> int:
               f"{plan.group_size} lane(s), plan in {path}", flush=True)
     else:
         plan, path = _load_plan(args.plan), args.plan.resolve()
-    return launch(path, plan, out, args.steps, args.link, _run_options(args), lambda line: print(line, flush=True))
+    return launch(path, plan, out, args.steps or DEFAULT_STEPS, args.link, _run_options(args), lambda line: print(line, flush=True))
 
 
 def demo_plan(peers: int) -> Plan:

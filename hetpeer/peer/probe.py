@@ -1,7 +1,8 @@
 """What this machine can do: achieved TFLOPS and the memory a peer uses.
 
 `block_tflops` times forward and backward passes of one transformer block of the model at the
-plan's micro-batch and divides the FLOPs the planner counts for them (3x the forward) by the time.
+plan's micro-batch, in the training dtype (bf16 runs under `torch.autocast` with fp32 weights, as the
+stage worker does), and divides the FLOPs the planner counts for them (3x the forward) by the time.
 It is what the planner's `time` model means by a device's TFLOPS: throughput achieved on this model,
 with its attention, norms and activations, not a datasheet peak. `matmul_tflops` is the plain
 matrix-multiply rate, the usual quick probe, for comparison.
@@ -9,10 +10,12 @@ matrix-multiply rate, the usual quick probe, for comparison.
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import sys
 import time
 from pathlib import Path
+from typing import ContextManager
 
 import torch
 
@@ -20,14 +23,35 @@ from hetpeer.peer.model.gpt import Block
 from hetpeer.protocol.workload import ModelSpec, Workload
 
 
-def block_tflops(spec: ModelSpec, micro_batch: int, device: str = "cpu", seconds: float = 1.0) -> float:
-    """Achieved fp32 TFLOPS of forward + backward through one block of `spec` (at least 2 passes timed)."""
+AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # what the stage worker computes in
+
+
+def block_tflops(
+    spec: ModelSpec,
+    micro_batch: int,
+    device: str = "cpu",
+    seconds: float = 1.0,
+    dtype: str = "fp32",
+    around: ContextManager | None = None,
+) -> float:
+    """Achieved TFLOPS in `dtype` of forward + backward through one block of `spec` (at least 2 passes
+    timed). `around`, a reusable context manager (e.g. a `measure.Slowdown`), is entered around each pass."""
+    if dtype not in AUTOCAST_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(AUTOCAST_DTYPES)}, got {dtype!r}")
     block = Block(spec).to(device)
     x = torch.randn(micro_batch, spec.seq_len, spec.hidden, device=device, requires_grad=True)
     flops = 3 * micro_batch * Workload(spec, batch=micro_batch, micro_batch=micro_batch).layer_fwd_flops_per_seq
+    cast = AUTOCAST_DTYPES[dtype]
+    autocast = (
+        contextlib.nullcontext() if cast is None else torch.autocast(torch.device(device).type, dtype=cast)
+    )
+    wrapper = contextlib.nullcontext() if around is None else around
 
     def run() -> None:
-        block(x).sum().backward()
+        with wrapper:
+            with autocast:
+                y = block(x)
+            y.float().sum().backward()
 
     return flops / _time_per_call(run, device, seconds) / 1e12
 

@@ -8,7 +8,8 @@ A plan is what the coordinator publishes and what `hetpeer plan --json` prints. 
                  "devices": [device id per lane], "sync": "allreduce" | "gossip" | "none"}],
      "lanes": [[device id per stage], ...],          # lanes[l][s] == stages[s].devices[l]
      "standby": [device id, ...],
-     "cost": {"total_s": float, ...}}                 # predicted seconds, by component
+     "cost": {"total_s": float, ...},                 # predicted seconds, by component
+     "estimated_links": [[device id, device id], ...]}  # optional: pairs never measured, whose figures were estimated
 
 `from_wire` checks every invariant a peer relies on, so a plan that parses is a plan a peer can run.
 """
@@ -62,6 +63,7 @@ class Plan:
     cost: Mapping[str, float] = dataclass_field(default_factory=dict)
     epoch: int = 0
     start_step: int = 0
+    estimated_links: tuple[tuple[str, str], ...] = ()  # device pairs the planner had no measurement of
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
@@ -127,6 +129,7 @@ class Plan:
             "lanes": [list(lane) for lane in self.lanes],
             "standby": list(self.standby),
             "cost": dict(self.cost),
+            **({"estimated_links": [list(pair) for pair in self.estimated_links]} if self.estimated_links else {}),
         }
 
     @staticmethod
@@ -135,7 +138,7 @@ class Plan:
         no_extra_fields(
             root,
             {"version", "epoch", "start_step", "cost_model", "model", "layers", "batch", "micro_batch",
-             "micro_batches", "dtype", "stages", "lanes", "standby", "cost"},
+             "micro_batches", "dtype", "stages", "lanes", "standby", "cost", "estimated_links"},
             "plan",
         )
         version = need_int(field(root, "version", "plan"), "plan.version")
@@ -179,6 +182,7 @@ class Plan:
             cost=cost,
             epoch=need_int(field(root, "epoch", "plan"), "plan.epoch", minimum=0),
             start_step=need_int(field(root, "start_step", "plan"), "plan.start_step", minimum=0),
+            estimated_links=_pairs(root.get("estimated_links", []), "plan.estimated_links"),
             version=version,
         )
         if "lanes" in root:
@@ -186,6 +190,16 @@ class Plan:
             if tuple(lanes) != plan.lanes:
                 raise SchemaError("plan.lanes", "do not match the stages' device lists (lanes[l][s] must be stages[s].devices[l])")
         return plan
+
+
+def _pairs(raw: Any, path: str) -> tuple[tuple[str, str], ...]:
+    pairs = []
+    for i, entry in enumerate(need_list(raw, path)):
+        pair = need_list(entry, f"{path}[{i}]")
+        if len(pair) != 2:
+            raise SchemaError(f"{path}[{i}]", f"must be a pair of device ids, got {len(pair)} items")
+        pairs.append((need_str(pair[0], f"{path}[{i}][0]"), need_str(pair[1], f"{path}[{i}][1]")))
+    return tuple(pairs)
 
 
 def _check(plan: Plan) -> None:

@@ -62,6 +62,15 @@ class ModelSpec:
     def params(self) -> int:
         return self.layers * self.layer_params + self.embedding_params + self.head_params
 
+    def param_range(self, layer_start: int, layer_end: int) -> tuple[int, int]:
+        """[start, end) of a stage's parameters in the whole model's flat parameter vector: embeddings,
+        blocks in order, final norm and head. Stages are contiguous in it, so any peer's state is a slice."""
+        if not 0 <= layer_start < layer_end <= self.layers:
+            raise ValueError(f"layers [{layer_start}, {layer_end}) are not a stage of a {self.layers}-layer model")
+        start = 0 if layer_start == 0 else self.embedding_params + layer_start * self.layer_params
+        end = self.embedding_params + layer_end * self.layer_params + (self.head_params if layer_end == self.layers else 0)
+        return start, end
+
 
 PRESETS: dict[str, ModelSpec] = {
     # GPT-3 XL (Brown et al., 2020, Table 2.1): 1.3B parameters at 24 layers.

@@ -1,5 +1,6 @@
 """A peer's part in its group's averaging, step by step: gossip with decentralized Adam, ring all-reduce,
-or nothing (a group of one); and serving its stage's state to a peer that (re)joins.
+or nothing (a group of one). Its state (`state_tensors`: parameters and optimizer tensors, under `lock`)
+is what `state.StateServer` serves to a peer that (re)joins; this module moves no state itself.
 
 Gossip, peer i of the group (members in lane order), step t:
 
@@ -13,8 +14,10 @@ All-reduce: the gradient is averaged exactly by a ring (reduce-scatter, then all
 messages of 1/n of it), then every peer takes the same Adam step. It needs every member: a missing one
 raises `TransportTimeout` (gossip is the mode that tolerates faults).
 
-Membership comes from the plan (`set_plan`, at a step boundary). Everything received is checked by
-`accept` before the transport hands it over: sender in the group, epoch, step, chunk index, shape, dtype.
+Membership comes from the plan (`set_plan`, at a step boundary). Every `params` and `allreduce` frame
+received is checked by `accept` before the transport hands it over: sender in the group, epoch, step,
+chunk index, shape, dtype. A frame of another plan epoch or of a step done or far ahead is `Late`
+(dropped, not held against its sender).
 """
 
 from __future__ import annotations
@@ -75,7 +78,7 @@ class SyncReport:
 
 
 class GroupSync:
-    KINDS = ("params", "allreduce", "state_request", "state")
+    KINDS = ("params", "allreduce")
 
     def __init__(
         self, plan: Plan, device_id: str, transport: Transport, flat: FlatParams, adam: AdamConfig, config: SyncConfig
@@ -91,7 +94,6 @@ class GroupSync:
         self.left_out = collections.Counter()
         self.suspects: set[str] = set()
         self.set_plan(plan)
-        transport.inbox.handlers["state_request"] = self._serve_state
 
     def set_plan(self, plan: Plan) -> None:
         """Take the group of `plan` (members in lane order, sync mode); call at a step boundary."""
@@ -108,25 +110,19 @@ class GroupSync:
     def accept(self, header: FrameHeader) -> str | None:
         if header.sender not in self.members or header.sender == self.device_id:
             return f"{header.sender} is not another member of {self.device_id}'s group"
-        if header.epoch != self.plan.epoch:
-            return f"plan epoch {header.epoch}, this peer runs epoch {self.plan.epoch}"
-        if header.kind == "state_request":
-            return None if header.shape == (1,) and header.dtype == "int64" else "a state request is one int64"
-        if header.kind == "state":
-            expected = self._state_chunk_shape(header.micro)
-        else:
-            if header.step < self.step:
-                self.suspects.discard(header.sender)  # late, but alive: it gets a whole deadline again
-                return Late(f"step {header.step} is done (this peer is at {self.step})")
-            if header.step > self.step + AHEAD_STEPS:
-                self.ahead = max(self.ahead or 0, header.step)
-                return Late(f"step {header.step} is far ahead of this peer ({self.step})")
-            expected = self._params_chunk_shape(header.micro) if header.kind == "params" else self._ring_shape(header)
+        if header.epoch != self.plan.epoch:  # a peer switching plans a moment before or after this one
+            return Late(f"plan epoch {header.epoch}, this peer runs epoch {self.plan.epoch}")
+        if header.step < self.step:
+            self.suspects.discard(header.sender)  # late, but alive: it gets a whole deadline again
+            return Late(f"step {header.step} is done (this peer is at {self.step})")
+        if header.step > self.step + AHEAD_STEPS:
+            self.ahead = max(self.ahead or 0, header.step)
+            return Late(f"step {header.step} is far ahead of this peer ({self.step})")
+        expected = self._params_chunk_shape(header.micro) if header.kind == "params" else self._ring_shape(header)
         if expected is None:
             return f"{header.kind} chunk {header.micro} does not exist"
-        dtype = "int64" if header.kind == "state" and header.micro == META else "fp32"
-        if header.shape != expected or header.dtype != dtype:
-            return f"{header.kind} chunk {header.micro} is {header.dtype}{list(header.shape)}, expected {dtype}{list(expected)}"
+        if header.shape != expected or header.dtype != "fp32":
+            return f"{header.kind} chunk {header.micro} is {header.dtype}{list(header.shape)}, expected fp32{list(expected)}"
         self.suspects.discard(header.sender)  # it is sending: alive
         return None
 
@@ -259,46 +255,3 @@ class GroupSync:
     # -- state for (re)joining peers ---------------------------------------------------------------
     def state_tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.flat.data, *self.state.tensors())
-
-    def _state_chunk_shape(self, micro: int) -> tuple[int, ...] | None:
-        if micro == META:
-            return (3,)
-        total = self.flat.size * len(self.state_tensors())
-        start = micro * self.chunk_elems
-        return (min(self.chunk_elems, total - start),) if start < total else None
-
-    def _serve_state(self, header: FrameHeader, request: torch.Tensor) -> None:
-        """Answer a state request from a group member (runs on the transport's thread; never waits long)."""
-        micro = int(request[0])
-        if micro < 0:
-            self.transport.inbox.reject(header.sender, f"state request for chunk {micro}, which does not exist")
-            return
-        if micro == META:
-            chunk = torch.tensor([self.state.step, self.flat.size, self.step], dtype=torch.int64)
-        else:
-            shape = self._state_chunk_shape(micro)
-            if shape is None:
-                self.transport.inbox.reject(header.sender, f"state request for chunk {micro}, which does not exist")
-                return
-            with self.lock:
-                chunk = state_slice(self.state_tensors(), micro * self.chunk_elems, shape[0])
-        try:
-            self.transport.send(header.sender, "state", chunk, step=header.step, micro=micro, epoch=self.plan.epoch)
-        except PeerUnreachable as error:
-            log.info("%s: state chunk %d for %s not sent: %s", self.device_id, micro, header.sender, error)
-
-
-META = 2**32 - 1  # the micro-batch index of the state's description frame: (Adam step, parameters, step)
-
-
-def state_slice(tensors: tuple[torch.Tensor, ...], start: int, length: int) -> torch.Tensor:
-    """Elements [start, start + length) of the concatenation of equally long flat tensors, as a copy."""
-    size = tensors[0].numel()
-    pieces = []
-    while length > 0:
-        k, offset = divmod(start, size)
-        take = min(length, size - offset)
-        pieces.append(tensors[k][offset : offset + take].detach().to("cpu", copy=True))
-        start, length = start + take, length - take
-    return torch.cat(pieces)
-

@@ -1,28 +1,46 @@
-"""Downloading a stage's state (parameters, Adam moments, step) from the group before (re)joining it.
+"""Moving a stage's state (parameters, optimizer tensors, step) to a peer that (re)joins or changes stage.
 
-The state is the concatenation of the stage's flat parameters and its optimizer tensors, cut into
-chunks. Chunk c is asked of donor c mod D, so D donors serve at once; a donor that does not answer a
-chunk by the deadline has it asked of the next donor, until every donor has failed it. Donors answer
-from their live state under a short lock, between their own steps: serving never waits for averaging,
-and a donor never stalls its training for a joiner. Chunks from different donors (or different steps
-of one donor) differ by no more than the group's consensus distance, which the next mixing rounds
-close. Every chunk is checked like any frame: sender in the group, shape, dtype, finite values.
+Coordinates are the whole model's: its parameters in order (embeddings, blocks, final norm, head) form
+one flat vector, and every stage's parameters are a slice [start, end) of it (`ModelSpec.param_range`).
+A peer's optimizer tensors are slices of equally long vectors. So a peer that moves to layers nobody
+holds exactly can assemble them from several peers, each serving the part it holds.
+
+Protocol: a request is an int64 frame [k, start, length]. k >= 0 asks for elements [start, start +
+length) of state tensor k (0 parameters, 1 and 2 the Adam moments, 3 AccumAdam's window); k = -1 asks
+for a description of what the donor holds there: [Adam step, start, end, step, tensors]. Answers are
+`state` frames carrying the request id as the step and the asker's chunk number as the micro-batch,
+and the asker accepts only the chunks it asked of that donor, of the length it asked.
+
+`fetch_state` asks every candidate donor for a description, cuts the range into chunks at donor
+boundaries, asks chunk c of the c mod D-th donor holding it (D donors serve at once). A donor that
+lets a chunk pass the deadline is given up on: every chunk it still owes goes to the next holder at
+once, so a donor that dies midway costs one deadline, not one per chunk. Donors answer from their live state under a
+short lock, so serving never waits for averaging. Nothing lands in the asker's state until every chunk
+has arrived and passed the frame checks (shape, dtype, finite values).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
-from hetpeer.peer.gossip.group import META, GroupSync
+from hetpeer.peer.gossip.group import GroupSync
+from hetpeer.peer.transport.base import Transport
 from hetpeer.peer.transport.inbox import PeerUnreachable, TransportError, TransportTimeout
+from hetpeer.protocol.frame import FrameHeader
 
 log = logging.getLogger("hetpeer.gossip")
 _request_ids = itertools.count(int(time.time()) % 2**31)
+DESCRIBE = -1
+MAX_CHUNK_ELEMS = 1 << 24  # 64 MiB of fp32: a donor serves no larger slice in one frame
+HOLDINGS = 2  # the current stage and, while a plan change settles, the one before
+OTHERS_WAIT_S = 0.5  # after the first description, how much longer the other donors get
 
 
 class StateDownloadError(TransportError):
@@ -33,69 +51,198 @@ class StateDownloadError(TransportError):
 class Download:
     step: int  # the step the donors were at, where the joiner enters
     chunks: int
-    donors: tuple[str, ...]
+    donors: tuple[str, ...]  # the donors that served chunks
     bytes: int
     seconds: float
 
 
-def fetch_state(sync: GroupSync, donors: list[str] | tuple[str, ...], timeout_s: float) -> Download:
-    """Fill `sync`'s parameters and optimizer state from `donors` (members of its group)."""
-    donors = tuple(d for d in donors if d != sync.device_id)
+@dataclass(frozen=True, slots=True)
+class Holding:
+    sync: GroupSync
+    start: int  # whole-model coordinates of the stage's parameters
+    end: int
+
+
+class StateServer:
+    """One per transport: serves state requests from this peer's holdings, and keeps the chunks this
+    peer has asked for, so that the frames it accepts are exactly those."""
+
+    def __init__(self, transport: Transport, device_id: str, known: Callable[[str], bool]) -> None:
+        self.transport, self.device_id, self.known = transport, device_id, known
+        self.holdings: list[Holding] = []  # newest first
+        self.expected: dict[tuple[int, int], tuple[str, tuple[int, ...], str]] = {}  # (request, chunk) -> donor, shape, dtype
+        self.lock = threading.Lock()
+        transport.inbox.handlers["state_request"] = self.serve
+
+    def hold(self, sync: GroupSync, start: int, end: int) -> None:
+        if end - start != sync.flat.size:
+            raise ValueError(f"range [{start}, {end}) is not the {sync.flat.size} parameters of {self.device_id}'s stage")
+        with self.lock:
+            self.holdings = [Holding(sync, start, end)] + [h for h in self.holdings if h.sync is not sync][: HOLDINGS - 1]
+
+    def accept(self, header: FrameHeader) -> str | None:
+        """The policy for `state_request` and `state` frames."""
+        if header.kind == "state_request":
+            if not self.known(header.sender):
+                return f"{header.sender} is not a known peer of the swarm"
+            return None if header.shape == (3,) and header.dtype == "int64" else "a state request is three int64"
+        with self.lock:
+            expected = self.expected.get((header.step, header.micro))
+        if expected is None or expected[0] != header.sender:
+            return f"state chunk {header.micro} of request {header.step} was not asked of {header.sender}"
+        if (header.shape, header.dtype) != expected[1:]:
+            return f"state chunk {header.micro} is {header.dtype}{list(header.shape)}, expected {expected[2]}{list(expected[1])}"
+        return None
+
+    def serve(self, header: FrameHeader, request: torch.Tensor) -> None:
+        """Answer a request (on the transport's thread; never waits long)."""
+        k, start, length = (int(v) for v in request)
+        with self.lock:
+            holdings = list(self.holdings)
+        if k == DESCRIBE:
+            holding = next((h for h in holdings if h.start < start + length and start < h.end), None)
+            if holding is None:
+                answer = torch.tensor([0, 0, 0, 0, 0])
+            else:
+                sync = holding.sync
+                answer = torch.tensor([sync.state.step, holding.start, holding.end, sync.step, len(sync.state_tensors())])
+        else:
+            holding = next((h for h in holdings if h.start <= start and start + length <= h.end), None)
+            if holding is None or not 0 <= k < len(holding.sync.state_tensors()) or not 0 < length <= MAX_CHUNK_ELEMS:
+                self.transport.inbox.reject(
+                    header.sender, f"state request for tensor {k} [{start}, {start + length}), which this peer does not hold"
+                )
+                return
+            with holding.sync.lock:
+                offset = start - holding.start
+                answer = holding.sync.state_tensors()[k][offset : offset + length].detach().to("cpu", copy=True)
+        try:
+            self.transport.send(header.sender, "state", answer, step=header.step, micro=header.micro, epoch=header.epoch)
+        except PeerUnreachable as error:
+            log.info("%s: state for %s not sent: %s", self.device_id, header.sender, error)
+
+    def expect(self, request: int, chunk: int, donor: str, shape: tuple[int, ...], dtype: str) -> None:
+        with self.lock:
+            self.expected[(request, chunk)] = (donor, shape, dtype)
+
+    def forget(self, request: int) -> None:
+        with self.lock:
+            for key in [key for key in self.expected if key[0] == request]:
+                del self.expected[key]
+
+
+def fetch_state(
+    server: StateServer, sync: GroupSync, start: int, end: int, donors: Sequence[str], timeout_s: float
+) -> Download:
+    """Fill `sync` (this peer's stage, whole-model range [start, end)) from `donors`."""
+    donors = tuple(d for d in dict.fromkeys(donors) if d != server.device_id)
     if not donors:
-        raise StateDownloadError(f"{sync.device_id} has no group member to download its state from")
+        raise StateDownloadError(f"{server.device_id} has no peer to download its state from")
     started = time.perf_counter()
     request = next(_request_ids)
-    tensors = sync.state_tensors()
-    total = sync.flat.size * len(tensors)
-    chunks = -(-total // sync.chunk_elems)
-    transport, epoch = sync.transport, sync.plan.epoch
-    asked = {c: 0 for c in range(chunks)}  # chunk -> index of the donor asked last
+    transport, epoch, tensors = server.transport, sync.plan.epoch, sync.state_tensors()
+    try:
+        held = _describe(server, request, donors, start, end, len(tensors), timeout_s)
+        chunks = _chunks(server.device_id, held, start, end, len(tensors), sync.chunk_elems)
+        asked = [0] * len(chunks)  # chunk c goes to holder (c + asked[c]) mod D: D donors serve at once
+        failed: set[str] = set()  # donors that let a chunk time out: none of their chunks is waited for again
 
-    def ask(chunk: int, attempt: int) -> None:
-        asked[chunk] = attempt
-        donor = donors[(chunk + attempt) % len(donors)]
-        try:
-            transport.send(donor, "state_request", torch.tensor([chunk]), step=request, epoch=epoch)
-        except PeerUnreachable as error:
-            log.info("%s: state request to %s failed: %s", sync.device_id, donor, error)
+        def holder(c: int) -> str:
+            holders = chunks[c][3]
+            return holders[(c + asked[c]) % len(holders)]
 
-    for donor in donors:
-        try:
-            transport.send(donor, "state_request", torch.tensor([META]), step=request, epoch=epoch)
-        except PeerUnreachable:
-            pass
-    for chunk in range(chunks):
-        ask(chunk, 0)
-    parts: dict[int, torch.Tensor] = {}
-    for chunk in range(chunks):
-        while chunk not in parts:
-            attempt = asked[chunk]
-            donor = donors[(chunk + attempt) % len(donors)]
+        def ask(c: int) -> None:
+            k, lo, length, holders = chunks[c]
+            donor = holder(c)
+            server.expect(request, c, donor, (length,), "fp32")
             try:
-                parts[chunk] = transport.recv("state", donor, request, chunk, timeout_s)
-            except TransportTimeout:
-                if attempt + 1 >= len(donors):
-                    raise StateDownloadError(
-                        f"{sync.device_id}: no donor ({', '.join(donors)}) sent state chunk {chunk} within {timeout_s:g} s"
-                    ) from None
-                log.info("%s: %s did not send state chunk %d; asking another donor", sync.device_id, donor, chunk)
-                ask(chunk, attempt + 1)
-    adam_step, size, step = _description(transport, donors, request, timeout_s)
-    if size != sync.flat.size:
-        raise StateDownloadError(f"the donors hold {size} parameters for this stage, this peer {sync.flat.size}")
-    whole = torch.cat([parts[c] for c in range(chunks)]).to(sync.flat.data.device)
+                transport.send(donor, "state_request", torch.tensor([k, lo, length]), step=request, micro=c, epoch=epoch)
+            except PeerUnreachable as error:
+                log.info("%s: state request to %s failed: %s", server.device_id, donor, error)
+
+        for c in range(len(chunks)):
+            ask(c)
+        parts: list[torch.Tensor] = []
+        served: set[str] = set()
+        for c, (k, lo, length, holders) in enumerate(chunks):
+            while len(parts) == c:
+                donor = holder(c)
+                try:
+                    parts.append(transport.recv("state", donor, request, c, timeout_s))
+                    served.add(donor)
+                except TransportTimeout:
+                    log.info("%s: %s did not send state chunk %d; asking other donors", server.device_id, donor, c)
+                    failed.add(donor)
+                    for later in range(c, len(chunks)):
+                        if holder(later) not in failed:
+                            continue
+                        while asked[later] < len(chunks[later][3]) and holder(later) in failed:
+                            asked[later] += 1
+                        if asked[later] >= len(chunks[later][3]):
+                            raise StateDownloadError(f"{server.device_id}: {_missing(chunks[later])} within {timeout_s:g} s") from None
+                        ask(later)
+    finally:
+        server.forget(request)
+    size = end - start
     with sync.lock:
-        for k, tensor in enumerate(tensors):
-            tensor.copy_(whole[k * sync.flat.size : (k + 1) * sync.flat.size])
-        sync.state.step = adam_step
-    return Download(step, chunks, donors, whole.numel() * 4, time.perf_counter() - started)
+        offset = [0] * len(tensors)
+        for (k, lo, length, _), part in zip(chunks, parts):
+            tensors[k][lo - start : lo - start + length].copy_(part.to(tensors[k].device))
+            offset[k] += length
+        assert all(o == size for o in offset), "the chunks cover the range exactly once"
+        sync.state.step = max(adam_step for adam_step, _, _, _ in held.values())
+    step = max(s for _, _, _, s in held.values())
+    return Download(step, len(chunks), tuple(d for d in donors if d in served), size * len(tensors) * 4,
+                    time.perf_counter() - started)
 
 
-def _description(transport, donors: tuple[str, ...], request: int, timeout_s: float) -> tuple[int, int, int]:
-    """(Adam step, parameter count, step) from the first donor that answered."""
-    for donor in donors:
+def _missing(chunk: tuple[int, int, int, tuple[str, ...]]) -> str:
+    k, lo, length, holders = chunk
+    return f"no donor ({', '.join(holders)}) sent tensor {k} [{lo}, {lo + length})"
+
+
+def _describe(
+    server: StateServer, request: int, donors: tuple[str, ...], start: int, end: int, tensors: int, timeout_s: float
+) -> dict[str, tuple[int, int, int, int]]:
+    """Donor -> (Adam step, start, end, step) for the donors that hold part of [start, end)."""
+    transport = server.transport
+    base = 2**31  # descriptions travel as chunk numbers past any real chunk's, one per donor
+    for i, donor in enumerate(donors):
+        server.expect(request, base + i, donor, (5,), "int64")
         try:
-            return tuple(int(v) for v in transport.recv("state", donor, request, META, timeout_s))
+            transport.send(donor, "state_request", torch.tensor([DESCRIBE, start, end - start]), step=request, micro=base + i)
+        except PeerUnreachable as error:
+            log.info("%s: %s cannot be asked for state: %s", server.device_id, donor, error)
+    held: dict[str, tuple[int, int, int, int]] = {}
+    wait_s = timeout_s
+    for i, donor in enumerate(donors):
+        try:
+            adam_step, lo, hi, step, count = (int(v) for v in transport.recv("state", donor, request, base + i, wait_s))
         except TransportTimeout:
-            timeout_s = 0.1  # the others had as long to answer
-    raise StateDownloadError(f"no donor ({', '.join(donors)}) described its state")
+            continue
+        wait_s = OTHERS_WAIT_S
+        if hi > lo and count == tensors and adam_step >= 0 and step >= 0:
+            held[donor] = (adam_step, lo, hi, step)
+        elif hi > lo:
+            log.info("%s: %s holds %d state tensors, this peer %d; not asked", server.device_id, donor, count, tensors)
+    if not held:
+        raise StateDownloadError(
+            f"{server.device_id}: no donor ({', '.join(donors)}) described parameters [{start}, {end}) within {timeout_s:g} s"
+        )
+    return held
+
+
+def _chunks(
+    device: str, held: dict[str, tuple[int, int, int, int]], start: int, end: int, tensors: int, chunk_elems: int
+) -> list[tuple[int, int, int, tuple[str, ...]]]:
+    """(tensor, start, length, holders) pieces of at most `chunk_elems`, cut where holders change."""
+    cuts = sorted({start, end} | {b for _, lo, hi, _ in held.values() for b in (lo, hi) if start < b < end})
+    pieces = []
+    for lo, hi in zip(cuts, cuts[1:]):
+        holders = tuple(d for d, (_, a, b, _) in held.items() if a <= lo and hi <= b)
+        if not holders:
+            raise StateDownloadError(f"{device}: no donor holds parameters [{lo}, {hi}) (donors hold "
+                                     + ", ".join(f"{d} [{a}, {b})" for d, (_, a, b, _) in held.items()) + ")")
+        for at in range(lo, hi, min(chunk_elems, MAX_CHUNK_ELEMS)):
+            pieces.append((at, min(hi, at + min(chunk_elems, MAX_CHUNK_ELEMS)) - at, holders))
+    return [(k, at, length, holders) for k in range(tensors) for at, length, holders in pieces]

@@ -17,6 +17,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, replace
+from typing import Sequence
 
 import torch
 
@@ -24,10 +25,12 @@ from hetpeer.peer.data.corpus import Corpus
 from hetpeer.peer.gossip.adam import AdamConfig
 from hetpeer.peer.gossip.flat import FlatParams
 from hetpeer.peer.gossip.group import GroupSync, SyncConfig, SyncReport
-from hetpeer.peer.gossip.state import Download, fetch_state
+from hetpeer.peer.gossip.state import Download, StateServer, fetch_state
+from hetpeer.peer.measure import Slowdown
 from hetpeer.peer.model.gpt import build_stage
 from hetpeer.peer.pipeline.schedule import FORWARD, one_f_one_b
 from hetpeer.peer.transport.base import Transport
+from hetpeer.peer.transport.inbox import Late
 from hetpeer.peer.transport.codec import TORCH_DTYPES
 from hetpeer.protocol.frame import CODECS, FrameHeader
 from hetpeer.protocol.plan import Plan
@@ -45,12 +48,15 @@ class WorkerConfig:
     sync: SyncConfig = SyncConfig()  # how the group averages (gossip topology, deadline, codec, clipping)
     timeout_s: float = 60.0  # deadline for every frame of the lane this peer waits for
     codec: str = "raw"  # how activations and gradients travel: raw, fp16, bf16 or int8
+    slowdown: float = 1.0  # emulate a slower accelerator: compute takes this many times as long
 
     def __post_init__(self) -> None:
         if self.codec not in CODECS:
             raise ValueError(f"codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+        if not self.slowdown >= 1:
+            raise ValueError(f"slowdown must be at least 1 (1: full speed), got {self.slowdown}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +71,15 @@ class StepResult:
 
 
 class StageWorker:
-    def __init__(self, plan: Plan, device_id: str, transport: Transport, corpus: Corpus | None, config: WorkerConfig):
+    def __init__(
+        self,
+        plan: Plan,
+        device_id: str,
+        transport: Transport,
+        corpus: Corpus | None,
+        config: WorkerConfig,
+        server: StateServer | None = None,
+    ):
         if plan.dtype not in COMPUTE_DTYPES:
             raise ValueError(
                 f"plan dtype {plan.dtype} is not supported by the runtime (it runs {', '.join(COMPUTE_DTYPES)}; "
@@ -84,6 +98,11 @@ class StageWorker:
         self.model = build_stage(self.spec, stage_plan.layer_start, stage_plan.layer_end, config.seed, config.device)
         self.flat = FlatParams(self.model)
         self.sync = GroupSync(plan, device_id, transport, self.flat, config.adam, config.sync)
+        self.param_range = self.spec.param_range(stage_plan.layer_start, stage_plan.layer_end)
+        # a static plan serves its own peers; a swarm peer passes the server it keeps across plans
+        self.server = server or StateServer(transport, device_id, known=lambda d: d in plan.devices)
+        self.server.hold(self.sync, *self.param_range)
+        self.slowdown = Slowdown(config.slowdown)
         self.schedule = one_f_one_b(self.stage, len(plan.stages), plan.micro_batches)
         self.sizes = plan.micro_batch_sizes
         self.step = plan.start_step
@@ -95,6 +114,8 @@ class StageWorker:
         """Why a frame is not what the plan says this peer should get, or None if it is."""
         if header.kind in GroupSync.KINDS:
             return self.sync.accept(header)
+        if header.kind in ("state_request", "state"):
+            return self.server.accept(header)
         if header.sender == self.previous:
             allowed = ("activation", "labels")
         elif header.sender == self.next:
@@ -103,8 +124,8 @@ class StageWorker:
             return f"{header.sender} is not a neighbour of {self.device_id} in lane {self.lane}"
         if header.kind not in allowed:
             return f"{header.kind} is not expected from {header.sender}"
-        if header.epoch != self.plan.epoch:
-            return f"plan epoch {header.epoch}, this peer runs epoch {self.plan.epoch}"
+        if header.epoch != self.plan.epoch:  # a neighbour switching plans a moment before or after this one
+            return Late(f"plan epoch {header.epoch}, this peer runs epoch {self.plan.epoch}")
         if not self.step <= header.step <= self.step + 1:
             return f"step {header.step} is not {self.step} or the next"
         if header.micro >= len(self.sizes):
@@ -137,7 +158,7 @@ class StageWorker:
                     labels = self._recv("labels", self.previous, step, micro)
                     inputs = x
                 wait_s += time.perf_counter() - tick
-                with self._autocast():
+                with self._autocast(), self.slowdown:
                     y = self.model(x)
                     if self.next is None:
                         y = self.model.loss(y, labels) * (self.sizes[micro] / self.plan.lane_batch)
@@ -149,12 +170,14 @@ class StageWorker:
             else:
                 inputs, y = held.pop(micro)
                 if self.next is None:
-                    y.backward()
+                    with self.slowdown:
+                        y.backward()
                 else:
                     tick = time.perf_counter()
                     grad = self._recv("gradient", self.next, step, micro)
                     wait_s += time.perf_counter() - tick
-                    y.backward(grad.to(y.dtype))
+                    with self.slowdown:
+                        y.backward(grad.to(y.dtype))
                 if inputs is not None:
                     self._send("gradient", self.previous, inputs.grad, micro)
         tick = time.perf_counter()
@@ -189,12 +212,12 @@ class StageWorker:
         result = self.compute()
         return replace(result, sync=self.apply(last))
 
-    def fetch_state(self, timeout_s: float | None = None) -> Download:
-        """Download this stage's parameters and optimizer state from the rest of the group, and enter at
-        the step the group is at."""
-        donors = [d for d in self.sync.members if d != self.device_id]
-        download = fetch_state(self.sync, donors, timeout_s or self.config.timeout_s)
-        self.step = download.step
+    def fetch_state(self, donors: Sequence[str] | None = None, timeout_s: float | None = None) -> Download:
+        """Download this stage's parameters and optimizer state from `donors` (default: the rest of the
+        group), and enter at the step they are at."""
+        donors = [d for d in (self.sync.members if donors is None else donors) if d != self.device_id]
+        download = fetch_state(self.server, self.sync, *self.param_range, donors, timeout_s or self.config.timeout_s)
+        self.step = self.sync.step = download.step
         self.sync.sent = None
         return download
 

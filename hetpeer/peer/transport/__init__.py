@@ -1,11 +1,12 @@
 """Moving tensors between peers: frames, a direct TCP path, hivemind P2P, and an in-memory hub."""
 
 from hetpeer.peer.transport.base import Transport
-from hetpeer.peer.transport.inbox import PeerUnreachable, TransportError, TransportTimeout
+from hetpeer.peer.transport.inbox import Interrupted, PeerUnreachable, TransportError, TransportTimeout
 from hetpeer.peer.transport.memory import MemoryHub, MemoryTransport
 from hetpeer.peer.transport.network import NetworkTransport, P2PLink, TcpLink
 
 __all__ = [
+    "Interrupted",
     "MemoryHub",
     "MemoryTransport",
     "NetworkTransport",

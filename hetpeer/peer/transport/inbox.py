@@ -39,6 +39,10 @@ class PeerUnreachable(TransportError):
     """No link reached the peer, or the connection to it broke and could not be rebuilt."""
 
 
+class Interrupted(TransportError):
+    """A wait given up on purpose: the peer has a new plan to follow."""
+
+
 class Late(str):
     """A refusal that is no one's fault: a frame for a step this peer has left behind. Not counted."""
 
@@ -59,7 +63,9 @@ class Inbox:
         self.late = 0  # frames dropped because they came after their step was done
         self.handlers: dict[str, Callable[[FrameHeader, torch.Tensor], None]] = {}  # kinds served, not stored
         self._frames: dict[Key, torch.Tensor] = {}
+        self._epochs: dict[Key, int] = {}  # the plan epoch each waiting frame was sent under
         self._arrived = threading.Condition()
+        self._interrupt: str | None = None
 
     def screen(self, header: FrameHeader, authenticated: str | None = None) -> str | None:
         """Why a frame must be refused before its payload is read, or None to read it."""
@@ -92,6 +98,7 @@ class Inbox:
             else:
                 duplicate = False
                 self._frames[key] = tensor
+                self._epochs[key] = header.epoch
                 self._arrived.notify_all()
         if duplicate:
             self.reject(header.sender, f"duplicate {header.kind} for step {header.step} micro {header.micro}")
@@ -116,6 +123,8 @@ class Inbox:
         deadline = time.monotonic() + timeout_s
         with self._arrived:
             while key not in self._frames:
+                if self._interrupt is not None:
+                    raise Interrupted(f"{self.device}: stopped waiting for {kind} from {sender}: {self._interrupt}")
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TransportTimeout(
@@ -123,12 +132,28 @@ class Inbox:
                         f"from {sender} within {timeout_s:g} s"
                     )
                 self._arrived.wait(left)
+            self._epochs.pop(key, None)
             return self._frames.pop(key)
 
-    def discard_before(self, step: int) -> int:
-        """Drop frames of steps before `step` (left by a lane that timed out); how many were dropped."""
+    def interrupt(self, reason: str) -> None:
+        """Make every wait, now and until `resume`, raise `Interrupted` (frames already here stay)."""
         with self._arrived:
-            stale = [key for key in self._frames if key[2] < step]
+            self._interrupt = reason
+            self._arrived.notify_all()
+
+    def resume(self) -> None:
+        with self._arrived:
+            self._interrupt = None
+
+    def discard_before(self, step: int, epoch: int | None = None) -> int:
+        """Drop frames of steps before `step` (left by a lane that timed out) and, given `epoch`, frames sent
+        under an earlier plan epoch (left by a plan this peer no longer runs); how many were dropped."""
+        with self._arrived:
+            stale = [
+                key for key in self._frames
+                if key[2] < step or (epoch is not None and self._epochs.get(key, epoch) < epoch)
+            ]
             for key in stale:
                 del self._frames[key]
+                self._epochs.pop(key, None)
         return len(stale)

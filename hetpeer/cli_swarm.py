@@ -1,0 +1,275 @@
+"""The swarm's commands: `hetpeer join --swarm`, `hetpeer coordinator`, `hetpeer status`, `hetpeer swarm`.
+
+Thin like `cli.py` (which adds them to its parser): parse, build the config, call into the packages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from hetpeer.protocol.workload import PRESETS
+
+SWARM_DTYPES = ("fp32", "bf16")  # what the stage worker computes in
+
+
+def _cli():
+    import hetpeer.cli as cli
+
+    return cli
+
+
+def add_join_swarm_options(join: argparse.ArgumentParser) -> None:
+    cli = _cli()
+    swarm = join.add_argument_group("a swarm (--swarm)")
+    swarm.add_argument("--swarm", metavar="NAME", help="the swarm to join (letters, digits, - and _)")
+    swarm.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR",
+                       help="multiaddrs of peers (or the coordinator) already in the swarm's DHT")
+    swarm.add_argument("--coordinator-key", metavar="HEX",
+                       help="SHA-256 of the coordinator's public key (`hetpeer coordinator` prints it); "
+                       "plans signed by any other key are ignored")
+    swarm.add_argument("--name", default="peer", metavar="NAME",
+                       help="readable part of this peer's id, NAME-<key fingerprint> (a-z, 0-9, _; default peer)")
+    swarm.add_argument("--home", type=Path, metavar="DIR",
+                       help="keeps this peer's key: restarting with the same DIR rejoins as the same peer "
+                       "(default ~/.hetpeer/NAME)")
+    swarm.add_argument("--announce-host", metavar="HOST", help="the host other peers should dial for tensors (default: the --listen host)")
+    swarm.add_argument("--dht-listen", default="/ip4/127.0.0.1/tcp/0", metavar="MADDR",
+                       help="where this peer's DHT node listens (default /ip4/127.0.0.1/tcp/0)")
+    swarm.add_argument("--model", choices=sorted(PRESETS), default="tiny", help="the model the swarm trains (default tiny)")
+    swarm.add_argument("--dtype", choices=SWARM_DTYPES, default="fp32", help="training dtype (default fp32)")
+    swarm.add_argument("--heartbeat", type=cli._positive_float, default=2.0, metavar="SECONDS",
+                       help="seconds between announcements; a record expires after 3 (default 2)")
+    swarm.add_argument("--slowdown", type=cli._positive_float, default=1.0, metavar="X",
+                       help="emulate a slower accelerator: compute takes X times as long (>= 1; default 1)")
+    swarm.add_argument("--probe-targets", type=cli._non_negative_int, default=4, metavar="K",
+                       help="peers whose links are measured each round: lane and group neighbours first (default 4)")
+
+
+def add_commands(commands) -> None:
+    cli = _cli()
+    coordinator = commands.add_parser(
+        "coordinator",
+        help="run a swarm's coordinator",
+        description="Read the peers' announcements from the swarm's DHT, plan with the `time` cost model, and "
+        "publish signed plans: the first once --min-peers have settled, a new one at once when a peer of the "
+        "running plan disappears, and otherwise every --replan-interval seconds if it predicts a step "
+        "--gain faster (moving weights included). Serves the swarm's state over gRPC (--api). Prints the key "
+        "peers must trust and the DHT address they join through.",
+    )
+    coordinator.add_argument("--swarm", required=True, metavar="NAME", help="the swarm's name")
+    coordinator.add_argument("--home", type=Path, metavar="DIR",
+                             help="keeps the coordinator's key: a restart with the same DIR is the same coordinator "
+                             "(default ~/.hetpeer/coordinator-NAME)")
+    coordinator.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR", help="DHT multiaddrs of peers already in the swarm")
+    coordinator.add_argument("--host-maddr", default="/ip4/127.0.0.1/tcp/0", metavar="MADDR",
+                             help="where the coordinator's DHT node listens (default /ip4/127.0.0.1/tcp/0)")
+    coordinator.add_argument("--api", default="127.0.0.1:0", metavar="HOST:PORT",
+                             help="where to serve the gRPC API (default 127.0.0.1 on a free port; 'off' for none)")
+    coordinator.add_argument("--model", choices=sorted(PRESETS), default="tiny", help="model preset (default tiny)")
+    coordinator.add_argument("--batch", type=cli._positive_int, default=16, metavar="N", help="global batch in sequences (default 16)")
+    coordinator.add_argument("--micro-batch", type=cli._positive_int, default=2, metavar="N", help="micro-batch in sequences (default 2)")
+    coordinator.add_argument("--dtype", choices=SWARM_DTYPES, default="fp32", help="training dtype (default fp32)")
+    coordinator.add_argument("--heartbeat", type=cli._positive_float, default=2.0, metavar="SECONDS",
+                             help="seconds between rounds; use the peers' heartbeat (default 2)")
+    coordinator.add_argument("--replan-interval", type=cli._positive_float, default=60.0, metavar="SECONDS",
+                             help="re-solve this often even when nothing broke (default 60)")
+    coordinator.add_argument("--min-peers", type=cli._positive_int, default=2, metavar="N", help="peers to wait for before the first plan (default 2)")
+    coordinator.add_argument("--gain", type=float, default=0.1, metavar="FRACTION",
+                             help="a new plan must predict a step this much faster than the running one (default 0.1)")
+    coordinator.add_argument("--time-budget", type=cli._positive_float, default=2.0, metavar="SECONDS", help="planner search time (default 2)")
+    coordinator.add_argument("--stages", type=cli._positive_int, metavar="S", help="fix the number of pipeline stages")
+    coordinator.add_argument("--group-size", type=cli._positive_int, metavar="M", help="fix the data-parallel group size")
+    coordinator.add_argument("--seed", type=cli._non_negative_int, default=0, metavar="N", help="planner seed (default 0)")
+    coordinator.set_defaults(run=run_coordinator)
+
+    status = commands.add_parser(
+        "status", help="show a swarm's plan, peers and progress",
+        description="Ask a coordinator's gRPC API for the running plan, the peers with what they measured, and the "
+        "swarm's progress.",
+    )
+    status.add_argument("--api", required=True, metavar="HOST:PORT", help="the coordinator's API address (it prints it)")
+    status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    status.add_argument("--timeout", type=cli._positive_float, default=5.0, metavar="SECONDS", help="give up after this long (default 5)")
+    status.set_defaults(run=run_status)
+
+    swarm = commands.add_parser(
+        "swarm", help="run a whole swarm on this machine (the demo)",
+        description="Start a coordinator and --peers peers on this machine as separate processes, train the tiny "
+        "GPT on the default corpus for --steps steps with live progress, stop every process, and write a run "
+        "report (report.md, report.json, loss.png) to --out. Peers can be made unequal (--slowdowns, "
+        "--bandwidth-caps), so the planner has something to solve.",
+    )
+    swarm.add_argument("--peers", type=cli._positive_int, default=8, metavar="N", help="peers to start (default 8)")
+    swarm.add_argument("--steps", type=cli._positive_int, default=200, metavar="N", help="steps to train (default 200)")
+    swarm.add_argument("--slowdowns", default="1,1,1,1,2,2,3,3", metavar="X,X,...",
+                       help="compute slowdown of each peer, repeated to cover --peers (default 1,1,1,1,2,2,3,3)")
+    swarm.add_argument("--bandwidth-caps", default="none,none,none,none,none,none,40,40", metavar="MBIT,...",
+                       help="Mbit/s each peer sends at most to each other peer, 'none' for no cap, repeated to cover "
+                       "--peers (default none x6, 40, 40)")
+    swarm.add_argument("--out", type=Path, metavar="DIR", help="logs, keys and the report (default: a new temporary folder)")
+    swarm.add_argument("--heartbeat", type=cli._positive_float, default=2.0, metavar="SECONDS", help="peers' and coordinator's heartbeat (default 2)")
+    swarm.add_argument("--replan-interval", type=cli._positive_float, default=30.0, metavar="SECONDS", help="coordinator re-solve interval (default 30)")
+    swarm.add_argument("--lr", type=cli._positive_float, default=3e-3, metavar="LR", help="learning rate (default 3e-3)")
+    swarm.add_argument("--seed", type=cli._non_negative_int, default=0, metavar="N", help="seed (default 0)")
+    swarm.add_argument("--data", type=Path, metavar="PATH", help="text to train on (default: the Python standard library's sources)")
+    swarm.add_argument("--verbose", action="store_true", help="show every process's output, not just the progress")
+    swarm.set_defaults(run=run_swarm)
+
+
+def _home(path: Path | None, default_name: str) -> Path:
+    return path if path is not None else Path.home() / ".hetpeer" / default_name
+
+
+def run_swarm_join(args: argparse.Namespace) -> int:
+    cli = _cli()
+    from hetpeer.peer.daemon import SwarmPeer, SwarmPeerConfig
+    from hetpeer.peer.data.corpus import CorpusError
+    from hetpeer.protocol.control import ControlError
+
+    fixed = [flag for flag, value in (("--plan", args.plan), ("--as", args.device_id), ("--peers", args.peers)) if value is not None]
+    if fixed:
+        raise cli.UserError(f"{', '.join(fixed)} run a fixed plan; a swarm peer follows the coordinator's plans (drop them or --swarm)")
+    if args.coordinator_key is None:
+        raise cli.UserError("--swarm needs --coordinator-key (the coordinator prints it)")
+    if not args.slowdown >= 1:
+        raise cli.UserError(f"--slowdown must be at least 1, got {args.slowdown:g}")
+    cli.log_to_stdout()
+    try:
+        config = SwarmPeerConfig(
+            swarm=args.swarm, name=args.name, home=_home(args.home, args.name), coordinator_key=args.coordinator_key.lower(),
+            worker=_replace_slowdown(cli._worker_config(args), args.slowdown), initial_peers=tuple(args.initial_peers),
+            model=args.model, dtype=args.dtype,
+            listen=cli._host_port(args.listen) if args.listen else ("127.0.0.1", 0), announce_host=args.announce_host,
+            dht_maddrs=(args.dht_listen,), heartbeat_s=args.heartbeat, probe_targets=args.probe_targets, steps=args.steps,
+            data=str(args.data) if args.data else None, threads=args.threads, bandwidth_cap_mbit=args.bandwidth_cap,
+        )
+        from hetpeer.protocol.records import NAME_RE
+
+        if not NAME_RE.match(args.name):
+            raise ValueError(f"--name must be 1-24 of a-z, 0-9 and _, got {args.name!r}")
+    except ValueError as error:
+        raise cli.UserError(str(error)) from None
+    peer = SwarmPeer(config, cli._say)
+    _stop_on_sigterm()
+    try:
+        peer.start()
+        peer.run()
+    except (ControlError, CorpusError) as error:
+        raise cli.UserError(str(error)) from None
+    except KeyboardInterrupt:
+        cli._say("interrupted: leaving the swarm")
+    finally:
+        peer.shutdown()
+    return 0
+
+
+def _replace_slowdown(worker, slowdown: float):
+    from dataclasses import replace
+
+    return replace(worker, slowdown=slowdown)
+
+
+def run_coordinator(args: argparse.Namespace) -> int:
+    cli = _cli()
+    from hetpeer.coordinator.api import ApiError
+    from hetpeer.coordinator.service import Coordinator, CoordinatorConfig
+    from hetpeer.protocol.control import ControlError
+
+    cli.log_to_stdout()
+    try:
+        config = CoordinatorConfig(
+            swarm=args.swarm, home=_home(args.home, f"coordinator-{args.swarm}"), initial_peers=tuple(args.initial_peers),
+            dht_maddrs=(args.host_maddr,), api_listen=None if args.api == "off" else args.api, model=args.model,
+            batch=args.batch, micro_batch=args.micro_batch, dtype=args.dtype, heartbeat_s=args.heartbeat,
+            replan_interval_s=args.replan_interval, min_peers=args.min_peers, gain=args.gain,
+            time_budget_s=args.time_budget, stages=args.stages, group_size=args.group_size, seed=args.seed,
+        )
+    except ValueError as error:
+        raise cli.UserError(str(error)) from None
+    coordinator = Coordinator(config, cli._say)
+    _stop_on_sigterm()
+    try:
+        coordinator.start()
+        coordinator.run()
+    except (ControlError, ApiError) as error:
+        raise cli.UserError(str(error)) from None
+    except KeyboardInterrupt:
+        cli._say("interrupted: the peers go on with the plan they have")
+    finally:
+        coordinator.shutdown()
+    return 0
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from hetpeer.coordinator.api import ApiClient, ApiError, render_status, status_json
+
+    try:
+        with ApiClient(args.api, timeout_s=args.timeout) as client:
+            plan, plan_time = client.call_get_plan()
+            peers = client.call_list_peers()
+            progress = client.call_get_progress()
+    except ApiError as error:
+        print(f"hetpeer status: {error}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(status_json(plan, peers, progress, plan_time), indent=1))
+    else:
+        print(render_status(plan, peers, progress, plan_time))
+    return 0
+
+
+def run_swarm(args: argparse.Namespace) -> int:
+    cli = _cli()
+    from hetpeer.peer.launch import free_port
+    from hetpeer.swarm.launcher import LocalSwarm, SwarmConfig, SwarmError, parse_per_peer
+    from hetpeer.swarm.report import write_report
+
+    out = args.out or Path(tempfile.mkdtemp(prefix="hetpeer-swarm-"))
+    try:
+        config = SwarmConfig(
+            out=out, peers=args.peers, steps=args.steps,
+            slowdowns=parse_per_peer(args.slowdowns, args.peers, "--slowdowns"),
+            bandwidth_caps=parse_per_peer(args.bandwidth_caps, args.peers, "--bandwidth-caps", none_value="none"),
+            heartbeat_s=args.heartbeat, replan_interval_s=args.replan_interval, lr=args.lr, seed=args.seed, data=args.data,
+        )
+    except ValueError as error:
+        raise cli.UserError(str(error)) from None
+    lock = threading.Lock()
+
+    def echo(line: str) -> None:
+        if args.verbose or line.startswith("[swarm]") or line.startswith("[coordinator] published") or "  stage " in line:
+            with lock:
+                print(line, flush=True)
+
+    print(f"a swarm of {config.peers} peers and a coordinator on this machine; logs and report in {out}", flush=True)
+    swarm = LocalSwarm(config, echo, free_port())
+    try:
+        swarm.start()
+        report = swarm.run(status=lambda line: echo(f"[swarm] {line}"))
+    except SwarmError as error:
+        print(f"hetpeer swarm: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted: stopping every process", flush=True)
+        report = swarm.report()
+    finally:
+        swarm.shutdown()
+    files = write_report(report, out)
+    print(f"report: {files['md']} (loss curve {files['png']})", flush=True)
+    return 0
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM (docker stop, the launcher) leaves the way Ctrl+C does: announcing it."""
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, stop)
+

@@ -1,0 +1,381 @@
+"""The coordinator's gRPC API for organizers' tools: the plan, the peers and the swarm's progress.
+
+`ApiServer` serves whatever `get_view()` returns (the coordinator's latest read of the DHT); it holds
+no state of its own. `ApiClient` is what `hetpeer status --api HOST:PORT` uses; it parses every reply
+as strictly as a peer parses a DHT record, and turns every failure into one `ApiError` line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import grpc
+
+from hetpeer.protocol import swarm_pb2, swarm_pb2_grpc
+from hetpeer.protocol.addresses import PeerAddress
+from hetpeer.protocol.plan import Plan
+from hetpeer.protocol.records import MAX_PLAN_BYTES, STATES, LinkMeasurement, PeerRecord
+from hetpeer.protocol.wire import SchemaError
+
+
+class ApiError(RuntimeError):
+    """The API could not be served or reached, or it answered something that does not parse."""
+
+
+@dataclass(frozen=True)
+class SwarmView:
+    """The coordinator's current view of the swarm, as of DHT time `now`."""
+
+    swarm: str
+    coordinator_key: str  # SHA-256 of the coordinator's public key, hex
+    plan: Plan | None
+    plan_time: float | None
+    peers: Mapping[str, PeerRecord]  # device id -> its latest parsed announcement
+    dropped: int  # records refused in the last read
+    now: float
+
+
+@dataclass(frozen=True)
+class Progress:
+    swarm: str
+    coordinator_key: str
+    epoch: int  # the current plan's; -1 without a plan
+    step: int  # highest step among training peers
+    loss: float | None  # mean over the last stage's training peers; None when none announces one
+    tokens_per_s: float  # sum over the lanes' last stages
+    peers_by_state: Mapping[str, int]
+    dropped: int
+
+
+@dataclass(frozen=True)
+class PeerStatus:
+    record: PeerRecord
+    age_s: float  # how old the announcement was when the coordinator read it
+
+
+def progress(view: SwarmView) -> Progress:
+    """The swarm's progress from one view. Pure; O(peers).
+
+    Each lane's last stage computes the loss and counts the tokens its lane trained, so loss and
+    throughput come from the current plan's last-stage peers that say they are training; a peer
+    left on standby, or still fetching, may announce stale figures and is not counted.
+    """
+    training = [r for r in view.peers.values() if r.state == "training"]
+    last = set(view.plan.stages[-1].devices) if view.plan is not None else set()
+    heads = [r for r in training if r.device_id in last]
+    losses = [r.loss for r in heads if r.loss is not None]
+    return Progress(
+        swarm=view.swarm,
+        coordinator_key=view.coordinator_key,
+        epoch=view.plan.epoch if view.plan is not None else -1,
+        step=max((r.step for r in training), default=0),
+        loss=sum(losses) / len(losses) if losses else None,
+        tokens_per_s=float(sum(r.tokens_per_s for r in heads)),
+        peers_by_state=dict(sorted(Counter(r.state for r in view.peers.values()).items())),
+        dropped=view.dropped,
+    )
+
+
+class _Servicer(swarm_pb2_grpc.CoordinatorServicer):
+    def __init__(self, api: "ApiServer") -> None:
+        self.GetPlan = api.rpc_get_plan
+        self.ListPeers = api.rpc_list_peers
+        self.GetProgress = api.rpc_get_progress
+
+
+class ApiServer:
+    def __init__(self, get_view: Callable[[], SwarmView], listen: str = "127.0.0.1:0", workers: int = 4) -> None:
+        self.get_view = get_view
+        self.listen = listen
+        self.workers = workers
+        self._server: grpc.Server | None = None
+        self._port: int | None = None
+
+    def start(self) -> None:
+        if self._server is not None:
+            raise ApiError("the coordinator API is already started")
+        # No SO_REUSEPORT: a second coordinator on the same port must fail, not share its clients.
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.workers), options=[("grpc.so_reuseport", 0)])
+        swarm_pb2_grpc.add_CoordinatorServicer_to_server(_Servicer(self), server)
+        try:
+            port = server.add_insecure_port(self.listen)
+        except RuntimeError:  # grpcio raises on a failed bind; older releases returned 0
+            port = 0
+        if not port:
+            server.stop(None)
+            raise ApiError(
+                f"cannot serve the coordinator API on {self.listen}: "
+                "the port is in use or the address is not this host's"
+            )
+        server.start()
+        self._server, self._port = server, port
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise ApiError("the coordinator API is not started")
+        return self._port
+
+    @property
+    def address(self) -> str:
+        return f"{self.listen.rsplit(':', 1)[0]}:{self.port}"
+
+    def shutdown(self, grace_s: float = 1.0) -> None:
+        if self._server is not None:
+            self._server.stop(grace_s).wait()
+            self._server, self._port = None, None
+
+    def rpc_get_plan(self, request: swarm_pb2.GetPlanRequest, context: Any) -> swarm_pb2.GetPlanReply:
+        view = self.get_view()
+        if view.plan is None:
+            return swarm_pb2.GetPlanReply(has_plan=False, epoch=-1)
+        return swarm_pb2.GetPlanReply(
+            has_plan=True,
+            plan_json=json.dumps(view.plan.to_wire(), separators=(",", ":")),
+            epoch=view.plan.epoch,
+            start_step=view.plan.start_step,
+            step_s=view.plan.total_s,
+            time=view.plan_time if view.plan_time is not None else math.nan,
+        )
+
+    def rpc_list_peers(self, request: swarm_pb2.ListPeersRequest, context: Any) -> swarm_pb2.ListPeersReply:
+        view = self.get_view()
+        return swarm_pb2.ListPeersReply(
+            peers=[_peer_to_pb(view.peers[d], max(0.0, view.now - view.peers[d].time)) for d in sorted(view.peers)]
+        )
+
+    def rpc_get_progress(self, request: swarm_pb2.GetProgressRequest, context: Any) -> swarm_pb2.GetProgressReply:
+        p = progress(self.get_view())
+        return swarm_pb2.GetProgressReply(
+            swarm=p.swarm,
+            coordinator_key=p.coordinator_key,
+            epoch=p.epoch,
+            step=p.step,
+            loss=p.loss,
+            tokens_per_s=p.tokens_per_s,
+            peers_by_state=dict(p.peers_by_state),
+            dropped=p.dropped,
+        )
+
+
+def _peer_to_pb(record: PeerRecord, age_s: float) -> swarm_pb2.Peer:
+    direct = record.address.direct
+    return swarm_pb2.Peer(
+        device_id=record.device_id,
+        model=record.model,
+        dtype=record.dtype,
+        device_name=record.device_name,
+        tflops=record.tflops,
+        memory_bytes=record.memory_bytes,
+        direct=f"{direct[0]}:{direct[1]}" if direct else None,
+        p2p=list(record.address.p2p),
+        state=record.state,
+        time=record.time,
+        epoch=record.epoch,
+        layer_start=record.layers[0] if record.layers else None,
+        layer_end=record.layers[1] if record.layers else None,
+        step=record.step,
+        loss=record.loss,
+        tokens_per_s=record.tokens_per_s,
+        links=[
+            swarm_pb2.Link(peer=peer, latency_s=m.latency_s, bandwidth_bytes_per_s=m.bandwidth_bytes_per_s)
+            for peer, m in sorted(record.links.items())
+        ],
+        software=record.software,
+        version=record.version,
+        age_s=age_s,
+    )
+
+
+def _peer_from_pb(pb: swarm_pb2.Peer) -> PeerStatus:
+    """A peer as the server describes it; SchemaError for what no coordinator would serve."""
+    path = f"peers[{pb.device_id!r}]"
+    if not pb.device_id:
+        raise SchemaError("peers", "a peer without a device id")
+    if pb.state not in STATES:
+        raise SchemaError(f"{path}.state", f"must be one of {', '.join(STATES)}, got {pb.state!r}")
+    numbers = [pb.tflops, pb.tokens_per_s, pb.time, pb.age_s]
+    numbers += [x for link in pb.links for x in (link.latency_s, link.bandwidth_bytes_per_s)]
+    if pb.HasField("loss"):
+        numbers.append(pb.loss)
+    if not all(math.isfinite(x) for x in numbers):
+        raise SchemaError(path, "carries a number that is not finite")
+    if pb.HasField("layer_start") != pb.HasField("layer_end"):
+        raise SchemaError(f"{path}.layers", "has a start without an end, or an end without a start")
+    address = PeerAddress.from_wire(
+        {"p2p": list(pb.p2p), **({"direct": pb.direct} if pb.HasField("direct") else {})}, f"{path}.address"
+    )
+    record = PeerRecord(
+        device_id=pb.device_id,
+        model=pb.model,
+        dtype=pb.dtype,
+        device_name=pb.device_name,
+        tflops=pb.tflops,
+        memory_bytes=pb.memory_bytes,
+        address=address,
+        state=pb.state,
+        time=pb.time,
+        epoch=pb.epoch,
+        layers=(pb.layer_start, pb.layer_end) if pb.HasField("layer_start") else None,
+        step=pb.step,
+        loss=pb.loss if pb.HasField("loss") else None,
+        tokens_per_s=pb.tokens_per_s,
+        links={link.peer: LinkMeasurement(link.latency_s, link.bandwidth_bytes_per_s) for link in pb.links},
+        software=pb.software,
+        version=pb.version,
+    )
+    return PeerStatus(record=record, age_s=pb.age_s)
+
+
+class ApiClient:
+    def __init__(self, address: str, timeout_s: float = 5.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self._channel = grpc.insecure_channel(address)
+        self._stub = swarm_pb2_grpc.CoordinatorStub(self._channel)
+
+    def __enter__(self) -> "ApiClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, method: Callable, request: Any) -> Any:
+        try:
+            return method(request, timeout=self.timeout_s)
+        except grpc.RpcError as error:
+            raise ApiError(self._explain(error)) from None
+        except ValueError as error:  # grpc refuses some malformed targets before dialling
+            raise ApiError(f"cannot reach the coordinator API at {self.address}: {error}") from None
+
+    def _explain(self, error: grpc.RpcError) -> str:
+        code = error.code() if hasattr(error, "code") else None
+        details = " ".join(str(error.details() if hasattr(error, "details") else error).split())
+        if code == grpc.StatusCode.UNAVAILABLE:
+            reason = details.rsplit(": ", 1)[-1].lower() if "refused" in details.lower() else details
+            return f"cannot reach the coordinator API at {self.address}: {reason}"
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return f"cannot reach the coordinator API at {self.address}: no answer within {self.timeout_s:g} s"
+        name = code.name if code is not None else "error"
+        return f"the coordinator API at {self.address} failed: {name}: {details}"
+
+    def _refuse(self, what: str, error: object) -> ApiError:
+        return ApiError(f"the coordinator API at {self.address} sent {what} that does not parse: {error}")
+
+    def call_get_plan(self) -> tuple[Plan | None, float | None]:
+        """(plan, publication time), or (None, None) when the coordinator has no plan yet."""
+        reply = self._call(self._stub.GetPlan, swarm_pb2.GetPlanRequest())
+        if not reply.has_plan:
+            return None, None
+        try:
+            if len(reply.plan_json) > MAX_PLAN_BYTES:
+                raise SchemaError("plan", f"{len(reply.plan_json)} bytes, at most {MAX_PLAN_BYTES}")
+            plan = Plan.from_wire(json.loads(reply.plan_json))
+            if (plan.epoch, plan.start_step) != (reply.epoch, reply.start_step):
+                raise SchemaError("plan.epoch", f"the plan says epoch {plan.epoch}, the reply {reply.epoch}")
+        except (SchemaError, json.JSONDecodeError) as error:
+            raise self._refuse("a plan", error) from None
+        return plan, reply.time if math.isfinite(reply.time) else None
+
+    def call_list_peers(self) -> list[PeerStatus]:
+        reply = self._call(self._stub.ListPeers, swarm_pb2.ListPeersRequest())
+        try:
+            return [_peer_from_pb(pb) for pb in reply.peers]
+        except SchemaError as error:
+            raise self._refuse("a peer", error) from None
+
+    def call_get_progress(self) -> Progress:
+        reply = self._call(self._stub.GetProgress, swarm_pb2.GetProgressRequest())
+        if not math.isfinite(reply.tokens_per_s) or (reply.HasField("loss") and not math.isfinite(reply.loss)):
+            raise self._refuse("progress", "a number that is not finite")
+        return Progress(
+            swarm=reply.swarm,
+            coordinator_key=reply.coordinator_key,
+            epoch=reply.epoch,
+            step=reply.step,
+            loss=reply.loss if reply.HasField("loss") else None,
+            tokens_per_s=reply.tokens_per_s,
+            peers_by_state=dict(sorted(reply.peers_by_state.items())),
+            dropped=reply.dropped,
+        )
+
+
+def _place(plan: Plan | None, record: PeerRecord) -> str:
+    if plan is not None:
+        if record.device_id in plan.standby:
+            return "standby"
+        try:
+            stage, lane = plan.position(record.device_id)
+        except KeyError:
+            pass
+        else:
+            s = plan.stages[stage]
+            return f"s{stage}/l{lane} [{s.layer_start},{s.layer_end})"
+    return f"[{record.layers[0]},{record.layers[1]})" if record.layers else "-"
+
+
+def render_status(
+    plan: Plan | None, peers: Sequence[PeerStatus], progress: Progress, plan_time: float | None = None
+) -> str:
+    """A few lines for a terminal: the swarm's figures, one row per peer, the plan in short."""
+    loss = f"{progress.loss:.4f}" if progress.loss is not None else "-"
+    states = ", ".join(f"{n} {state}" for state, n in progress.peers_by_state.items()) or "none"
+    lines = [
+        f"swarm {progress.swarm}  coordinator {progress.coordinator_key[:16]}",
+        f"epoch {progress.epoch}  step {progress.step}  loss {loss}  tokens/s {progress.tokens_per_s:.1f}",
+        f"peers {sum(progress.peers_by_state.values())} ({states}), {progress.dropped} records dropped",
+        "",
+    ]
+    rows = [("peer", "state", "stage", "step", "loss", "tok/s", "TFLOPS", "device", "age s")]
+    for p in sorted(peers, key=lambda p: p.record.device_id):
+        r = p.record
+        rows.append((
+            r.device_id, r.state, _place(plan, r), str(r.step), f"{r.loss:.4f}" if r.loss is not None else "-",
+            f"{r.tokens_per_s:.1f}", f"{r.tflops:.1f}", r.device_name, f"{p.age_s:.0f}",
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.append("")
+    if plan is None:
+        lines.append("no plan yet")
+    else:
+        published = f", published at {plan_time:.0f}" if plan_time is not None else ""
+        lines.append(
+            f"plan epoch {plan.epoch} from step {plan.start_step}{published}: {len(plan.stages)} stages x "
+            f"{plan.group_size} lanes, {plan.model} {plan.dtype}, batch {plan.batch} in {plan.micro_batches} "
+            f"micro-batches of {plan.micro_batch}, predicted {plan.total_s:.3f} s/step ({plan.cost_model})"
+        )
+        for s in plan.stages:
+            lines.append(f"  stage {s.index} layers [{s.layer_start},{s.layer_end}) {s.sync}: {' '.join(s.devices)}")
+        for i, lane in enumerate(plan.lanes):
+            lines.append(f"  lane {i}: {' -> '.join(lane)}")
+        if plan.standby:
+            lines.append(f"  standby: {' '.join(plan.standby)}")
+    return "\n".join(lines)
+
+
+def status_json(
+    plan: Plan | None, peers: Sequence[PeerStatus], progress: Progress, plan_time: float | None = None
+) -> dict:
+    """What `hetpeer status --json` prints: the progress figures, every peer's record and age, the plan."""
+    return {
+        "swarm": progress.swarm,
+        "coordinator_key": progress.coordinator_key,
+        "epoch": progress.epoch,
+        "step": progress.step,
+        "loss": progress.loss,
+        "tokens_per_s": progress.tokens_per_s,
+        "peers_by_state": dict(progress.peers_by_state),
+        "dropped": progress.dropped,
+        "peers": [{**p.record.to_wire(), "age_s": p.age_s} for p in sorted(peers, key=lambda p: p.record.device_id)],
+        "plan": plan.to_wire() if plan is not None else None,
+        "plan_time": plan_time,
+    }

@@ -1,0 +1,163 @@
+"""What the coordinator decides, as pure functions of what it read: no DHT, no clock, no threads.
+
+- `build_problem`: the planner's `Problem` from the peers' announcements. Links are what peers measured
+  (a pair measured both ways takes the mean of the two); a pair nobody measured gets the median of the
+  measured ones (or `DEFAULT_LINK` when there are none) and is listed, so the plan can mark it estimated.
+- `broken`: why the running plan cannot go on (a member stopped announcing, or announces that its lane
+  stalled under this plan), or None.
+- `decide`: whether to run the planner now, and why.
+- `worth_it`: whether a new plan should replace the running one: always when the running one is broken;
+  otherwise only when its predicted step time (moving weights included, amortised over the planner's
+  horizon) beats the running plan's on the same measurements by `gain`: hysteresis, so that measurement
+  noise does not make the swarm flap between plans.
+- `start_step`: the step a new plan takes effect at: far enough ahead that every peer has read it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+import numpy as np
+
+from hetpeer.coordinator.planner import PlannerConfig, Problem, Shape, make_model
+from hetpeer.protocol.plan import Plan
+from hetpeer.protocol.records import PeerRecord
+from hetpeer.protocol.workload import Workload
+
+DEFAULT_LINK = (1e-3, 100e6)  # (latency s, bytes/s) assumed when no link at all has been measured
+MAX_LEAD_STEPS = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    solve: bool
+    reason: str
+    broken: bool = False
+
+
+def build_problem(
+    records: Mapping[str, PeerRecord], workload: Workload, current: Plan | None
+) -> tuple[Problem, tuple[tuple[str, str], ...]]:
+    """(problem over the announcing peers in id order, pairs whose link figures are estimates)."""
+    ids = tuple(sorted(records))
+    n = len(ids)
+    index = {d: i for i, d in enumerate(ids)}
+    latency = np.full((n, n), np.nan)
+    bandwidth = np.full((n, n), np.nan)
+    for d, record in records.items():
+        for peer, link in record.links.items():
+            if peer in index and peer != d:
+                i, j = index[d], index[peer]
+                for a, b in ((i, j), (j, i)):  # links are taken as symmetric: either direction's figure counts
+                    latency[a, b] = np.nanmean([latency[a, b], link.latency_s])
+                    bandwidth[a, b] = np.nanmean([bandwidth[a, b], link.bandwidth_bytes_per_s])
+    off = ~np.eye(n, dtype=bool)
+    missing = np.isnan(latency) & off
+    measured = ~np.isnan(latency) & off
+    guess_latency = float(np.median(latency[measured])) if measured.any() else DEFAULT_LINK[0]
+    guess_bandwidth = float(np.median(bandwidth[measured])) if measured.any() else DEFAULT_LINK[1]
+    latency[missing], bandwidth[missing] = guess_latency, guess_bandwidth
+    np.fill_diagonal(latency, 0.0)
+    np.fill_diagonal(bandwidth, np.inf)
+    estimated = tuple((ids[i], ids[j]) for i in range(n) for j in range(i + 1, n) if missing[i, j])
+    problem = Problem(
+        device_ids=ids,
+        latency_s=latency,
+        bandwidth_bytes_per_s=bandwidth,
+        workload=workload,
+        tflops=np.array([records[d].tflops for d in ids], dtype=float),
+        memory_bytes=np.array([float(records[d].memory_bytes) for d in ids]),
+        current=current,
+    )
+    return problem, estimated
+
+
+def broken(current: Plan, records: Mapping[str, PeerRecord]) -> str | None:
+    gone = [d for d in current.devices if d not in records or records[d].state == "leaving"]
+    if gone:
+        return f"{', '.join(gone)} stopped announcing"
+    stalled = [d for d in current.devices if records[d].state == "waiting" and records[d].epoch == current.epoch]
+    if stalled:
+        return f"the lanes of {', '.join(stalled)} stalled under epoch {current.epoch}"
+    return None
+
+
+def decide(
+    current: Plan | None,
+    records: Mapping[str, PeerRecord],
+    first_seen: Mapping[str, float],
+    now: float,
+    last_solve: float,
+    *,
+    min_peers: int,
+    settle_s: float,
+    replan_interval_s: float,
+) -> Decision:
+    """Whether to solve now. `first_seen` holds when each announcing peer was first read; peers that
+    appeared less than `settle_s` ago are waited for (a swarm starting up arrives in a burst)."""
+    settled = [d for d in records if now - first_seen.get(d, now) >= settle_s]
+    if current is None:
+        if len(records) < min_peers:
+            return Decision(False, f"waiting for peers: {len(records)} of at least {min_peers}")
+        if len(settled) < len(records):
+            return Decision(False, f"{len(records) - len(settled)} peer(s) arrived less than {settle_s:g} s ago")
+        return Decision(True, f"first plan for {len(records)} peers")
+    why = broken(current, records)
+    if why is not None:
+        return Decision(True, why, broken=True)
+    known = set(current.devices) | set(current.standby)
+    newcomers = [d for d in settled if d not in known]
+    if newcomers:
+        return Decision(True, f"{', '.join(sorted(newcomers))} joined")
+    if now - last_solve >= replan_interval_s:
+        return Decision(True, "periodic re-solve")
+    return Decision(False, "running plan holds")
+
+
+def grid_of(plan: Plan, device_ids: tuple[str, ...]) -> np.ndarray:
+    """The plan's devices as the planner's (stages, lanes) grid of indices into `device_ids`."""
+    index = {d: i for i, d in enumerate(device_ids)}
+    return np.array([[index[d] for d in stage.devices] for stage in plan.stages])
+
+
+def predicted_step_s(problem: Problem, config: PlannerConfig, plan: Plan) -> float:
+    """The running plan's predicted step time on the problem's (fresh) measurements, with its own layer
+    split as the planner would choose it for that grid."""
+    shape = Shape(len(plan.stages), plan.group_size)
+    return make_model(problem, config, shape).report(grid_of(plan, problem.device_ids)).cost["total_s"]
+
+
+def worth_it(decision: Decision, new_objective_s: float, current_s: float | None, gain: float, same: bool) -> tuple[bool, str]:
+    """Whether to publish the new plan; the reason either way."""
+    if decision.broken:
+        return True, "the running plan is broken"
+    if current_s is None:
+        return True, "no plan yet"
+    if same:
+        return False, "the planner chose the running plan again"
+    if new_objective_s < current_s * (1 - gain):
+        return True, f"predicted {new_objective_s:.3f} s/step (moving weights included) against {current_s:.3f} s"
+    return False, f"predicted {new_objective_s:.3f} s/step is not {gain:.0%} better than the running {current_s:.3f} s"
+
+
+def start_step(
+    current: Plan | None, records: Mapping[str, PeerRecord], broken_now: bool, heartbeat_s: float, seq_len: int
+) -> int:
+    """The step a new plan starts at. A broken plan: just past the furthest peer, for every peer switches
+    at once. Otherwise: far enough ahead that every peer reads the plan (about three heartbeats) before
+    its lanes reach that step, at the pace the peers announce."""
+    if current is None:
+        return 0
+    steps = [r.step for r in records.values() if r.epoch == current.epoch]
+    furthest = max(steps, default=current.start_step)
+    if broken_now:
+        return furthest + 1
+    tokens_per_step = current.lane_batch * seq_len
+    rates = [r.tokens_per_s for d, r in records.items() if d in current.devices and r.tokens_per_s > 0]
+    step_s = tokens_per_step / float(np.median(rates)) if rates and tokens_per_step else current.total_s
+    if not math.isfinite(step_s) or step_s <= 0:
+        return furthest + 2
+    return furthest + min(MAX_LEAD_STEPS, 2 + math.ceil(3 * heartbeat_s / step_s))
+

@@ -1,0 +1,222 @@
+"""The coordinator behind `hetpeer coordinator`: read the swarm, decide, publish plans, serve the API.
+
+Its loop, every heartbeat: fetch (the peers' announcements and the newest plan under its own key),
+decide (`policy.py`, pure), act (run the planner in an executor with a time budget; publish a plan
+with the next epoch and the step it takes effect at). It keeps nothing that is not in the DHT: the
+running plan is read back from there, so a restarted coordinator (same key file) carries on with the
+plan the peers are running and publishes a new one only for the reasons a running one would.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from hetpeer.coordinator import policy
+from hetpeer.coordinator.api import ApiServer, SwarmView
+from hetpeer.coordinator.planner import PlannerConfig, PlanningError, solve
+from hetpeer.protocol.control import ControlPlane, key_digest
+from hetpeer.protocol.plan import Plan
+from hetpeer.protocol.records import PeerRecord
+from hetpeer.protocol.workload import Workload, preset
+
+log = logging.getLogger("hetpeer.coordinator")
+TTL_HEARTBEATS = 5  # as the peers: a record older than this many heartbeats (and one more of slack) is gone
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorConfig:
+    swarm: str
+    home: Path  # keeps the coordinator's key: peers trust plans signed by it
+    initial_peers: tuple[str, ...] = ()
+    dht_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    api_listen: str | None = "127.0.0.1:0"  # None: no gRPC API
+    model: str = "tiny"
+    batch: int = 16
+    micro_batch: int = 2
+    dtype: str = "fp32"
+    heartbeat_s: float = 2.0
+    replan_interval_s: float = 60.0
+    settle_s: float | None = None  # default: two heartbeats
+    min_peers: int = 2
+    gain: float = 0.1  # a new plan must predict a step this much faster (moving weights included)
+    time_budget_s: float = 2.0
+    stages: int | None = None
+    group_size: int | None = None
+    seed: int = 0
+    plan_ttl_s: float = 3600.0  # the plan stays in the DHT this long after its last (re)publication
+
+    def __post_init__(self) -> None:
+        Workload(preset(self.model), batch=self.batch, micro_batch=self.micro_batch, dtype=self.dtype)
+        if not self.heartbeat_s > 0 or not self.replan_interval_s > 0 or not self.time_budget_s > 0:
+            raise ValueError("heartbeat, re-plan interval and time budget must be positive")
+        if self.min_peers < 1 or not 0 <= self.gain < 1:
+            raise ValueError(f"min_peers must be >= 1 and gain in [0, 1), got {self.min_peers}, {self.gain}")
+
+    @property
+    def workload(self) -> Workload:
+        return Workload(preset(self.model), batch=self.batch, micro_batch=self.micro_batch, dtype=self.dtype)
+
+
+class Coordinator:
+    def __init__(self, config: CoordinatorConfig, report: Callable[[str], None]) -> None:
+        self.config, self.report = config, report
+        self.control = ControlPlane(config.swarm, config.home / "coordinator.key", config.initial_peers, config.dht_maddrs)
+        self.planner = PlannerConfig(
+            cost_model="time", stages=config.stages, group_size=config.group_size, time_budget_s=config.time_budget_s
+        )
+        self.api: ApiServer | None = None
+        self.executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self.stopping = threading.Event()
+        self.view = SwarmView(config.swarm, "", None, None, {}, 0, 0.0)
+        self.plan: Plan | None = None
+        self.plan_time: float | None = None
+        self.first_seen: dict[str, float] = {}
+        self.last_solve = 0.0
+        self.last_publish = 0.0
+        self._logged: set[tuple[str, str]] = set()
+        self._rng = np.random.default_rng(config.seed)
+
+    @property
+    def key(self) -> str:
+        return key_digest(self.control.public_key)
+
+    # -- life cycle ---------------------------------------------------------------------------------
+    def start(self) -> "Coordinator":
+        self.control.start()
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner")
+        if self.config.api_listen is not None:
+            self.api = ApiServer(lambda: self.view, self.config.api_listen)
+            self.api.start()
+        self.view = replace(self.view, coordinator_key=self.key)
+        self.report(f"coordinator of swarm {self.config.swarm}; its key (give peers --coordinator-key): {self.key}")
+        self.report(f"DHT: {' '.join(self.control.visible_maddrs())}")
+        if self.api is not None:
+            self.report(f"API: {self.api.address} (hetpeer status --api {self.api.address})")
+        return self
+
+    def shutdown(self) -> None:
+        self.stopping.set()
+        if self.api is not None:
+            self.api.shutdown()
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+        self.control.shutdown()
+
+    def __enter__(self) -> "Coordinator":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def run(self) -> None:
+        while not self.stopping.is_set():
+            started = time.monotonic()
+            self.tick()
+            self.stopping.wait(max(0.0, self.config.heartbeat_s - (time.monotonic() - started)))
+
+    # -- one round: fetch, decide, act --------------------------------------------------------------
+    def tick(self) -> None:
+        config = self.config
+        now = self.control.now()
+        records, dropped = self.control.read_peers(max_age_s=(TTL_HEARTBEATS + 1) * config.heartbeat_s)
+        for item in dropped:
+            self._log_once(item.signer, f"dropped a peer record signed by {item.signer}: {item.reason}")
+        live = {}
+        for d, record in records.items():
+            if (record.model, record.dtype) != (config.model, config.dtype):
+                self._log_once(d, f"ignored {d}: it trains {record.model} in {record.dtype}, this swarm {config.model} in {config.dtype}")
+            elif record.state != "leaving":
+                live[d] = record
+        for d in live:
+            self.first_seen.setdefault(d, now)
+        for d in set(self.first_seen) - set(live):
+            del self.first_seen[d]
+        self._read_running_plan()
+        self.view = SwarmView(config.swarm, self.key, self.plan, self.plan_time, live, len(dropped), now)
+        decision = policy.decide(
+            self.plan, live, self.first_seen, now, self.last_solve, min_peers=config.min_peers,
+            settle_s=config.settle_s if config.settle_s is not None else 2 * config.heartbeat_s,
+            replan_interval_s=config.replan_interval_s,
+        )
+        if decision.solve:
+            self.last_solve = now
+            self._solve_and_publish(decision, live)
+        elif self.plan is not None and now - self.last_publish > config.plan_ttl_s / 3:
+            self._publish(self.plan, "kept alive")
+
+    def _read_running_plan(self) -> None:
+        plans, dropped = self.control.read_plans()
+        for item in dropped:
+            self._log_once(item.signer, f"dropped a plan record signed by {item.signer}: {item.reason}")
+        mine = [p for p in plans if key_digest(p.signer) == self.key]
+        for other in plans:
+            if key_digest(other.signer) != self.key:
+                self._log_once(f"plan {other.plan.epoch}", f"ignored plan epoch {other.plan.epoch} signed by another key "
+                               f"({key_digest(other.signer)[:16]}...)")
+        if mine and (self.plan is None or mine[0].plan.epoch >= self.plan.epoch):
+            if self.plan is None:
+                self.report(f"running plan from the DHT: epoch {mine[0].plan.epoch}")
+            self.plan, self.plan_time = mine[0].plan, mine[0].time
+
+    def _solve_and_publish(self, decision: policy.Decision, live: dict[str, PeerRecord]) -> None:
+        config, current = self.config, self.plan
+        if len(live) < 1:
+            self._log_once("none", f"cannot re-plan ({decision.reason}): no peer is announcing")
+            return
+        self.report(f"solving: {decision.reason}")
+        usable = current if current is not None and not decision.broken else None
+        problem, estimated = policy.build_problem(live, config.workload, current)
+        rng = np.random.default_rng(self._rng.integers(2**32))
+        started = time.perf_counter()
+        try:
+            future = self.executor.submit(solve, problem, self.planner, rng)
+            solution = future.result(timeout=config.time_budget_s * 3 + 10)
+        except PlanningError as error:
+            self.report(f"no plan: {error}")
+            return
+        except concurrent.futures.TimeoutError:
+            self.report(f"the planner did not finish within {config.time_budget_s * 3 + 10:g} s")
+            return
+        searched_s = time.perf_counter() - started
+        current_s = policy.predicted_step_s(problem, self.planner, usable) if usable is not None else None
+        same = usable is not None and solution.plan.stages == usable.stages
+        publish, why = policy.worth_it(decision, solution.report.objective, current_s, config.gain, same)
+        if not publish:
+            self.report(f"kept epoch {current.epoch}: {why} (searched {searched_s:.1f} s)")
+            return
+        step = policy.start_step(current, live, decision.broken, config.heartbeat_s, config.workload.model.seq_len)
+        plan = replace(
+            solution.plan, epoch=(current.epoch + 1) if current is not None else 1, start_step=step,
+            estimated_links=tuple(p for p in estimated if p[0] in solution.plan.devices and p[1] in solution.plan.devices),
+        )
+        self._publish(plan, f"{why}; searched {searched_s:.1f} s")
+
+    def _publish(self, plan: Plan, why: str) -> None:
+        if not self.control.publish_plan(plan, ttl_s=self.config.plan_ttl_s):
+            self.report(f"could not store plan epoch {plan.epoch} in the DHT; trying again next round")
+            return
+        self.last_publish = self.control.now()
+        if plan is not self.plan:
+            self.plan, self.plan_time = plan, self.last_publish
+            shape = f"{len(plan.stages)} stage(s) x {plan.group_size} lane(s)"
+            self.report(
+                f"published plan epoch {plan.epoch} from step {plan.start_step}: {shape}, predicted "
+                f"{plan.total_s:.3f} s/step, standby {', '.join(plan.standby) or 'none'} ({why})"
+            )
+            for s, stage in enumerate(plan.stages):
+                self.report(f"  stage {s + 1} layers {stage.layer_start}-{stage.layer_end - 1} ({stage.sync}): {', '.join(stage.devices)}")
+            if plan.estimated_links:
+                self.report(f"  {len(plan.estimated_links)} link(s) not yet measured were estimated")
+
+    def _log_once(self, key: str, line: str) -> None:
+        if (key, line) not in self._logged:
+            self._logged.add((key, line))
+            self.report(line)

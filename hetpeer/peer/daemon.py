@@ -1,0 +1,432 @@
+"""A swarm peer, behind `hetpeer join --swarm`: probe, announce, follow the coordinator's plans.
+
+Three threads, each with one job:
+
+- control (every heartbeat): read the swarm's announcements into the address book, read plans and keep
+  the newest one signed by the trusted coordinator key, announce this peer's record (what it measured,
+  what it holds, where it is). All DHT traffic goes through this one thread.
+- probe (every few heartbeats): measure latency and bandwidth to a handful of peers (`measure.py`).
+- main: train. A plan takes effect at its `start_step`: a peer whose lane and group all survive in the
+  new plan runs the old one up to that step; when a member of the old plan is gone (membership broke),
+  every peer drops the step in progress (`Inbox.interrupt`) and switches at once, entering at
+  `start_step`. A peer keeps its parameters and optimizer state when its layers stay the same, and
+  otherwise downloads them from the peers that announce those layers (`gossip/state.py`).
+
+A peer that loses its lane (a neighbour stopped answering) announces "waiting" under the plan's epoch,
+which tells the coordinator that the plan is broken; it resumes with the next plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Mapping
+
+import numpy
+import torch
+
+from hetpeer import __version__
+from hetpeer.peer.data.corpus import Corpus
+from hetpeer.peer.gossip.state import StateDownloadError, StateServer
+from hetpeer.peer.measure import LinkProber, MachineProfile, pick_targets, profile_machine
+from hetpeer.peer.node import format_step
+from hetpeer.peer.pipeline.worker import StageWorker, WorkerConfig
+from hetpeer.peer.transport.inbox import Interrupted, Late, PeerUnreachable, TransportError, TransportTimeout
+from hetpeer.peer.transport.network import NetworkTransport, TcpLink
+from hetpeer.protocol.addresses import AddressBook
+from hetpeer.protocol.control import ControlPlane, key_digest
+from hetpeer.protocol.frame import FrameHeader
+from hetpeer.protocol.plan import Plan
+from hetpeer.protocol.records import LinkMeasurement, PeerRecord, device_id
+from hetpeer.protocol.workload import preset
+
+log = logging.getLogger("hetpeer.peer")
+RUNNING_KINDS = ("activation", "gradient", "labels", "params", "allreduce")  # frames that belong to a plan
+TTL_HEARTBEATS = 5  # a record expires after this many heartbeats without a new one (loaded machines miss some)
+
+
+@dataclass(frozen=True, slots=True)
+class SwarmPeerConfig:
+    swarm: str
+    name: str  # the readable part of the device id: NAME-<key fingerprint>
+    home: Path  # keeps the key, so a restarted peer is the same peer
+    coordinator_key: str  # SHA-256 (hex) of the coordinator's public key: plans under other keys are ignored
+    worker: WorkerConfig
+    initial_peers: tuple[str, ...] = ()
+    model: str = "tiny"
+    dtype: str = "fp32"
+    micro_batch: int = 2  # of the compute probe
+    listen: tuple[str, int] = ("127.0.0.1", 0)  # direct TCP for tensors
+    announce_host: str | None = None  # the host others should dial, when it differs from the listen host
+    dht_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    heartbeat_s: float = 2.0
+    probe_every: int = 5  # heartbeats between rounds of link probes
+    probe_targets: int = 4  # peers probed per round: lane and group neighbours first, then a sample
+    probe_bytes: int = 1 << 20
+    steps: int | None = None  # leave once the swarm's step count reaches this
+    data: str | None = None
+    threads: int | None = None
+    bandwidth_cap_mbit: float | None = None
+    probe_s: float = 1.0  # seconds of the compute probe
+
+    def __post_init__(self) -> None:
+        if len(self.coordinator_key) != 64 or not all(c in "0123456789abcdef" for c in self.coordinator_key):
+            raise ValueError(f"coordinator key must be 64 lower-case hex digits (`hetpeer coordinator` prints it), got {self.coordinator_key!r}")
+        if not self.heartbeat_s > 0 or self.probe_every < 1 or self.probe_targets < 0:
+            raise ValueError(f"heartbeat must be positive and probing every >= 1 heartbeats: {self.heartbeat_s}, {self.probe_every}")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"steps must be at least 1, got {self.steps}")
+        preset(self.model)  # a ValueError naming the known presets
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    """What this peer announces about its training; replaced whole, so readers never see half an update."""
+
+    state: str = "probing"
+    epoch: int = -1
+    layers: tuple[int, int] | None = None
+    step: int = 0
+    loss: float | None = None
+    tokens_per_s: float = 0.0
+
+
+def switch_now(running: Plan | None, new: Plan, step: int) -> bool:
+    """Whether `new` must replace `running` at once rather than at its start step: a peer with no plan,
+    a peer already past the start step, and every peer when a member of the running plan is gone from
+    the new one (its lanes are broken; waiting for the start step would wait on a dead peer). The same
+    answer on every peer that holds the same two plans, so lanes switch together."""
+    if running is None or step >= new.start_step:
+        return True
+    return not set(running.devices) <= set(new.devices) | set(new.standby)
+
+
+def donors_for(records: Mapping[str, PeerRecord], layers: tuple[int, int], me: str) -> list[str]:
+    """Peers that announce layers overlapping `layers`, exact holders first, then by most recent step."""
+    start, end = layers
+    found = [
+        r for r in records.values()
+        if r.device_id != me and r.layers is not None and r.layers[0] < end and start < r.layers[1]
+    ]
+    found.sort(key=lambda r: (r.layers != layers, -r.step))
+    return [r.device_id for r in found]
+
+
+class SwarmPeer:
+    def __init__(self, config: SwarmPeerConfig, report: Callable[[str], None]) -> None:
+        self.config, self.report = config, report
+        self.spec = preset(config.model)
+        self.control = ControlPlane(config.swarm, config.home / "peer.key", config.initial_peers, config.dht_maddrs)
+        self.device_id = ""
+        self.transport: NetworkTransport | None = None
+        self.prober: LinkProber | None = None
+        self.server: StateServer | None = None
+        self.machine: MachineProfile | None = None
+        self.worker: StageWorker | None = None  # the stage this peer trains now
+        self.previous: StageWorker | None = None  # the one before (kept to move state from, and to serve)
+        self.running: Plan | None = None
+        self.pending: Plan | None = None
+        self.records: dict[str, PeerRecord] = {}
+        self.links: dict[str, LinkMeasurement] = {}
+        self.status = Status()
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self._corpus: Corpus | None = None
+        self._refused: set[tuple[str, int]] = set()
+        self._rng = numpy.random.default_rng()
+
+    # -- life cycle ---------------------------------------------------------------------------------
+    def start(self) -> "SwarmPeer":
+        config = self.config
+        if config.threads is not None:
+            torch.set_num_threads(config.threads)
+        self.control.start()
+        self.device_id = device_id(config.name, self.control.public_key)
+        host, port = config.listen
+        rate = config.bandwidth_cap_mbit * 1e6 / 8 if config.bandwidth_cap_mbit is not None else None
+        self.transport = NetworkTransport(
+            self.device_id, AddressBook({}), [TcpLink(host, port, advertise_host=config.announce_host)],
+            connect_timeout_s=min(10.0, config.worker.timeout_s), rate_limit_bytes_per_s=rate,
+        )
+        self.transport.start()
+        self.transport.book = AddressBook({self.device_id: self.transport.address()})
+        self.prober = LinkProber(self.transport, self.device_id, max_probe_bytes=config.probe_bytes)
+        self.prober.install()
+        self.server = StateServer(self.transport, self.device_id, known=lambda d: d in self.transport.book.peers)
+        self.transport.set_policy(self.accept)
+        self.report(
+            f"peer {self.device_id} in swarm {config.swarm}: tensors on {self.transport.address().direct[0]}:"
+            f"{self.transport.address().direct[1]}, DHT on {', '.join(self.control.visible_maddrs())}"
+        )
+        self.report(f"trusting plans signed by coordinator key {config.coordinator_key[:16]}...")
+        self.machine = profile_machine(
+            self.spec, config.micro_batch, config.dtype, config.worker.device, config.worker.slowdown, config.probe_s
+        )
+        self.report(
+            f"machine: {self.machine.device_name}, {self.machine.tflops * 1e3:.2f} GFLOPS achieved in {config.dtype} on "
+            f"{config.model} blocks" + (f" (slowed {config.worker.slowdown:g}x)" if config.worker.slowdown != 1 else "")
+            + f", {self.machine.memory_bytes / 2**30:.1f} GiB free"
+        )
+        self._set(state="waiting")
+        for name, target in (("control", self._control_loop), ("probe", self._probe_loop)):
+            thread = threading.Thread(target=self._guarded(target), name=f"{config.name}-{name}", daemon=True)
+            thread.start()
+            self.threads.append(thread)
+        return self
+
+    def shutdown(self) -> None:
+        """Announce that this peer leaves, stop the threads, close the transport and the DHT node."""
+        self.stopping.set()
+        if self.transport is not None:
+            self.transport.inbox.interrupt("leaving")
+        for thread in self.threads:
+            thread.join(timeout=10 * self.config.heartbeat_s)
+        if self.control.dht is not None and self.device_id:
+            self._set(state="leaving")
+            try:
+                self.control.announce(self._record(), ttl_s=self.config.heartbeat_s)
+            except Exception as error:  # leaving must not fail on a DHT hiccup
+                log.info("%s: could not announce leaving: %s", self.device_id, error)
+        if self.transport is not None:
+            self.transport.shutdown()
+        self.control.shutdown()
+
+    def __enter__(self) -> "SwarmPeer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # -- the frame policy -----------------------------------------------------------------------------
+    def accept(self, header: FrameHeader) -> str | None:
+        if header.kind == "probe":
+            if header.sender not in self.transport.book.peers:  # its record may not have reached this peer yet
+                return Late(f"{header.sender} is not (yet) a known peer of the swarm")
+            return self.prober.accept(header)
+        if header.kind in ("state_request", "state"):
+            return self.server.accept(header)
+        worker, pending = self.worker, self.pending
+        if worker is not None and header.epoch == worker.plan.epoch:
+            return worker.accept(header)
+        if pending is not None and header.epoch == pending.epoch and header.sender in pending.devices:
+            # a neighbour that switched a moment earlier; kept until this peer's worker for that plan reads it
+            return None if header.kind in RUNNING_KINDS else f"{header.kind} is not a frame of a plan"
+        return Late(f"plan epoch {header.epoch}, this peer runs {worker.plan.epoch if worker else 'no plan'}")
+
+    # -- training (main thread) ---------------------------------------------------------------------
+    def run(self) -> None:
+        """Train until `steps` or `stopping`; returns normally when done."""
+        config = self.config
+        while not self.stopping.is_set():
+            plan = self._due()
+            if plan is not None:
+                try:
+                    self._switch(plan)
+                except Interrupted:
+                    self.transport.inbox.resume()  # a newer plan came while switching: take that one
+                    continue
+            worker = self.worker
+            if worker is None or self.status.state == "waiting":
+                self.stopping.wait(0.1)
+                continue
+            if config.steps is not None and worker.step >= config.steps:
+                self.report(f"reached step {worker.step}: leaving")
+                return
+            started = time.perf_counter()
+            try:
+                last = config.steps is not None and worker.step + 1 >= config.steps
+                result = worker.train_step(last=last)
+            except Interrupted:
+                self.transport.inbox.resume()
+                continue
+            except (TransportTimeout, PeerUnreachable) as error:
+                self.report(f"lane stopped at step {worker.step}: {error}; waiting for a new plan")
+                self._set(state="waiting")
+                continue
+            seconds = time.perf_counter() - started
+            tokens_per_s = result.tokens / seconds
+            loss = result.loss if result.loss is not None else self.status.loss
+            self._set(step=worker.step, loss=loss, tokens_per_s=tokens_per_s)
+            stage, lane = worker.plan.position(self.device_id)
+            self.report(f"e{worker.plan.epoch} stage {stage + 1} lane {lane + 1}  "
+                        + format_step(result, seconds, config.steps or 0).replace("/0 ", " "))
+
+    def _due(self) -> Plan | None:
+        """The pending plan if it takes effect now."""
+        with self.lock:
+            plan = self.pending
+            if plan is None:
+                return None
+            step = self.worker.step if self.worker is not None else 0
+            if self.worker is None or self.status.state == "waiting" or step >= plan.start_step or switch_now(self.running, plan, step):
+                self.pending = None
+                return plan
+        return None
+
+    def _switch(self, plan: Plan) -> None:
+        inbox = self.transport.inbox
+        inbox.resume()
+        inbox.discard_before(0, epoch=plan.epoch)
+        old = self.worker or self.previous
+        self.running = plan
+        if self.device_id not in plan.devices:
+            if self.worker is not None:
+                self.previous, self.worker = self.worker, None
+            self._set(state="standby", epoch=plan.epoch)
+            self.report(f"plan epoch {plan.epoch}: on standby")
+            return
+        stage, lane = plan.position(self.device_id)
+        stage_plan = plan.stages[stage]
+        layers = (stage_plan.layer_start, stage_plan.layer_end)
+        corpus = self._corpus_for(stage)
+        worker = StageWorker(plan, self.device_id, self.transport, corpus, self.config.worker, server=self.server)
+        self.transport.set_policy(self.accept)  # the worker's constructor set its own; this one routes to it
+        how = "fresh weights"
+        if old is not None and old.param_range == worker.param_range:
+            with old.sync.lock:
+                for mine, theirs in zip(worker.sync.state_tensors(), old.sync.state_tensors()):
+                    mine.copy_(theirs)
+                worker.sync.state.step = old.sync.state.step
+            how = "kept its weights"
+        else:
+            with self.lock:
+                donors = donors_for(self.records, layers, self.device_id)
+            if donors:
+                self._set(state="fetching", epoch=plan.epoch, layers=layers)
+                try:
+                    download = worker.fetch_state(donors)
+                    how = (f"downloaded {download.bytes / 2**20:.1f} MiB of state in {download.chunks} chunk(s) from "
+                           f"{', '.join(download.donors)} in {download.seconds:.2f} s")
+                except StateDownloadError as error:
+                    how = f"fresh weights ({error})"
+        worker.step = worker.sync.step = plan.start_step
+        worker.sync.sent = None
+        self.previous, self.worker = (old if old is not worker else None), worker
+        self._set(state="training", epoch=plan.epoch, layers=layers, step=plan.start_step)
+        group = ", ".join(d for d in stage_plan.devices if d != self.device_id) or "none"
+        self.report(
+            f"plan epoch {plan.epoch} from step {plan.start_step}: stage {stage + 1}/{len(plan.stages)} (layers "
+            f"{layers[0]}-{layers[1] - 1}), lane {lane + 1}/{plan.group_size}, group with {group}; {how}"
+        )
+
+    def _corpus_for(self, stage: int) -> Corpus | None:
+        if stage != 0:
+            return None
+        if self._corpus is None:
+            self._corpus = Corpus.from_folder(self.config.data) if self.config.data else Corpus.default()
+        return self._corpus
+
+    # -- control (its own thread) --------------------------------------------------------------------
+    def _control_loop(self) -> None:
+        config = self.config
+        ttl_s = TTL_HEARTBEATS * config.heartbeat_s
+        while not self.stopping.is_set():
+            started = time.monotonic()
+            records, _ = self.control.read_peers(max_age_s=ttl_s + config.heartbeat_s)
+            book = {d: r.address for d, r in records.items()}
+            book[self.device_id] = self.transport.address()
+            self.transport.book = AddressBook(book)
+            with self.lock:
+                self.records = records
+            self._take_plans()
+            self.control.announce(self._record(), ttl_s=ttl_s)
+            self.stopping.wait(max(0.0, config.heartbeat_s - (time.monotonic() - started)))
+
+    def _take_plans(self) -> None:
+        plans, _ = self.control.read_plans()
+        for signed in plans:
+            plan, signer = signed.plan, key_digest(signed.signer)
+            if signer != self.config.coordinator_key:
+                if (signer, plan.epoch) not in self._refused:
+                    self._refused.add((signer, plan.epoch))
+                    self.report(f"ignored plan epoch {plan.epoch} signed by key {signer[:16]}..., not the coordinator's")
+                continue
+            if plan.model != self.config.model or plan.layers != self.spec.layers or plan.dtype != self.config.dtype:
+                if ("model", plan.epoch) not in self._refused:
+                    self._refused.add(("model", plan.epoch))
+                    self.report(f"ignored plan epoch {plan.epoch}: it trains {plan.model} ({plan.layers} layers, "
+                                f"{plan.dtype}); this peer joined for {self.config.model} in {self.config.dtype}")
+                continue
+            with self.lock:
+                newest = max((p.epoch for p in (self.running, self.pending) if p is not None), default=-1)
+                if plan.epoch <= newest:
+                    return
+                self.pending = plan
+                step = self.worker.step if self.worker is not None else 0
+                now = switch_now(self.running, plan, step)
+            if now and self.worker is not None:
+                self.transport.inbox.interrupt(f"plan epoch {plan.epoch} replaces epoch {self.running.epoch}")
+            return
+
+    def _record(self) -> PeerRecord:
+        status, machine = self.status, self.machine
+        with self.lock:
+            links = dict(self.links)
+        return PeerRecord(
+            device_id=self.device_id,
+            model=self.config.model,
+            dtype=self.config.dtype,
+            device_name=machine.device_name,
+            tflops=machine.tflops,
+            memory_bytes=machine.memory_bytes,
+            address=self.transport.address(),
+            state=status.state,
+            time=self.control.now(),
+            epoch=status.epoch,
+            layers=status.layers,
+            step=status.step,
+            loss=status.loss,
+            tokens_per_s=status.tokens_per_s,
+            links=links,
+            software=f"hetpeer {__version__}",
+        )
+
+    def _set(self, **changes) -> None:
+        with self.lock:
+            self.status = replace(self.status, **changes)
+
+    # -- link probes (their own thread) ---------------------------------------------------------------
+    def _probe_loop(self) -> None:
+        config = self.config
+        self.stopping.wait(config.heartbeat_s)  # the first read of the swarm comes first
+        while not self.stopping.is_set():
+            with self.lock:
+                known = [d for d in self.records if d != self.device_id]
+                preferred = self._neighbours()
+            targets = pick_targets(self.device_id, known, preferred, config.probe_targets, self._rng)
+            measured = self.prober.measure_many(targets, budget_bytes=config.probe_bytes, budget_s=config.heartbeat_s)
+            with self.lock:
+                self.links.update(measured)
+                for gone in set(self.links) - set(self.records):
+                    del self.links[gone]
+            self.stopping.wait(config.probe_every * config.heartbeat_s)
+
+    def _neighbours(self) -> list[str]:
+        """Lane neighbours, then group members, under the running plan (the caller holds the lock)."""
+        plan = self.running
+        if plan is None or self.device_id not in plan.devices:
+            return []
+        stage, lane = plan.position(self.device_id)
+        chain = plan.lanes[lane]
+        near = [chain[s] for s in (stage - 1, stage + 1) if 0 <= s < len(chain)]
+        return near + [d for d in plan.stages[stage].devices if d != self.device_id]
+
+    def _guarded(self, target: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                target()
+            except TransportError as error:
+                if not self.stopping.is_set():
+                    log.error("%s: %s stopped: %s", self.device_id, threading.current_thread().name, error)
+            except Exception:
+                if not self.stopping.is_set():
+                    log.exception("%s: %s failed", self.device_id, threading.current_thread().name)
+                    self.stopping.set()
+            else:
+                log.debug("%s: %s ended", self.device_id, threading.current_thread().name)
+
+        return run

@@ -1,0 +1,279 @@
+"""What a volunteer's peer measures before and while it joins: its machine, and its links to a few peers.
+
+`profile_machine` names the accelerator, times one block of the model in the training dtype and reads
+the free memory. `LinkProber` measures latency and bandwidth to another peer with short active probes
+over the peer's own transport, so what it measures is the path training frames take:
+
+    ping    micro 0, one float32   -> echoed as micro 1          latency = median round trip / 2
+    data    micro 2, n float32s    -> answered by micro 3 (n)    bandwidth = bytes / (round trip - ping)
+
+A probe id (the frame's `step` field) is unique in the process, so probes of several peers at once never
+mix. Each measurement is bounded in bytes (`budget_bytes`) and in time (`budget_s`): a small pilot frame
+first estimates the link, and the main data frame is sized to what the link carries in half the time
+left, so a slow link is measured instead of timing out. `pick_targets` samples whom to probe, so a
+peer's probing costs O(k) frames whatever the swarm's size.
+
+`Slowdown` emulates a slower accelerator on a fast one (for tests and benchmarks of heterogeneous
+swarms); the machine probe runs under it, so the TFLOPS a slowed peer announces are what it achieves.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import os
+import platform
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy
+import torch
+
+from hetpeer.peer.probe import block_tflops
+from hetpeer.peer.transport.base import Transport
+from hetpeer.peer.transport.inbox import Late, PeerUnreachable, TransportError
+from hetpeer.protocol.frame import FrameHeader
+from hetpeer.protocol.records import LinkMeasurement
+from hetpeer.protocol.workload import ModelSpec
+
+log = logging.getLogger("hetpeer.peer")
+
+PING, PONG, DATA, DATA_ACK = range(4)  # the `micro` field of probe frames
+PILOT_BYTES = 64 << 10  # the first data frame, at most; it sizes the main one
+PILOT_SHARE = 8  # the pilot takes at most 1/8 of the byte budget
+MIN_TRANSFER_S = 1e-6  # floor on a data frame's time on the wire, so bandwidth stays finite
+_probe_ids = itertools.count(1)  # shared by every prober in the process: replies never cross
+_probe_ids_lock = threading.Lock()
+
+
+class ProbeError(TransportError):
+    """A link could not be measured within its budget: the peer did not answer, or is unreachable."""
+
+
+@dataclass(frozen=True, slots=True)
+class MachineProfile:
+    device_name: str
+    tflops: float  # achieved forward + backward throughput of one block in the training dtype
+    memory_bytes: int  # free accelerator memory (cuda) or available system memory (cpu)
+
+    def __post_init__(self) -> None:
+        if not self.device_name:
+            raise ValueError("device_name must not be empty")
+        if not (math.isfinite(self.tflops) and self.tflops > 0):
+            raise ValueError(f"tflops must be finite and positive, got {self.tflops!r}")
+        if self.memory_bytes < 0:
+            raise ValueError(f"memory_bytes must not be negative, got {self.memory_bytes}")
+
+
+class Slowdown:
+    """Emulates an accelerator `factor` times slower: `with slowdown:` times the work inside, then sleeps
+    (factor - 1) times as long. Reusable and thread-safe (each thread times its own blocks)."""
+
+    def __init__(self, factor: float) -> None:
+        if not (math.isfinite(factor) and factor >= 1):
+            raise ValueError(f"slowdown factor must be a finite number >= 1, got {factor!r}")
+        self.factor = float(factor)
+        self._starts = threading.local()
+
+    def __enter__(self) -> "Slowdown":
+        if self.factor != 1:
+            _sync_cuda()  # time this block's kernels, not the queue left by earlier ones
+            self._stack().append(time.perf_counter())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.factor != 1:
+            _sync_cuda()  # kernels run asynchronously: wait for them before reading the clock
+            elapsed = time.perf_counter() - self._stack().pop()
+            time.sleep((self.factor - 1) * elapsed)
+
+    def _stack(self) -> list[float]:
+        if not hasattr(self._starts, "stack"):
+            self._starts.stack = []
+        return self._starts.stack
+
+
+def profile_machine(
+    spec: ModelSpec, micro_batch: int, dtype: str, device: str, slowdown: float = 1.0, seconds: float = 1.0
+) -> MachineProfile:
+    """What this peer announces about its machine; the compute probe takes about `seconds`.
+
+    TFLOPS are measured under `Slowdown(slowdown)`, the same emulation the stage worker runs under, so
+    they are what the peer achieves, not a datasheet figure divided by hand."""
+    around = Slowdown(slowdown) if slowdown != 1 else None
+    tflops = block_tflops(spec, micro_batch, device, seconds, dtype=dtype, around=around)
+    return MachineProfile(device_name(device), tflops, free_memory_bytes(device))
+
+
+def device_name(device: str) -> str:
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    model = ""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                model = line.partition(":")[2].strip()
+                break
+    return f"cpu: {model or platform.processor() or platform.machine() or 'unknown'} x{torch.get_num_threads()}"
+
+
+def free_memory_bytes(device: str) -> int:
+    if torch.device(device).type == "cuda":
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class LinkProber:
+    """Answers other peers' probes and measures links to them, over `transport`.
+
+    Probe frames are served on the transport thread (an inbox handler): requests are answered at once,
+    replies wake the `measure` waiting for them. `accept` is the frame policy for kind "probe"."""
+
+    def __init__(self, transport: Transport, device_id: str, max_probe_bytes: int = 1 << 20) -> None:
+        if max_probe_bytes < 4:
+            raise ValueError(f"max_probe_bytes must allow one float32 (4 bytes), got {max_probe_bytes}")
+        self.transport, self.device_id, self.max_probe_bytes = transport, device_id, max_probe_bytes
+        self._replies: dict[tuple[str, int, int], torch.Tensor | None] = {}  # (peer, probe id, micro) awaited
+        self._arrived = threading.Condition()
+
+    def install(self) -> None:
+        self.transport.inbox.handlers["probe"] = self._serve
+
+    def uninstall(self) -> None:
+        self.transport.inbox.handlers.pop("probe", None)
+
+    def accept(self, header: FrameHeader) -> str | None:
+        """Why a probe frame must be refused (before its payload is read), or None to take it."""
+        if header.kind != "probe":
+            return f"{header.kind} is not a probe frame"
+        if header.micro not in (PING, PONG, DATA, DATA_ACK):
+            return f"probe micro {header.micro} is not one of 0-3"
+        if header.dtype != "fp32" or header.codec != "raw":
+            return f"probe frames are raw fp32, got {header.dtype} as {header.codec}"
+        if len(header.shape) != 1:
+            return f"probe frames are 1-D, got shape {header.shape}"
+        limit = self.max_probe_bytes // 4 if header.micro == DATA else 1
+        if not 1 <= header.shape[0] <= limit:
+            return f"probe micro {header.micro} carries 1 to {limit} float32s, got {header.shape[0]}"
+        if header.micro in (PONG, DATA_ACK):
+            with self._arrived:
+                awaited = (header.sender, header.step, header.micro) in self._replies
+            if not awaited:
+                with _probe_ids_lock:
+                    issued = header.step < _peek_probe_id()
+                # a reply after its probe gave up is no one's fault; one to a probe never sent is
+                return Late("reply after its probe gave up") if issued else "reply to a probe never sent"
+        return None
+
+    def measure(self, peer: str, budget_bytes: int = 1 << 20, budget_s: float = 2.0, pings: int = 3) -> LinkMeasurement:
+        """Latency and bandwidth from this peer to `peer`, spending at most `budget_bytes` of probe data
+        and `budget_s` seconds; ProbeError (naming the peer) when it cannot.
+
+        Cost: `pings` round trips, then one or two data frames (a pilot of at most `PILOT_BYTES`)."""
+        if peer == self.device_id:
+            raise ValueError(f"{self.device_id} cannot probe itself")
+        if budget_bytes < 4 or not budget_s > 0 or pings < 1:
+            raise ValueError(f"need budget_bytes >= 4, budget_s > 0 and pings >= 1, got {budget_bytes}, {budget_s}, {pings}")
+        deadline = time.perf_counter() + budget_s
+        ping_s = statistics.median(self._round_trip(peer, PING, torch.zeros(1), deadline, budget_s) for _ in range(pings))
+        total_bytes = min(budget_bytes, self.max_probe_bytes + PILOT_BYTES)
+        pilot_bytes = min(PILOT_BYTES, total_bytes // PILOT_SHARE) // 4 * 4
+        main_bytes = min(total_bytes - pilot_bytes, self.max_probe_bytes)
+        if pilot_bytes:
+            bandwidth = self._bandwidth(peer, pilot_bytes, ping_s, deadline, budget_s)
+            # the pilot's rate is a lower bound (latency noise inflates its time): half the time left is safe
+            fits = int(bandwidth * (deadline - time.perf_counter()) / 2)
+            main_bytes = min(main_bytes, fits) // 4 * 4
+            if main_bytes <= pilot_bytes:
+                return LinkMeasurement(ping_s / 2, bandwidth)
+        return LinkMeasurement(ping_s / 2, self._bandwidth(peer, main_bytes // 4 * 4, ping_s, deadline, budget_s))
+
+    def measure_many(
+        self, peers: Sequence[str], budget_bytes: int = 1 << 20, budget_s: float = 2.0, pings: int = 3
+    ) -> dict[str, LinkMeasurement]:
+        """`measure` each peer in turn (one at a time, so probes do not share this peer's uplink);
+        peers that fail are logged and left out."""
+        links = {}
+        for peer in peers:
+            try:
+                links[peer] = self.measure(peer, budget_bytes, budget_s, pings)
+            except ProbeError as error:
+                log.warning("%s: %s", self.device_id, error)
+        return links
+
+    def _bandwidth(self, peer: str, size_bytes: int, ping_s: float, deadline: float, budget_s: float) -> float:
+        data = torch.ones(size_bytes // 4)
+        round_trip_s = self._round_trip(peer, DATA, data, deadline, budget_s)
+        return size_bytes / max(round_trip_s - ping_s, MIN_TRANSFER_S)
+
+    def _round_trip(self, peer: str, micro: int, tensor: torch.Tensor, deadline: float, budget_s: float) -> float:
+        with _probe_ids_lock:
+            probe_id = next(_probe_ids)
+        slot = (peer, probe_id, micro + 1)
+        with self._arrived:
+            self._replies[slot] = None
+        try:
+            started = time.perf_counter()
+            self.transport.send(peer, "probe", tensor, step=probe_id, micro=micro)
+            with self._arrived:
+                while self._replies[slot] is None:
+                    left = deadline - time.perf_counter()
+                    if left <= 0:
+                        raise ProbeError(f"{self.device_id}: {peer} did not answer probe {probe_id} within {budget_s:g} s")
+                    self._arrived.wait(left)
+            return time.perf_counter() - started
+        except PeerUnreachable as error:
+            raise ProbeError(f"{self.device_id}: cannot probe {peer}: {error}") from None
+        finally:
+            with self._arrived:
+                self._replies.pop(slot, None)
+
+    def _serve(self, header: FrameHeader, tensor: torch.Tensor) -> None:
+        """On the transport thread: answer a request, or hand a reply to the probe waiting for it."""
+        if header.micro in (PONG, DATA_ACK):
+            slot = (header.sender, header.step, header.micro)
+            with self._arrived:
+                if slot in self._replies:  # else its probe gave up while the reply was on the way
+                    self._replies[slot] = tensor
+                    self._arrived.notify_all()
+            return
+        reply = tensor if header.micro == PING else torch.tensor([float(tensor.numel())])
+        try:
+            self.transport.send(header.sender, "probe", reply, step=header.step, micro=header.micro + 1)
+        except PeerUnreachable as error:
+            log.info("%s: cannot answer probe %d of %s: %s", self.device_id, header.step, header.sender, error)
+
+
+def pick_targets(me: str, known: Sequence[str], preferred: Sequence[str], k: int, rng: numpy.random.Generator) -> list[str]:
+    """Up to `k` peers to probe: the `preferred` ones (group and lane neighbours) first, in order, then a
+    uniform sample of the other `known` peers; never `me`. The same seed gives the same targets."""
+    if k < 0:
+        raise ValueError(f"k must not be negative, got {k}")
+    chosen = list(dict.fromkeys(p for p in preferred if p != me))[:k]
+    taken = set(chosen) | {me}
+    rest = sorted(set(known) - taken)  # sorted: the sample depends on the seed, not on the order given
+    want = min(k - len(chosen), len(rest))
+    if want > 0:
+        chosen += [rest[i] for i in rng.choice(len(rest), size=want, replace=False)]
+    return chosen
+
+
+def _peek_probe_id() -> int:
+    """The next probe id, without taking it (the caller holds `_probe_ids_lock`)."""
+    return int(repr(_probe_ids)[len("count("):-1])
+
+
+def _sync_cuda() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()

@@ -1,0 +1,215 @@
+"""The door to a swarm's DHT, shared by peers and the coordinator: keys, signed writes, checked reads.
+
+Every participant holds an RSA key pair in a file (created on first use, reused on restart, so a
+restarted peer keeps its identity). Writes go under the writer's owner marker and are signed by
+hivemind's RSASignatureValidator with that key (not the process-wide default key). Reads return only
+records that parse (`records.py`); what is dropped comes back with the reason, for the caller to log.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from hetpeer.protocol.plan import Plan
+from hetpeer.protocol.records import (
+    SCHEMA,
+    PeerRecord,
+    fingerprint,
+    owner_key,
+    peers_key,
+    plan_from_wire,
+    plan_key,
+    plan_to_wire,
+)
+from hetpeer.protocol.wire import SchemaError
+
+log = logging.getLogger("hetpeer.control")
+
+
+class ControlError(RuntimeError):
+    """The DHT could not be reached or started."""
+
+
+def load_or_create_key(path: str | Path):
+    """The RSA private key in `path` (DER), created there (mode 0600) if the file does not exist."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    path = Path(path)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        key = RSAPrivateKey()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            out.write(key.to_bytes())
+        return key
+    try:
+        der = path.read_bytes()
+        loaded = serialization.load_der_private_key(der, password=None)
+    except OSError as error:
+        raise ControlError(f"cannot read key file {path}: {error.strerror or error}") from None
+    except (ValueError, TypeError):  # TypeError: a key file that is password-protected
+        loaded = None
+    if not isinstance(loaded, rsa.RSAPrivateKey):  # another kind of key would fail later, when signing
+        raise ControlError(f"{path} is not an RSA private key in DER form (delete it to make a new identity)")
+    key = RSAPrivateKey.__new__(RSAPrivateKey)
+    key.__setstate__({"_private_key": der})  # hivemind's own (pickle) path to a key from bytes
+    return key
+
+
+def public_key_bytes(private_key) -> bytes:
+    return private_key.get_public_key().to_bytes()
+
+
+def key_digest(public_key: bytes) -> str:
+    """The full SHA-256 of a public key: what peers are told to trust for plans (`--coordinator-key`)."""
+    return hashlib.sha256(public_key).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Dropped:
+    """A record that was read and refused: whose key wrote it (fingerprint) and why."""
+
+    signer: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class SignedPlan:
+    plan: Plan
+    time: float
+    signer: bytes
+
+
+class ControlPlane:
+    def __init__(
+        self,
+        swarm: str,
+        key_path: str | Path,
+        initial_peers: Sequence[str] = (),
+        host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
+        announce_maddrs: Sequence[str] = (),
+    ) -> None:
+        if not swarm or not swarm.replace("-", "").replace("_", "").isalnum():
+            raise ValueError(f"swarm name must be letters, digits, - and _, got {swarm!r}")
+        self.swarm, self.key_path = swarm, Path(key_path)
+        self.initial_peers, self.host_maddrs, self.announce_maddrs = list(initial_peers), list(host_maddrs), list(announce_maddrs)
+        self.dht = None
+        self.private_key = None
+
+    # -- life cycle ---------------------------------------------------------------------------------
+    def start(self) -> "ControlPlane":
+        from hivemind import DHT
+        from hivemind.dht.crypto import RSASignatureValidator
+        from hivemind.dht.schema import SchemaValidator
+
+        self.private_key = load_or_create_key(self.key_path)
+        validators = [
+            SchemaValidator(SCHEMA, allow_extra_keys=False, prefix=self.swarm),
+            RSASignatureValidator(self.private_key),
+        ]
+        try:
+            self.dht = DHT(
+                initial_peers=self.initial_peers or None,
+                start=True,
+                record_validators=validators,
+                host_maddrs=self.host_maddrs,
+                announce_maddrs=self.announce_maddrs or None,
+            )
+        except Exception as error:  # hivemind raises plain exceptions for unreachable initial peers
+            raise ControlError(f"cannot join the DHT through {', '.join(self.initial_peers) or 'no initial peers'}: {error}") from None
+        return self
+
+    def shutdown(self) -> None:
+        if self.dht is not None:
+            self.dht.shutdown()
+            self.dht = None
+
+    def __enter__(self) -> "ControlPlane":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # -- identity -----------------------------------------------------------------------------------
+    @property
+    def public_key(self) -> bytes:
+        return public_key_bytes(self.private_key)
+
+    @property
+    def owner(self) -> bytes:
+        return b"[owner:" + self.public_key + b"]"
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.public_key)
+
+    def visible_maddrs(self) -> list[str]:
+        return [str(m) for m in self.dht.get_visible_maddrs()]
+
+    @staticmethod
+    def now() -> float:
+        from hivemind.utils import get_dht_time
+
+        return get_dht_time()
+
+    # -- writes -------------------------------------------------------------------------------------
+    def announce(self, record: PeerRecord, ttl_s: float) -> bool:
+        return bool(self.dht.store(peers_key(self.swarm), record.to_wire(), self.now() + ttl_s, subkey=self.owner))
+
+    def publish_plan(self, plan: Plan, ttl_s: float) -> bool:
+        now = self.now()
+        return bool(self.dht.store(plan_key(self.swarm), plan_to_wire(plan, now), now + ttl_s, subkey=self.owner))
+
+    def store_raw(self, key: str, value: Any, ttl_s: float, subkey: Any) -> bool:
+        """Write anything (tests and tools that check what the swarm refuses)."""
+        return bool(self.dht.store(key, value, self.now() + ttl_s, subkey=subkey))
+
+    # -- reads --------------------------------------------------------------------------------------
+    def read_peers(self, max_age_s: float) -> tuple[dict[str, PeerRecord], list[Dropped]]:
+        """Fresh, valid announcements by device id, and what was dropped with why."""
+        now = self.now()
+        records: dict[str, PeerRecord] = {}
+        dropped: list[Dropped] = []
+        for subkey, raw in self._entries(peers_key(self.swarm)):
+            try:
+                signer = owner_key(subkey)
+                record = PeerRecord.from_wire(raw, signer, now, max_age_s)
+            except SchemaError as error:
+                dropped.append(Dropped(_signer(subkey), str(error)))
+                continue
+            records[record.device_id] = record
+        return records, dropped
+
+    def read_plans(self) -> tuple[list[SignedPlan], list[Dropped]]:
+        """Every plan record that parses, newest epoch first, with the key that signed each."""
+        plans, dropped = [], []
+        for subkey, raw in self._entries(plan_key(self.swarm)):
+            try:
+                signer = owner_key(subkey)
+                plan, time = plan_from_wire(raw)
+            except SchemaError as error:
+                dropped.append(Dropped(_signer(subkey), str(error)))
+                continue
+            plans.append(SignedPlan(plan, time, signer))
+        plans.sort(key=lambda p: (-p.plan.epoch, -p.time))
+        return plans, dropped
+
+    def _entries(self, key: str) -> list[tuple[Any, Any]]:
+        found = self.dht.get(key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return []
+        return [(subkey, entry.value) for subkey, entry in found.value.items()]
+
+
+def _signer(subkey: Any) -> str:
+    try:
+        return fingerprint(owner_key(subkey))
+    except SchemaError:
+        return "unsigned"

@@ -1,0 +1,272 @@
+"""The control plane's contract: DHT keys, the peer announcement and the signed plan record.
+
+Keys (hivemind's SchemaValidator joins the swarm name and the field with "_"):
+
+- `<swarm>_peers`, subkey = the peer's owner marker `[owner:<RSA public key>]`: a `PeerRecord`.
+  hivemind's RSASignatureValidator only lets the holder of that key write the subkey.
+- `<swarm>_plan`, subkey = the coordinator's owner marker: `{"plan": <plan JSON>, "time": float}`.
+  Anyone may write a plan under their own key; peers read only the subkey of the key they trust.
+
+Records are checked twice. The DHT checks the signature and the types (pydantic.v1 models with
+strict types, `SCHEMA`), so a malformed or forged record is refused by every node that would store
+or return it. `PeerRecord.from_wire` then checks meaning: the device id is bound to the signing key
+(`device_id(name, key)`), numbers are finite and in range, and the record is fresh.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field as dataclass_field
+from typing import Any, Dict, List, Optional
+
+from pydantic import v1 as pydantic
+
+from hetpeer.protocol.addresses import PeerAddress
+from hetpeer.protocol.plan import Plan
+from hetpeer.protocol.wire import SchemaError
+
+PROTOCOL_VERSION = 1
+OWNER_RE = re.compile(rb"\[owner:(.+)\]\Z", re.DOTALL)  # \Z, not $: $ also matches before a final newline
+NAME_RE = re.compile(r"[a-z0-9][a-z0-9_]{0,23}\Z")
+STATES = ("probing", "waiting", "fetching", "training", "standby", "leaving")
+MAX_LINKS = 64  # measurements one record carries; a peer probes a handful of others
+MAX_PLAN_BYTES = 1 << 20
+
+
+def peers_key(swarm: str) -> str:
+    return f"{swarm}_peers"
+
+
+def plan_key(swarm: str) -> str:
+    return f"{swarm}_plan"
+
+
+def fingerprint(public_key: bytes) -> str:
+    """Twelve hex digits (48 bits) of the SHA-256 of an RSA public key (OpenSSH form): what binds a device id to a key."""
+    return hashlib.sha256(public_key).hexdigest()[:12]
+
+
+def device_id(name: str, public_key: bytes) -> str:
+    """`name-fingerprint`: readable, and only the key's holder can announce it."""
+    if not NAME_RE.match(name):
+        raise ValueError(f"peer name must be 1-24 of a-z, 0-9 and _ starting with a letter or digit, got {name!r}")
+    return f"{name}-{fingerprint(public_key)}"
+
+
+def owner_key(subkey: Any) -> bytes:
+    """The public key in an owner marker subkey; SchemaError when the subkey is not one."""
+    match = OWNER_RE.match(subkey) if isinstance(subkey, bytes) else None
+    if match is None:
+        raise SchemaError("subkey", "is not an [owner:...] marker: the record is not signed")
+    return match.group(1)
+
+
+class _OwnerMarker(bytes):
+    """Bytes that are an owner marker, so an unsigned (unmarked) record is refused by the DHT itself."""
+
+    @classmethod
+    def __get_validators__(cls):
+        yield cls.validate
+
+    @classmethod
+    def validate(cls, value: Any) -> bytes:
+        if not isinstance(value, bytes) or OWNER_RE.match(value) is None:
+            raise ValueError("subkey must be an [owner:<public key>] marker")
+        return value
+
+
+class _Strict(pydantic.BaseModel):
+    class Config:
+        extra = pydantic.Extra.forbid
+
+
+class LinkSchema(_Strict):
+    peer: pydantic.StrictStr
+    latency_s: pydantic.StrictFloat
+    bandwidth_bytes_per_s: pydantic.StrictFloat
+
+
+class PeerSchema(_Strict):
+    version: pydantic.StrictInt
+    software: pydantic.StrictStr
+    device_id: pydantic.StrictStr
+    model: pydantic.StrictStr
+    dtype: pydantic.StrictStr
+    device_name: pydantic.StrictStr
+    tflops: pydantic.StrictFloat
+    memory_bytes: pydantic.StrictInt
+    direct: Optional[pydantic.StrictStr]
+    p2p: List[pydantic.StrictStr]
+    state: pydantic.StrictStr
+    epoch: pydantic.StrictInt
+    layers: Optional[List[pydantic.StrictInt]]
+    step: pydantic.StrictInt
+    loss: Optional[pydantic.StrictFloat]
+    tokens_per_s: pydantic.StrictFloat
+    links: List[LinkSchema]
+    time: pydantic.StrictFloat
+
+
+class PlanSchema(_Strict):
+    plan: pydantic.StrictStr
+    time: pydantic.StrictFloat
+
+
+class SCHEMA(_Strict):
+    """The swarm's DHT keys for hivemind's SchemaValidator (with prefix = the swarm name)."""
+
+    peers: Dict[_OwnerMarker, PeerSchema]
+    plan: Dict[_OwnerMarker, PlanSchema]
+
+
+@dataclass(frozen=True, slots=True)
+class LinkMeasurement:
+    latency_s: float
+    bandwidth_bytes_per_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class PeerRecord:
+    """A peer's announcement: who it is, what it measured, where it is in training."""
+
+    device_id: str
+    model: str
+    dtype: str
+    device_name: str
+    tflops: float
+    memory_bytes: int
+    address: PeerAddress
+    state: str
+    time: float  # DHT time of the announcement
+    epoch: int = -1  # the plan epoch it runs; -1 before its first plan
+    layers: tuple[int, int] | None = None  # [start, end) of the layers it holds
+    step: int = 0
+    loss: float | None = None
+    tokens_per_s: float = 0.0
+    links: Dict[str, LinkMeasurement] = dataclass_field(default_factory=dict)
+    software: str = ""
+    version: int = PROTOCOL_VERSION
+
+    def to_wire(self) -> dict[str, Any]:
+        direct = self.address.direct
+        return {
+            "version": self.version,
+            "software": self.software,
+            "device_id": self.device_id,
+            "model": self.model,
+            "dtype": self.dtype,
+            "device_name": self.device_name,
+            "tflops": float(self.tflops),
+            "memory_bytes": int(self.memory_bytes),
+            "direct": f"{direct[0]}:{direct[1]}" if direct else None,
+            "p2p": list(self.address.p2p),
+            "state": self.state,
+            "epoch": self.epoch,
+            "layers": list(self.layers) if self.layers is not None else None,
+            "step": self.step,
+            "loss": float(self.loss) if self.loss is not None else None,
+            "tokens_per_s": float(self.tokens_per_s),
+            "links": [
+                {"peer": peer, "latency_s": float(m.latency_s), "bandwidth_bytes_per_s": float(m.bandwidth_bytes_per_s)}
+                for peer, m in sorted(self.links.items())
+            ],
+            "time": float(self.time),
+        }
+
+    @staticmethod
+    def from_wire(raw: Any, signer: bytes, now: float, max_age_s: float) -> "PeerRecord":
+        """Parse an announcement written under `signer`'s key; SchemaError names what is wrong."""
+        try:
+            parsed = PeerSchema.parse_obj(raw)
+        except pydantic.ValidationError as error:
+            first = error.errors()[0]
+            raise SchemaError("peer." + ".".join(str(p) for p in first["loc"]), first["msg"]) from None
+        if parsed.dict() != raw:
+            raise SchemaError("peer", "needed type conversions to match the schema")
+        if parsed.version != PROTOCOL_VERSION:
+            raise SchemaError("peer.version", f"protocol {parsed.version}, this side speaks {PROTOCOL_VERSION}")
+        name, _, print_ = parsed.device_id.rpartition("-")
+        if not NAME_RE.match(name) or print_ != fingerprint(signer):
+            raise SchemaError(
+                "peer.device_id", f"{parsed.device_id!r} is not bound to the key that signed it (fingerprint {fingerprint(signer)})"
+            )
+        if parsed.state not in STATES:
+            raise SchemaError("peer.state", f"must be one of {', '.join(STATES)}, got {parsed.state!r}")
+        for name_, value in (("tflops", parsed.tflops), ("tokens_per_s", parsed.tokens_per_s), ("time", parsed.time)):
+            if not math.isfinite(value) or value < 0:
+                raise SchemaError(f"peer.{name_}", f"must be a finite, non-negative number, got {value!r}")
+        if parsed.tflops <= 0:
+            raise SchemaError("peer.tflops", f"must be positive, got {parsed.tflops!r}")
+        for name_, value, least in (("memory_bytes", parsed.memory_bytes, 0), ("step", parsed.step, 0), ("epoch", parsed.epoch, -1)):
+            if value < least:
+                raise SchemaError(f"peer.{name_}", f"must be at least {least}, got {value}")
+        if parsed.loss is not None and not math.isfinite(parsed.loss):
+            raise SchemaError("peer.loss", f"must be finite, got {parsed.loss!r}")
+        if parsed.time < now - max_age_s:
+            raise SchemaError("peer.time", f"announced {now - parsed.time:.1f} s ago, older than {max_age_s:g} s (stale)")
+        if parsed.time > now + max_age_s:  # clocks differ a little; more than the whole window is a lie
+            raise SchemaError("peer.time", f"announced {parsed.time - now:.1f} s in the future, more than {max_age_s:g} s ahead")
+        layers = None
+        if parsed.layers is not None:
+            if len(parsed.layers) != 2 or not 0 <= parsed.layers[0] < parsed.layers[1]:
+                raise SchemaError("peer.layers", f"must be [start, end) with 0 <= start < end, got {parsed.layers}")
+            layers = (parsed.layers[0], parsed.layers[1])
+        if len(parsed.links) > MAX_LINKS:
+            raise SchemaError("peer.links", f"at most {MAX_LINKS} measurements, got {len(parsed.links)}")
+        links = {}
+        for i, link in enumerate(parsed.links):
+            if not (math.isfinite(link.latency_s) and link.latency_s >= 0):
+                raise SchemaError(f"peer.links[{i}].latency_s", f"must be finite and non-negative, got {link.latency_s!r}")
+            if not (math.isfinite(link.bandwidth_bytes_per_s) and link.bandwidth_bytes_per_s > 0):
+                raise SchemaError(
+                    f"peer.links[{i}].bandwidth_bytes_per_s", f"must be finite and positive, got {link.bandwidth_bytes_per_s!r}"
+                )
+            links[link.peer] = LinkMeasurement(link.latency_s, link.bandwidth_bytes_per_s)
+        address = PeerAddress.from_wire(
+            {"p2p": parsed.p2p, **({"direct": parsed.direct} if parsed.direct is not None else {})}, "peer.address"
+        )
+        return PeerRecord(
+            device_id=parsed.device_id,
+            model=parsed.model,
+            dtype=parsed.dtype,
+            device_name=parsed.device_name,
+            tflops=parsed.tflops,
+            memory_bytes=parsed.memory_bytes,
+            address=address,
+            state=parsed.state,
+            time=parsed.time,
+            epoch=parsed.epoch,
+            layers=layers,
+            step=parsed.step,
+            loss=parsed.loss,
+            tokens_per_s=parsed.tokens_per_s,
+            links=links,
+            software=parsed.software,
+            version=parsed.version,
+        )
+
+
+def plan_to_wire(plan: Plan, time: float) -> dict[str, Any]:
+    return {"plan": json.dumps(plan.to_wire(), separators=(",", ":")), "time": float(time)}
+
+
+def plan_from_wire(raw: Any) -> tuple[Plan, float]:
+    """(plan, publication time) from a plan record; SchemaError names what is wrong."""
+    try:
+        parsed = PlanSchema.parse_obj(raw)
+    except pydantic.ValidationError as error:
+        first = error.errors()[0]
+        raise SchemaError("plan_record." + ".".join(str(p) for p in first["loc"]), first["msg"]) from None
+    if len(parsed.plan) > MAX_PLAN_BYTES:
+        raise SchemaError("plan_record.plan", f"{len(parsed.plan)} bytes, at most {MAX_PLAN_BYTES}")
+    try:
+        wire = json.loads(parsed.plan)
+    except (ValueError, RecursionError) as error:  # also too deep, and integers past Python's digit limit
+        raise SchemaError("plan_record.plan", f"is not JSON: {str(error)[:120]}") from None
+    try:
+        return Plan.from_wire(wire), parsed.time
+    except (OverflowError, RecursionError) as error:  # e.g. an integer cost too large for a float
+        raise SchemaError("plan_record.plan", f"has a value out of range: {error}") from None

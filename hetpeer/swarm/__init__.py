@@ -1,0 +1,1 @@
+"""`hetpeer swarm`: a coordinator and N peers on one machine, a bounded training run, and its report."""

@@ -1,0 +1,316 @@
+"""A whole swarm on this machine: one `hetpeer coordinator` and N `hetpeer join` processes.
+
+`LocalSwarm` starts them (the coordinator first: peers need its DHT address and its key), watches the
+swarm through the coordinator's gRPC API like any organizer's tool would, and can kill and restart
+any process (the fault tests and benchmarks drive it). `run` trains until the swarm reaches the step
+count, shows a live line, and returns what the run report needs. Every process gets its own home
+folder (keys, so a restarted peer is the same peer) and log file under `out`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from hetpeer.coordinator.api import ApiClient, ApiError
+from hetpeer.swarm.report import Event, PeerInfo, PlanUse, RunReport, Sample, StageUse, summarize
+
+KEY_RE = re.compile(r"its key \(give peers --coordinator-key\): ([0-9a-f]{64})")
+DHT_RE = re.compile(r"^DHT: (\S+)")
+PEER_RE = re.compile(r"^peer (\S+) in swarm \S+: tensors on \S+, DHT on (\S+)")
+START_TIMEOUT_S = 120.0
+
+
+class SwarmError(RuntimeError):
+    """A process of the swarm did not start or the swarm stopped making progress."""
+
+
+@dataclass(frozen=True, slots=True)
+class SwarmConfig:
+    out: Path
+    peers: int = 8
+    steps: int = 40
+    slowdowns: tuple[float, ...] = ()  # per peer; empty: all 1
+    bandwidth_caps: tuple[float | None, ...] = ()  # Mbit/s each peer sends at most, per destination; empty: none
+    swarm: str = "demo"
+    model: str = "tiny"
+    batch: int = 16
+    micro_batch: int = 2
+    dtype: str = "fp32"
+    heartbeat_s: float = 2.0
+    replan_interval_s: float = 30.0
+    time_budget_s: float = 2.0
+    timeout_s: float = 10.0  # per frame a peer waits for
+    mix_deadline_s: float = 3.0
+    lr: float = 3e-3
+    seed: int = 0
+    data: Path | None = None
+    stall_s: float = 120.0  # give up when the swarm's step has not moved for this long
+
+    def __post_init__(self) -> None:
+        if self.peers < 1 or self.steps < 1:
+            raise ValueError(f"need at least one peer and one step, got {self.peers} and {self.steps}")
+        for name, values in (("slowdowns", self.slowdowns), ("bandwidth caps", self.bandwidth_caps)):
+            if values and len(values) != self.peers:
+                raise ValueError(f"{len(values)} {name} given for {self.peers} peers")
+        if any(not s >= 1 for s in self.slowdowns):
+            raise ValueError(f"slowdowns must be >= 1, got {list(self.slowdowns)}")
+        if any(c is not None and not c > 0 for c in self.bandwidth_caps):
+            raise ValueError(f"bandwidth caps must be positive, got {list(self.bandwidth_caps)}")
+
+    def slowdown(self, i: int) -> float:
+        return self.slowdowns[i] if self.slowdowns else 1.0
+
+    def cap(self, i: int) -> float | None:
+        return self.bandwidth_caps[i] if self.bandwidth_caps else None
+
+
+class Process:
+    """One child process whose output goes to a log file and, line by line, to a callback."""
+
+    def __init__(self, name: str, command: list[str], log_path: Path, on_line: Callable[[str, str], None]) -> None:
+        self.name, self.command, self.log_path, self.on_line = name, command, log_path, on_line
+        self.popen: subprocess.Popen | None = None
+        self.reader: threading.Thread | None = None
+
+    def start(self) -> "Process":
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.popen = subprocess.Popen(
+            self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
+            start_new_session=True,  # Ctrl+C at the terminal reaches the launcher only; it stops the children
+        )
+        self.reader = threading.Thread(target=self._relay, name=f"{self.name}-output", daemon=True)
+        self.reader.start()
+        return self
+
+    def _relay(self) -> None:
+        with open(self.log_path, "a") as log:
+            for line in self.popen.stdout:
+                log.write(line)
+                log.flush()
+                self.on_line(self.name, line.rstrip("\n"))
+
+    @property
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def stop(self, sig: int = signal.SIGINT, wait_s: float = 20.0) -> int | None:
+        """Ask the process to stop (SIGINT: a peer announces it leaves), kill it if it does not."""
+        if self.popen is None:
+            return None
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+            try:
+                self.popen.wait(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        if self.reader is not None:
+            self.reader.join(timeout=5)
+        return self.popen.returncode
+
+    def kill(self) -> None:
+        """Die without a word, as a crashed machine would."""
+        self.stop(signal.SIGKILL, wait_s=10)
+
+
+class LocalSwarm:
+    def __init__(self, config: SwarmConfig, echo: Callable[[str], None], api_port: int) -> None:
+        self.config, self.echo, self.api_address = config, echo, f"127.0.0.1:{api_port}"
+        self.coordinator: Process | None = None
+        self.peers: list[Process] = []
+        self.key: str | None = None
+        self.dht_maddrs: list[str] = []
+        self.device_ids: dict[int, str] = {}
+        self.peer_maddrs: dict[int, str] = {}
+        self.events: list[Event] = []
+        self.samples: list[Sample] = []
+        self.plans: dict[int, PlanUse] = {}
+        self.started = time.monotonic()
+        self._seen = threading.Condition()
+
+    # -- processes ----------------------------------------------------------------------------------
+    def start(self) -> "LocalSwarm":
+        self.config.out.mkdir(parents=True, exist_ok=True)
+        self.start_coordinator()
+        for i in range(self.config.peers):
+            self.start_peer(i)
+        return self
+
+    def start_coordinator(self) -> None:
+        c = self.config
+        command = [
+            sys.executable, "-m", "hetpeer", "coordinator", "--swarm", c.swarm, "--home", str(c.out / "coordinator"),
+            "--api", self.api_address, "--heartbeat", repr(c.heartbeat_s), "--replan-interval", repr(c.replan_interval_s),
+            "--model", c.model, "--batch", str(c.batch), "--micro-batch", str(c.micro_batch), "--dtype", c.dtype,
+            "--time-budget", repr(c.time_budget_s), "--seed", str(c.seed), "--min-peers", str(min(2, c.peers)),
+        ]
+        alive = [self.peer_maddrs[i] for i, p in enumerate(self.peers) if p.alive and i in self.peer_maddrs]
+        if alive:  # a restarted coordinator finds the swarm through its peers
+            command += ["--initial-peers", *alive[:3]]
+        with self._seen:
+            self.key, self.dht_maddrs = None, []
+        self.coordinator = Process("coordinator", command, c.out / "coordinator.log", self._on_line).start()
+        self._wait_for(lambda: self.key is not None and self.dht_maddrs, "the coordinator's key and DHT address", self.coordinator)
+        self.event("coordinator started" + (" again" if alive else ""))
+
+    def start_peer(self, i: int) -> None:
+        c = self.config
+        threads = max(1, (os.cpu_count() or 1) // max(1, c.peers))
+        command = [
+            sys.executable, "-m", "hetpeer", "join", "--swarm", c.swarm, "--name", f"peer{i}",
+            "--home", str(c.out / f"peer{i}"), "--coordinator-key", self.key, "--initial-peers", *self.dht_maddrs[:1],
+            "--model", c.model, "--dtype", c.dtype, "--heartbeat", repr(c.heartbeat_s), "--steps", str(c.steps),
+            "--threads", str(threads), "--timeout", repr(c.timeout_s), "--mix-deadline", repr(c.mix_deadline_s),
+            "--lr", repr(c.lr), "--seed", str(c.seed), "--slowdown", repr(c.slowdown(i)),
+        ]
+        if c.cap(i) is not None:
+            command += ["--bandwidth-cap", repr(c.cap(i))]
+        if c.data is not None:
+            command += ["--data", str(c.data)]
+        process = Process(f"peer{i}", command, c.out / f"peer{i}.log", self._on_line)
+        if i < len(self.peers):
+            self.peers[i] = process
+        else:
+            self.peers.append(process)
+        self.peer_maddrs.pop(i, None)
+        process.start()
+
+    def kill_peer(self, i: int) -> None:
+        self.peers[i].kill()
+        self.event(f"peer{i} killed")
+
+    def kill_coordinator(self) -> None:
+        self.coordinator.kill()
+        self.event("coordinator killed")
+
+    def shutdown(self) -> None:
+        processes = [p for p in self.peers if p.alive] + ([self.coordinator] if self.coordinator else [])
+        for process in processes:  # all at once: peers leave together instead of timing out on each other
+            if process.alive:
+                process.popen.send_signal(signal.SIGINT)
+        for process in processes:
+            process.stop()
+
+    def __enter__(self) -> "LocalSwarm":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def event(self, text: str) -> None:
+        self.events.append(Event(self.elapsed(), text))
+        self.echo(f"[swarm] {text}")
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def _on_line(self, name: str, line: str) -> None:
+        if name == "coordinator":
+            key, dht = KEY_RE.search(line), DHT_RE.match(line)
+            with self._seen:
+                if key:
+                    self.key = key.group(1)
+                if dht:
+                    self.dht_maddrs = line.split()[1:]
+                self._seen.notify_all()
+        elif (peer := PEER_RE.match(line)) is not None:
+            i = int(name.removeprefix("peer"))
+            with self._seen:
+                self.device_ids[i], self.peer_maddrs[i] = peer.group(1), peer.group(2).rstrip(",")
+                self._seen.notify_all()
+        self.echo(f"[{name}] {line}")
+
+    def _wait_for(self, ready: Callable[[], bool], what: str, process: Process) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        with self._seen:
+            while not ready():
+                if not process.alive:
+                    raise SwarmError(f"{process.name} exited (code {process.popen.returncode}) before printing {what}; "
+                                     f"its log: {process.log_path}")
+                if time.monotonic() > deadline:
+                    raise SwarmError(f"{process.name} did not print {what} within {START_TIMEOUT_S:g} s; log: {process.log_path}")
+                self._seen.wait(0.5)
+
+    # -- watching through the API ---------------------------------------------------------------------
+    def run(self, until_step: int | None = None, status: Callable[[str], None] | None = None,
+            on_sample: Callable[["LocalSwarm", Sample], None] | None = None) -> RunReport:
+        """Watch until the swarm has completed `until_step` steps (default: the configured count), every
+        peer has left, or progress stalls; then the report (processes keep running: `shutdown` stops them)."""
+        target = until_step if until_step is not None else self.config.steps
+        samples, plans = self.samples, self.plans
+        last_step, moved = -1, time.monotonic()
+        with ApiClient(self.api_address, timeout_s=2.0) as client:
+            while True:
+                time.sleep(0.5)
+                if not any(p.alive for p in self.peers):
+                    self.event("every peer has left")
+                    break
+                try:
+                    progress = client.call_get_progress()
+                    plan, _ = client.call_get_plan()
+                except ApiError:
+                    continue  # the coordinator may be restarting; the peers go on without it
+                if plan is not None and plan.epoch not in plans:
+                    plans[plan.epoch] = PlanUse(
+                        plan.epoch, plan.start_step, self.elapsed(),
+                        tuple(StageUse(s.layer_start, s.layer_end, s.devices) for s in plan.stages),
+                        plan.standby, predicted_step_s=plan.total_s,
+                    )
+                    self.event(f"plan epoch {plan.epoch}: {len(plan.stages)} stage(s) x {plan.group_size} lane(s) "
+                               f"from step {plan.start_step}, predicted {plan.total_s:.3f} s/step")
+                if progress.loss is not None and progress.step > (samples[-1].step + 1 if samples else 0):
+                    # after a plan that restarts lanes at an earlier step, the curve resumes past its furthest point
+                    sample = Sample(self.elapsed(), progress.step - 1, progress.loss, progress.tokens_per_s, progress.epoch)
+                    samples.append(sample)
+                    if on_sample is not None:
+                        on_sample(self, sample)
+                if progress.step != last_step:
+                    last_step, moved = progress.step, time.monotonic()
+                    if status is not None and progress.loss is not None:
+                        status(f"step {progress.step}/{target}  loss {progress.loss:.4f}  "
+                               f"{progress.tokens_per_s:,.0f} tok/s  plan epoch {progress.epoch}  "
+                               f"peers {', '.join(f'{n} {s}' for s, n in sorted(progress.peers_by_state.items()))}")
+                if progress.step >= target:
+                    break
+                if time.monotonic() - moved > self.config.stall_s:
+                    raise SwarmError(f"the swarm made no progress for {self.config.stall_s:g} s (at step {last_step}); "
+                                     f"logs in {self.config.out}")
+        return self.report()
+
+    def report(self) -> RunReport:
+        """What was seen so far, for the run report."""
+        c, samples = self.config, self.samples
+        peers = [
+            PeerInfo(self.device_ids.get(i, f"peer{i}"), c.slowdown(i), c.cap(i), None, "local process")
+            for i in range(c.peers)
+        ]
+        return RunReport(
+            swarm=c.swarm, model=c.model, steps=max((s.step + 1 for s in samples), default=0), wall_s=self.elapsed(),
+            peers=peers, plans=summarize(samples, list(self.plans.values())), samples=list(samples), events=list(self.events),
+        )
+
+
+def parse_per_peer(text: str | None, peers: int, what: str, none_value: str | None = None) -> tuple:
+    """A comma-separated list of per-peer figures, repeated to cover `peers` ("1,2" -> 1,2,1,2,...)."""
+    if not text:
+        return ()
+    values = []
+    for part in text.split(","):
+        part = part.strip()
+        if none_value is not None and part == none_value:
+            values.append(None)
+            continue
+        try:
+            values.append(float(part))
+        except ValueError:
+            raise ValueError(f"{what} must be numbers separated by commas, got {text!r}") from None
+    return tuple(values[i % len(values)] for i in range(peers))

@@ -1,0 +1,240 @@
+"""The run report of `hetpeer swarm`: what ran, under which plans, how fast, and how the loss went.
+
+`write_report` puts three files in a folder: report.md for people, report.json for programs (the
+`RunReport` itself, `to_json`/`from_json` round trip), and loss.png (loss and tokens/s against step,
+with plan switches and events marked). `summarize` derives each plan's measured figures from the
+samples; it is pure and O(samples log samples).
+
+Conventions: `Sample.step` is the index (from 0) of the step just completed and `Sample.time_s` the
+seconds since the run started when it completed; a plan's `start_step` is the index of its first step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from statistics import median
+from typing import Any, NamedTuple, Sequence
+
+import numpy as np
+
+from hetpeer.swarm.png import chart_pixels, encode_png
+
+REPORT_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class PeerInfo:
+    device_id: str
+    slowdown: float  # compute is this many times slower than the machine's own GPU or CPU
+    bandwidth_cap_mbit: float | None
+    tflops: float | None
+    device_name: str
+
+
+class StageUse(NamedTuple):
+    layer_start: int
+    layer_end: int  # exclusive
+    devices: tuple[str, ...]  # one per lane
+
+
+@dataclass(frozen=True, slots=True)
+class PlanUse:
+    epoch: int
+    start_step: int
+    published_s: float  # seconds since the run started
+    stages: tuple[StageUse, ...]
+    standby: tuple[str, ...] = ()
+    predicted_step_s: float | None = None
+    measured_step_s: float | None = None  # median wall time per step while the plan ran
+    tokens_per_s: float | None = None
+    steps: int = 0  # steps run under this plan
+
+    def __post_init__(self) -> None:
+        stages = tuple(StageUse(int(a), int(b), tuple(devices)) for a, b, devices in self.stages)
+        object.__setattr__(self, "stages", stages)
+        object.__setattr__(self, "standby", tuple(self.standby))
+
+    @property
+    def ratio(self) -> float | None:
+        """Measured over predicted step time; None where either is missing or the prediction is 0."""
+        if self.measured_step_s is None or not self.predicted_step_s:
+            return None
+        return self.measured_step_s / self.predicted_step_s
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    time_s: float
+    step: int
+    loss: float
+    tokens_per_s: float | None
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    time_s: float
+    text: str  # e.g. "peer p3 killed", "plan epoch 2 published"
+
+
+@dataclass(frozen=True, slots=True)
+class RunReport:
+    swarm: str
+    model: str
+    steps: int
+    wall_s: float
+    peers: tuple[PeerInfo, ...]
+    plans: tuple[PlanUse, ...]
+    samples: tuple[Sample, ...]
+    events: tuple[Event, ...] = ()
+    comparison: dict[str, float] = field(default_factory=dict)  # e.g. tokens/s under other plans
+
+    def __post_init__(self) -> None:
+        for name in ("peers", "plans", "samples", "events"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Median of the samples' tokens/s over the whole run."""
+        values = [s.tokens_per_s for s in self.samples if _finite(s.tokens_per_s)]
+        return median(values) if values else None
+
+    def to_json(self) -> str:
+        data = {"version": REPORT_VERSION, **asdict(self)}
+        return json.dumps(_nan_to_none(data), indent=2, allow_nan=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> RunReport:
+        data: dict[str, Any] = json.loads(text)
+        version = data.pop("version", None)
+        if version != REPORT_VERSION:
+            raise ValueError(f"run report: expected version {REPORT_VERSION}, got {version!r}")
+        return cls(
+            swarm=data["swarm"], model=data["model"], steps=data["steps"], wall_s=data["wall_s"],
+            peers=[PeerInfo(**p) for p in data["peers"]],
+            plans=[PlanUse(**p) for p in data["plans"]],
+            samples=[Sample(**{**s, "loss": math.nan if s["loss"] is None else s["loss"]}) for s in data["samples"]],
+            events=[Event(**e) for e in data["events"]],
+            comparison=dict(data["comparison"]),
+        )  # fmt: skip
+
+
+def summarize(samples: Sequence[Sample], plans: Sequence[PlanUse]) -> list[PlanUse]:
+    """Each plan with measured_step_s, tokens_per_s and steps derived from the samples of its epoch.
+
+    measured_step_s is the median over consecutive samples of (time delta / step delta), so a sample
+    every k steps still gives a per-step time, and a first slow step (re-partitioning) does not skew it.
+    steps is the distance to the next plan's start_step, or for the last plan up to its last sample.
+    A plan whose epoch has no samples keeps the figures it came with.
+    """
+    ordered = sorted(plans, key=lambda p: p.start_step)
+    out = []
+    for i, plan in enumerate(ordered):
+        mine = sorted((s for s in samples if s.epoch == plan.epoch), key=lambda s: s.step)
+        if not mine:
+            out.append(plan)
+            continue
+        deltas = [(b.time_s - a.time_s) / (b.step - a.step) for a, b in zip(mine, mine[1:]) if b.step > a.step]
+        rates = [s.tokens_per_s for s in mine if _finite(s.tokens_per_s)]
+        if i + 1 < len(ordered):
+            steps = ordered[i + 1].start_step - plan.start_step
+        else:
+            steps = mine[-1].step - plan.start_step + 1
+        out.append(replace(
+            plan,
+            measured_step_s=median(deltas) if deltas else plan.measured_step_s,
+            tokens_per_s=median(rates) if rates else plan.tokens_per_s,
+            steps=max(steps, 0),
+        ))  # fmt: skip
+    return out
+
+
+def write_report(report: RunReport, folder: str | Path) -> dict[str, Path]:
+    """Write report.md, report.json and loss.png into `folder` (created if missing); their paths by kind."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = {"md": folder / "report.md", "json": folder / "report.json", "png": folder / "loss.png"}
+    paths["json"].write_text(report.to_json() + "\n")
+    paths["png"].write_bytes(loss_png(report))
+    paths["md"].write_text(format_markdown(report, paths["png"].name))
+    return paths
+
+
+def loss_png(report: RunReport) -> bytes:
+    """Two charts stacked: loss against step, then tokens/s against step; both mark plan switches
+    (every plan after the first, at its start_step) and events (placed at the step reached by then)."""
+    samples = sorted(report.samples, key=lambda s: s.step)
+    steps = [s.step for s in samples]
+    markers = [(p.start_step, f"plan epoch {p.epoch}") for p in sorted(report.plans, key=lambda p: p.start_step)[1:]]
+    if samples:
+        times, steps_at = [s.time_s for s in samples], [float(s.step) for s in samples]
+        markers += [(float(np.interp(e.time_s, times, steps_at)), e.text) for e in report.events
+                    if not e.text.startswith("plan ")]  # fmt: skip  # plan switches are marked already
+    loss = chart_pixels([("loss", steps, [s.loss for s in samples])], 800, 380,
+                        title=f"{report.model}: training loss", x_label="step", y_label="loss", markers=markers)
+    rate = chart_pixels(
+        [("tokens/s", steps, [math.nan if s.tokens_per_s is None else s.tokens_per_s for s in samples])],
+        800, 260, title="throughput", x_label="step", y_label="tokens/s", markers=markers,
+    )  # fmt: skip
+    return encode_png(np.vstack([loss, rate]))
+
+
+def format_markdown(report: RunReport, png_name: str = "loss.png") -> str:
+    """The human summary: setup, plans with predicted vs measured step time, throughput, loss, events."""
+    finite_losses = [s.loss for s in sorted(report.samples, key=lambda s: s.step) if _finite(s.loss)]
+    lines = [
+        f"# hetpeer swarm run: {report.swarm}", "",
+        f"- model: {report.model}",
+        f"- steps: {report.steps} in {report.wall_s:.1f} s",
+        f"- throughput: {_num(report.tokens_per_s, '.0f')} tokens/s (median over samples)",
+        f"- loss: first {_num(finite_losses[0] if finite_losses else None, '.4f')}, "
+        f"last {_num(finite_losses[-1] if finite_losses else None, '.4f')}",
+        "", "## Peers", "",
+        "| peer | device | slowdown | bandwidth cap (Mbit/s) | TFLOPS |", "|---|---|---|---|---|",
+    ]  # fmt: skip
+    for p in report.peers:
+        cap = "none" if p.bandwidth_cap_mbit is None else f"{p.bandwidth_cap_mbit:g}"
+        lines.append(f"| {p.device_id} | {p.device_name} | {p.slowdown:g}x | {cap} | {_num(p.tflops, '.2f')} |")
+    lines += ["", "## Plans used", "",
+              "| epoch | from step | published (s) | steps | stages | standby "
+              "| predicted step (s) | measured step (s) | measured / predicted | tokens/s |",
+              "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for p in sorted(report.plans, key=lambda p: p.start_step):
+        stages = "; ".join(f"L{s.layer_start}-{s.layer_end}: {' '.join(s.devices)}" for s in p.stages)
+        lines.append(
+            f"| {p.epoch} | {p.start_step} | {p.published_s:.1f} | {p.steps} | {stages} | {' '.join(p.standby) or '-'} "
+            f"| {_num(p.predicted_step_s, '.3f')} | {_num(p.measured_step_s, '.3f')} | {_num(p.ratio, '.2f')} "
+            f"| {_num(p.tokens_per_s, '.0f')} |"
+        )  # fmt: skip
+    if report.comparison:
+        ours = report.tokens_per_s
+        lines += ["", "## Comparison", "", "| plan | tokens/s | this run / it |", "|---|---|---|"]
+        for name, value in report.comparison.items():
+            ratio = ours / value if ours is not None and value else None
+            lines.append(f"| {name} | {_num(value, '.0f')} | {_num(ratio, '.2f')} |")
+    lines += ["", "## Events", ""]
+    lines += [f"- {e.time_s:.1f} s: {e.text}" for e in sorted(report.events, key=lambda e: e.time_s)] or ["- none"]
+    lines += ["", "## Loss", "", f"![loss and tokens/s against step]({png_name})", ""]
+    return "\n".join(lines)
+
+
+def _finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
+
+
+def _num(value: float | None, spec: str) -> str:
+    return format(value, spec) if _finite(value) else "-"
+
+
+def _nan_to_none(value: Any) -> Any:
+    """JSON has no NaN or infinity: they are written as null (a NaN loss reads back as NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _nan_to_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_nan_to_none(v) for v in value]
+    return value
