@@ -24,11 +24,10 @@ from hetpeer.coordinator.api import ApiServer, SwarmView
 from hetpeer.coordinator.planner import PlannerConfig, PlanningError, solve
 from hetpeer.protocol.control import ControlPlane, key_digest
 from hetpeer.protocol.plan import Plan
-from hetpeer.protocol.records import PeerRecord
+from hetpeer.protocol.records import TTL_HEARTBEATS, PeerRecord
 from hetpeer.protocol.workload import Workload, preset
 
 log = logging.getLogger("hetpeer.coordinator")
-TTL_HEARTBEATS = 5  # as the peers: a record older than this many heartbeats (and one more of slack) is gone
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,12 +40,11 @@ from hetpeer.protocol.addresses import AddressBook
 from hetpeer.protocol.control import ControlPlane, key_digest
 from hetpeer.protocol.frame import FrameHeader
 from hetpeer.protocol.plan import Plan
-from hetpeer.protocol.records import LinkMeasurement, PeerRecord, device_id
+from hetpeer.protocol.records import TTL_HEARTBEATS, LinkMeasurement, PeerRecord, device_id
 from hetpeer.protocol.workload import preset
 
 log = logging.getLogger("hetpeer.peer")
 RUNNING_KINDS = ("activation", "gradient", "labels", "params", "allreduce")  # frames that belong to a plan
-TTL_HEARTBEATS = 5  # a record expires after this many heartbeats without a new one (loaded machines miss some)
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,6 +34,7 @@ NAME_RE = re.compile(r"[a-z0-9][a-z0-9_]{0,23}\Z")
 STATES = ("probing", "waiting", "fetching", "training", "standby", "leaving")
 MAX_LINKS = 64  # measurements one record carries; a peer probes a handful of others
 MAX_PLAN_BYTES = 1 << 20
+TTL_HEARTBEATS = 5  # a peer record expires after this many heartbeats without a new one (loaded machines miss some)
 
 
 def peers_key(swarm: str) -> str:

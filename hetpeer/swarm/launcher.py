@@ -54,6 +54,7 @@ class SwarmConfig:
     seed: int = 0
     data: Path | None = None
     stall_s: float = 120.0  # give up when the swarm's step has not moved for this long
+    coordinator_args: tuple[str, ...] = ()  # more `hetpeer coordinator` options, e.g. ("--stages", "2")
 
     def __post_init__(self) -> None:
         if self.peers < 1 or self.steps < 1:
@@ -152,6 +153,7 @@ class LocalSwarm:
             "--api", self.api_address, "--heartbeat", repr(c.heartbeat_s), "--replan-interval", repr(c.replan_interval_s),
             "--model", c.model, "--batch", str(c.batch), "--micro-batch", str(c.micro_batch), "--dtype", c.dtype,
             "--time-budget", repr(c.time_budget_s), "--seed", str(c.seed), "--min-peers", str(min(2, c.peers)),
+            *c.coordinator_args,
         ]
         alive = [self.peer_maddrs[i] for i, p in enumerate(self.peers) if p.alive and i in self.peer_maddrs]
         if alive:  # a restarted coordinator finds the swarm through its peers

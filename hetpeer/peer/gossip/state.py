@@ -198,7 +198,7 @@ def fetch_state(
 
 def _missing(chunk: tuple[int, int, int, tuple[str, ...]]) -> str:
     k, lo, length, holders = chunk
-    return f"no donor ({', '.join(holders)}) sent tensor {k} [{lo}, {lo + length})"
+    return f"no donor ({', '.join(holders)}) sent state tensor {k} [{lo}, {lo + length})"
 
 
 def _describe(
@@ -214,20 +214,23 @@ def _describe(
         except PeerUnreachable as error:
             log.info("%s: %s cannot be asked for state: %s", server.device_id, donor, error)
     held: dict[str, tuple[int, int, int, int]] = {}
-    wait_s = timeout_s
+    until = time.monotonic() + timeout_s  # one deadline for all: dead donors do not add up
     for i, donor in enumerate(donors):
         try:
-            adam_step, lo, hi, step, count = (int(v) for v in transport.recv("state", donor, request, base + i, wait_s))
+            answer = transport.recv("state", donor, request, base + i, max(0.0, until - time.monotonic()))
         except TransportTimeout:
             continue
-        wait_s = OTHERS_WAIT_S
+        adam_step, lo, hi, step, count = (int(v) for v in answer)
+        if not held:
+            until = time.monotonic() + OTHERS_WAIT_S
         if hi > lo and count == tensors and adam_step >= 0 and step >= 0:
             held[donor] = (adam_step, lo, hi, step)
         elif hi > lo:
             log.info("%s: %s holds %d state tensors, this peer %d; not asked", server.device_id, donor, count, tensors)
     if not held:
         raise StateDownloadError(
-            f"{server.device_id}: no donor ({', '.join(donors)}) described parameters [{start}, {end}) within {timeout_s:g} s"
+            f"{server.device_id}: no donor ({', '.join(donors)}) described its state of parameters [{start}, {end}) "
+            f"within {timeout_s:g} s"
         )
     return held
 

@@ -1,0 +1,235 @@
+"""The coordinator's gRPC API on 127.0.0.1: a real server and client, the progress figures, the failures."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+
+from hetpeer.coordinator.api import (
+    ApiClient, ApiError, ApiServer, Progress, SwarmView, progress, render_status, status_json,
+)
+from hetpeer.protocol import swarm_pb2
+from hetpeer.protocol.addresses import PeerAddress
+from hetpeer.protocol.plan import Plan
+from hetpeer.protocol.records import LinkMeasurement, PeerRecord
+
+NOW = 1000.0
+
+
+def make_plan() -> Plan:
+    """2 stages x 2 lanes over 6 layers; e on standby."""
+    return Plan.from_wire({
+        "version": 1, "epoch": 3, "start_step": 100, "cost_model": "time", "model": "tiny", "layers": 6,
+        "batch": 8, "micro_batch": 1, "micro_batches": 4, "dtype": "fp16",
+        "stages": [
+            {"index": 0, "layer_start": 0, "layer_end": 4, "devices": ["a", "b"], "sync": "allreduce"},
+            {"index": 1, "layer_start": 4, "layer_end": 6, "devices": ["c", "d"], "sync": "gossip"},
+        ],
+        "standby": ["e"],
+        "cost": {"total_s": 1.5, "sync_s": 0.25},
+    })
+
+
+def record(device: str, state: str = "training", **kw) -> PeerRecord:
+    base = dict(
+        device_id=device, model="tiny", dtype="fp16", device_name=f"GPU {device}", tflops=10.0, memory_bytes=1 << 30,
+        address=PeerAddress(
+            direct=("127.0.0.1", 7000 + ord(device[0])), p2p=(f"/ip4/127.0.0.1/tcp/9000/p2p/Qm{device}",)
+        ),
+        state=state, time=NOW - 2.0, epoch=3, software="hetpeer 0.1.0",
+    )
+    base.update(kw)
+    return PeerRecord(**base)
+
+
+def make_peers() -> dict[str, PeerRecord]:
+    peers = [
+        record("a", layers=(0, 4), step=105, tokens_per_s=0.0,
+               links={"b": LinkMeasurement(0.001, 1e9), "c": LinkMeasurement(0.05, 1.25e7)}),
+        record("b", layers=(0, 4), step=104),
+        record("c", layers=(4, 6), step=105, loss=2.0, tokens_per_s=300.0, time=NOW - 7.5),
+        record("d", layers=(4, 6), step=103, loss=3.0, tokens_per_s=200.0),
+        # On standby, still announcing its last lane's figures: counted by state, not for throughput.
+        record("e", state="standby", layers=(4, 6), step=999, loss=9.0, tokens_per_s=1000.0),
+        record("f", state="fetching", step=0, address=PeerAddress(direct=("127.0.0.1", 7777))),
+    ]
+    return {r.device_id: r for r in peers}
+
+
+def view(plan: Plan | None = None, peers=None) -> SwarmView:
+    return SwarmView(
+        swarm="demo", coordinator_key="ab" * 32, plan=plan, plan_time=990.0 if plan else None,
+        peers=make_peers() if peers is None else peers, dropped=2, now=NOW,
+    )
+
+
+@pytest.fixture
+def serve():
+    servers = []
+
+    def start(get_view, cls=ApiServer) -> ApiServer:
+        server = cls(get_view)
+        server.start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.shutdown(0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- the pure figures -------------------------------------------------------------------------------
+
+
+def test_progress_counts_the_last_stage_of_the_plan():
+    p = progress(view(make_plan()))
+    assert p == Progress(
+        swarm="demo", coordinator_key="ab" * 32, epoch=3, step=105, loss=2.5, tokens_per_s=500.0,
+        peers_by_state={"fetching": 1, "standby": 1, "training": 4}, dropped=2,
+    )
+
+
+def test_progress_without_a_plan_or_a_last_stage_loss():
+    p = progress(view(None))
+    assert (p.epoch, p.step, p.loss, p.tokens_per_s) == (-1, 105, None, 0.0)
+    peers = make_peers()
+    peers = {d: r for d, r in peers.items() if d not in ("c", "d")}  # the last stage is gone
+    p = progress(view(make_plan(), peers))
+    assert (p.loss, p.tokens_per_s, p.step) == (None, 0.0, 105)
+    assert progress(view(make_plan(), {})).step == 0
+
+
+def test_progress_mean_loss_over_those_that_announce_one():
+    peers = make_peers()
+    peers["d"] = record("d", layers=(4, 6), loss=None, tokens_per_s=50.0)
+    p = progress(view(make_plan(), peers))
+    assert (p.loss, p.tokens_per_s) == (2.0, 350.0)
+
+
+# --- over gRPC ----------------------------------------------------------------------------------------
+
+
+def test_plan_round_trips(serve):
+    plan = make_plan()
+    server = serve(lambda: view(plan))
+    assert server.port > 0 and server.address == f"127.0.0.1:{server.port}"
+    with ApiClient(server.address) as client:
+        got, published = client.call_get_plan()
+    assert got == plan and got.to_wire() == plan.to_wire()
+    assert published == 990.0
+
+
+def test_no_plan(serve):
+    server = serve(lambda: view(None))
+    with ApiClient(server.address) as client:
+        assert client.call_get_plan() == (None, None)
+        assert client.call_get_progress().epoch == -1
+
+
+def test_peers_with_links_and_age(serve):
+    peers = make_peers()
+    server = serve(lambda: view(make_plan(), peers))
+    with ApiClient(server.address) as client:
+        listed = client.call_list_peers()
+    assert [p.record.device_id for p in listed] == sorted(peers)
+    for status in listed:
+        assert status.record == peers[status.record.device_id]
+    by_id = {p.record.device_id: p for p in listed}
+    assert by_id["a"].record.links == {"b": LinkMeasurement(0.001, 1e9), "c": LinkMeasurement(0.05, 1.25e7)}
+    assert by_id["c"].age_s == 7.5 and by_id["a"].age_s == 2.0
+    assert by_id["f"].record.layers is None and by_id["f"].record.address.p2p == ()
+
+
+def test_progress_over_the_wire_matches_the_pure_figures(serve):
+    v = view(make_plan())
+    server = serve(lambda: v)
+    with ApiClient(server.address) as client:
+        assert client.call_get_progress() == progress(v)
+
+
+def test_render_status_and_json(serve):
+    v = view(make_plan())
+    server = serve(lambda: v)
+    with ApiClient(server.address) as client:
+        plan, published = client.call_get_plan()
+        peers = client.call_list_peers()
+        figures = client.call_get_progress()
+    text = render_status(plan, peers, figures, published)
+    for needle in ("swarm demo", "epoch 3", "step 105", "loss 2.5000", "tokens/s 500.0", "2 records dropped",
+                   "GPU c", "s1/l0 [4,6)", "standby", "lane 1: b -> d", "stage 0 layers [0,4) allreduce: a b"):
+        assert needle in text, needle
+    row = next(line for line in text.splitlines() if line.startswith("c "))
+    assert "training" in row and "300.0" in row and "2.0000" in row
+    doc = json.loads(json.dumps(status_json(plan, peers, figures, published)))
+    assert doc["tokens_per_s"] == 500.0 and doc["loss"] == 2.5 and doc["plan"] == make_plan().to_wire()
+    assert [p["device_id"] for p in doc["peers"]] == ["a", "b", "c", "d", "e", "f"]
+    assert "no plan yet" in render_status(None, [], progress(view(None, {})))
+
+
+# --- failures -----------------------------------------------------------------------------------------
+
+
+def test_unreachable_address_fails_fast():
+    address = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    with ApiClient(address, timeout_s=2.0) as client, pytest.raises(ApiError) as error:
+        client.call_get_progress()
+    assert time.monotonic() - started < 3.0
+    message = str(error.value)
+    assert address in message and "cannot reach" in message and "\n" not in message
+
+
+def test_busy_port_is_refused(serve):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(ApiError, match=f"127.0.0.1:{port}"):
+            ApiServer(lambda: view(None), listen=f"127.0.0.1:{port}").start()
+    first = serve(lambda: view(None))
+    with pytest.raises(ApiError, match=first.address):
+        ApiServer(lambda: view(None), listen=first.address).start()
+
+
+class _CorruptPlan(ApiServer):
+    plan_json = "{not json"
+
+    def rpc_get_plan(self, request, context):
+        return swarm_pb2.GetPlanReply(has_plan=True, plan_json=self.plan_json, epoch=3)
+
+
+class _NewerPlan(_CorruptPlan):
+    plan_json = json.dumps({**make_plan().to_wire(), "version": 2})
+
+
+class _BadPeer(ApiServer):
+    def rpc_list_peers(self, request, context):
+        return swarm_pb2.ListPeersReply(peers=[swarm_pb2.Peer(device_id="x", state="training", tflops=float("nan"))])
+
+
+@pytest.mark.parametrize("cls, call", [
+    (_CorruptPlan, "call_get_plan"), (_NewerPlan, "call_get_plan"), (_BadPeer, "call_list_peers"),
+])
+def test_client_refuses_what_does_not_parse(serve, cls, call):
+    server = serve(lambda: view(make_plan()), cls)
+    with ApiClient(server.address) as client, pytest.raises(ApiError, match="does not parse") as error:
+        getattr(client, call)()
+    assert server.address in str(error.value)
+
+
+def test_server_error_becomes_api_error(serve):
+    def broken() -> SwarmView:
+        raise RuntimeError("view lost")
+
+    server = serve(broken)
+    with ApiClient(server.address) as client, pytest.raises(ApiError, match=server.address):
+        client.call_get_plan()

@@ -1,0 +1,161 @@
+"""A real swarm on 127.0.0.1 (a coordinator and four `hetpeer join` processes, 2 stages x 2 lanes) put
+through bad actors and faults, in order: strangers writing to its DHT and its sockets, a peer killed
+and restarted, the coordinator killed and restarted. One swarm for the module: starting one costs
+about 20 s of this machine's two cores.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+from dataclasses import replace
+
+import pytest
+
+from hetpeer.coordinator.api import ApiClient, ApiError
+from hetpeer.peer.launch import free_port
+from hetpeer.protocol.control import ControlPlane, key_digest
+from hetpeer.protocol.records import peers_key
+from hetpeer.swarm.launcher import LocalSwarm, SwarmConfig
+
+pytestmark = pytest.mark.slow
+HEARTBEAT_S = 1.0
+TIMEOUT_S = 120.0
+
+
+def wait_for(condition, what: str, timeout_s: float = TIMEOUT_S, every_s: float = 0.5):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            value = condition()
+        except ApiError:
+            value = None
+        if value:
+            return value
+        time.sleep(every_s)
+    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+
+
+def log_of(swarm: LocalSwarm, name: str) -> str:
+    return (swarm.config.out / f"{name}.log").read_text(errors="replace")
+
+
+def steps_in_log(text: str) -> list[tuple[int, int, float | None]]:
+    """(epoch, step, loss) of every step line a peer printed."""
+    found = []
+    for epoch, step, loss in re.findall(r"^e(\d+) stage \d+ lane \d+ +step (\d+)\S* +loss (\S+)", text, re.M):
+        found.append((int(epoch), int(step), None if loss == "-" else float(loss)))
+    return found
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory):
+    out = tmp_path_factory.mktemp("swarm")
+    config = SwarmConfig(
+        out=out, peers=4, steps=100_000, heartbeat_s=HEARTBEAT_S, replan_interval_s=3600, timeout_s=5.0,
+        mix_deadline_s=2.0, time_budget_s=1.0, coordinator_args=("--stages", "2", "--gain", "0"),
+    )
+    lines: list[str] = []
+    running = LocalSwarm(config, lines.append, free_port())
+    running.lines = lines
+    try:
+        running.start()
+        with ApiClient(running.api_address) as client:
+            running.client = client
+            wait_for(lambda: client.call_get_progress().step >= 3, "the swarm's first steps")
+            yield running
+    finally:
+        running.shutdown()
+        for process in [running.coordinator, *running.peers]:
+            assert process is None or not process.alive
+
+
+def test_strangers_are_refused_with_a_reason_and_nothing_else_changes(swarm, tmp_path):
+    client = swarm.client
+    plan, _ = client.call_get_plan()
+    victim = plan.stages[0].devices[0]
+    stranger = ControlPlane(swarm.config.swarm, tmp_path / "stranger.key", swarm.dht_maddrs[:1]).start()
+    try:
+        # a plan signed by another key, with a far higher epoch
+        forged_plan = replace(plan, epoch=999)
+        assert stranger.publish_plan(forged_plan, ttl_s=60)
+        # a record signed by the stranger that claims to be a peer of the plan
+        genuine = next(s.record for s in client.call_list_peers() if s.record.device_id == victim)
+        forged = replace(genuine, time=stranger.now(), state="leaving")
+        assert stranger.announce(forged, ttl_s=60)
+        # a malformed record: the DHT's schema refuses it on every node
+        assert not stranger.store_raw(peers_key(swarm.config.swarm), {"device_id": 7}, 60, subkey=stranger.owner)
+        # garbage on a peer's tensor port
+        host, port = genuine.address.direct
+        with socket.create_connection((host, port), timeout=5) as sock:
+            sock.sendall(os.urandom(4096))
+            time.sleep(0.2)
+
+        stranger_key = key_digest(stranger.public_key)[:16]
+        wait_for(lambda: f"signed by another key ({stranger_key}" in log_of(swarm, "coordinator"), "the coordinator to log the plan")
+        wait_for(lambda: f"dropped a peer record signed by {stranger.fingerprint}" in log_of(swarm, "coordinator"),
+                 "the coordinator to log the forged record")
+        assert "not bound to the key that signed it" in log_of(swarm, "coordinator")
+        wait_for(lambda: all(f"ignored plan epoch 999 signed by key {stranger_key}" in log_of(swarm, f"peer{i}") for i in range(4)),
+                 "every peer to ignore the stranger's plan")
+        wait_for(lambda: any("garbage on the stream" in log_of(swarm, f"peer{i}") for i in range(4)), "the garbage to be refused")
+        before = client.call_get_progress()
+        wait_for(lambda: client.call_get_progress().step >= before.step + 3, "training to go on")
+        after_plan, _ = client.call_get_plan()
+        assert after_plan.epoch == plan.epoch  # nothing republished: the forged "leaving" did not break the plan
+        statuses = {s.record.device_id: s.record for s in client.call_list_peers()}
+        assert statuses[victim].state == "training"
+    finally:
+        stranger.shutdown()
+
+
+def test_a_killed_peer_is_replanned_around_and_rejoins_with_its_groups_state(swarm):
+    client = swarm.client
+    plan, _ = client.call_get_plan()
+    victim = plan.stages[1].devices[0]
+    index = next(i for i, d in swarm.device_ids.items() if d == victim)
+    killed_at = time.monotonic()
+    swarm.kill_peer(index)
+    replanned = wait_for(
+        lambda: (p := client.call_get_plan()[0]) and p.epoch > plan.epoch and victim not in p.devices + p.standby and p,
+        "a plan without the killed peer",
+    )
+    detect_s = time.monotonic() - killed_at
+    wait_for(lambda: (g := client.call_get_progress()).epoch == replanned.epoch and g.step >= replanned.start_step + 5,
+             "the survivors to train under the new plan")
+    survivors = [i for i, d in swarm.device_ids.items() if d in replanned.devices]
+    losses = [loss for i in survivors for e, _, loss in steps_in_log(log_of(swarm, f"peer{i}")) if loss is not None]
+    first = [loss for i in survivors for e, _, loss in steps_in_log(log_of(swarm, f"peer{i}"))[:3] if loss is not None]
+    assert losses and first and min(losses[-3:]) < max(first)  # the loss keeps falling past the fault
+    assert detect_s < 60
+
+    swarm.start_peer(index)
+    back = wait_for(
+        lambda: (p := client.call_get_plan()[0]) and p.epoch > replanned.epoch and victim in p.devices and p,
+        "a plan with the restarted peer back in it",
+    )
+    assert swarm.device_ids[index] == victim  # same key file: the same peer
+    wait_for(lambda: any(e == back.epoch for e, _, _ in steps_in_log(log_of(swarm, f"peer{index}"))),
+             "the restarted peer to train again")
+    assert re.search(r"downloaded [\d.]+ MiB of state in \d+ chunk\(s\) from", log_of(swarm, f"peer{index}"))
+
+
+def test_training_goes_on_without_the_coordinator_and_a_restarted_one_keeps_the_plan(swarm):
+    client = swarm.client
+    plan, _ = client.call_get_plan()
+    swarm.kill_coordinator()
+    peer_log = f"peer{next(i for i, d in swarm.device_ids.items() if d in plan.devices)}"
+    at_kill = max(step for _, step, _ in steps_in_log(log_of(swarm, peer_log)))
+    wait_for(lambda: max(step for _, step, _ in steps_in_log(log_of(swarm, peer_log))) >= at_kill + 5,
+             "training to go on while the coordinator is down")
+    swarm.start_coordinator()
+    wait_for(lambda: client.call_get_plan()[0] is not None, "the restarted coordinator's API")
+    wait_for(lambda: "running plan from the DHT: epoch" in log_of(swarm, "coordinator"), "the restarted coordinator to read the plan")
+    time.sleep(8 * HEARTBEAT_S)  # several rounds: it must not publish without cause
+    kept, _ = client.call_get_plan()
+    assert kept.epoch == plan.epoch and kept.stages == plan.stages
+    assert f"running plan from the DHT: epoch {plan.epoch}" in log_of(swarm, "coordinator")
+    progress = client.call_get_progress()
+    wait_for(lambda: client.call_get_progress().step >= progress.step + 3, "training to go on")

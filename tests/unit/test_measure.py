@@ -1,0 +1,328 @@
+"""What a peer measures: an emulated slower accelerator is that much slower, whom it probes, and its links
+to other peers over the in-process transport (bounded in time and bytes; a silent or lying peer cannot
+stall or fool it); and the machine profile it announces."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from in_threads import outcomes
+from hetpeer.peer.measure import (
+    DATA,
+    DATA_ACK,
+    PING,
+    PONG,
+    LinkProber,
+    MachineProfile,
+    ProbeError,
+    Slowdown,
+    pick_targets,
+    profile_machine,
+)
+from hetpeer.peer.transport import MemoryHub, MemoryTransport
+from hetpeer.peer.transport.inbox import Late
+from hetpeer.protocol.frame import FrameHeader
+from hetpeer.protocol.workload import preset
+
+WORK_S = 0.05
+REAL_SLEEP = time.sleep  # the work inside a block sleeps with this; `sleeps` records only what Slowdown adds
+
+# Wall-clock bounds below are lower bounds (a busy machine only adds time) or hang guards.
+
+
+@pytest.fixture
+def sleeps(monkeypatch):
+    """(thread name, seconds) of every time.sleep a Slowdown takes."""
+    recorded: list[tuple[str, float]] = []
+
+    def sleep(seconds: float) -> None:
+        recorded.append((threading.current_thread().name, seconds))
+        REAL_SLEEP(seconds)
+
+    monkeypatch.setattr(time, "sleep", sleep)
+    return recorded
+
+
+def timed(slowdown: Slowdown, work_s: float = WORK_S) -> float:
+    started = time.perf_counter()
+    with slowdown:
+        REAL_SLEEP(work_s)
+    return time.perf_counter() - started
+
+
+def test_a_slowdown_of_one_adds_nothing(sleeps):
+    assert WORK_S <= timed(Slowdown(1)) < 5.0
+    assert timed(Slowdown(1.0), 0.0) < 5.0
+    assert sleeps == []
+
+
+def test_a_slowdown_of_three_makes_a_block_take_about_three_times_as_long(sleeps):
+    slowdown = Slowdown(3)
+    for _ in range(2):  # reusable
+        total_s = timed(slowdown)
+        [(_, slept_s)] = sleeps
+        sleeps.clear()
+        # it sleeps twice what the block took: at least twice the work, at most twice what was left of the total
+        assert 2 * WORK_S <= slept_s <= 2 * (total_s - slept_s) + 1e-6
+        assert 3 * WORK_S <= total_s < 5.0
+
+
+def test_a_slowdown_times_each_threads_blocks_on_their_own(sleeps):
+    slowdown = Slowdown(3)
+
+    def later() -> float:
+        REAL_SLEEP(0.05)
+        return timed(slowdown, 0.3)
+
+    # the first block starts before the second and ends inside it: one shared stack would mix their starts
+    first, second = outcomes([lambda: timed(slowdown, 0.1), later], 10.0)
+    slept = dict(sleeps)
+    assert len(slept) == 2 and len(set(slept.values())) == 2
+    short_s, long_s = sorted(slept.values())
+    assert 0.2 <= short_s < long_s and long_s >= 0.6
+    assert first >= 0.3 and second >= 0.9
+
+
+def test_a_slowdown_also_delays_a_block_that_raises(sleeps):
+    slowdown = Slowdown(3)
+    started = time.perf_counter()
+    with pytest.raises(KeyError):
+        with slowdown:
+            REAL_SLEEP(WORK_S)
+            raise KeyError("boom")
+    assert time.perf_counter() - started >= 3 * WORK_S
+    assert len(sleeps) == 1 and sleeps[0][1] >= 2 * WORK_S
+
+
+@pytest.mark.parametrize("factor", [0.5, 0, -2, math.nan, math.inf])
+def test_an_invalid_slowdown_factor_is_a_value_error(factor):
+    with pytest.raises(ValueError, match="slowdown factor"):
+        Slowdown(factor)
+
+
+# -- pick_targets -----------------------------------------------------------------------------------
+
+KNOWN = [f"p{i}" for i in range(20)]
+
+
+def test_preferred_peers_come_first_in_order_and_never_me():
+    chosen = pick_targets("p0", KNOWN, ["p5", "p0", "p3", "p5", "outsider"], 6, np.random.default_rng(0))
+    assert chosen[:3] == ["p5", "p3", "outsider"]
+    assert len(chosen) == 6 == len(set(chosen)) and "p0" not in chosen
+    assert set(chosen[3:]) <= set(KNOWN) - {"p0", "p5", "p3"}
+
+
+def test_k_bounds_the_targets():
+    rng = np.random.default_rng(1)
+    assert pick_targets("p0", KNOWN, ["p9", "p8", "p7"], 2, rng) == ["p9", "p8"]
+    assert pick_targets("p0", KNOWN, ["p9"], 0, rng) == []
+    everyone = pick_targets("p0", KNOWN + ["p0"], [], 100, rng)
+    assert sorted(everyone) == sorted(KNOWN[1:])
+    assert pick_targets("p0", ["p0"], [], 3, rng) == []
+    with pytest.raises(ValueError, match="k must not be negative, got -1"):
+        pick_targets("p0", KNOWN, [], -1, rng)
+
+
+def test_the_same_seed_picks_the_same_targets_whatever_the_order_given():
+    shuffled = list(reversed(KNOWN))
+    first = pick_targets("p3", KNOWN, ["p1"], 5, np.random.default_rng(42))
+    assert pick_targets("p3", shuffled, ["p1"], 5, np.random.default_rng(42)) == first
+    samples = {tuple(pick_targets("p3", KNOWN, [], 5, np.random.default_rng(seed))) for seed in range(10)}
+    assert len(samples) > 1  # the seed matters
+    rng = np.random.default_rng(7)
+    before = rng.bit_generator.state
+    pick_targets("p3", KNOWN, ["p1", "p2", "p4", "p5", "p6"], 5, rng)
+    assert rng.bit_generator.state == before  # no draw when the preferred peers fill k
+
+
+# -- LinkProber -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def swarm():
+    """Probers "a", "b" and "c" on one hub, each transport screening with its prober's `accept`."""
+    hub = MemoryHub()
+    probers = {}
+    for name in "abc":
+        transport = MemoryTransport(name, hub)
+        prober = LinkProber(transport, name, max_probe_bytes=256 << 10)
+        transport.set_policy(prober.accept)
+        transport.start()
+        prober.install()
+        probers[name] = prober
+    yield hub, probers
+    for prober in probers.values():
+        prober.uninstall()
+        prober.transport.shutdown()
+
+
+def assert_sane(link, budget_s: float, elapsed_s: float) -> None:
+    assert math.isfinite(link.latency_s) and 0 < link.latency_s < budget_s
+    assert math.isfinite(link.bandwidth_bytes_per_s) and link.bandwidth_bytes_per_s > 0
+    assert elapsed_s < budget_s + 2.0  # the budget bounds waiting; a busy machine adds some work
+
+
+@pytest.mark.parametrize("budget_bytes", [1 << 20, 1000, 4])
+def test_a_link_is_measured_within_its_budgets(swarm, budget_bytes):
+    _, probers = swarm
+    started = time.perf_counter()
+    link = probers["a"].measure("b", budget_bytes=budget_bytes, budget_s=2.0)
+    assert_sane(link, 2.0, time.perf_counter() - started)
+    assert not probers["a"].transport.inbox.rejections and not probers["b"].transport.inbox.rejections
+
+
+def test_peers_probing_each_other_at_once_get_their_own_replies(swarm):
+    _, probers = swarm
+    a, b, c = probers["a"], probers["b"], probers["c"]
+    results = outcomes([lambda: a.measure("b"), lambda: a.measure("c"), lambda: b.measure("a"), lambda: c.measure("a")], 20.0)
+    for link in results:
+        assert not isinstance(link, BaseException), link
+        assert_sane(link, 2.0, 0.0)
+    assert all(not p.transport.inbox.misbehaving for p in probers.values())
+
+
+def test_a_peer_cannot_probe_itself_or_with_no_budget(swarm):
+    _, probers = swarm
+    with pytest.raises(ValueError, match="a cannot probe itself"):
+        probers["a"].measure("a")
+    for bad in (dict(budget_bytes=3), dict(budget_s=0.0), dict(budget_s=math.nan), dict(pings=0)):
+        with pytest.raises(ValueError, match="need budget_bytes"):
+            probers["a"].measure("b", **bad)
+    with pytest.raises(ValueError, match="max_probe_bytes"):
+        LinkProber(probers["a"].transport, "a", max_probe_bytes=3)
+
+
+def test_a_peer_that_does_not_answer_is_a_probe_error_within_the_budget(swarm):
+    _, probers = swarm
+    probers["b"].uninstall()  # b is up but no longer answers probes
+    started = time.perf_counter()
+    with pytest.raises(ProbeError, match="a: b did not answer probe \\d+ within 0.3 s"):
+        probers["a"].measure("b", budget_s=0.3)
+    assert 0.3 <= time.perf_counter() - started < 3.0
+    assert probers["a"]._replies == {}  # nothing left waiting
+
+
+def test_an_unreachable_peer_is_a_probe_error_at_once(swarm):
+    hub, probers = swarm
+    hub.unplug("c")
+    started = time.perf_counter()
+    with pytest.raises(ProbeError, match="a: cannot probe c"):
+        probers["a"].measure("c", budget_s=5.0)
+    with pytest.raises(ProbeError, match="cannot probe nobody"):
+        probers["a"].measure("nobody", budget_s=5.0)
+    assert time.perf_counter() - started < 3.0  # no waiting for an answer that cannot come
+    assert set(probers["a"].measure_many(["c", "b", "nobody"], budget_s=1.0)) == {"b"}
+
+
+def header(micro: int, n: int = 1, *, kind: str = "probe", dtype: str = "fp32", sender: str = "b", step: int = 1,
+           shape: tuple[int, ...] | None = None) -> FrameHeader:
+    return FrameHeader(kind=kind, dtype=dtype, shape=shape or (n,), sender=sender, step=step, micro=micro)
+
+
+def test_accept_takes_requests_within_limits(swarm):
+    _, probers = swarm
+    a = probers["a"]
+    assert a.accept(header(PING)) is None
+    assert a.accept(header(DATA, (256 << 10) // 4)) is None
+
+
+@pytest.mark.parametrize(
+    "frame, reason",
+    [
+        (dict(micro=PING, kind="activation"), "activation is not a probe frame"),
+        (dict(micro=4), "probe micro 4 is not one of 0-3"),
+        (dict(micro=PING, dtype="fp16"), "probe frames are raw fp32, got fp16"),
+        (dict(micro=PING, dtype="int32"), "raw fp32"),
+        (dict(micro=PING, shape=(1, 1)), "1-D"),
+        (dict(micro=PING, n=2), "probe micro 0 carries 1 to 1 float32s, got 2"),
+        (dict(micro=DATA, n=(256 << 10) // 4 + 1), f"carries 1 to {(256 << 10) // 4} float32s"),
+        (dict(micro=DATA, shape=(0,)), "got 0"),
+        (dict(micro=DATA_ACK, n=2), "carries 1 to 1"),
+    ],
+)
+def test_accept_refuses_what_a_probe_is_not(swarm, frame, reason):
+    _, probers = swarm
+    refusal = probers["a"].accept(header(**frame))
+    assert refusal is not None and reason in refusal
+
+
+def test_an_unsolicited_reply_is_refused_and_counted_but_a_late_one_is_not(swarm):
+    _, probers = swarm
+    a, b = probers["a"], probers["b"]
+    never_sent = a.accept(header(PONG, step=10**12))
+    assert never_sent == "reply to a probe never sent" and not isinstance(never_sent, Late)
+    a.measure("b", budget_bytes=64, budget_s=1.0)  # issues probe ids
+    late = a.accept(header(PONG, step=1))
+    assert isinstance(late, Late)
+    # over the transport: b sends a pong no one asked for, then one to a probe long given up
+    b.transport.send("a", "probe", torch.zeros(1), step=10**12, micro=PONG)
+    b.transport.send("a", "probe", torch.zeros(1), step=1, micro=DATA_ACK)
+    assert a.transport.inbox.misbehaving["b"] == 1
+    assert a.transport.inbox.late == 1
+    assert a._replies == {}
+
+
+def test_a_wrong_reply_does_not_complete_a_probe(swarm):
+    """A reply from another peer, or of the wrong kind, is not the one a probe waits for."""
+    _, probers = swarm
+    a, b, c = probers["a"], probers["b"], probers["c"]
+    b.uninstall()  # b stays silent; c tries to answer for it
+
+    def answer_for_b() -> None:
+        time.sleep(0.1)  # a is waiting for b's pong by now
+        with a._arrived:
+            [(_, probe_id, _)] = a._replies
+        c.transport.send("a", "probe", torch.zeros(1), step=probe_id, micro=PONG)
+
+    results = outcomes([lambda: a.measure("b", budget_s=0.5), answer_for_b], 10.0)
+    assert isinstance(results[0], ProbeError) and results[1] is None
+    assert a.transport.inbox.late == 1  # refused: not the peer it asked
+
+
+# -- the machine ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread: on a busy 2-core machine, two spinning threads make a tiny block's time swing 100x."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_profile_machine_on_cpu_names_the_machine_and_measures_it(one_thread):
+    spec = preset("tiny")
+    profile = profile_machine(spec, micro_batch=1, dtype="fp32", device="cpu", seconds=0.2)
+    assert profile.device_name.startswith("cpu: ") and profile.device_name.endswith("x1")
+    assert math.isfinite(profile.tflops) and profile.tflops > 0
+    assert profile.memory_bytes > 0
+    # Each slowed pass takes 10 times its own work whatever the load, so its best is at most a tenth of the
+    # machine's; a busy machine only lowers the unslowed figure, so the best of a few runs is compared.
+    fast, slowed = [profile.tflops], []
+    for _ in range(3):
+        slowed_profile = profile_machine(spec, micro_batch=1, dtype="fp32", device="cpu", slowdown=10, seconds=0.1)
+        assert slowed_profile.device_name == profile.device_name
+        slowed.append(slowed_profile.tflops)
+        fast.append(profile_machine(spec, micro_batch=1, dtype="fp32", device="cpu", seconds=0.1).tflops)
+    assert 0 < max(slowed) < max(fast) / 2
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(device_name=""), "device_name"),
+        (dict(tflops=math.nan), "tflops"),
+        (dict(tflops=0.0), "tflops"),
+        (dict(memory_bytes=-1), "memory_bytes"),
+    ],
+)
+def test_a_machine_profile_refuses_nonsense(fields, message):
+    with pytest.raises(ValueError, match=message):
+        MachineProfile(**{**dict(device_name="cpu", tflops=1.0, memory_bytes=0), **fields})

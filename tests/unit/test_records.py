@@ -1,0 +1,316 @@
+"""The control plane's records (pure): a peer's announcement and a plan record survive their wire form,
+and every way a stranger's record can be wrong is refused with a SchemaError that names the field."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+
+from hetpeer.protocol.addresses import PeerAddress
+from hetpeer.protocol.plan import Plan, StagePlan
+from hetpeer.protocol.records import (
+    MAX_LINKS,
+    MAX_PLAN_BYTES,
+    PROTOCOL_VERSION,
+    LinkMeasurement,
+    PeerRecord,
+    device_id,
+    fingerprint,
+    owner_key,
+    peers_key,
+    plan_from_wire,
+    plan_key,
+    plan_to_wire,
+)
+from hetpeer.protocol.wire import SchemaError
+
+KEY = b"ssh-rsa AAAAkey-of-the-signer"  # fingerprint() hashes any bytes: no RSA needed here
+OTHER_KEY = b"ssh-rsa AAAAsomeone-else"
+NOW = 1_000_000.0
+MAX_AGE_S = 60.0
+P2P = "/ip4/127.0.0.1/tcp/4001/p2p/QmPeer"
+
+
+def record(**changes) -> PeerRecord:
+    fields = dict(
+        device_id=device_id("gpu0", KEY),
+        model="tiny",
+        dtype="fp16",
+        device_name="NVIDIA H100",
+        tflops=312.5,
+        memory_bytes=80 << 30,
+        address=PeerAddress(direct=("10.0.0.7", 7000), p2p=(P2P,)),
+        state="training",
+        time=NOW - 1.5,
+        epoch=3,
+        layers=(4, 8),
+        step=120,
+        loss=2.75,
+        tokens_per_s=1234.5,
+        links={
+            device_id("gpu1", OTHER_KEY): LinkMeasurement(0.012, 1.25e8),
+            "cpu2-000000000000": LinkMeasurement(0.0, 3.0e6),
+        },
+        software="hetpeer 0.1",
+    )
+    fields.update(changes)
+    return PeerRecord(**fields)
+
+
+def parse(raw, signer: bytes = KEY, now: float = NOW, max_age_s: float = MAX_AGE_S) -> PeerRecord:
+    return PeerRecord.from_wire(raw, signer, now, max_age_s)
+
+
+def wire(**changes) -> dict:
+    raw = record().to_wire()
+    raw.update(changes)
+    return raw
+
+
+def refused(raw, path: str, signer: bytes = KEY, now: float = NOW) -> SchemaError:
+    with pytest.raises(SchemaError) as caught:
+        parse(raw, signer, now)
+    assert caught.value.path == path, str(caught.value)
+    assert str(caught.value).startswith(path + ":")
+    return caught.value
+
+
+# -- keys and identity ------------------------------------------------------------------------------
+
+
+def test_keys_start_with_the_swarm_name():
+    assert peers_key("alpha") == "alpha_peers"
+    assert plan_key("alpha") == "alpha_plan"
+
+
+def test_a_device_id_is_its_name_and_the_fingerprint_of_its_key():
+    assert fingerprint(KEY) != fingerprint(OTHER_KEY)
+    assert len(fingerprint(KEY)) == 12 and int(fingerprint(KEY), 16) >= 0
+    assert device_id("gpu0", KEY) == f"gpu0-{fingerprint(KEY)}"
+    assert device_id("0_a" + "b" * 21, KEY).startswith("0_a")  # 24 characters
+
+
+@pytest.mark.parametrize("name", ["", "GPU0", "-gpu", "_gpu", "gpu-0", "gpu 0", "a" * 25, "gpu0\n", "gpü"])
+def test_a_device_name_outside_the_alphabet_is_a_value_error(name):
+    with pytest.raises(ValueError, match="peer name must be"):
+        device_id(name, KEY)
+
+
+def test_owner_key_reads_the_key_of_a_marker_and_refuses_anything_else():
+    assert owner_key(b"[owner:" + KEY + b"]") == KEY
+    for subkey in (None, "[owner:" + KEY.decode() + "]", KEY, b"[owner:]", b"[owner:" + KEY + b"]x",
+                   b"x[owner:" + KEY + b"]", b"[owner:" + KEY + b"]\n", 7):
+        with pytest.raises(SchemaError, match="not an \\[owner:...\\] marker") as caught:
+            owner_key(subkey)
+        assert caught.value.path == "subkey"
+
+
+# -- peer records -----------------------------------------------------------------------------------
+
+
+def test_a_record_survives_its_wire_form_and_json():
+    sent = record()
+    raw = sent.to_wire()
+    assert parse(raw) == sent
+    assert parse(json.loads(json.dumps(raw))) == sent
+    assert [link["peer"] for link in raw["links"]] == sorted(sent.links)
+
+
+def test_a_minimal_record_survives_its_wire_form():
+    sent = record(address=PeerAddress(p2p=(P2P,)), layers=None, loss=None, links={}, epoch=-1, step=0,
+                  state="probing", tokens_per_s=0.0)
+    raw = sent.to_wire()
+    assert raw["direct"] is None and raw["layers"] is None and raw["loss"] is None
+    assert parse(raw) == sent
+    assert record(time=NOW + MAX_AGE_S).to_wire()["time"] == NOW + MAX_AGE_S
+    assert parse(wire(time=NOW - MAX_AGE_S)).time == NOW - MAX_AGE_S  # the edges of the window are fresh
+
+
+def test_a_record_whose_device_id_is_not_bound_to_its_signer_is_refused():
+    error = refused(wire(), "peer.device_id", signer=OTHER_KEY)
+    assert fingerprint(OTHER_KEY) in str(error) and "not bound" in str(error)
+    # the right fingerprint with a name outside the alphabet, or no name at all
+    for claimed in (f"GPU-{fingerprint(KEY)}", f"-{fingerprint(KEY)}", fingerprint(KEY), f"gpu0\n-{fingerprint(KEY)}"):
+        refused(wire(device_id=claimed), "peer.device_id")
+
+
+def test_a_record_with_an_unknown_state_is_refused():
+    assert "training" in str(refused(wire(state="mining"), "peer.state"))
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("tflops", math.nan), ("tflops", math.inf), ("tflops", -1.0), ("tflops", 0.0),
+        ("tokens_per_s", math.nan), ("tokens_per_s", -0.5), ("tokens_per_s", math.inf),
+        ("loss", math.nan), ("loss", -math.inf),
+        ("time", math.nan), ("time", math.inf), ("time", -1.0),
+        ("memory_bytes", -1), ("step", -3), ("epoch", -2),
+    ],
+)
+def test_a_non_finite_or_negative_number_is_refused_naming_its_field(field, value):
+    error = refused(wire(**{field: value}), f"peer.{field}")
+    assert repr(value) in str(error) or str(value) in str(error)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("latency_s", -0.001), ("latency_s", math.nan), ("latency_s", math.inf),
+     ("bandwidth_bytes_per_s", 0.0), ("bandwidth_bytes_per_s", -5.0), ("bandwidth_bytes_per_s", math.inf),
+     ("bandwidth_bytes_per_s", math.nan)],
+)
+def test_a_bad_link_measurement_is_refused_naming_the_link(field, value):
+    raw = wire()
+    raw["links"][1][field] = value
+    refused(raw, f"peer.links[1].{field}")
+
+
+def test_a_stale_record_and_one_from_the_future_are_refused():
+    stale = refused(wire(time=NOW - MAX_AGE_S - 5), "peer.time")
+    assert "stale" in str(stale) and "65.0 s ago" in str(stale)
+    future = refused(wire(time=NOW + MAX_AGE_S + 5), "peer.time")
+    assert "future" in str(future) and "65.0 s" in str(future)
+
+
+def test_a_record_with_too_many_links_is_refused():
+    links = [{"peer": f"p{i}-000000000000", "latency_s": 0.01, "bandwidth_bytes_per_s": 1e6} for i in range(MAX_LINKS)]
+    assert len(parse(wire(links=links)).links) == MAX_LINKS
+    error = refused(wire(links=links + [dict(links[0], peer="one-more")]), "peer.links")
+    assert str(MAX_LINKS) in str(error)
+
+
+@pytest.mark.parametrize("layers", [[3, 3], [5, 2], [-1, 2], [1], [], [1, 2, 3]])
+def test_bad_layers_are_refused(layers):
+    refused(wire(layers=layers), "peer.layers")
+
+
+def test_another_protocol_version_is_refused():
+    error = refused(wire(version=PROTOCOL_VERSION + 1), "peer.version")
+    assert f"protocol {PROTOCOL_VERSION + 1}" in str(error)
+
+
+@pytest.mark.parametrize(
+    "field, value, path",
+    [
+        ("tflops", 312, "peer.tflops"),  # an int where a float belongs
+        ("time", int(NOW), "peer.time"),
+        ("memory_bytes", float(80 << 30), "peer.memory_bytes"),
+        ("step", True, "peer.step"),  # a bool is not an int
+        ("epoch", "3", "peer.epoch"),
+        ("device_name", b"NVIDIA H100", "peer.device_name"),
+        ("p2p", P2P, "peer.p2p"),
+        ("layers", [4.0, 8.0], "peer.layers.0"),
+        ("loss", "2.75", "peer.loss"),
+        ("links", {"x": 1}, "peer.links"),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_refused_not_converted(field, value, path):
+    refused(wire(**{field: value}), path)
+
+
+def test_a_record_that_parses_only_after_conversion_is_refused():
+    raw = wire(p2p=(P2P,))  # a tuple would parse as a list
+    assert "type conversions" in str(refused(raw, "peer"))
+    raw = wire()
+    raw["links"] = tuple(raw["links"])
+    refused(raw, "peer")
+
+
+def test_extra_and_missing_fields_are_refused():
+    assert "extra fields" in str(refused(wire(admin=True), "peer.admin"))
+    raw = wire()
+    raw["links"][0]["jitter_s"] = 0.1
+    refused(raw, "peer.links.0.jitter_s")
+    raw = wire()
+    del raw["model"]
+    assert "required" in str(refused(raw, "peer.model"))
+    raw = wire()
+    del raw["layers"]  # optional in type, but not to be left out: the DHT's schema check would refuse it
+    refused(raw, "peer")
+
+
+@pytest.mark.parametrize("raw", [None, [], "record", 7, b"\x00"])
+def test_a_record_that_is_not_an_object_is_refused(raw):
+    with pytest.raises(SchemaError, match="^peer"):
+        parse(raw)
+
+
+def test_a_bad_address_is_refused():
+    refused(wire(direct="no-port"), "peer.address.direct")
+    refused(wire(p2p=["/ip4/1.2.3.4/tcp/1"]), "peer.address.p2p[0]")
+    refused(wire(direct=None, p2p=[]), "peer.address")
+
+
+def test_parsing_does_not_change_the_raw_record():
+    raw = wire()
+    kept = copy.deepcopy(raw)
+    parse(raw)
+    with pytest.raises(SchemaError):
+        parse(raw, signer=OTHER_KEY)
+    assert raw == kept
+
+
+# -- plan records -----------------------------------------------------------------------------------
+
+
+def small_plan(epoch: int = 2) -> Plan:
+    stages = (StagePlan(0, 0, 2, ("a-1", "b-2"), "gossip"), StagePlan(1, 2, 4, ("c-3", "d-4"), "allreduce"))
+    return Plan("time", "tiny", 4, 8, 2, 2, "fp32", stages, standby=("e-5",), cost={"total_s": 1.5}, epoch=epoch)
+
+
+def test_a_plan_record_survives_its_wire_form():
+    plan = small_plan()
+    raw = plan_to_wire(plan, NOW)
+    assert set(raw) == {"plan", "time"} and isinstance(raw["plan"], str)
+    assert plan_from_wire(raw) == (plan, NOW)
+    assert plan_from_wire(json.loads(json.dumps(raw))) == (plan, NOW)
+
+
+def test_a_plan_record_of_the_wrong_shape_is_refused():
+    raw = plan_to_wire(small_plan(), NOW)
+    cases = [
+        (dict(raw, time=int(NOW)), "plan_record.time"),
+        (dict(raw, plan=json.loads(raw["plan"])), "plan_record.plan"),  # an object, not JSON text
+        (dict(raw, signer="me"), "plan_record.signer"),
+        ({"plan": raw["plan"]}, "plan_record.time"),
+        (None, "plan_record.__root__"),
+    ]
+    for bad, path in cases:
+        with pytest.raises(SchemaError) as caught:
+            plan_from_wire(bad)
+        assert caught.value.path == path, str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["{not json", "", "[" * 100_000, "1" * 5_000,
+     json.dumps(small_plan().to_wire()).replace('"total_s": 1.5', '"total_s": ' + "9" * 400)],
+    ids=["broken", "empty", "deep", "long-int", "huge-int"],
+)
+def test_plan_text_that_is_not_json_is_refused(text):
+    with pytest.raises(SchemaError) as caught:
+        plan_from_wire({"plan": text, "time": NOW})
+    assert caught.value.path.startswith("plan"), str(caught.value)
+
+
+def test_a_plan_too_big_is_refused_before_it_is_parsed():
+    text = json.dumps(small_plan().to_wire())
+    padded = text[:-1] + ', "pad": "' + "x" * MAX_PLAN_BYTES + '"}'
+    with pytest.raises(SchemaError, match=f"at most {MAX_PLAN_BYTES}") as caught:
+        plan_from_wire({"plan": padded, "time": NOW})
+    assert caught.value.path == "plan_record.plan"
+
+
+def test_a_plan_that_breaks_its_own_rules_is_refused():
+    wire_plan = small_plan().to_wire()
+    wire_plan["stages"][1]["devices"] = ["a-1", "d-4"]  # a device twice
+    with pytest.raises(SchemaError, match="appears more than once") as caught:
+        plan_from_wire({"plan": json.dumps(wire_plan), "time": NOW})
+    assert caught.value.path == "plan.stages[1].devices"
+    wire_plan = small_plan().to_wire()
+    wire_plan["version"] = 99
+    with pytest.raises(SchemaError, match="plan.version"):
+        plan_from_wire({"plan": json.dumps(wire_plan), "time": NOW})
