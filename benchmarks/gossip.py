@@ -36,7 +36,7 @@ from hetpeer.peer.data.corpus import Corpus
 from hetpeer.peer.gossip.adam import AdamConfig
 from hetpeer.peer.gossip.flat import FlatParams
 from hetpeer.peer.gossip.group import GroupSync, SyncConfig
-from hetpeer.peer.gossip.state import fetch_state
+from hetpeer.peer.gossip.state import StateServer, fetch_state
 from hetpeer.peer.launch import free_port
 from hetpeer.peer.model.gpt import build_stage
 from hetpeer.peer.pipeline.worker import StageWorker, WorkerConfig
@@ -159,14 +159,18 @@ def part_download(args: argparse.Namespace) -> bool:
     book = AddressBook({d: PeerAddress(direct=("127.0.0.1", free_port())) for d in devices})
     plan = Plan("time", "small", spec.layers, 20, 4, 1, "fp32", (StagePlan(0, 0, spec.layers, tuple(devices), "gossip"),))
     rate = args.donor_mbit * 1e6 / 8
-    syncs, transports = [], []
+    syncs, servers, transports = [], [], []
     for i, device in enumerate(devices):
         transport = NetworkTransport(device, book, [TcpLink(*book.get(device).direct)],
                                      rate_limit_bytes_per_s=rate if i else None)
+        server = StateServer(transport, device, known=lambda d: d in devices)
+        transport.set_policy(lambda header, index=i: (servers[index].accept(header) if header.kind in ("state_request", "state")
+                                                      else syncs[index].accept(header)))
         transport.start()
-        transport.set_policy(lambda header, sync_index=i: syncs[sync_index].accept(header))
         flat = FlatParams(build_stage(spec, 0, spec.layers, seed=i))
         syncs.append(GroupSync(plan, device, transport, flat, AdamConfig(), SyncConfig(chunk_bytes=4 << 20)))
+        server.hold(syncs[-1], *spec.param_range(0, spec.layers))  # the whole model: [0, size)
+        servers.append(server)
         transports.append(transport)
     state_bytes = 4 * syncs[0].flat.size * len(syncs[0].state_tensors())
     print(f"\ndownload: the small stage's state ({state_bytes / 1e6:.0f} MB: parameters and Adam moments) over TCP, "
@@ -174,7 +178,7 @@ def part_download(args: argparse.Namespace) -> bool:
     try:
         base = None
         for donors in (1, 2, 4):
-            download = fetch_state(syncs[0], devices[1 : 1 + donors], timeout_s=600)
+            download = fetch_state(servers[0], syncs[0], 0, syncs[0].flat.size, devices[1 : 1 + donors], timeout_s=600)
             base = base or download.seconds
             print(f"  {donors} donor(s): {download.seconds:6.2f} s  {download.bytes * 8 / download.seconds / 1e6:7.0f} Mbit/s"
                   f"  speed-up {base / download.seconds:4.2f}x")

@@ -11,6 +11,7 @@ import signal
 import sys
 import tempfile
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 from hetpeer.protocol.workload import PRESETS
@@ -41,6 +42,8 @@ def add_join_swarm_options(join: argparse.ArgumentParser) -> None:
     swarm.add_argument("--announce-host", metavar="HOST", help="the host other peers should dial for tensors (default: the --listen host)")
     swarm.add_argument("--dht-listen", default="/ip4/127.0.0.1/tcp/0", metavar="MADDR",
                        help="where this peer's DHT node listens (default /ip4/127.0.0.1/tcp/0)")
+    swarm.add_argument("--dht-announce", nargs="+", default=[], metavar="MADDR",
+                       help="DHT multiaddrs others should dial, when they differ from --dht-listen (NAT, containers)")
     swarm.add_argument("--model", choices=sorted(PRESETS), default="tiny", help="the model the swarm trains (default tiny)")
     swarm.add_argument("--dtype", choices=SWARM_DTYPES, default="fp32", help="training dtype (default fp32)")
     swarm.add_argument("--heartbeat", type=cli._positive_float, default=2.0, metavar="SECONDS",
@@ -69,6 +72,8 @@ def add_commands(commands) -> None:
     coordinator.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR", help="DHT multiaddrs of peers already in the swarm")
     coordinator.add_argument("--host-maddr", default="/ip4/127.0.0.1/tcp/0", metavar="MADDR",
                              help="where the coordinator's DHT node listens (default /ip4/127.0.0.1/tcp/0)")
+    coordinator.add_argument("--announce-maddr", nargs="+", default=[], metavar="MADDR",
+                             help="DHT multiaddrs peers should dial, when they differ from --host-maddr (NAT, containers)")
     coordinator.add_argument("--api", default="127.0.0.1:0", metavar="HOST:PORT",
                              help="where to serve the gRPC API (default 127.0.0.1 on a free port; 'off' for none)")
     coordinator.add_argument("--model", choices=sorted(PRESETS), default="tiny", help="model preset (default tiny)")
@@ -146,16 +151,16 @@ def run_swarm_join(args: argparse.Namespace) -> int:
             worker=_replace_slowdown(cli._worker_config(args), args.slowdown), initial_peers=tuple(args.initial_peers),
             model=args.model, dtype=args.dtype,
             listen=cli._host_port(args.listen) if args.listen else ("127.0.0.1", 0), announce_host=args.announce_host,
-            dht_maddrs=(args.dht_listen,), heartbeat_s=args.heartbeat, probe_targets=args.probe_targets, steps=args.steps,
+            dht_maddrs=(args.dht_listen,), dht_announce=tuple(args.dht_announce), heartbeat_s=args.heartbeat, probe_targets=args.probe_targets, steps=args.steps,
             data=str(args.data) if args.data else None, threads=args.threads, bandwidth_cap_mbit=args.bandwidth_cap,
         )
         from hetpeer.protocol.records import NAME_RE
 
         if not NAME_RE.match(args.name):
             raise ValueError(f"--name must be 1-24 of a-z, 0-9 and _, got {args.name!r}")
+        peer = SwarmPeer(config, cli._say)  # checks the swarm name
     except ValueError as error:
         raise cli.UserError(str(error)) from None
-    peer = SwarmPeer(config, cli._say)
     _stop_on_sigterm()
     try:
         peer.start()
@@ -170,8 +175,6 @@ def run_swarm_join(args: argparse.Namespace) -> int:
 
 
 def _replace_slowdown(worker, slowdown: float):
-    from dataclasses import replace
-
     return replace(worker, slowdown=slowdown)
 
 
@@ -185,14 +188,14 @@ def run_coordinator(args: argparse.Namespace) -> int:
     try:
         config = CoordinatorConfig(
             swarm=args.swarm, home=_home(args.home, f"coordinator-{args.swarm}"), initial_peers=tuple(args.initial_peers),
-            dht_maddrs=(args.host_maddr,), api_listen=None if args.api == "off" else args.api, model=args.model,
+            dht_maddrs=(args.host_maddr,), dht_announce=tuple(args.announce_maddr), api_listen=None if args.api == "off" else args.api, model=args.model,
             batch=args.batch, micro_batch=args.micro_batch, dtype=args.dtype, heartbeat_s=args.heartbeat,
             replan_interval_s=args.replan_interval, min_peers=args.min_peers, gain=args.gain,
             time_budget_s=args.time_budget, stages=args.stages, group_size=args.group_size, seed=args.seed,
         )
+        coordinator = Coordinator(config, cli._say)  # checks the swarm name
     except ValueError as error:
         raise cli.UserError(str(error)) from None
-    coordinator = Coordinator(config, cli._say)
     _stop_on_sigterm()
     try:
         coordinator.start()
@@ -230,16 +233,17 @@ def run_swarm(args: argparse.Namespace) -> int:
     from hetpeer.swarm.launcher import LocalSwarm, SwarmConfig, SwarmError, parse_per_peer
     from hetpeer.swarm.report import write_report
 
-    out = args.out or Path(tempfile.mkdtemp(prefix="hetpeer-swarm-"))
     try:
         config = SwarmConfig(
-            out=out, peers=args.peers, steps=args.steps,
+            out=args.out or Path("."), peers=args.peers, steps=args.steps,
             slowdowns=parse_per_peer(args.slowdowns, args.peers, "--slowdowns"),
             bandwidth_caps=parse_per_peer(args.bandwidth_caps, args.peers, "--bandwidth-caps", none_value="none"),
             heartbeat_s=args.heartbeat, replan_interval_s=args.replan_interval, lr=args.lr, seed=args.seed, data=args.data,
         )
     except ValueError as error:
         raise cli.UserError(str(error)) from None
+    out = args.out or Path(tempfile.mkdtemp(prefix="hetpeer-swarm-"))
+    config = replace(config, out=out)
     lock = threading.Lock()
 
     def echo(line: str) -> None:
@@ -249,6 +253,7 @@ def run_swarm(args: argparse.Namespace) -> int:
 
     print(f"a swarm of {config.peers} peers and a coordinator on this machine; logs and report in {out}", flush=True)
     swarm = LocalSwarm(config, echo, free_port())
+    _stop_on_sigterm()
     try:
         swarm.start()
         report = swarm.run(status=lambda line: echo(f"[swarm] {line}"))

@@ -36,6 +36,7 @@ class CoordinatorConfig:
     home: Path  # keeps the coordinator's key: peers trust plans signed by it
     initial_peers: tuple[str, ...] = ()
     dht_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    dht_announce: tuple[str, ...] = ()  # DHT multiaddrs peers should dial, when they differ from dht_maddrs
     api_listen: str | None = "127.0.0.1:0"  # None: no gRPC API
     model: str = "tiny"
     batch: int = 16
@@ -67,7 +68,10 @@ class CoordinatorConfig:
 class Coordinator:
     def __init__(self, config: CoordinatorConfig, report: Callable[[str], None]) -> None:
         self.config, self.report = config, report
-        self.control = ControlPlane(config.swarm, config.home / "coordinator.key", config.initial_peers, config.dht_maddrs)
+        self.control = ControlPlane(
+            config.swarm, config.home / "coordinator.key", config.initial_peers, config.dht_maddrs, config.dht_announce,
+            identity_path=config.home / "dht.key",
+        )
         self.planner = PlannerConfig(
             cost_model="time", stages=config.stages, group_size=config.group_size, time_budget_s=config.time_budget_s
         )

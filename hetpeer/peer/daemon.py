@@ -45,6 +45,7 @@ from hetpeer.protocol.workload import preset
 
 log = logging.getLogger("hetpeer.peer")
 RUNNING_KINDS = ("activation", "gradient", "labels", "params", "allreduce")  # frames that belong to a plan
+FUTURE_EPOCHS = 2  # frames of plans this much newer than the newest this peer has read are kept for it
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,7 @@ class SwarmPeerConfig:
     listen: tuple[str, int] = ("127.0.0.1", 0)  # direct TCP for tensors
     announce_host: str | None = None  # the host others should dial, when it differs from the listen host
     dht_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    dht_announce: tuple[str, ...] = ()  # DHT multiaddrs others should dial, when they differ from dht_maddrs
     heartbeat_s: float = 2.0
     probe_every: int = 5  # heartbeats between rounds of link probes
     probe_targets: int = 4  # peers probed per round: lane and group neighbours first, then a sample
@@ -118,7 +120,10 @@ class SwarmPeer:
     def __init__(self, config: SwarmPeerConfig, report: Callable[[str], None]) -> None:
         self.config, self.report = config, report
         self.spec = preset(config.model)
-        self.control = ControlPlane(config.swarm, config.home / "peer.key", config.initial_peers, config.dht_maddrs)
+        self.control = ControlPlane(
+            config.swarm, config.home / "peer.key", config.initial_peers, config.dht_maddrs, config.dht_announce,
+            identity_path=config.home / "dht.key",
+        )
         self.device_id = ""
         self.transport: NetworkTransport | None = None
         self.prober: LinkProber | None = None
@@ -208,12 +213,15 @@ class SwarmPeer:
             return self.prober.accept(header)
         if header.kind in ("state_request", "state"):
             return self.server.accept(header)
-        worker, pending = self.worker, self.pending
+        worker = self.worker
         if worker is not None and header.epoch == worker.plan.epoch:
             return worker.accept(header)
-        if pending is not None and header.epoch == pending.epoch and header.sender in pending.devices:
-            # a neighbour that switched a moment earlier; kept until this peer's worker for that plan reads it
-            return None if header.kind in RUNNING_KINDS else f"{header.kind} is not a frame of a plan"
+        running = self.running.epoch if self.running is not None else 0
+        newest = max(running, self.pending.epoch if self.pending is not None else 0)
+        if running < header.epoch <= newest + FUTURE_EPOCHS and header.kind in RUNNING_KINDS and header.sender in self.transport.book.peers:
+            # a neighbour runs a plan this peer has not read or not switched to yet: keep the frame; the worker of that plan
+            # screens it again (`Inbox.rescreen`) before reading it
+            return None
         return Late(f"plan epoch {header.epoch}, this peer runs {worker.plan.epoch if worker else 'no plan'}")
 
     # -- training (main thread) ---------------------------------------------------------------------
@@ -284,6 +292,25 @@ class SwarmPeer:
         corpus = self._corpus_for(stage)
         worker = StageWorker(plan, self.device_id, self.transport, corpus, self.config.worker, server=self.server)
         self.transport.set_policy(self.accept)  # the worker's constructor set its own; this one routes to it
+        self.worker, self.previous = worker, old  # frames of this plan now reach it
+        inbox.rescreen()
+        try:
+            how = self._fill(worker, old, layers, plan.epoch)
+        except Interrupted:
+            self.worker = None  # a newer plan came: this one never ran; `old` still holds the state to move
+            raise
+        worker.step = worker.sync.step = plan.start_step
+        worker.sync.sent = None
+        self._set(state="training", epoch=plan.epoch, layers=layers, step=plan.start_step)
+        group = ", ".join(d for d in stage_plan.devices if d != self.device_id) or "none"
+        self.report(
+            f"plan epoch {plan.epoch} from step {plan.start_step}: stage {stage + 1}/{len(plan.stages)} (layers "
+            f"{layers[0]}-{layers[1] - 1}), lane {lane + 1}/{plan.group_size}, group with {group}; {how}"
+        )
+
+    def _fill(self, worker: StageWorker, old: StageWorker | None, layers: tuple[int, int], epoch: int) -> str:
+        """Put the stage's parameters and optimizer state in `worker`: the old worker's when it held the
+        same layers, else downloaded from the peers that announce them; how, in words."""
         how = "fresh weights"
         if old is not None and old.param_range == worker.param_range:
             with old.sync.lock:
@@ -295,22 +322,14 @@ class SwarmPeer:
             with self.lock:
                 donors = donors_for(self.records, layers, self.device_id)
             if donors:
-                self._set(state="fetching", epoch=plan.epoch, layers=layers)
+                self._set(state="fetching", epoch=epoch, layers=layers)
                 try:
                     download = worker.fetch_state(donors)
                     how = (f"downloaded {download.bytes / 2**20:.1f} MiB of state in {download.chunks} chunk(s) from "
                            f"{', '.join(download.donors)} in {download.seconds:.2f} s")
                 except StateDownloadError as error:
                     how = f"fresh weights ({error})"
-        worker.step = worker.sync.step = plan.start_step
-        worker.sync.sent = None
-        self.previous, self.worker = (old if old is not worker else None), worker
-        self._set(state="training", epoch=plan.epoch, layers=layers, step=plan.start_step)
-        group = ", ".join(d for d in stage_plan.devices if d != self.device_id) or "none"
-        self.report(
-            f"plan epoch {plan.epoch} from step {plan.start_step}: stage {stage + 1}/{len(plan.stages)} (layers "
-            f"{layers[0]}-{layers[1] - 1}), lane {lane + 1}/{plan.group_size}, group with {group}; {how}"
-        )
+        return how
 
     def _corpus_for(self, stage: int) -> Corpus | None:
         if stage != 0:

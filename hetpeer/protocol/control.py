@@ -95,13 +95,16 @@ class ControlPlane:
         initial_peers: Sequence[str] = (),
         host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
         announce_maddrs: Sequence[str] = (),
+        identity_path: str | Path | None = None,
     ) -> None:
         if not swarm or not swarm.replace("-", "").replace("_", "").isalnum():
             raise ValueError(f"swarm name must be letters, digits, - and _, got {swarm!r}")
         self.swarm, self.key_path = swarm, Path(key_path)
         self.initial_peers, self.host_maddrs, self.announce_maddrs = list(initial_peers), list(host_maddrs), list(announce_maddrs)
+        self.identity_path = Path(identity_path) if identity_path is not None else None  # the DHT node's libp2p key
         self.dht = None
         self.private_key = None
+        self._lock = None
 
     # -- life cycle ---------------------------------------------------------------------------------
     def start(self) -> "ControlPlane":
@@ -109,27 +112,60 @@ class ControlPlane:
         from hivemind.dht.crypto import RSASignatureValidator
         from hivemind.dht.schema import SchemaValidator
 
-        self.private_key = load_or_create_key(self.key_path)
-        validators = [
-            SchemaValidator(SCHEMA, allow_extra_keys=False, prefix=self.swarm),
-            RSASignatureValidator(self.private_key),
-        ]
+        self._lock_home()
         try:
-            self.dht = DHT(
-                initial_peers=self.initial_peers or None,
-                start=True,
-                record_validators=validators,
-                host_maddrs=self.host_maddrs,
-                announce_maddrs=self.announce_maddrs or None,
-            )
-        except Exception as error:  # hivemind raises plain exceptions for unreachable initial peers
-            raise ControlError(f"cannot join the DHT through {', '.join(self.initial_peers) or 'no initial peers'}: {error}") from None
+            self.private_key = load_or_create_key(self.key_path)
+            identity = {}
+            if self.identity_path is not None:  # a stable DHT address: a restart keeps its multiaddr's peer id
+                from hivemind.p2p import P2P
+
+                if not self.identity_path.exists():
+                    self.identity_path.parent.mkdir(parents=True, exist_ok=True)
+                    P2P.generate_identity(str(self.identity_path))
+                # the home lock keeps two live processes off one identity; hivemind's own check would also refuse
+                # a peer restarted after a crash, whose old identity other nodes still remember
+                identity = {"identity_path": str(self.identity_path), "check_if_identity_free": False}
+            validators = [
+                SchemaValidator(SCHEMA, allow_extra_keys=False, prefix=self.swarm),
+                RSASignatureValidator(self.private_key),
+            ]
+            try:
+                self.dht = DHT(
+                    initial_peers=self.initial_peers or None,
+                    start=True,
+                    record_validators=validators,
+                    host_maddrs=self.host_maddrs,
+                    announce_maddrs=self.announce_maddrs or None,
+                    **identity,
+                )
+            except Exception as error:  # hivemind raises plain exceptions for unreachable initial peers
+                raise ControlError(f"cannot join the DHT through {', '.join(self.initial_peers) or 'no initial peers'}: {error}") from None
+        except BaseException:
+            self.shutdown()  # releases the lock
+            raise
         return self
 
     def shutdown(self) -> None:
         if self.dht is not None:
             self.dht.shutdown()
             self.dht = None
+        if self._lock is not None:
+            self._lock.close()  # releases the lock
+            self._lock = None
+
+    def _lock_home(self) -> None:
+        """One live process per key file: a second one would announce as the same peer. A POSIX record
+        lock: it belongs to this process alone (the DHT's forked child does not inherit it) and goes with it."""
+        import fcntl
+
+        self.key_path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(self.key_path.with_name(self.key_path.name + ".lock"), "w")
+        try:
+            fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.close()
+            raise ControlError(f"another process is using the key {self.key_path} (one process per --home)") from None
+        self._lock = lock
 
     def __enter__(self) -> "ControlPlane":
         return self.start()

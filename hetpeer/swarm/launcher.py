@@ -9,6 +9,7 @@ folder (keys, so a restarted peer is the same peer) and log file under `out`.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import signal
@@ -62,10 +63,10 @@ class SwarmConfig:
         for name, values in (("slowdowns", self.slowdowns), ("bandwidth caps", self.bandwidth_caps)):
             if values and len(values) != self.peers:
                 raise ValueError(f"{len(values)} {name} given for {self.peers} peers")
-        if any(not s >= 1 for s in self.slowdowns):
-            raise ValueError(f"slowdowns must be >= 1, got {list(self.slowdowns)}")
-        if any(c is not None and not c > 0 for c in self.bandwidth_caps):
-            raise ValueError(f"bandwidth caps must be positive, got {list(self.bandwidth_caps)}")
+        if any(not (math.isfinite(s) and s >= 1) for s in self.slowdowns):
+            raise ValueError(f"slowdowns must be finite numbers >= 1, got {list(self.slowdowns)}")
+        if any(c is not None and not (math.isfinite(c) and c > 0) for c in self.bandwidth_caps):
+            raise ValueError(f"bandwidth caps must be finite positive numbers, got {list(self.bandwidth_caps)}")
 
     def slowdown(self, i: int) -> float:
         return self.slowdowns[i] if self.slowdowns else 1.0
@@ -103,8 +104,8 @@ class Process:
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
 
-    def stop(self, sig: int = signal.SIGINT, wait_s: float = 20.0) -> int | None:
-        """Ask the process to stop (SIGINT: a peer announces it leaves), kill it if it does not."""
+    def stop(self, sig: int = signal.SIGTERM, wait_s: float = 20.0) -> int | None:
+        """Ask the process to stop (SIGTERM: a peer announces that it leaves), kill it if it does not."""
         if self.popen is None:
             return None
         if self.popen.poll() is None:
@@ -198,7 +199,7 @@ class LocalSwarm:
         processes = [p for p in self.peers if p.alive] + ([self.coordinator] if self.coordinator else [])
         for process in processes:  # all at once: peers leave together instead of timing out on each other
             if process.alive:
-                process.popen.send_signal(signal.SIGINT)
+                process.popen.send_signal(signal.SIGTERM)
         for process in processes:
             process.stop()
 

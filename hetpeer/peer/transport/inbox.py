@@ -63,7 +63,7 @@ class Inbox:
         self.late = 0  # frames dropped because they came after their step was done
         self.handlers: dict[str, Callable[[FrameHeader, torch.Tensor], None]] = {}  # kinds served, not stored
         self._frames: dict[Key, torch.Tensor] = {}
-        self._epochs: dict[Key, int] = {}  # the plan epoch each waiting frame was sent under
+        self._headers: dict[Key, FrameHeader] = {}  # of the frames waiting, to screen them again under a new plan
         self._arrived = threading.Condition()
         self._interrupt: str | None = None
 
@@ -98,7 +98,7 @@ class Inbox:
             else:
                 duplicate = False
                 self._frames[key] = tensor
-                self._epochs[key] = header.epoch
+                self._headers[key] = header
                 self._arrived.notify_all()
         if duplicate:
             self.reject(header.sender, f"duplicate {header.kind} for step {header.step} micro {header.micro}")
@@ -132,7 +132,7 @@ class Inbox:
                         f"from {sender} within {timeout_s:g} s"
                     )
                 self._arrived.wait(left)
-            self._epochs.pop(key, None)
+            self._headers.pop(key, None)
             return self._frames.pop(key)
 
     def interrupt(self, reason: str) -> None:
@@ -151,9 +151,26 @@ class Inbox:
         with self._arrived:
             stale = [
                 key for key in self._frames
-                if key[2] < step or (epoch is not None and self._epochs.get(key, epoch) < epoch)
+                if key[2] < step or (epoch is not None and self._headers[key].epoch < epoch)
             ]
             for key in stale:
                 del self._frames[key]
-                self._epochs.pop(key, None)
+                del self._headers[key]
         return len(stale)
+
+    def rescreen(self) -> int:
+        """Run the frames waiting here through the policy again (a peer that takes frames of a plan it
+        has not read yet checks them once it has); drop, and count against their senders, those it
+        refuses. How many were dropped."""
+        with self._arrived:
+            waiting = list(self._headers.items())
+        dropped = 0
+        for key, header in waiting:
+            reason = self.screen(header)
+            if reason is not None:
+                with self._arrived:
+                    self._frames.pop(key, None)
+                    self._headers.pop(key, None)
+                self.refuse(header, reason)
+                dropped += 1
+        return dropped

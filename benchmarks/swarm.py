@@ -1,0 +1,196 @@
+"""Swarm benchmark: the coordinator's plan against baselines on the same unequal peers, fault recovery,
+and the planner's predicted step time against the measured one, all in one run of one swarm.
+
+    python3 benchmarks/swarm.py [--peers 8] [--window 20] [--out DIR]
+
+A local swarm (`hetpeer swarm`'s launcher: a coordinator and N `hetpeer join` processes) with unequal
+peers: compute slowed 3x, 3x, 2x, 2x for the first four (peers join in that order, so the "blocks"
+baseline, which takes devices in join order, gets the slow ones), the rest at full speed, and the
+last two sending at most 40 Mbit/s per destination. The coordinator is held to `--stages` (2): with
+the tiny model one stage fits every peer and any assignment of peers to single-stage lanes is the
+same plan, so only a pipeline gives placement something to decide. Once the coordinator's plan runs:
+
+1. throughput: the swarm's tokens/s (the lanes' own rates summed, sampled over `--window` seconds) under the coordinator's plan, then under a random plan and the "blocks" plan of
+   the same shape (published with the coordinator's key, as the coordinator would), then under the
+   coordinator's plan again (the machine is shared: the two windows bracket the baselines);
+2. a fault: a peer of the plan is killed; reported: seconds until the coordinator publishes a plan
+   without it, and until that plan has run a step;
+3. a rejoin: the peer restarts with the same key; seconds until a plan includes it again, and until it
+   has trained a step under that plan (its state downloaded from the peers that hold its layers);
+4. prediction: for each plan, the planner's predicted seconds per step beside the measured ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from hetpeer.coordinator.api import ApiClient, ApiError
+from hetpeer.coordinator.planner import PlannerConfig, Shape, make_model, to_plan
+from hetpeer.coordinator.planner.baselines import blocks_grid, random_grids
+from hetpeer.coordinator.policy import build_problem
+from hetpeer.peer.launch import free_port
+from hetpeer.protocol.control import ControlPlane
+from hetpeer.protocol.plan import Plan
+from hetpeer.protocol.workload import Workload, preset
+from hetpeer.swarm.launcher import LocalSwarm, SwarmConfig
+
+LEAD_S = 8.0  # a published plan takes effect this far ahead, so every peer has read it
+
+
+def poll(client: ApiClient, condition, what: str, timeout_s: float = 180.0, every_s: float = 0.25):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            value = condition()
+        except ApiError:
+            value = None
+        if value:
+            return value
+        time.sleep(every_s)
+    raise SystemExit(f"timed out after {timeout_s:g} s waiting for {what}")
+
+
+def measure(client: ApiClient, plan: Plan, window_s: float, tokens_per_step: int) -> dict:
+    """Wait for `plan` to run two steps, then sample the swarm's throughput for `window_s` seconds.
+
+    Throughput is what the lanes process: the sum over the last stage's peers of the tokens/s each
+    announces for its lane (lanes of a gossip group run at their own pace, so the swarm's furthest
+    step would credit the fast lanes with the slow ones' work). Measured seconds per step: the time the
+    swarm takes to process one global batch at that rate."""
+    poll(client, lambda: (g := client.call_get_progress()).epoch == plan.epoch and g.step >= plan.start_step + 2,
+         f"plan epoch {plan.epoch} to run")
+    rates, first = [], client.call_get_progress()
+    deadline = time.monotonic() + window_s
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        progress = client.call_get_progress()
+        if progress.epoch != plan.epoch:
+            raise SystemExit(f"plan epoch {plan.epoch} was replaced by epoch {progress.epoch} during its window")
+        rates.append(progress.tokens_per_s)
+    tokens_per_s = statistics.mean(rates)
+    return {
+        "epoch": plan.epoch, "steps": progress.step - first.step, "tokens_per_s": tokens_per_s,
+        "measured_s": tokens_per_step / tokens_per_s, "predicted_s": plan.total_s, "loss": progress.loss,
+    }
+
+
+def baseline(client: ApiClient, running: Plan, kind: str, workload: Workload, rng: np.random.Generator) -> Plan:
+    """A random or blocks plan in the running plan's shape, over the peers in join order."""
+    records = {s.record.device_id: s.record for s in client.call_list_peers() if s.record.state != "leaving"}
+    problem, estimated = build_problem(records, workload, current=None)
+    order = sorted(problem.device_ids, key=lambda d: int(re.match(r"peer(\d+)-", d).group(1)))
+    join_order = np.array([problem.device_ids.index(d) for d in order])
+    shape = Shape(len(running.stages), running.group_size)
+    grid = random_grids(problem, shape, 1, rng)[0] if kind == "random" else join_order[blocks_grid(shape)]
+    model = make_model(problem, PlannerConfig(cost_model="time"), shape)
+    return to_plan(problem, "time", grid, model.report(grid))
+
+
+def publish(control: ControlPlane, client: ApiClient, plan: Plan, epoch: int, tokens_per_step: int) -> Plan:
+    """Publish `plan` under the coordinator's key, taking effect about `LEAD_S` seconds from now."""
+    progress = client.call_get_progress()
+    step_s = tokens_per_step / progress.tokens_per_s if progress.tokens_per_s else 1.0
+    plan = replace(plan, epoch=epoch, start_step=progress.step + max(5, round(LEAD_S / step_s)))
+    if not control.publish_plan(plan, ttl_s=3600):
+        raise SystemExit(f"could not publish plan epoch {epoch}")
+    return plan
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", type=int, default=8, help="peers in the swarm (default 8)")
+    parser.add_argument("--window", type=float, default=20.0, help="seconds of each throughput window (default 20)")
+    parser.add_argument("--out", type=Path, help="logs (default: a temporary folder)")
+    parser.add_argument("--stages", type=int, default=2, help="pipeline stages the coordinator must use (default 2)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    out = args.out or Path(tempfile.mkdtemp(prefix="hetpeer-bench-swarm-"))
+    slow = (3.0, 3.0, 2.0, 2.0)
+    slowdowns = tuple(slow[i] if i < len(slow) else 1.0 for i in range(args.peers))
+    caps = tuple(40.0 if i >= args.peers - 2 else None for i in range(args.peers))
+    config = SwarmConfig(
+        out=out, peers=args.peers, steps=10**6, slowdowns=slowdowns, bandwidth_caps=caps, heartbeat_s=2.0,
+        replan_interval_s=10**6, timeout_s=10.0, mix_deadline_s=3.0, seed=args.seed,
+        coordinator_args=("--stages", str(args.stages)),
+    )
+    workload = Workload(preset(config.model), batch=config.batch, micro_batch=config.micro_batch, dtype=config.dtype)
+    tokens_per_step = config.batch * workload.model.seq_len
+    print(f"swarm: {args.peers} peers, slowdowns {list(slowdowns)}, caps (Mbit/s) {list(caps)}; logs in {out}", flush=True)
+    lines: list[str] = []
+    swarm = LocalSwarm(config, lines.append, free_port())
+    rng = np.random.default_rng(args.seed)
+    rows = []
+    try:
+        swarm.start()
+        with ApiClient(swarm.api_address) as client:
+            planned = poll(client, lambda: client.call_get_plan()[0], "the coordinator's first plan")
+            print(f"coordinator's plan: {len(planned.stages)} stage(s) x {planned.group_size} lane(s), standby "
+                  f"{', '.join(planned.standby) or 'none'}", flush=True)
+            rows.append(("coordinator", measure(client, planned, args.window, tokens_per_step)))
+            control = ControlPlane(config.swarm, out / "coordinator" / "coordinator.key", swarm.dht_maddrs[:1]).start()
+            try:
+                epoch = planned.epoch
+                for kind in ("random", "blocks"):
+                    epoch += 1
+                    plan = publish(control, client, baseline(client, planned, kind, workload, rng), epoch, tokens_per_step)
+                    rows.append((kind, measure(client, plan, args.window, tokens_per_step)))
+                epoch += 1
+                again = publish(control, client, planned, epoch, tokens_per_step)
+                rows.append(("coordinator again", measure(client, again, args.window, tokens_per_step)))
+            finally:
+                control.shutdown()
+            print_throughput(rows)
+            recovery(swarm, client, again)
+    finally:
+        swarm.shutdown()
+    return 0
+
+
+def print_throughput(rows: list[tuple[str, dict]]) -> None:
+    reference = statistics.mean(r["tokens_per_s"] for name, r in rows if name.startswith("coordinator"))
+    print("\nthroughput, same peers, one run (tokens/s over the window; ratio to the mean of the coordinator's two windows)")
+    print(f"{'plan':<18} {'epoch':>5} {'steps':>6} {'tokens/s':>9} {'ratio':>6} {'predicted s/step':>17} {'measured s/step':>16} {'meas/pred':>9}")
+    for name, r in rows:
+        print(f"{name:<18} {r['epoch']:>5} {r['steps']:>6} {r['tokens_per_s']:>9.0f} {r['tokens_per_s'] / reference:>6.2f} "
+              f"{r['predicted_s']:>17.3f} {r['measured_s']:>16.3f} {r['measured_s'] / r['predicted_s']:>9.2f}")
+    sys.stdout.flush()
+
+
+def recovery(swarm: LocalSwarm, client: ApiClient, running: Plan) -> None:
+    # a full-speed peer: the swarm is worse off without it, so the coordinator takes it back when it returns
+    config = swarm.config
+    index = next(i for i, d in sorted(swarm.device_ids.items())
+                 if d in running.devices and config.slowdown(i) == 1 and config.cap(i) is None)
+    victim = swarm.device_ids[index]
+    killed = time.monotonic()
+    swarm.kill_peer(index)
+    new = poll(client, lambda: (p := client.call_get_plan()[0]) and p.epoch > running.epoch and p, "a plan without the dead peer")
+    published_s = time.monotonic() - killed
+    poll(client, lambda: (g := client.call_get_progress()).epoch == new.epoch and g.step > new.start_step, "the new plan to run")
+    running_s = time.monotonic() - killed
+    print(f"\npeer {victim} killed: new plan (epoch {new.epoch}) published after {published_s:.1f} s, running after "
+          f"{running_s:.1f} s (records expire after 5 heartbeats of {swarm.config.heartbeat_s:g} s)")
+    restarted = time.monotonic()
+    swarm.start_peer(index)
+    back = poll(client, lambda: (p := client.call_get_plan()[0]) and victim in p.devices and p, "a plan with the peer back", timeout_s=300)
+    included_s = time.monotonic() - restarted
+    log = swarm.config.out / f"peer{index}.log"
+    poll(client, lambda: re.search(rf"^e{back.epoch} stage", log.read_text(), re.M), "the peer to train again", timeout_s=300)
+    training_s = time.monotonic() - restarted
+    download = re.findall(r"downloaded ([\d.]+) MiB of state in (\d+) chunk\(s\) from (.+) in ([\d.]+) s", log.read_text())
+    print(f"peer {victim} restarted: in plan epoch {back.epoch} after {included_s:.1f} s, training after {training_s:.1f} s"
+          + (f"; state download {download[-1][0]} MiB from {download[-1][2]} in {download[-1][3]} s" if download else
+             "; kept no state to download (its layers were fresh)"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,342 @@
+"""What the coordinator decides (pure): the problem it builds from announcements, when the running plan is
+broken, when to solve, whether a new plan is worth publishing, and the step it starts at. Also the
+plan's optional `estimated_links` on the wire."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from hetpeer.coordinator import policy
+from hetpeer.coordinator.planner import PlannerConfig, solve
+from hetpeer.protocol.addresses import PeerAddress
+from hetpeer.protocol.plan import Plan, StagePlan
+from hetpeer.protocol.records import LinkMeasurement, PeerRecord
+from hetpeer.protocol.wire import SchemaError
+from hetpeer.protocol.workload import Workload, preset
+
+WORKLOAD = Workload(preset("tiny"), batch=16, micro_batch=2, dtype="fp32")
+SEQ_LEN = WORKLOAD.model.seq_len
+
+
+def record(device: str, **changes) -> PeerRecord:
+    fields = dict(
+        device_id=device, model="tiny", dtype="fp32", device_name="cpu", tflops=1.0, memory_bytes=16 << 30,
+        address=PeerAddress(direct=("127.0.0.1", 7000)), state="training", time=0.0, epoch=1, step=10,
+    )  # fmt: skip
+    fields.update(changes)
+    return PeerRecord(**fields)
+
+
+def link(latency_s: float, bandwidth: float) -> LinkMeasurement:
+    return LinkMeasurement(latency_s, bandwidth)
+
+
+def make_plan(stages: list[list[str]], *, standby: tuple[str, ...] = (), epoch: int = 1, start_step: int = 0,
+              batch: int = 8, total_s: float = 1.0) -> Plan:
+    """Stages of equal layer counts over the tiny model's 4 layers (1, 2 or 4 stages)."""
+    per = WORKLOAD.model.layers // len(stages)
+    lanes = len(stages[0])
+    lane_batch = -(-batch // lanes)
+    return Plan(
+        cost_model="time", model="tiny", layers=WORKLOAD.model.layers, batch=batch, micro_batch=1,
+        micro_batches=lane_batch, dtype="fp32",
+        stages=tuple(StagePlan(s, s * per, (s + 1) * per, tuple(d), "gossip") for s, d in enumerate(stages)),
+        standby=standby, cost={"total_s": total_s}, epoch=epoch, start_step=start_step,
+    )  # fmt: skip
+
+
+# -- build_problem --------------------------------------------------------------------------------------
+
+
+def test_both_directions_of_a_link_are_averaged_into_a_symmetric_pair():
+    records = {
+        "b": record("b", links={"a": link(0.03, 3e8)}),
+        "a": record("a", links={"b": link(0.01, 1e8)}),
+    }
+    problem, estimated = policy.build_problem(records, WORKLOAD, None)
+    assert problem.device_ids == ("a", "b")
+    assert problem.latency_s[0, 1] == pytest.approx(0.02) and problem.latency_s[1, 0] == pytest.approx(0.02)
+    assert problem.bandwidth_bytes_per_s[0, 1] == pytest.approx(2e8)
+    assert problem.bandwidth_bytes_per_s[1, 0] == pytest.approx(2e8)
+    assert estimated == ()
+
+
+def test_a_link_measured_one_way_counts_for_both_directions():
+    records = {"a": record("a", links={"b": link(0.01, 1e8)}), "b": record("b")}
+    problem, estimated = policy.build_problem(records, WORKLOAD, None)
+    assert problem.latency_s[1, 0] == pytest.approx(0.01)
+    assert problem.bandwidth_bytes_per_s[1, 0] == pytest.approx(1e8)
+    assert estimated == ()
+
+
+def test_unmeasured_pairs_get_the_median_and_are_listed_as_estimated():
+    records = {
+        "d": record("d", links={"d": link(9.0, 1.0), "gone": link(9.0, 1.0)}),  # itself and a stranger: ignored
+        "c": record("c", links={"a": link(0.02, 2e8)}),
+        "b": record("b", links={"c": link(0.06, 6e8)}),
+        "a": record("a", links={"b": link(0.01, 1e8)}),
+    }
+    problem, estimated = policy.build_problem(records, WORKLOAD, None)
+    assert problem.device_ids == ("a", "b", "c", "d")
+    assert estimated == (("a", "d"), ("b", "d"), ("c", "d"))
+    median_latency = float(np.median([0.01, 0.02, 0.06]))
+    median_bandwidth = float(np.median([1e8, 2e8, 6e8]))
+    for i in range(3):
+        for a, b in ((i, 3), (3, i)):
+            assert problem.latency_s[a, b] == pytest.approx(median_latency)
+            assert problem.bandwidth_bytes_per_s[a, b] == pytest.approx(median_bandwidth)
+    assert problem.latency_s[0, 2] == pytest.approx(0.02)  # measured figures are kept
+    assert np.all(np.diag(problem.latency_s) == 0)
+    assert np.all(np.isinf(np.diag(problem.bandwidth_bytes_per_s)))
+    assert np.array_equal(problem.latency_s, problem.latency_s.T)
+    assert np.array_equal(problem.bandwidth_bytes_per_s, problem.bandwidth_bytes_per_s.T)
+
+
+def test_default_link_when_nothing_was_measured():
+    records = {d: record(d) for d in ("z", "x", "y")}
+    problem, estimated = policy.build_problem(records, WORKLOAD, None)
+    assert problem.device_ids == ("x", "y", "z")
+    assert estimated == (("x", "y"), ("x", "z"), ("y", "z"))
+    off = ~np.eye(3, dtype=bool)
+    assert np.all(problem.latency_s[off] == policy.DEFAULT_LINK[0])
+    assert np.all(problem.bandwidth_bytes_per_s[off] == policy.DEFAULT_LINK[1])
+
+
+def test_compute_memory_and_the_current_plan_come_from_the_records():
+    records = {
+        "b": record("b", tflops=2.5, memory_bytes=3 << 30),
+        "a": record("a", tflops=7.0, memory_bytes=5 << 30),
+    }
+    current = make_plan([["a"], ["b"]])
+    problem, _ = policy.build_problem(records, WORKLOAD, current)
+    assert problem.tflops.tolist() == [7.0, 2.5]
+    assert problem.memory_bytes.tolist() == [float(5 << 30), float(3 << 30)]
+    assert problem.current is current
+    assert problem.workload == WORKLOAD
+
+
+# -- broken -----------------------------------------------------------------------------------------------
+
+
+def test_an_intact_plan_is_not_broken():
+    plan = make_plan([["a", "b"], ["c", "d"]], standby=("e",))
+    records = {d: record(d) for d in "abcde"}
+    assert policy.broken(plan, records) is None
+    del records["e"]  # a standby peer leaving breaks no lane
+    assert policy.broken(plan, records) is None
+
+
+def test_a_member_that_stopped_announcing_breaks_the_plan():
+    plan = make_plan([["a", "b"], ["c", "d"]])
+    records = {d: record(d) for d in "abd"}
+    why = policy.broken(plan, records)
+    assert why is not None and "c" in why
+
+
+def test_a_member_announcing_leaving_breaks_the_plan():
+    plan = make_plan([["a", "b"], ["c", "d"]])
+    records = {d: record(d) for d in "abcd"}
+    records["b"] = record("b", state="leaving")
+    why = policy.broken(plan, records)
+    assert why is not None and "b" in why
+
+
+def test_a_member_waiting_under_the_current_epoch_breaks_it_but_not_under_an_older_one():
+    plan = make_plan([["a", "b"], ["c", "d"]], epoch=4)
+    records = {d: record(d, epoch=4) for d in "abcd"}
+    records["d"] = record("d", state="waiting", epoch=3)  # still waiting for this plan: not a stall under it
+    assert policy.broken(plan, records) is None
+    records["d"] = record("d", state="waiting", epoch=4)
+    why = policy.broken(plan, records)
+    assert why is not None and "d" in why and "4" in why
+
+
+# -- decide -----------------------------------------------------------------------------------------------
+
+KNOBS = dict(min_peers=2, settle_s=4.0, replan_interval_s=60.0)
+
+
+def test_decide_waits_for_enough_peers_then_for_them_to_settle():
+    one = {"a": record("a")}
+    assert not policy.decide(None, one, {"a": 0.0}, 100.0, 0.0, **KNOBS).solve
+    two = {"a": record("a"), "b": record("b")}
+    waiting = policy.decide(None, two, {"a": 0.0, "b": 99.0}, 100.0, 0.0, **KNOBS)
+    assert not waiting.solve
+    first = policy.decide(None, two, {"a": 0.0, "b": 96.0}, 100.0, 0.0, **KNOBS)
+    assert first.solve and not first.broken
+
+
+def test_decide_solves_at_once_with_broken_when_a_member_is_gone():
+    plan = make_plan([["a", "b"], ["c", "d"]])
+    records = {d: record(d) for d in "abc"}
+    decision = policy.decide(plan, records, {d: 0.0 for d in records}, 100.0, 99.0, **KNOBS)
+    assert decision.solve and decision.broken and "d" in decision.reason
+
+
+def test_a_newcomer_triggers_a_solve_only_once_settled():
+    plan = make_plan([["a", "b"], ["c", "d"]], standby=("e",))
+    records = {d: record(d) for d in "abcdef"}
+    first_seen = {d: 0.0 for d in "abcde"} | {"f": 98.0}
+    held = policy.decide(plan, records, first_seen, 100.0, 99.0, **KNOBS)
+    assert not held.solve
+    joined = policy.decide(plan, records, first_seen, 102.0, 99.0, **KNOBS)
+    assert joined.solve and not joined.broken and "f" in joined.reason
+
+
+def test_a_known_standby_peer_is_no_newcomer():
+    plan = make_plan([["a", "b"], ["c", "d"]], standby=("e",))
+    records = {d: record(d) for d in "abcde"}
+    assert not policy.decide(plan, records, {d: 0.0 for d in records}, 100.0, 99.0, **KNOBS).solve
+
+
+def test_decide_re_solves_periodically_and_otherwise_holds():
+    plan = make_plan([["a", "b"], ["c", "d"]])
+    records = {d: record(d) for d in "abcd"}
+    first_seen = {d: 0.0 for d in records}
+    assert not policy.decide(plan, records, first_seen, 159.0, 100.0, **KNOBS).solve
+    periodic = policy.decide(plan, records, first_seen, 160.0, 100.0, **KNOBS)
+    assert periodic.solve and not periodic.broken
+
+
+# -- worth_it ---------------------------------------------------------------------------------------------
+
+BROKEN = policy.Decision(True, "d stopped announcing", broken=True)
+PERIODIC = policy.Decision(True, "periodic re-solve")
+
+
+def test_a_broken_plan_is_always_replaced():
+    assert policy.worth_it(BROKEN, 5.0, 1.0, 0.1, same=True)[0]
+    assert policy.worth_it(BROKEN, 5.0, None, 0.1, same=False)[0]
+
+
+def test_the_first_plan_is_published():
+    assert policy.worth_it(PERIODIC, 5.0, None, 0.1, same=False)[0]
+
+
+def test_the_same_plan_is_never_republished():
+    publish, why = policy.worth_it(PERIODIC, 0.01, 1.0, 0.1, same=True)
+    assert not publish and why
+
+
+def test_a_new_plan_must_beat_the_running_one_by_the_gain():
+    assert policy.worth_it(PERIODIC, 0.89, 1.0, 0.1, same=False)[0]
+    assert not policy.worth_it(PERIODIC, 0.91, 1.0, 0.1, same=False)[0]
+    assert not policy.worth_it(PERIODIC, 1.2, 1.0, 0.1, same=False)[0]
+    assert policy.worth_it(PERIODIC, 0.99, 1.0, 0.0, same=False)[0]
+    assert not policy.worth_it(PERIODIC, 0.6, 1.0, 0.5, same=False)[0]
+
+
+# -- start_step -------------------------------------------------------------------------------------------
+
+
+def test_the_first_plan_starts_at_step_zero():
+    assert policy.start_step(None, {"a": record("a", step=50)}, False, 2.0, SEQ_LEN) == 0
+
+
+def test_a_broken_plan_is_replaced_just_past_the_furthest_peer_under_it():
+    plan = make_plan([["a", "b"], ["c", "d"]], epoch=3)
+    records = {
+        "a": record("a", epoch=3, step=10), "b": record("b", epoch=3, step=12),
+        "c": record("c", epoch=2, step=500),  # a peer still under an older plan counts no step of this one
+    }  # fmt: skip
+    assert policy.start_step(plan, records, True, 2.0, SEQ_LEN) == 13
+
+
+def lead(heartbeat_s: float, tokens_per_s: float, plan: Plan | None = None) -> int:
+    plan = plan or make_plan([["a", "b"], ["c", "d"]], epoch=3)
+    records = {d: record(d, epoch=3, step=20, tokens_per_s=tokens_per_s) for d in plan.devices}
+    return policy.start_step(plan, records, False, heartbeat_s, SEQ_LEN) - 20
+
+
+def test_a_planned_switch_leads_by_about_three_heartbeats_of_steps():
+    plan = make_plan([["a", "b"], ["c", "d"]], epoch=3)
+    tokens_per_s = plan.lane_batch * SEQ_LEN / 0.5  # a step takes 0.5 s
+    ahead = lead(2.0, tokens_per_s, plan)
+    assert ahead >= 3 * 2.0 / 0.5  # every peer reads the plan before its lane gets there
+    assert ahead < 3 * 2.0 / 0.5 + 5
+    assert lead(8.0, tokens_per_s, plan) > ahead  # slower heartbeats: further ahead
+    assert lead(2.0, tokens_per_s * 4, plan) > ahead  # faster steps: further ahead
+
+
+def test_the_lead_is_capped():
+    assert lead(1000.0, 1e12) == policy.MAX_LEAD_STEPS
+
+
+def test_without_a_measured_pace_the_lead_follows_the_plans_predicted_step():
+    slow = make_plan([["a", "b"], ["c", "d"]], epoch=3, total_s=10.0)
+    fast = make_plan([["a", "b"], ["c", "d"]], epoch=3, total_s=0.1)
+    assert lead(2.0, 0.0, fast) > lead(2.0, 0.0, slow) >= 2
+
+
+def test_the_pace_of_peers_outside_the_plan_does_not_count():
+    plan = make_plan([["a", "b"], ["c", "d"]], standby=("e",), epoch=3)
+    records = {d: record(d, epoch=3, step=20, tokens_per_s=1000.0) for d in plan.devices}
+    alone = policy.start_step(plan, records, False, 2.0, SEQ_LEN)
+    records["e"] = record("e", epoch=3, step=20, tokens_per_s=1e9)
+    assert policy.start_step(plan, records, False, 2.0, SEQ_LEN) == alone
+
+
+# -- predicted_step_s -------------------------------------------------------------------------------------
+
+
+def four_records(tflops=(1.0, 0.5, 2.0, 1.0)) -> dict[str, PeerRecord]:
+    ids = ("p0", "p1", "p2", "p3")
+    records = {}
+    for i, d in enumerate(ids):
+        links = {o: link(0.001 * (1 + i + j), 1e8 / (1 + abs(i - j))) for j, o in enumerate(ids) if o != d}
+        records[d] = record(d, tflops=tflops[i], links=links)
+    return records
+
+
+def test_predicted_step_of_a_solved_plan_is_what_the_planner_predicted():
+    problem, _ = policy.build_problem(four_records(), WORKLOAD, None)
+    config = PlannerConfig(cost_model="time", time_budget_s=0.5)
+    solution = solve(problem, config, np.random.default_rng(0))
+    assert np.array_equal(policy.grid_of(solution.plan, problem.device_ids), solution.grid)
+    assert policy.predicted_step_s(problem, config, solution.plan) == pytest.approx(solution.report.cost["total_s"], rel=1e-9)
+    assert solution.plan.total_s == pytest.approx(solution.report.cost["total_s"], rel=1e-9)
+
+
+def test_the_running_plan_is_predicted_slower_on_slower_peers():
+    config = PlannerConfig(cost_model="time", time_budget_s=0.5)
+    problem, _ = policy.build_problem(four_records(), WORKLOAD, None)
+    plan = solve(problem, config, np.random.default_rng(0)).plan
+    slower, _ = policy.build_problem(four_records(tflops=(0.1, 0.05, 0.2, 0.1)), WORKLOAD, None)
+    assert policy.predicted_step_s(slower, config, plan) > policy.predicted_step_s(problem, config, plan)
+
+
+# -- Plan.estimated_links on the wire ---------------------------------------------------------------------
+
+
+def test_estimated_links_round_trip():
+    plan = make_plan([["a", "b"], ["c", "d"]])
+    assert "estimated_links" not in plan.to_wire()  # optional: plans without it read as before
+    marked = replace(plan, estimated_links=(("a", "d"), ("b", "c")))
+    wire = marked.to_wire()
+    assert wire["estimated_links"] == [["a", "d"], ["b", "c"]]
+    again = Plan.from_wire(json.loads(json.dumps(wire)))
+    assert again == marked and again.estimated_links == (("a", "d"), ("b", "c"))
+    assert Plan.from_wire(plan.to_wire()).estimated_links == ()
+
+
+@pytest.mark.parametrize(
+    "bad, where",
+    [
+        ([["a"]], "plan.estimated_links[0]"),
+        ([["a", "b", "c"]], "plan.estimated_links[0]"),
+        (["ab"], "plan.estimated_links[0]"),
+        ([["a", 5]], "plan.estimated_links[0][1]"),
+        ("a,b", "plan.estimated_links"),
+    ],
+)
+def test_a_malformed_estimated_link_is_refused(bad, where):
+    wire = make_plan([["a", "b"], ["c", "d"]]).to_wire()
+    wire["estimated_links"] = bad
+    with pytest.raises(SchemaError) as error:
+        Plan.from_wire(wire)
+    assert error.value.path == where
+    assert str(error.value).startswith(where)

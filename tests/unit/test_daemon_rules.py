@@ -1,0 +1,91 @@
+"""A swarm peer's pure rules: when a new plan replaces the running one (`switch_now`), and which peers to
+download a stage's state from (`donors_for`)."""
+
+from __future__ import annotations
+
+from hetpeer.peer.daemon import donors_for, switch_now
+from hetpeer.protocol.addresses import PeerAddress
+from hetpeer.protocol.plan import Plan, StagePlan
+from hetpeer.protocol.records import PeerRecord
+
+
+def make_plan(stages: list[list[str]], *, standby: tuple[str, ...] = (), epoch: int = 1, start_step: int = 0) -> Plan:
+    """Stages of equal layer counts over 4 layers (1, 2 or 4 stages), batch 8, micro-batch 1."""
+    per = 4 // len(stages)
+    lane_batch = -(-8 // len(stages[0]))
+    return Plan(
+        cost_model="time", model="tiny", layers=4, batch=8, micro_batch=1, micro_batches=lane_batch, dtype="fp32",
+        stages=tuple(StagePlan(s, s * per, (s + 1) * per, tuple(d), "gossip") for s, d in enumerate(stages)),
+        standby=standby, cost={"total_s": 1.0}, epoch=epoch, start_step=start_step,
+    )  # fmt: skip
+
+
+RUNNING = make_plan([["a", "b"], ["c", "d"]], epoch=1)
+
+
+# -- switch_now -------------------------------------------------------------------------------------------
+
+
+def test_a_peer_without_a_plan_switches_at_once():
+    assert switch_now(None, make_plan([["a", "b"], ["c", "d"]], epoch=2, start_step=50), 0)
+
+
+def test_a_peer_at_or_past_the_start_step_switches_at_once():
+    new = make_plan([["b", "a"], ["d", "c"]], epoch=2, start_step=50)
+    assert switch_now(RUNNING, new, 50)
+    assert switch_now(RUNNING, new, 70)
+
+
+def test_intact_membership_runs_the_old_plan_up_to_the_start_step():
+    reshuffled = make_plan([["c", "a"], ["d", "b"]], epoch=2, start_step=50)
+    assert not switch_now(RUNNING, reshuffled, 49)
+    grown = make_plan([["a", "b", "e"], ["c", "d", "f"]], epoch=2, start_step=50)  # newcomers break nothing
+    assert not switch_now(RUNNING, grown, 10)
+
+
+def test_a_member_missing_from_the_new_plan_switches_at_once():
+    without_d = make_plan([["a"], ["c"]], standby=("b",), epoch=2, start_step=50)
+    assert switch_now(RUNNING, without_d, 10)
+    replaced = make_plan([["a", "b"], ["c", "e"]], epoch=2, start_step=50)
+    assert switch_now(RUNNING, replaced, 10)
+
+
+def test_a_member_moved_to_standby_is_still_intact():
+    benched = make_plan([["a", "b"], ["c", "e"]], standby=("d",), epoch=2, start_step=50)
+    assert not switch_now(RUNNING, benched, 10)
+
+
+# -- donors_for -------------------------------------------------------------------------------------------
+
+
+def record(device: str, layers: tuple[int, int] | None, step: int) -> PeerRecord:
+    return PeerRecord(
+        device_id=device, model="tiny", dtype="fp32", device_name="cpu", tflops=1.0, memory_bytes=1 << 30,
+        address=PeerAddress(direct=("127.0.0.1", 7000)), state="training", time=0.0, epoch=1, layers=layers, step=step,
+    )  # fmt: skip
+
+
+def book(*records: PeerRecord) -> dict[str, PeerRecord]:
+    return {r.device_id: r for r in records}
+
+
+def test_only_overlapping_layers_donate():
+    records = book(
+        record("left", (0, 2), 5), record("inside", (3, 4), 5), record("right", (4, 6), 5),
+        record("across", (1, 5), 5), record("far", (6, 8), 5),
+    )  # fmt: skip
+    assert set(donors_for(records, (2, 4), "me")) == {"inside", "across"}  # [0,2) and [4,6) only touch [2,4)
+
+
+def test_exact_holders_come_first_then_the_furthest_step():
+    records = book(
+        record("partial_new", (0, 3), 90), record("exact_old", (0, 2), 10), record("partial_old", (1, 2), 20),
+        record("exact_new", (0, 2), 40),
+    )  # fmt: skip
+    assert donors_for(records, (0, 2), "me") == ["exact_new", "exact_old", "partial_new", "partial_old"]
+
+
+def test_never_itself_and_never_a_peer_that_holds_nothing():
+    records = book(record("me", (0, 2), 99), record("fresh", None, 99), record("other", (0, 2), 1))
+    assert donors_for(records, (0, 2), "me") == ["other"]
+    assert donors_for(book(record("me", (0, 2), 99), record("fresh", None, 3)), (0, 2), "me") == []
