@@ -28,6 +28,7 @@ from hetpeer.protocol.workload import Workload
 
 DEFAULT_LINK = (1e-3, 100e6)  # (latency s, bytes/s) assumed when no link at all has been measured
 MAX_LEAD_STEPS = 1000
+LEAD_HEARTBEATS = 5  # a plan that keeps membership takes effect this far ahead: peers read plans once a heartbeat
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +147,7 @@ def start_step(
     current: Plan | None, records: Mapping[str, PeerRecord], broken_now: bool, heartbeat_s: float, seq_len: int
 ) -> int:
     """The step a new plan starts at. A broken plan: just past the furthest peer, for every peer switches
-    at once. Otherwise: far enough ahead that every peer reads the plan (about three heartbeats) before
+    at once. Otherwise: far enough ahead that every peer reads the plan (`LEAD_HEARTBEATS`) before
     its lanes reach that step, at the pace the peers announce."""
     if current is None:
         return 0
@@ -159,5 +160,5 @@ def start_step(
     step_s = tokens_per_step / float(np.median(rates)) if rates and tokens_per_step else current.total_s
     if not math.isfinite(step_s) or step_s <= 0:
         return furthest + 2
-    return furthest + min(MAX_LEAD_STEPS, 2 + math.ceil(3 * heartbeat_s / step_s))
+    return furthest + min(MAX_LEAD_STEPS, 2 + math.ceil(LEAD_HEARTBEATS * heartbeat_s / step_s))
 

@@ -99,6 +99,7 @@ class Coordinator:
             self.api = ApiServer(lambda: self.view, self.config.api_listen)
             self.api.start()
         self.view = replace(self.view, coordinator_key=self.key)
+        self.last_solve = self.control.now()  # a (re)started coordinator waits a full interval before a periodic re-solve
         self.report(f"coordinator of swarm {self.config.swarm}; its key (give peers --coordinator-key): {self.key}")
         self.report(f"DHT: {' '.join(self.control.visible_maddrs())}")
         if self.api is not None:

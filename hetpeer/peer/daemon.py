@@ -138,6 +138,7 @@ class SwarmPeer:
         self.status = Status()
         self.lock = threading.Lock()
         self.stopping = threading.Event()
+        self.plan_hint = threading.Event()  # a neighbour sent frames of a plan this peer has not read
         self.threads: list[threading.Thread] = []
         self._corpus: Corpus | None = None
         self._refused: set[tuple[str, int]] = set()
@@ -185,6 +186,7 @@ class SwarmPeer:
     def shutdown(self) -> None:
         """Announce that this peer leaves, stop the threads, close the transport and the DHT node."""
         self.stopping.set()
+        self.plan_hint.set()  # wakes the control thread
         if self.transport is not None:
             self.transport.inbox.interrupt("leaving")
         for thread in self.threads:
@@ -216,11 +218,15 @@ class SwarmPeer:
         worker = self.worker
         if worker is not None and header.epoch == worker.plan.epoch:
             return worker.accept(header)
-        running = self.running.epoch if self.running is not None else 0
-        newest = max(running, self.pending.epoch if self.pending is not None else 0)
-        if running < header.epoch <= newest + FUTURE_EPOCHS and header.kind in RUNNING_KINDS and header.sender in self.transport.book.peers:
+        # the epoch this peer's frames are routed by: its worker's, or (no worker: standby) the running plan's
+        base = worker.plan.epoch if worker is not None else self.running.epoch if self.running is not None else 0
+        known = [p for p in (self.running, self.pending, worker.plan if worker is not None else None) if p is not None]
+        newest = max((p.epoch for p in known), default=0)
+        if base < header.epoch <= newest + FUTURE_EPOCHS and header.kind in RUNNING_KINDS and header.sender in self.transport.book.peers:
             # a neighbour runs a plan this peer has not read or not switched to yet: keep the frame; the worker of that plan
-            # screens it again (`Inbox.rescreen`) before reading it
+            # screens it again (`Inbox.rescreen`) before reading it. And read plans now rather than at the next heartbeat.
+            if header.epoch > newest:
+                self.plan_hint.set()
             return None
         return Late(f"plan epoch {header.epoch}, this peer runs {worker.plan.epoch if worker else 'no plan'}")
 
@@ -352,7 +358,10 @@ class SwarmPeer:
                 self.records = records
             self._take_plans()
             self.control.announce(self._record(), ttl_s=ttl_s)
-            self.stopping.wait(max(0.0, config.heartbeat_s - (time.monotonic() - started)))
+            self.plan_hint.wait(max(0.0, config.heartbeat_s - (time.monotonic() - started)))
+            if self.plan_hint.is_set():
+                self.plan_hint.clear()
+                self._take_plans()
 
     def _take_plans(self) -> None:
         plans, _ = self.control.read_plans()

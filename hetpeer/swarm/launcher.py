@@ -113,15 +113,25 @@ class Process:
             try:
                 self.popen.wait(timeout=wait_s)
             except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+                pass
+        self._kill_group()  # what is left: the process itself if it did not stop, its DHT node and p2pd
         if self.reader is not None:
             self.reader.join(timeout=5)
         return self.popen.returncode
 
     def kill(self) -> None:
-        """Die without a word, as a crashed machine would."""
-        self.stop(signal.SIGKILL, wait_s=10)
+        """Die without a word, as a crashed machine would: the process, its DHT node and its p2pd at once."""
+        if self.popen is not None:
+            self._kill_group()
+            if self.reader is not None:
+                self.reader.join(timeout=5)
+
+    def _kill_group(self) -> None:
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)  # the process leads its own group (start_new_session)
+        except ProcessLookupError:
+            pass
+        self.popen.wait()
 
 
 class LocalSwarm:

@@ -252,12 +252,13 @@ def lead(heartbeat_s: float, tokens_per_s: float, plan: Plan | None = None) -> i
     return policy.start_step(plan, records, False, heartbeat_s, SEQ_LEN) - 20
 
 
-def test_a_planned_switch_leads_by_about_three_heartbeats_of_steps():
+def test_a_planned_switch_leads_by_a_few_heartbeats_of_steps():
     plan = make_plan([["a", "b"], ["c", "d"]], epoch=3)
     tokens_per_s = plan.lane_batch * SEQ_LEN / 0.5  # a step takes 0.5 s
     ahead = lead(2.0, tokens_per_s, plan)
-    assert ahead >= 3 * 2.0 / 0.5  # every peer reads the plan before its lane gets there
-    assert ahead < 3 * 2.0 / 0.5 + 5
+    heartbeats_of_steps = policy.LEAD_HEARTBEATS * 2.0 / 0.5
+    assert ahead >= heartbeats_of_steps  # every peer reads the plan before its lane gets there
+    assert ahead < heartbeats_of_steps + 5
     assert lead(8.0, tokens_per_s, plan) > ahead  # slower heartbeats: further ahead
     assert lead(2.0, tokens_per_s * 4, plan) > ahead  # faster steps: further ahead
 

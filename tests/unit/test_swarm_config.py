@@ -49,11 +49,11 @@ def test_a_valid_config_answers_per_peer(tmp_path):
         (dict(steps=0), "step"),
         (dict(slowdowns=(1.0, 2.0)), "2 slowdowns given for 3 peers"),
         (dict(bandwidth_caps=(None,) * 4), "4 bandwidth caps given for 3 peers"),
-        (dict(slowdowns=(1.0, 0.5, 1.0)), "slowdowns must be >= 1"),
-        (dict(slowdowns=(1.0, math.nan, 1.0)), "slowdowns must be >= 1"),
-        (dict(bandwidth_caps=(None, 0.0, None)), "bandwidth caps must be positive"),
-        (dict(bandwidth_caps=(-5.0, None, None)), "bandwidth caps must be positive"),
-        (dict(bandwidth_caps=(math.nan, None, None)), "bandwidth caps must be positive"),
+        (dict(slowdowns=(1.0, 0.5, 1.0)), "slowdowns must be finite numbers >= 1"),
+        (dict(slowdowns=(1.0, math.nan, 1.0)), "slowdowns must be finite numbers >= 1"),
+        (dict(bandwidth_caps=(None, 0.0, None)), "bandwidth caps must be finite positive numbers"),
+        (dict(bandwidth_caps=(-5.0, None, None)), "bandwidth caps must be finite positive numbers"),
+        (dict(bandwidth_caps=(math.nan, None, None)), "bandwidth caps must be finite positive numbers"),
     ],
 )
 def test_swarm_config_refuses(tmp_path, changes, fragment):
