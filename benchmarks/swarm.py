@@ -4,15 +4,18 @@ and the planner's predicted step time against the measured one, all in one run o
     python3 benchmarks/swarm.py [--peers 8] [--window 20] [--out DIR]
 
 A local swarm (`hetpeer swarm`'s launcher: a coordinator and N `hetpeer join` processes) with unequal
-peers: compute slowed 3x, 3x, 2x, 2x for the first four (peers join in that order, so the "blocks"
-baseline, which takes devices in join order, gets the slow ones), the rest at full speed, and the
-last two sending at most 40 Mbit/s per destination. The coordinator is held to `--stages` (2): with
+peers: compute 3x, 3x, 2x, 2x slower for the first four (peers join in that order, so the "blocks"
+baseline, which takes devices in join order, gets the slow ones) than for the rest, and the last two
+sending at most 40 Mbit/s per destination. Every peer is slowed `--base-slowdown` times on top, so
+that the emulated compute is mostly waiting: eight processes on two cores would otherwise compete for
+the cores, and placement would hardly matter. The coordinator is held to `--stages` (2): with
 the tiny model one stage fits every peer and any assignment of peers to single-stage lanes is the
 same plan, so only a pipeline gives placement something to decide. Once the coordinator's plan runs:
 
-1. throughput: the swarm's tokens/s (the lanes' own rates summed, sampled over `--window` seconds) under the coordinator's plan, then under a random plan and the "blocks" plan of
-   the same shape (published with the coordinator's key, as the coordinator would), then under the
-   coordinator's plan again (the machine is shared: the two windows bracket the baselines);
+1. throughput: the swarm's tokens/s (the lanes' own rates summed, sampled over `--window` seconds)
+   under the coordinator's plan, a random plan and the "blocks" plan of the same shape (published
+   with the coordinator's key, as the coordinator would), `--rounds` windows each, alternating (the
+   machine is shared and its load drifts); the medians are compared;
 2. a fault: a peer of the plan is killed; reported: seconds until the coordinator publishes a plan
    without it, and until that plan has run a step;
 3. a rejoin: the peer restarts with the same key; seconds until a plan includes it again, and until it
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -110,12 +114,16 @@ def main() -> int:
     parser.add_argument("--peers", type=int, default=8, help="peers in the swarm (default 8)")
     parser.add_argument("--window", type=float, default=20.0, help="seconds of each throughput window (default 20)")
     parser.add_argument("--out", type=Path, help="logs (default: a temporary folder)")
+    parser.add_argument("--base-slowdown", type=float, default=8.0,
+                        help="every peer's compute slowdown, times 3, 3, 2, 2 for the first four (default 8: eight "
+                        "processes on a small machine then mostly wait instead of competing for its cores)")
+    parser.add_argument("--rounds", type=int, default=2, help="windows per plan, alternating between the plans (default 2)")
     parser.add_argument("--stages", type=int, default=2, help="pipeline stages the coordinator must use (default 2)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="hetpeer-bench-swarm-"))
     slow = (3.0, 3.0, 2.0, 2.0)
-    slowdowns = tuple(slow[i] if i < len(slow) else 1.0 for i in range(args.peers))
+    slowdowns = tuple(args.base_slowdown * (slow[i] if i < len(slow) else 1.0) for i in range(args.peers))
     caps = tuple(40.0 if i >= args.peers - 2 else None for i in range(args.peers))
     config = SwarmConfig(
         out=out, peers=args.peers, steps=10**6, slowdowns=slowdowns, bandwidth_caps=caps, heartbeat_s=2.0,
@@ -136,40 +144,50 @@ def main() -> int:
             print(f"coordinator's plan: {len(planned.stages)} stage(s) x {planned.group_size} lane(s), standby "
                   f"{', '.join(planned.standby) or 'none'}", flush=True)
             rows.append(("coordinator", measure(client, planned, args.window, tokens_per_step)))
-            control = ControlPlane(config.swarm, out / "coordinator" / "coordinator.key", swarm.dht_maddrs[:1]).start()
+            # the coordinator's key, from a copy: its home is locked by the running coordinator
+            signer = out / "baselines" / "coordinator.key"
+            signer.parent.mkdir(exist_ok=True)
+            shutil.copyfile(out / "coordinator" / "coordinator.key", signer)
+            control = ControlPlane(config.swarm, signer, swarm.dht_maddrs[:1]).start()
             try:
-                epoch = planned.epoch
+                epoch, plans = planned.epoch, {"coordinator": planned}
                 for kind in ("random", "blocks"):
-                    epoch += 1
-                    plan = publish(control, client, baseline(client, planned, kind, workload, rng), epoch, tokens_per_step)
-                    rows.append((kind, measure(client, plan, args.window, tokens_per_step)))
-                epoch += 1
-                again = publish(control, client, planned, epoch, tokens_per_step)
-                rows.append(("coordinator again", measure(client, again, args.window, tokens_per_step)))
+                    plans[kind] = baseline(client, planned, kind, workload, rng)
+                for round_ in range(args.rounds):  # alternate, so drifts in the machine's load hit every plan alike
+                    for kind, plan in plans.items():
+                        if round_ == 0 and kind == "coordinator":
+                            continue  # measured above
+                        epoch += 1
+                        running = publish(control, client, plan, epoch, tokens_per_step)
+                        rows.append((kind, measure(client, running, args.window, tokens_per_step)))
             finally:
                 control.shutdown()
             print_throughput(rows)
-            recovery(swarm, client, again)
+            recovery(swarm, client, running)
     finally:
         swarm.shutdown()
     return 0
 
 
 def print_throughput(rows: list[tuple[str, dict]]) -> None:
-    reference = statistics.mean(r["tokens_per_s"] for name, r in rows if name.startswith("coordinator"))
-    print("\nthroughput, same peers, one run (tokens/s over the window; ratio to the mean of the coordinator's two windows)")
-    print(f"{'plan':<18} {'epoch':>5} {'steps':>6} {'tokens/s':>9} {'ratio':>6} {'predicted s/step':>17} {'measured s/step':>16} {'meas/pred':>9}")
+    print("\nthroughput, same peers, one run, windows in the order run (tokens/s: the lanes' rates summed)")
+    print(f"{'plan':<12} {'epoch':>5} {'steps':>6} {'tokens/s':>9} {'predicted s/step':>17} {'measured s/step':>16} {'meas/pred':>9}")
     for name, r in rows:
-        print(f"{name:<18} {r['epoch']:>5} {r['steps']:>6} {r['tokens_per_s']:>9.0f} {r['tokens_per_s'] / reference:>6.2f} "
-              f"{r['predicted_s']:>17.3f} {r['measured_s']:>16.3f} {r['measured_s'] / r['predicted_s']:>9.2f}")
+        print(f"{name:<12} {r['epoch']:>5} {r['steps']:>6} {r['tokens_per_s']:>9.0f} {r['predicted_s']:>17.3f} "
+              f"{r['measured_s']:>16.3f} {r['measured_s'] / r['predicted_s']:>9.2f}")
+    medians = {name: statistics.median(r["tokens_per_s"] for n, r in rows if n == name) for name, _ in rows}
+    print("\nmedian over the windows, and ratio to the coordinator's plan:")
+    for name, value in medians.items():
+        print(f"  {name:<12} {value:>9.0f} tokens/s  {value / medians['coordinator']:.2f}x")
     sys.stdout.flush()
 
 
 def recovery(swarm: LocalSwarm, client: ApiClient, running: Plan) -> None:
     # a full-speed peer: the swarm is worse off without it, so the coordinator takes it back when it returns
     config = swarm.config
+    fastest = min(config.slowdown(i) for i, d in swarm.device_ids.items() if d in running.devices)
     index = next(i for i, d in sorted(swarm.device_ids.items())
-                 if d in running.devices and config.slowdown(i) == 1 and config.cap(i) is None)
+                 if d in running.devices and config.slowdown(i) == fastest and config.cap(i) is None)
     victim = swarm.device_ids[index]
     killed = time.monotonic()
     swarm.kill_peer(index)
@@ -184,7 +202,8 @@ def recovery(swarm: LocalSwarm, client: ApiClient, running: Plan) -> None:
     back = poll(client, lambda: (p := client.call_get_plan()[0]) and victim in p.devices and p, "a plan with the peer back", timeout_s=300)
     included_s = time.monotonic() - restarted
     log = swarm.config.out / f"peer{index}.log"
-    poll(client, lambda: re.search(rf"^e{back.epoch} stage", log.read_text(), re.M), "the peer to train again", timeout_s=300)
+    poll(client, lambda: any(int(e) >= back.epoch for e in re.findall(r"^e(\d+) stage", log.read_text(), re.M)),
+         "the peer to train again", timeout_s=300)
     training_s = time.monotonic() - restarted
     download = re.findall(r"downloaded ([\d.]+) MiB of state in (\d+) chunk\(s\) from (.+) in ([\d.]+) s", log.read_text())
     print(f"peer {victim} restarted: in plan epoch {back.epoch} after {included_s:.1f} s, training after {training_s:.1f} s"
