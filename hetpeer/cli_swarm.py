@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import tempfile
@@ -271,8 +272,13 @@ def run_swarm(args: argparse.Namespace) -> int:
 
 
 def _stop_on_sigterm() -> None:
-    """SIGTERM (docker stop, the launcher) leaves the way Ctrl+C does: announcing it."""
+    """SIGTERM (docker stop, the launcher) leaves the way Ctrl+C does: announcing it. Processes forked
+    later (hivemind's DHT node, which its owner stops with SIGTERM) inherit the handler: they just exit."""
+    main = os.getpid()
+
     def stop(signum, frame):
+        if os.getpid() != main:
+            os._exit(0)
         raise KeyboardInterrupt
 
     if threading.current_thread() is threading.main_thread():

@@ -55,7 +55,7 @@ def steps_in_log(text: str) -> list[tuple[int, int, float | None]]:
 def swarm(tmp_path_factory):
     out = tmp_path_factory.mktemp("swarm")
     config = SwarmConfig(
-        out=out, peers=4, steps=100_000, batch=32, heartbeat_s=HEARTBEAT_S, replan_interval_s=3600, timeout_s=5.0,
+        out=out, peers=4, steps=100_000, batch=64, heartbeat_s=HEARTBEAT_S, replan_interval_s=3600, timeout_s=5.0,
         mix_deadline_s=2.0, time_budget_s=1.0, coordinator_args=("--stages", "2", "--gain", "0.05"),
     )
     lines: list[str] = []
@@ -148,9 +148,15 @@ def test_a_killed_peer_is_replanned_around_and_rejoins_with_its_groups_state(swa
 
 def test_training_goes_on_without_the_coordinator_and_a_restarted_one_keeps_the_plan(swarm):
     client = swarm.client
-    plan, _ = client.call_get_plan()
-    peer_log = f"peer{next(i for i, d in swarm.device_ids.items() if d in plan.devices)}"
-    wait_for(lambda: any(e == plan.epoch for e, _, _ in steps_in_log(log_of(swarm, peer_log))), "the plan to run")
+    def running_plan():
+        """The published plan, once a peer has trained a step under it (the last one may have been replaced)."""
+        plan, _ = client.call_get_plan()
+        for i, d in swarm.device_ids.items():
+            if d in plan.devices and any(e == plan.epoch for e, _, _ in steps_in_log(log_of(swarm, f"peer{i}"))):
+                return plan, f"peer{i}"
+        return None
+
+    plan, peer_log = wait_for(running_plan, "a plan that runs")
     swarm.kill_coordinator()
     at_kill = max(step for _, step, _ in steps_in_log(log_of(swarm, peer_log)))
     wait_for(lambda: max(step for _, step, _ in steps_in_log(log_of(swarm, peer_log))) >= at_kill + 5,
