@@ -92,6 +92,9 @@ def add_commands(commands) -> None:
     coordinator.add_argument("--stages", type=cli._positive_int, metavar="S", help="fix the number of pipeline stages")
     coordinator.add_argument("--group-size", type=cli._positive_int, metavar="M", help="fix the data-parallel group size")
     coordinator.add_argument("--seed", type=cli._non_negative_int, default=0, metavar="N", help="planner seed (default 0)")
+    coordinator.add_argument("--steps", type=cli._positive_int, metavar="N",
+                             help="the swarm's last step: once the running plan reaches it, publish no new plan "
+                             "(peers leave there with their own --steps; default: train on)")
     coordinator.set_defaults(run=run_coordinator)
 
     status = commands.add_parser(
@@ -193,6 +196,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
             batch=args.batch, micro_batch=args.micro_batch, dtype=args.dtype, heartbeat_s=args.heartbeat,
             replan_interval_s=args.replan_interval, min_peers=args.min_peers, gain=args.gain,
             time_budget_s=args.time_budget, stages=args.stages, group_size=args.group_size, seed=args.seed,
+            steps=args.steps,
         )
         coordinator = Coordinator(config, cli._say)  # checks the swarm name
     except ValueError as error:

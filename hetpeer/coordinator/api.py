@@ -45,7 +45,7 @@ class Progress:
     swarm: str
     coordinator_key: str
     epoch: int  # the current plan's; -1 without a plan
-    step: int  # highest step among training peers
+    step: int  # highest step among peers training (or leaving, having trained) under the current plan
     loss: float | None  # mean over the last stage's training peers; None when none announces one
     tokens_per_s: float  # sum over the lanes' last stages
     peers_by_state: Mapping[str, int]
@@ -63,9 +63,13 @@ def progress(view: SwarmView) -> Progress:
 
     Each lane's last stage computes the loss and counts the tokens its lane trained, so loss and
     throughput come from the current plan's last-stage peers that say they are training; a peer
-    left on standby, or still fetching, may announce stale figures and is not counted.
+    left on standby, or still fetching, may announce stale figures and is not counted. Peers leaving
+    under the current plan count with their last figures: a peer that stops at its last step says so
+    only in its leaving record, and a watcher waiting for that step must see it (a plan without them
+    follows at once when they leave early).
     """
-    training = [r for r in view.peers.values() if r.state == "training"]
+    epoch = view.plan.epoch if view.plan is not None else None
+    training = [r for r in view.peers.values() if r.state == "training" or (r.state == "leaving" and r.epoch == epoch)]
     last = set(view.plan.stages[-1].devices) if view.plan is not None else set()
     heads = [r for r in training if r.device_id in last]
     losses = [r.loss for r in heads if r.loss is not None]
@@ -339,7 +343,7 @@ def render_status(
         r = p.record
         rows.append((
             r.device_id, r.state, _place(plan, r), str(r.step), f"{r.loss:.4f}" if r.loss is not None else "-",
-            f"{r.tokens_per_s:.1f}", f"{r.tflops:.1f}", r.device_name, f"{p.age_s:.0f}",
+            f"{r.tokens_per_s:.1f}", f"{r.tflops:.3g}", r.device_name, f"{p.age_s:.0f}",
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]

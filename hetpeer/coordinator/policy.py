@@ -1,8 +1,9 @@
 """What the coordinator decides, as pure functions of what it read: no DHT, no clock, no threads.
 
 - `build_problem`: the planner's `Problem` from the peers' announcements. Links are what peers measured
-  (a pair measured both ways takes the mean of the two); a pair nobody measured gets the median of the
-  measured ones (or `DEFAULT_LINK` when there are none) and is listed, so the plan can mark it estimated.
+  (a pair measured both ways takes the slower bandwidth and the mean latency of the two); a pair nobody
+  measured gets the median of the measured ones (or `DEFAULT_LINK` when there are none) and is listed,
+  so the plan can mark it estimated.
 - `broken`: why the running plan cannot go on (a member stopped announcing, or announces that its lane
   stalled under this plan), or None.
 - `decide`: whether to run the planner now, and why.
@@ -11,6 +12,8 @@
   horizon) beats the running plan's on the same measurements by `gain`: hysteresis, so that measurement
   noise does not make the swarm flap between plans.
 - `start_step`: the step a new plan takes effect at: far enough ahead that every peer has read it.
+- `furthest_step`: how far the swarm got under the running plan; a coordinator with a last step stops
+  planning there, so peers that leave once they reach it do not look like a broken plan.
 """
 
 from __future__ import annotations
@@ -51,9 +54,12 @@ def build_problem(
         for peer, link in record.links.items():
             if peer in index and peer != d:
                 i, j = index[d], index[peer]
-                for a, b in ((i, j), (j, i)):  # links are taken as symmetric: either direction's figure counts
+                for a, b in ((i, j), (j, i)):
+                    # The planner's links are symmetric and a pipeline or a group uses each both ways, so the
+                    # slower direction is the link's bandwidth (a peer with a capped uplink measures it; the
+                    # other side measures its own, faster, direction). Latency: the mean of the two estimates.
                     latency[a, b] = np.nanmean([latency[a, b], link.latency_s])
-                    bandwidth[a, b] = np.nanmean([bandwidth[a, b], link.bandwidth_bytes_per_s])
+                    bandwidth[a, b] = np.nanmin([bandwidth[a, b], link.bandwidth_bytes_per_s])
     off = ~np.eye(n, dtype=bool)
     missing = np.isnan(latency) & off
     measured = ~np.isnan(latency) & off
@@ -143,16 +149,22 @@ def worth_it(decision: Decision, new_objective_s: float, current_s: float | None
     return False, f"predicted {new_objective_s:.3f} s/step is not {gain:.0%} better than the running {current_s:.3f} s"
 
 
+def furthest_step(current: Plan, records: Mapping[str, PeerRecord]) -> int:
+    """The furthest step any peer announced under `current` (leaving peers included), and at least the
+    plan's own start."""
+    return max([current.start_step] + [r.step for r in records.values() if r.epoch == current.epoch])
+
+
 def start_step(
     current: Plan | None, records: Mapping[str, PeerRecord], broken_now: bool, heartbeat_s: float, seq_len: int
 ) -> int:
     """The step a new plan starts at. A broken plan: just past the furthest peer, for every peer switches
     at once. Otherwise: far enough ahead that every peer reads the plan (`LEAD_HEARTBEATS`) before
-    its lanes reach that step, at the pace the peers announce."""
+    its lanes reach that step, at the pace the peers announce. `records` include leaving peers, whose
+    last step counts too: the swarm's step never goes back, even when every peer that reached it left."""
     if current is None:
         return 0
-    steps = [r.step for r in records.values() if r.epoch == current.epoch]
-    furthest = max(steps, default=current.start_step)
+    furthest = furthest_step(current, records)
     if broken_now:
         return furthest + 1
     tokens_per_step = current.lane_batch * seq_len

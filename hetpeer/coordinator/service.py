@@ -52,11 +52,14 @@ class CoordinatorConfig:
     group_size: int | None = None
     seed: int = 0
     plan_ttl_s: float = 3600.0  # the plan stays in the DHT this long after its last (re)publication
+    steps: int | None = None  # the swarm's last step: no new plan once the running one reaches it
 
     def __post_init__(self) -> None:
         Workload(preset(self.model), batch=self.batch, micro_batch=self.micro_batch, dtype=self.dtype)
         if not self.heartbeat_s > 0 or not self.replan_interval_s > 0 or not self.time_budget_s > 0:
             raise ValueError("heartbeat, re-plan interval and time budget must be positive")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"steps must be at least 1, got {self.steps}")
         if self.min_peers < 1 or not 0 <= self.gain < 1:
             raise ValueError(f"min_peers must be >= 1 and gain in [0, 1), got {self.min_peers}, {self.gain}")
 
@@ -133,18 +136,22 @@ class Coordinator:
         records, dropped = self.control.read_peers(max_age_s=(TTL_HEARTBEATS + 1) * config.heartbeat_s)
         for item in dropped:
             self._log_once(item.signer, f"dropped a peer record signed by {item.signer}: {item.reason}")
-        live = {}
+        ours = {}
         for d, record in records.items():
             if (record.model, record.dtype) != (config.model, config.dtype):
                 self._log_once(d, f"ignored {d}: it trains {record.model} in {record.dtype}, this swarm {config.model} in {config.dtype}")
-            elif record.state != "leaving":
-                live[d] = record
+            else:
+                ours[d] = record
+        live = {d: r for d, r in ours.items() if r.state != "leaving"}
         for d in live:
             self.first_seen.setdefault(d, now)
         for d in set(self.first_seen) - set(live):
             del self.first_seen[d]
         self._read_running_plan()
-        self.view = SwarmView(config.swarm, self.key, self.plan, self.plan_time, live, len(dropped), now)
+        self.view = SwarmView(config.swarm, self.key, self.plan, self.plan_time, ours, len(dropped), now)
+        if config.steps is not None and self.plan is not None and policy.furthest_step(self.plan, ours) >= config.steps:
+            self._log_once("done", f"the swarm reached step {config.steps}: no more plans")  # its peers leave now
+            return
         decision = policy.decide(
             self.plan, live, self.first_seen, now, self.last_solve, min_peers=config.min_peers,
             settle_s=config.settle_s if config.settle_s is not None else 2 * config.heartbeat_s,
@@ -152,7 +159,7 @@ class Coordinator:
         )
         if decision.solve:
             self.last_solve = now
-            self._solve_and_publish(decision, live)
+            self._solve_and_publish(decision, live, ours)
         elif self.plan is not None and now - self.last_publish > config.plan_ttl_s / 3:
             self._publish(self.plan, "kept alive")
 
@@ -170,7 +177,8 @@ class Coordinator:
                 self.report(f"running plan from the DHT: epoch {mine[0].plan.epoch}")
             self.plan, self.plan_time = mine[0].plan, mine[0].time
 
-    def _solve_and_publish(self, decision: policy.Decision, live: dict[str, PeerRecord]) -> None:
+    def _solve_and_publish(self, decision: policy.Decision, live: dict[str, PeerRecord], ours: dict[str, PeerRecord]) -> None:
+        """Plan over the `live` peers; `ours` (leaving peers included) tells how far the swarm got."""
         config, current = self.config, self.plan
         if len(live) < 1:
             self._log_once("none", f"cannot re-plan ({decision.reason}): no peer is announcing")
@@ -196,7 +204,7 @@ class Coordinator:
         if not publish:
             self.report(f"kept epoch {current.epoch}: {why} (searched {searched_s:.1f} s)")
             return
-        step = policy.start_step(current, live, decision.broken, config.heartbeat_s, config.workload.model.seq_len)
+        step = policy.start_step(current, ours, decision.broken, config.heartbeat_s, config.workload.model.seq_len)
         plan = replace(
             solution.plan, epoch=(current.epoch + 1) if current is not None else 1, start_step=step,
             estimated_links=tuple(p for p in estimated if p[0] in solution.plan.devices and p[1] in solution.plan.devices),

@@ -18,6 +18,7 @@ which tells the coordinator that the plan is broken; it resumes with the next pl
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -31,7 +32,7 @@ import torch
 from hetpeer import __version__
 from hetpeer.peer.data.corpus import Corpus
 from hetpeer.peer.gossip.state import StateDownloadError, StateServer
-from hetpeer.peer.measure import LinkProber, MachineProfile, pick_targets, profile_machine
+from hetpeer.peer.measure import LinkHistory, LinkProber, MachineProfile, pick_targets, profile_machine
 from hetpeer.peer.node import format_step
 from hetpeer.peer.pipeline.worker import StageWorker, WorkerConfig
 from hetpeer.peer.transport.inbox import Interrupted, Late, PeerUnreachable, TransportError, TransportTimeout
@@ -40,11 +41,12 @@ from hetpeer.protocol.addresses import AddressBook
 from hetpeer.protocol.control import ControlPlane, key_digest
 from hetpeer.protocol.frame import FrameHeader
 from hetpeer.protocol.plan import Plan
-from hetpeer.protocol.records import TTL_HEARTBEATS, LinkMeasurement, PeerRecord, device_id
+from hetpeer.protocol.records import TTL_HEARTBEATS, PeerRecord, device_id
 from hetpeer.protocol.workload import preset
 
 log = logging.getLogger("hetpeer.peer")
 RUNNING_KINDS = ("activation", "gradient", "labels", "params", "allreduce")  # frames that belong to a plan
+RATE_STEPS = 10  # the tokens/s a peer announces is its rate over this many steps
 FUTURE_EPOCHS = 2  # frames of plans this much newer than the newest this peer has read are kept for it
 
 
@@ -106,11 +108,12 @@ def switch_now(running: Plan | None, new: Plan, step: int) -> bool:
 
 
 def donors_for(records: Mapping[str, PeerRecord], layers: tuple[int, int], me: str) -> list[str]:
-    """Peers that announce layers overlapping `layers`, exact holders first, then by most recent step."""
+    """Peers that announce layers overlapping `layers`, exact holders first, then by most recent step;
+    never a peer that announced it is leaving."""
     start, end = layers
     found = [
         r for r in records.values()
-        if r.device_id != me and r.layers is not None and r.layers[0] < end and start < r.layers[1]
+        if r.device_id != me and r.state != "leaving" and r.layers is not None and r.layers[0] < end and start < r.layers[1]
     ]
     found.sort(key=lambda r: (r.layers != layers, -r.step))
     return [r.device_id for r in found]
@@ -134,7 +137,7 @@ class SwarmPeer:
         self.running: Plan | None = None
         self.pending: Plan | None = None
         self.records: dict[str, PeerRecord] = {}
-        self.links: dict[str, LinkMeasurement] = {}
+        self.links = LinkHistory()  # what it measured to other peers, smoothed over rounds
         self.status = Status()
         self.lock = threading.Lock()
         self.stopping = threading.Event()
@@ -194,7 +197,8 @@ class SwarmPeer:
         if self.control.dht is not None and self.device_id:
             self._set(state="leaving")
             try:
-                self.control.announce(self._record(), ttl_s=self.config.heartbeat_s)
+                # as long-lived as any record: the coordinator reads its last step after this peer is gone
+                self.control.announce(self._record(), ttl_s=TTL_HEARTBEATS * self.config.heartbeat_s)
             except Exception as error:  # leaving must not fail on a DHT hiccup
                 log.info("%s: could not announce leaving: %s", self.device_id, error)
         if self.transport is not None:
@@ -234,9 +238,11 @@ class SwarmPeer:
     def run(self) -> None:
         """Train until `steps` or `stopping`; returns normally when done."""
         config = self.config
+        recent: collections.deque[tuple[int, float]] = collections.deque(maxlen=RATE_STEPS)  # (tokens, seconds) per step
         while not self.stopping.is_set():
             plan = self._due()
             if plan is not None:
+                recent.clear()  # another plan, another pace
                 try:
                     self._switch(plan)
                 except Interrupted:
@@ -261,9 +267,10 @@ class SwarmPeer:
                 self._set(state="waiting")
                 continue
             seconds = time.perf_counter() - started
-            tokens_per_s = result.tokens / seconds
+            recent.append((result.tokens, seconds))
             loss = result.loss if result.loss is not None else self.status.loss
-            self._set(step=worker.step, loss=loss, tokens_per_s=tokens_per_s)
+            # the rate over the last few steps: one step's swings with the machine's load
+            self._set(step=worker.step, loss=loss, tokens_per_s=sum(t for t, _ in recent) / sum(s for _, s in recent))
             stage, lane = worker.plan.position(self.device_id)
             self.report(f"e{worker.plan.epoch} stage {stage + 1} lane {lane + 1}  "
                         + format_step(result, seconds, config.steps or 0).replace("/0 ", " "))
@@ -392,7 +399,7 @@ class SwarmPeer:
     def _record(self) -> PeerRecord:
         status, machine = self.status, self.machine
         with self.lock:
-            links = dict(self.links)
+            links = self.links.current()
         return PeerRecord(
             device_id=self.device_id,
             model=self.config.model,
@@ -427,9 +434,8 @@ class SwarmPeer:
             targets = pick_targets(self.device_id, known, preferred, config.probe_targets, self._rng)
             measured = self.prober.measure_many(targets, budget_bytes=config.probe_bytes, budget_s=config.heartbeat_s)
             with self.lock:
-                self.links.update(measured)
-                for gone in set(self.links) - set(self.records):
-                    del self.links[gone]
+                self.links.add(measured)
+                self.links.keep_only(self.records)
             self.stopping.wait(config.probe_every * config.heartbeat_s)
 
     def _neighbours(self) -> list[str]:

@@ -4,14 +4,20 @@
 the free memory. `LinkProber` measures latency and bandwidth to another peer with short active probes
 over the peer's own transport, so what it measures is the path training frames take:
 
-    ping    micro 0, one float32   -> echoed as micro 1          latency = median round trip / 2
-    data    micro 2, n float32s    -> answered by micro 3 (n)    bandwidth = bytes / (round trip - ping)
+    ping    micro 0, one float32   -> echoed as micro 1          latency = fastest round trip / 2
+    data    micro 2, n float32s    -> answered by micro 3 (n)    bandwidth = bytes / (fastest round trip - fastest ping)
 
 A probe id (the frame's `step` field) is unique in the process, so probes of several peers at once never
 mix. Each measurement is bounded in bytes (`budget_bytes`) and in time (`budget_s`): a small pilot frame
-first estimates the link, and the main data frame is sized to what the link carries in half the time
+first estimates the link, and the main data frames are sized to what the link carries in half the time
 left, so a slow link is measured instead of timing out. `pick_targets` samples whom to probe, so a
 peer's probing costs O(k) frames whatever the swarm's size.
+
+Noise only ever adds time (a busy receiver, a descheduled thread), so every figure is taken from the
+fastest of several round trips (`estimate_link`), and a transfer too short to tell from that noise
+counts as `RESOLUTION_S`: a fast link reads as "at least this fast", never as a near-infinite rate.
+`LinkHistory` then announces, per peer, the median of the last few rounds, so one bad round does not
+move the plan.
 
 `Slowdown` emulates a slower accelerator on a fast one (for tests and benchmarks of heterogeneous
 swarms); the machine probe runs under it, so the TFLOPS a slowed peer announces are what it achieves.
@@ -29,7 +35,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy
 import torch
@@ -38,7 +44,7 @@ from hetpeer.peer.probe import block_tflops
 from hetpeer.peer.transport.base import Transport
 from hetpeer.peer.transport.inbox import Late, PeerUnreachable, TransportError
 from hetpeer.protocol.frame import FrameHeader
-from hetpeer.protocol.records import LinkMeasurement
+from hetpeer.protocol.records import MAX_LINKS, LinkMeasurement
 from hetpeer.protocol.workload import ModelSpec
 
 log = logging.getLogger("hetpeer.peer")
@@ -46,7 +52,9 @@ log = logging.getLogger("hetpeer.peer")
 PING, PONG, DATA, DATA_ACK = range(4)  # the `micro` field of probe frames
 PILOT_BYTES = 64 << 10  # the first data frame, at most; it sizes the main one
 PILOT_SHARE = 8  # the pilot takes at most 1/8 of the byte budget
-MIN_TRANSFER_S = 1e-6  # floor on a data frame's time on the wire, so bandwidth stays finite
+DATA_SAMPLES = 3  # data frames per measurement; the fastest counts
+RESOLUTION_S = 1e-4  # a data frame's time on the wire is taken to be at least this: shorter is lost in timing noise
+HISTORY_ROUNDS = 3  # rounds of measurements a peer's announced figure is the median of
 _probe_ids = itertools.count(1)  # shared by every prober in the process: replies never cross
 _probe_ids_lock = threading.Lock()
 
@@ -180,24 +188,27 @@ class LinkProber:
         """Latency and bandwidth from this peer to `peer`, spending at most `budget_bytes` of probe data
         and `budget_s` seconds; ProbeError (naming the peer) when it cannot.
 
-        Cost: `pings` round trips, then one or two data frames (a pilot of at most `PILOT_BYTES`)."""
+        Cost: `pings` round trips, a pilot data frame of at most `PILOT_BYTES`, then up to `DATA_SAMPLES`
+        data frames sharing the rest of the byte budget."""
         if peer == self.device_id:
             raise ValueError(f"{self.device_id} cannot probe itself")
         if budget_bytes < 4 or not budget_s > 0 or pings < 1:
             raise ValueError(f"need budget_bytes >= 4, budget_s > 0 and pings >= 1, got {budget_bytes}, {budget_s}, {pings}")
         deadline = time.perf_counter() + budget_s
-        ping_s = statistics.median(self._round_trip(peer, PING, torch.zeros(1), deadline, budget_s) for _ in range(pings))
-        total_bytes = min(budget_bytes, self.max_probe_bytes + PILOT_BYTES)
+        ping_s = [self._round_trip(peer, PING, torch.zeros(1), deadline, budget_s) for _ in range(pings)]
+        total_bytes = min(budget_bytes, DATA_SAMPLES * self.max_probe_bytes + PILOT_BYTES)
         pilot_bytes = min(PILOT_BYTES, total_bytes // PILOT_SHARE) // 4 * 4
-        main_bytes = min(total_bytes - pilot_bytes, self.max_probe_bytes)
-        if pilot_bytes:
-            bandwidth = self._bandwidth(peer, pilot_bytes, ping_s, deadline, budget_s)
-            # the pilot's rate is a lower bound (latency noise inflates its time): half the time left is safe
-            fits = int(bandwidth * (deadline - time.perf_counter()) / 2)
-            main_bytes = min(main_bytes, fits) // 4 * 4
-            if main_bytes <= pilot_bytes:
-                return LinkMeasurement(ping_s / 2, bandwidth)
-        return LinkMeasurement(ping_s / 2, self._bandwidth(peer, main_bytes // 4 * 4, ping_s, deadline, budget_s))
+        each_bytes = min((total_bytes - pilot_bytes) // DATA_SAMPLES, self.max_probe_bytes)
+        if not pilot_bytes:  # a budget too small for a pilot: one frame of what there is
+            size = max(4, min(total_bytes, self.max_probe_bytes) // 4 * 4)
+            return estimate_link(ping_s, [self._data(peer, size, deadline, budget_s)], size)
+        pilot = estimate_link(ping_s, [self._data(peer, pilot_bytes, deadline, budget_s)], pilot_bytes)
+        # the pilot's rate is a lower bound (latency noise inflates its time): half the time left is safe
+        fits = int(pilot.bandwidth_bytes_per_s * (deadline - time.perf_counter()) / 2 / DATA_SAMPLES)
+        each_bytes = min(each_bytes, fits) // 4 * 4
+        if each_bytes <= pilot_bytes:
+            return pilot
+        return estimate_link(ping_s, [self._data(peer, each_bytes, deadline, budget_s) for _ in range(DATA_SAMPLES)], each_bytes)
 
     def measure_many(
         self, peers: Sequence[str], budget_bytes: int = 1 << 20, budget_s: float = 2.0, pings: int = 3
@@ -212,10 +223,9 @@ class LinkProber:
                 log.warning("%s: %s", self.device_id, error)
         return links
 
-    def _bandwidth(self, peer: str, size_bytes: int, ping_s: float, deadline: float, budget_s: float) -> float:
-        data = torch.ones(size_bytes // 4)
-        round_trip_s = self._round_trip(peer, DATA, data, deadline, budget_s)
-        return size_bytes / max(round_trip_s - ping_s, MIN_TRANSFER_S)
+    def _data(self, peer: str, size_bytes: int, deadline: float, budget_s: float) -> float:
+        """The round trip of one data frame of `size_bytes`."""
+        return self._round_trip(peer, DATA, torch.ones(size_bytes // 4), deadline, budget_s)
 
     def _round_trip(self, peer: str, micro: int, tensor: torch.Tensor, deadline: float, budget_s: float) -> float:
         with _probe_ids_lock:
@@ -253,6 +263,49 @@ class LinkProber:
             self.transport.send(header.sender, "probe", reply, step=header.step, micro=header.micro + 1)
         except PeerUnreachable as error:
             log.info("%s: cannot answer probe %d of %s: %s", self.device_id, header.step, header.sender, error)
+
+
+def estimate_link(ping_s: Sequence[float], data_s: Sequence[float], data_bytes: int) -> LinkMeasurement:
+    """A link from round trips: pings of one float, data frames of `data_bytes` each. Timing noise only
+    adds, so the fastest of each counts; the data frame's time on the wire is what its round trip takes
+    beyond a ping's, and at least `RESOLUTION_S`."""
+    if not ping_s or not data_s or data_bytes < 1:
+        raise ValueError(f"need pings, data round trips and a positive size, got {list(ping_s)}, {list(data_s)}, {data_bytes}")
+    fastest_ping = min(ping_s)
+    return LinkMeasurement(fastest_ping / 2, data_bytes / max(min(data_s) - fastest_ping, RESOLUTION_S))
+
+
+class LinkHistory:
+    """The links a peer announces: per peer, the median of its last `rounds` measurements (latency and
+    bandwidth each), so one round spoiled by a busy machine does not change what the coordinator plans
+    with; at most `limit` peers, the most recently measured (a record carries at most `MAX_LINKS`).
+    Not thread-safe: its owner holds a lock."""
+
+    def __init__(self, rounds: int = HISTORY_ROUNDS, limit: int = MAX_LINKS) -> None:
+        if rounds < 1 or limit < 0:
+            raise ValueError(f"need rounds >= 1 and limit >= 0, got {rounds}, {limit}")
+        self.rounds, self.limit = rounds, limit
+        self._seen: dict[str, list[LinkMeasurement]] = {}  # oldest measured first
+
+    def add(self, measured: Mapping[str, LinkMeasurement]) -> None:
+        for peer, link in measured.items():
+            self._seen[peer] = (self._seen.pop(peer, []) + [link])[-self.rounds:]
+        for stale in list(self._seen)[: max(0, len(self._seen) - self.limit)]:
+            del self._seen[stale]
+
+    def keep_only(self, peers: Iterable[str]) -> None:
+        """Forget the peers not in `peers` (they left the swarm)."""
+        keep = set(peers)
+        for gone in set(self._seen) - keep:
+            del self._seen[gone]
+
+    def current(self) -> dict[str, LinkMeasurement]:
+        return {
+            peer: LinkMeasurement(
+                statistics.median(m.latency_s for m in seen), statistics.median(m.bandwidth_bytes_per_s for m in seen)
+            )
+            for peer, seen in self._seen.items()
+        }
 
 
 def pick_targets(me: str, known: Sequence[str], preferred: Sequence[str], k: int, rng: numpy.random.Generator) -> list[str]:

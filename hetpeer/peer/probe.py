@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,8 +35,8 @@ def block_tflops(
     dtype: str = "fp32",
     around: ContextManager | None = None,
 ) -> float:
-    """Achieved TFLOPS in `dtype` of forward + backward through one block of `spec` (at least 2 passes
-    timed). `around`, a reusable context manager (e.g. a `measure.Slowdown`), is entered around each pass."""
+    """Achieved TFLOPS in `dtype` of forward + backward through one block of `spec` (the median pass
+    of at least 3 timed). `around`, a reusable context manager (e.g. a `measure.Slowdown`), is entered around each pass."""
     if dtype not in AUTOCAST_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(AUTOCAST_DTYPES)}, got {dtype!r}")
     block = Block(spec).to(device)
@@ -64,14 +65,19 @@ def matmul_tflops(size: int = 1024, device: str = "cpu", seconds: float = 1.0) -
 
 
 def _time_per_call(run, device: str, seconds: float) -> float:
+    """The median time of one call, over at least 3 calls and about `seconds`. The median, not the
+    mean: a burst of other work on the machine (another process starting, a peer's DHT node) slows a
+    few calls, and should not decide what the peer announces for as long as it trains."""
     run()  # warm up
     _sync(device)
-    calls, started = 0, time.perf_counter()
-    while calls < 2 or time.perf_counter() - started < seconds:
+    times: list[float] = []
+    started = time.perf_counter()
+    while len(times) < 3 or time.perf_counter() - started < seconds:
+        call_started = time.perf_counter()
         run()
-        calls += 1
-    _sync(device)
-    return (time.perf_counter() - started) / calls
+        _sync(device)
+        times.append(time.perf_counter() - call_started)
+    return statistics.median(times)
 
 
 def _sync(device: str) -> None:

@@ -146,6 +146,7 @@ class LocalSwarm:
         self.events: list[Event] = []
         self.samples: list[Sample] = []
         self.plans: dict[int, PlanUse] = {}
+        self.measured: dict[str, tuple[str, float]] = {}  # device id -> (device name, TFLOPS) it announced
         self.started = time.monotonic()
         self._seen = threading.Condition()
 
@@ -164,6 +165,7 @@ class LocalSwarm:
             "--api", self.api_address, "--heartbeat", repr(c.heartbeat_s), "--replan-interval", repr(c.replan_interval_s),
             "--model", c.model, "--batch", str(c.batch), "--micro-batch", str(c.micro_batch), "--dtype", c.dtype,
             "--time-budget", repr(c.time_budget_s), "--seed", str(c.seed), "--min-peers", str(min(2, c.peers)),
+            "--steps", str(c.steps),
             *c.coordinator_args,
         ]
         alive = [self.peer_maddrs[i] for i, p in enumerate(self.peers) if p.alive and i in self.peer_maddrs]
@@ -261,15 +263,22 @@ class LocalSwarm:
         target = until_step if until_step is not None else self.config.steps
         samples, plans = self.samples, self.plans
         last_step, moved = -1, time.monotonic()
+        left_at: float | None = None  # when the last peer was seen gone
         with ApiClient(self.api_address, timeout_s=2.0) as client:
             while True:
                 time.sleep(0.5)
-                if not any(p.alive for p in self.peers):
+                if left_at is None and not any(p.alive for p in self.peers):
+                    left_at = time.monotonic()
+                if left_at is not None and time.monotonic() - left_at > 2 * self.config.heartbeat_s + 1:
+                    # peers that reached the last step announced it as they left: the coordinator has read it by now
                     self.event("every peer has left")
                     break
                 try:
                     progress = client.call_get_progress()
                     plan, _ = client.call_get_plan()
+                    if len(self.measured) < len(self.device_ids):
+                        for peer in client.call_list_peers():
+                            self.measured[peer.record.device_id] = (peer.record.device_name, peer.record.tflops)
                 except ApiError:
                     continue  # the coordinator may be restarting; the peers go on without it
                 if plan is not None and plan.epoch not in plans:
@@ -302,10 +311,11 @@ class LocalSwarm:
     def report(self) -> RunReport:
         """What was seen so far, for the run report."""
         c, samples = self.config, self.samples
-        peers = [
-            PeerInfo(self.device_ids.get(i, f"peer{i}"), c.slowdown(i), c.cap(i), None, "local process")
-            for i in range(c.peers)
-        ]
+        peers = []
+        for i in range(c.peers):
+            device = self.device_ids.get(i, f"peer{i}")
+            name, tflops = self.measured.get(device, ("local process", None))
+            peers.append(PeerInfo(device, c.slowdown(i), c.cap(i), tflops, name))
         return RunReport(
             swarm=c.swarm, model=c.model, steps=max((s.step + 1 for s in samples), default=0), wall_s=self.elapsed(),
             peers=peers, plans=summarize(samples, list(self.plans.values())), samples=list(samples), events=list(self.events),

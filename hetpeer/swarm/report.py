@@ -197,7 +197,7 @@ def format_markdown(report: RunReport, png_name: str = "loss.png") -> str:
     ]  # fmt: skip
     for p in report.peers:
         cap = "none" if p.bandwidth_cap_mbit is None else f"{p.bandwidth_cap_mbit:g}"
-        lines.append(f"| {p.device_id} | {p.device_name} | {p.slowdown:g}x | {cap} | {_num(p.tflops, '.2f')} |")
+        lines.append(f"| {p.device_id} | {p.device_name} | {p.slowdown:g}x | {cap} | {_num(p.tflops, '.3g')} |")
     lines += ["", "## Plans used", "",
               "| epoch | from step | published (s) | steps | stages | standby "
               "| predicted step (s) | measured step (s) | measured / predicted | tokens/s |",

@@ -115,6 +115,16 @@ def test_progress_mean_loss_over_those_that_announce_one():
     assert (p.loss, p.tokens_per_s) == (2.0, 350.0)
 
 
+def test_progress_counts_the_last_step_of_peers_that_left_under_the_plan():
+    peers = make_peers()
+    peers["c"] = record("c", state="leaving", layers=(4, 6), step=200, loss=1.0, tokens_per_s=300.0)
+    peers["g"] = record("g", state="leaving", epoch=2, step=500)  # left under an older plan: not this plan's step
+    p = progress(view(make_plan(), peers))
+    assert p.step == 200
+    assert (p.loss, p.tokens_per_s) == (2.0, 500.0)  # its last loss and pace count too
+    assert p.peers_by_state["leaving"] == 2
+
+
 # --- over gRPC ----------------------------------------------------------------------------------------
 
 

@@ -52,16 +52,16 @@ def make_plan(stages: list[list[str]], *, standby: tuple[str, ...] = (), epoch: 
 # -- build_problem --------------------------------------------------------------------------------------
 
 
-def test_both_directions_of_a_link_are_averaged_into_a_symmetric_pair():
+def test_a_link_measured_both_ways_takes_the_mean_latency_and_the_slower_direction():
     records = {
         "b": record("b", links={"a": link(0.03, 3e8)}),
-        "a": record("a", links={"b": link(0.01, 1e8)}),
+        "a": record("a", links={"b": link(0.01, 1e8)}),  # a's uplink to b is the slower direction
     }
     problem, estimated = policy.build_problem(records, WORKLOAD, None)
     assert problem.device_ids == ("a", "b")
     assert problem.latency_s[0, 1] == pytest.approx(0.02) and problem.latency_s[1, 0] == pytest.approx(0.02)
-    assert problem.bandwidth_bytes_per_s[0, 1] == pytest.approx(2e8)
-    assert problem.bandwidth_bytes_per_s[1, 0] == pytest.approx(2e8)
+    assert problem.bandwidth_bytes_per_s[0, 1] == pytest.approx(1e8)
+    assert problem.bandwidth_bytes_per_s[1, 0] == pytest.approx(1e8)
     assert estimated == ()
 
 
@@ -244,6 +244,26 @@ def test_a_broken_plan_is_replaced_just_past_the_furthest_peer_under_it():
         "c": record("c", epoch=2, step=500),  # a peer still under an older plan counts no step of this one
     }  # fmt: skip
     assert policy.start_step(plan, records, True, 2.0, SEQ_LEN) == 13
+
+
+def test_the_step_never_goes_back_when_the_peers_that_reached_it_left():
+    plan = make_plan([["a", "b"]], standby=("c",), epoch=3, start_step=40)
+    records = {
+        "a": record("a", epoch=3, step=200, state="leaving"), "b": record("b", epoch=3, step=199, state="leaving"),
+        "c": record("c", epoch=3, step=0, state="standby"),
+    }  # fmt: skip
+    assert policy.start_step(plan, records, True, 2.0, SEQ_LEN) == 201
+    assert policy.start_step(plan, {"c": records["c"]}, True, 2.0, SEQ_LEN) == 41  # nothing seen: the plan's own start
+
+
+def test_the_furthest_step_counts_leaving_peers_under_the_plan_only():
+    plan = make_plan([["a", "b"]], standby=("c",), epoch=3, start_step=40)
+    assert policy.furthest_step(plan, {}) == 40
+    records = {
+        "a": record("a", epoch=3, step=90, state="leaving"), "b": record("b", epoch=3, step=88),
+        "c": record("c", epoch=2, step=500, state="standby"),
+    }  # fmt: skip
+    assert policy.furthest_step(plan, records) == 90
 
 
 def lead(heartbeat_s: float, tokens_per_s: float, plan: Plan | None = None) -> int:

@@ -58,10 +58,10 @@ def test_a_member_moved_to_standby_is_still_intact():
 # -- donors_for -------------------------------------------------------------------------------------------
 
 
-def record(device: str, layers: tuple[int, int] | None, step: int) -> PeerRecord:
+def record(device: str, layers: tuple[int, int] | None, step: int, state: str = "training") -> PeerRecord:
     return PeerRecord(
         device_id=device, model="tiny", dtype="fp32", device_name="cpu", tflops=1.0, memory_bytes=1 << 30,
-        address=PeerAddress(direct=("127.0.0.1", 7000)), state="training", time=0.0, epoch=1, layers=layers, step=step,
+        address=PeerAddress(direct=("127.0.0.1", 7000)), state=state, time=0.0, epoch=1, layers=layers, step=step,
     )  # fmt: skip
 
 
@@ -89,3 +89,8 @@ def test_never_itself_and_never_a_peer_that_holds_nothing():
     records = book(record("me", (0, 2), 99), record("fresh", None, 99), record("other", (0, 2), 1))
     assert donors_for(records, (0, 2), "me") == ["other"]
     assert donors_for(book(record("me", (0, 2), 99), record("fresh", None, 3)), (0, 2), "me") == []
+
+
+def test_a_leaving_peer_never_donates():
+    records = book(record("gone", (0, 2), 99, state="leaving"), record("other", (0, 2), 1))
+    assert donors_for(records, (0, 2), "me") == ["other"]

@@ -18,16 +18,21 @@ from hetpeer.peer.measure import (
     DATA_ACK,
     PING,
     PONG,
+    RESOLUTION_S,
+    LinkHistory,
     LinkProber,
     MachineProfile,
     ProbeError,
     Slowdown,
+    estimate_link,
     pick_targets,
     profile_machine,
 )
+from hetpeer.peer.probe import _time_per_call
 from hetpeer.peer.transport import MemoryHub, MemoryTransport
 from hetpeer.peer.transport.inbox import Late
 from hetpeer.protocol.frame import FrameHeader
+from hetpeer.protocol.records import MAX_LINKS, LinkMeasurement
 from hetpeer.protocol.workload import preset
 
 WORK_S = 0.05
@@ -139,6 +144,56 @@ def test_the_same_seed_picks_the_same_targets_whatever_the_order_given():
     before = rng.bit_generator.state
     pick_targets("p3", KNOWN, ["p1", "p2", "p4", "p5", "p6"], 5, rng)
     assert rng.bit_generator.state == before  # no draw when the preferred peers fill k
+
+
+# -- estimate_link and LinkHistory ------------------------------------------------------------------
+
+
+def test_the_fastest_round_trips_make_the_estimate():
+    link = estimate_link([0.002, 0.001, 0.005], [0.030, 0.011, 0.050], 1_000_000)
+    assert link.latency_s == pytest.approx(0.0005)  # half the fastest ping
+    assert link.bandwidth_bytes_per_s == pytest.approx(1e8)  # 1 MB in 11 ms less the 1 ms ping
+
+
+def test_a_transfer_lost_in_timing_noise_reads_as_fast_not_infinite():
+    for data_s in ([0.001], [0.0009], [0.001 + RESOLUTION_S / 10]):  # no slower than a ping, or barely
+        link = estimate_link([0.001], data_s, 1_000_000)
+        assert link.bandwidth_bytes_per_s == pytest.approx(1_000_000 / RESOLUTION_S)
+
+
+@pytest.mark.parametrize("ping_s, data_s, size", [([], [0.1], 10), ([0.1], [], 10), ([0.1], [0.2], 0)])
+def test_estimate_link_needs_round_trips_and_a_size(ping_s, data_s, size):
+    with pytest.raises(ValueError, match="need pings"):
+        estimate_link(ping_s, data_s, size)
+
+
+def test_a_peer_announces_the_median_of_its_last_rounds():
+    history = LinkHistory(rounds=3)
+    for bandwidth in (1e8, 1.2e8, 1.1e8):
+        history.add({"p": LinkMeasurement(0.01, bandwidth)})
+    assert history.current() == {"p": LinkMeasurement(0.01, 1.1e8)}
+    history.add({"p": LinkMeasurement(5.0, 1e3)})  # one round spoiled by a stalled machine
+    assert history.current() == {"p": LinkMeasurement(0.01, 1.1e8)}
+    history.add({"p": LinkMeasurement(5.0, 1e3)})  # a link that really changed is followed
+    assert history.current() == {"p": LinkMeasurement(5.0, 1e3)}
+
+
+def test_link_history_keeps_the_most_recently_measured_peers_and_forgets_those_gone():
+    history = LinkHistory(limit=3)
+    for peer in ("a", "b", "c"):
+        history.add({peer: LinkMeasurement(0.01, 1e8)})
+    history.add({"a": LinkMeasurement(0.01, 1e8)})  # a is measured again: b is now the oldest
+    history.add({"d": LinkMeasurement(0.01, 1e8)})
+    assert set(history.current()) == {"a", "c", "d"}
+    history.keep_only(["a", "x"])
+    assert set(history.current()) == {"a"}
+    assert LinkHistory().limit == MAX_LINKS  # a record carries no more
+
+
+def test_link_history_refuses_nonsense_settings():
+    for bad in (dict(rounds=0), dict(limit=-1)):
+        with pytest.raises(ValueError, match="need rounds"):
+            LinkHistory(**bad)
 
 
 # -- LinkProber -------------------------------------------------------------------------------------
@@ -312,6 +367,13 @@ def test_profile_machine_on_cpu_names_the_machine_and_measures_it(one_thread):
         slowed.append(slowed_profile.tflops)
         fast.append(profile_machine(spec, micro_batch=1, dtype="fp32", device="cpu", seconds=0.1).tflops)
     assert 0 < max(slowed) < max(fast) / 2
+
+
+def test_one_slow_call_does_not_decide_the_compute_figure():
+    durations = iter([0.0, 0.01, 0.9, 0.01])  # warm-up, then a burst of other work slows the second timed call
+
+    per_call_s = _time_per_call(lambda: REAL_SLEEP(next(durations)), "cpu", seconds=0.0)
+    assert 0.01 <= per_call_s < 0.3  # the mean would be 0.3 or more
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,96 @@
+"""`hetpeer swarm`, the README's main job, as a user runs it (`python -m hetpeer swarm ...`): a small
+swarm trains to its step count and stops by itself, or stops on Ctrl+C; either way every process it
+started is gone and the run report is written."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hetpeer.swarm.report import RunReport
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+HANG_GUARD_S = 300
+
+
+def start(out: Path, *options: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "hetpeer", "swarm", "--peers", "3", "--heartbeat", "1", "--out", str(out), *options],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+
+
+def processes_using(folder: Path) -> list[str]:
+    """Command lines of live processes that name `folder` (the swarm's coordinator and peers do)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(folder) in command and entry.name != str(os.getpid()):
+            found.append(command)
+    return found
+
+
+def finish(process: subprocess.Popen) -> tuple[str, str]:
+    try:
+        return process.communicate(timeout=HANG_GUARD_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate()
+        raise AssertionError(f"hetpeer swarm hung for {HANG_GUARD_S} s:\n{out}\n{err}")
+
+
+def test_the_swarm_trains_to_its_step_count_and_stops_everything(tmp_path):
+    out = tmp_path / "run"
+    stdout, stderr = finish(start(out, "--steps", "150"))
+    assert "Traceback" not in stdout + stderr, stdout + stderr
+    assert f"report: {out / 'report.md'}" in stdout
+    report = RunReport.from_json((out / "report.json").read_text())
+    assert report.plans and report.peers and len(report.peers) == 3
+    assert all(p.tflops is not None and p.tflops > 0 for p in report.peers)  # what each peer measured
+    losses = [s.loss for s in report.samples if math.isfinite(s.loss)]
+    assert losses and losses[-1] < losses[0]
+    assert max(s.step for s in report.samples) + 1 >= 150
+    assert (out / "loss.png").read_bytes().startswith(b"\x89PNG")
+    coordinator = (out / "coordinator.log").read_text()
+    assert "the swarm reached step 150: no more plans" in coordinator
+    # peers that leave at the last step do not look like a broken plan: no plan is published for them
+    assert "the running plan is broken" not in coordinator
+    members = {d for stage in report.plans[-1].stages for d in stage.devices}
+    for i, peer in enumerate(report.peers):  # in the order started: peer0, peer1, ...
+        if peer.device_id in members:
+            assert "reached step 150: leaving" in (out / f"peer{i}.log").read_text()
+    assert processes_using(out) == []
+
+
+def test_ctrl_c_stops_every_process_and_still_writes_the_report(tmp_path):
+    out = tmp_path / "run"
+    process = start(out, "--steps", "100000")
+    deadline = time.monotonic() + HANG_GUARD_S
+    seen = []
+    for line in process.stdout:  # the live progress: wait until the swarm trains
+        seen.append(line)
+        if line.startswith("[swarm] step ") or time.monotonic() > deadline:
+            break
+    assert seen and seen[-1].startswith("[swarm] step "), "".join(seen)
+    process.send_signal(signal.SIGINT)  # what Ctrl+C at a terminal sends the launcher
+    stdout, stderr = finish(process)
+    assert process.returncode == 0, stderr
+    assert "interrupted: stopping every process" in stdout
+    assert "Traceback" not in stdout + stderr, stdout + stderr
+    report = RunReport.from_json((out / "report.json").read_text())
+    assert report.samples and report.plans
+    assert processes_using(out) == []
