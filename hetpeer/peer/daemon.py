@@ -32,7 +32,7 @@ import torch
 from hetpeer import __version__
 from hetpeer.peer.data.corpus import Corpus
 from hetpeer.peer.gossip.state import StateDownloadError, StateServer
-from hetpeer.peer.measure import LinkHistory, LinkProber, MachineProfile, pick_targets, profile_machine
+from hetpeer.peer.measure import LinkHistory, LinkProber, MachineProfile, describe_links, pick_targets, profile_machine
 from hetpeer.peer.node import format_step
 from hetpeer.peer.pipeline.worker import StageWorker, WorkerConfig
 from hetpeer.peer.transport.inbox import Interrupted, Late, PeerUnreachable, TransportError, TransportTimeout
@@ -436,6 +436,8 @@ class SwarmPeer:
             with self.lock:
                 self.links.add(measured)
                 self.links.keep_only(self.records)
+            if measured:
+                self.report(f"links measured: {describe_links(measured)}")
             self.stopping.wait(config.probe_every * config.heartbeat_s)
 
     def _neighbours(self) -> list[str]:

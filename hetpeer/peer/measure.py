@@ -308,6 +308,20 @@ class LinkHistory:
         }
 
 
+def describe_links(links: Mapping[str, LinkMeasurement]) -> str:
+    """One line for people: each peer with its one-way latency and bandwidth, in peer order."""
+    return ", ".join(
+        f"{peer} {link.latency_s * 1e3:.2f} ms {_rate(link.bandwidth_bytes_per_s)}" for peer, link in sorted(links.items())
+    )
+
+
+def _rate(bytes_per_s: float) -> str:
+    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if bytes_per_s >= scale:
+            return f"{bytes_per_s / scale:.3g} {unit}"
+    return f"{bytes_per_s:.3g} B/s"
+
+
 def pick_targets(me: str, known: Sequence[str], preferred: Sequence[str], k: int, rng: numpy.random.Generator) -> list[str]:
     """Up to `k` peers to probe: the `preferred` ones (group and lane neighbours) first, in order, then a
     uniform sample of the other `known` peers; never `me`. The same seed gives the same targets."""

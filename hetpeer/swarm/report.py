@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from statistics import median
 from typing import Any, NamedTuple, Sequence
@@ -90,7 +90,6 @@ class RunReport:
     plans: tuple[PlanUse, ...]
     samples: tuple[Sample, ...]
     events: tuple[Event, ...] = ()
-    comparison: dict[str, float] = field(default_factory=dict)  # e.g. tokens/s under other plans
 
     def __post_init__(self) -> None:
         for name in ("peers", "plans", "samples", "events"):
@@ -118,7 +117,6 @@ class RunReport:
             plans=[PlanUse(**p) for p in data["plans"]],
             samples=[Sample(**{**s, "loss": math.nan if s["loss"] is None else s["loss"]}) for s in data["samples"]],
             events=[Event(**e) for e in data["events"]],
-            comparison=dict(data["comparison"]),
         )  # fmt: skip
 
 
@@ -209,12 +207,6 @@ def format_markdown(report: RunReport, png_name: str = "loss.png") -> str:
             f"| {_num(p.predicted_step_s, '.3f')} | {_num(p.measured_step_s, '.3f')} | {_num(p.ratio, '.2f')} "
             f"| {_num(p.tokens_per_s, '.0f')} |"
         )  # fmt: skip
-    if report.comparison:
-        ours = report.tokens_per_s
-        lines += ["", "## Comparison", "", "| plan | tokens/s | this run / it |", "|---|---|---|"]
-        for name, value in report.comparison.items():
-            ratio = ours / value if ours is not None and value else None
-            lines.append(f"| {name} | {_num(value, '.0f')} | {_num(ratio, '.2f')} |")
     lines += ["", "## Events", ""]
     lines += [f"- {e.time_s:.1f} s: {e.text}" for e in sorted(report.events, key=lambda e: e.time_s)] or ["- none"]
     lines += ["", "## Loss", "", f"![loss and tokens/s against step]({png_name})", ""]

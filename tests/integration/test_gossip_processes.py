@@ -210,6 +210,7 @@ FAULT_OPTIONS = ("--mix-deadline", "2", "--timeout", "10", "--lr", "1e-3")
 SURVIVOR_STEPS = 150  # a step takes tens of ms: ample to outlast the victim's restart and its own steps
 REJOIN_STEPS = 15
 KILL_AFTER_STEP = 5
+REJOIN_AFTER_STEP = 40  # the group's loss is well below the untrained model's by then
 VICTIM = "p3"
 # one-peer-exp on 4 peers: round r mixes peer i with i - 2^(r mod 2), so p0 takes p3's parameters in even
 # rounds, p1 in odd rounds, and p2 never does (p2 sends to p3, but mixes p1 and p0).
@@ -247,6 +248,8 @@ def test_killed_peer_is_left_out_and_rejoins_from_the_group(tmp_path, peers):
     died_after = max(step for step, _ in victim.losses())
     assert died_after < SURVIVOR_STEPS, victim.output  # it was killed mid-run, not after its last step
 
+    # the group trains on far enough that trained and fresh weights tell apart (below), however fast the restart
+    survivors["p0"].wait_for(rf"^step {REJOIN_AFTER_STEP}/")
     back = peers.join(group, VICTIM, "--rejoin", "--steps", str(REJOIN_STEPS), *FAULT_OPTIONS, log_name="p3-rejoined")
     assert back.finish() == 0, back.output
     for peer in survivors.values():

@@ -24,6 +24,7 @@ from hetpeer.peer.measure import (
     MachineProfile,
     ProbeError,
     Slowdown,
+    describe_links,
     estimate_link,
     pick_targets,
     profile_machine,
@@ -188,6 +189,11 @@ def test_link_history_keeps_the_most_recently_measured_peers_and_forgets_those_g
     history.keep_only(["a", "x"])
     assert set(history.current()) == {"a"}
     assert LinkHistory().limit == MAX_LINKS  # a record carries no more
+
+
+def test_links_are_described_for_people_in_peer_order():
+    links = {"p2": LinkMeasurement(0.0123, 4.8e6), "p1": LinkMeasurement(0.0003, 2.4e9), "p3": LinkMeasurement(1.0, 512.0)}
+    assert describe_links(links) == "p1 0.30 ms 2.4 GB/s, p2 12.30 ms 4.8 MB/s, p3 1000.00 ms 512 B/s"
 
 
 def test_link_history_refuses_nonsense_settings():

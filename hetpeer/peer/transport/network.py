@@ -327,13 +327,24 @@ class NetworkTransport(Transport):
         while True:
             parts = await queue.get()
             try:
+                reused = stream is not None
                 if stream is None:
                     stream = await self._connect(to)
                 if self.rate_limit_bytes_per_s is not None:
                     start = max(time.monotonic(), free_at)
                     free_at = start + sum(len(p) for p in parts) / self.rate_limit_bytes_per_s
                     await asyncio.sleep(free_at - time.monotonic())  # the frame is on the wire until then
-                await stream.write(parts)
+                try:
+                    await stream.write(parts)
+                except (ConnectionError, OSError):
+                    if not reused:
+                        raise
+                    # a connection that carried earlier frames broke (its peer restarted, say): one fresh one
+                    # before the frame counts as lost; a receiver drops a frame cut short on the old one
+                    stream.close()
+                    stream = None
+                    stream = await self._connect(to)
+                    await stream.write(parts)
             except (PeerUnreachable, ConnectionError, OSError) as error:
                 dropped = 1 + queue.qsize()
                 self._failures[to] = f"{self.device}: sending to {to} failed, {dropped} frame(s) dropped: {error}"
@@ -413,6 +424,8 @@ class NetworkTransport(Transport):
                     continue
                 check = PayloadCheck(header)
                 payload = await stream.read_exactly(header.payload_bytes, check.update)
+                # the sender is up (again): a failure to reach it before is history, not news for the next send
+                self._failures.pop(header.sender, None)
                 inbox.offer(header, payload, check)
         except FrameError as error:
             inbox.reject(stream.authenticated or stream.remote, f"garbage on the stream: {error}; connection closed")
