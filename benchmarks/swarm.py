@@ -4,18 +4,19 @@ and the planner's predicted step time against the measured one, all in one run o
     python3 benchmarks/swarm.py [--peers 8] [--window 20] [--out DIR]
 
 A local swarm (`hetpeer swarm`'s launcher: a coordinator and N `hetpeer join` processes) with unequal
-peers: compute 3x, 3x, 2x, 2x slower for the first four (peers join in that order, so the "blocks"
-baseline, which takes devices in join order, gets the slow ones) than for the rest, and the last two
-sending at most 40 Mbit/s per destination. Every peer is slowed `--base-slowdown` times on top, so
-that the emulated compute is mostly waiting: eight processes on two cores would otherwise compete for
-the cores, and placement would hardly matter. The coordinator is held to `--stages` (2): with
-the tiny model one stage fits every peer and any assignment of peers to single-stage lanes is the
-same plan, so only a pipeline gives placement something to decide. Once the coordinator's plan runs:
+peers, slow and fast joining in turn as strangers would: compute 3x, 1x, 3x, 1x, 2x, 1x, 2x, 1x
+(repeated for more peers), and the last two full-speed peers sending at most 40 Mbit/s per
+destination. Every peer is slowed `--base-slowdown` times on top, so that the emulated compute is
+mostly waiting: eight processes on two cores would otherwise compete for the cores, and placement
+would hardly matter. The coordinator is held to `--stages` (2): with the tiny model one stage fits
+every peer and any assignment of peers to single-stage lanes is the same plan, so only a pipeline
+gives placement something to decide. Once the coordinator's plan runs:
 
-1. throughput: the swarm's tokens/s (the lanes' own rates summed, sampled over `--window` seconds)
-   under the coordinator's plan, a random plan and the "blocks" plan of the same shape (published
-   with the coordinator's key, as the coordinator would), `--rounds` windows each, alternating (the
-   machine is shared and its load drifts); the medians are compared;
+1. throughput: the swarm's tokens/s (global batches completed in `--window` seconds, once the plan
+   has run `SETTLE_STEPS`) under the coordinator's plan, a random plan and the "blocks" plan (devices
+   in join order) of the same shape, published with the coordinator's key as the coordinator would;
+   `--rounds` windows each, alternating (the machine is shared and its load drifts); the medians are
+   compared;
 2. a fault: a peer of the plan is killed; reported: seconds until the coordinator publishes a plan
    without it, and until that plan has run a step;
 3. a rejoin: the peer restarts with the same key; seconds until a plan includes it again, and until it
@@ -48,6 +49,8 @@ from hetpeer.protocol.workload import Workload, preset
 from hetpeer.swarm.launcher import LocalSwarm, SwarmConfig
 
 LEAD_S = 8.0  # a published plan takes effect this far ahead, so every peer has read it
+SETTLE_STEPS = 10  # steps a plan runs before its window opens: switching, downloads and first steps excluded
+SLOW = (3.0, 1.0, 3.0, 1.0, 2.0, 1.0, 2.0, 1.0)  # compute slowdown by join order, on top of the base
 
 
 def poll(client: ApiClient, condition, what: str, timeout_s: float = 180.0, every_s: float = 0.25):
@@ -64,26 +67,25 @@ def poll(client: ApiClient, condition, what: str, timeout_s: float = 180.0, ever
 
 
 def measure(client: ApiClient, plan: Plan, window_s: float, tokens_per_step: int) -> dict:
-    """Wait for `plan` to run two steps, then sample the swarm's throughput for `window_s` seconds.
-
-    Throughput is what the lanes process: the sum over the last stage's peers of the tokens/s each
-    announces for its lane (lanes of a gossip group run at their own pace, so the swarm's furthest
-    step would credit the fast lanes with the slow ones' work). Measured seconds per step: the time the
-    swarm takes to process one global batch at that rate."""
-    poll(client, lambda: (g := client.call_get_progress()).epoch == plan.epoch and g.step >= plan.start_step + 2,
+    """Wait for `plan` to run `SETTLE_STEPS`, then count the global batches the swarm completes in
+    `window_s` seconds. A step is one global batch: every lane's share of it, and lanes of a gossip group
+    keep within a step or two of each other, so the swarm's step counter is its progress. Both ends of
+    the window read the coordinator's view, equally stale. Measured seconds per step: window / steps."""
+    poll(client, lambda: (g := client.call_get_progress()).epoch == plan.epoch and g.step >= plan.start_step + SETTLE_STEPS,
          f"plan epoch {plan.epoch} to run")
-    rates, first = [], client.call_get_progress()
-    deadline = time.monotonic() + window_s
+    first, started = client.call_get_progress(), time.monotonic()
+    deadline = started + window_s
     while time.monotonic() < deadline:
         time.sleep(0.5)
         progress = client.call_get_progress()
         if progress.epoch != plan.epoch:
             raise SystemExit(f"plan epoch {plan.epoch} was replaced by epoch {progress.epoch} during its window")
-        rates.append(progress.tokens_per_s)
-    tokens_per_s = statistics.mean(rates)
+    elapsed_s, steps = time.monotonic() - started, progress.step - first.step
+    if steps < 1:
+        raise SystemExit(f"plan epoch {plan.epoch} completed no step in {elapsed_s:.0f} s")
     return {
-        "epoch": plan.epoch, "steps": progress.step - first.step, "tokens_per_s": tokens_per_s,
-        "measured_s": tokens_per_step / tokens_per_s, "predicted_s": plan.total_s, "loss": progress.loss,
+        "epoch": plan.epoch, "steps": steps, "tokens_per_s": steps * tokens_per_step / elapsed_s,
+        "measured_s": elapsed_s / steps, "predicted_s": plan.total_s, "loss": progress.loss,
     }
 
 
@@ -115,16 +117,16 @@ def main() -> int:
     parser.add_argument("--window", type=float, default=20.0, help="seconds of each throughput window (default 20)")
     parser.add_argument("--out", type=Path, help="logs (default: a temporary folder)")
     parser.add_argument("--base-slowdown", type=float, default=8.0,
-                        help="every peer's compute slowdown, times 3, 3, 2, 2 for the first four (default 8: eight "
-                        "processes on a small machine then mostly wait instead of competing for its cores)")
-    parser.add_argument("--rounds", type=int, default=2, help="windows per plan, alternating between the plans (default 2)")
+                        help="every peer's compute slowdown, times 3, 1, 3, 1, 2, 1, 2, 1 in join order (default 8: "
+                        "eight processes on a small machine then mostly wait instead of competing for its cores)")
+    parser.add_argument("--rounds", type=int, default=3, help="windows per plan, alternating between the plans (default 3)")
     parser.add_argument("--stages", type=int, default=2, help="pipeline stages the coordinator must use (default 2)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="hetpeer-bench-swarm-"))
-    slow = (3.0, 3.0, 2.0, 2.0)
-    slowdowns = tuple(args.base_slowdown * (slow[i] if i < len(slow) else 1.0) for i in range(args.peers))
-    caps = tuple(40.0 if i >= args.peers - 2 else None for i in range(args.peers))
+    slowdowns = tuple(args.base_slowdown * SLOW[i % len(SLOW)] for i in range(args.peers))
+    full_speed = [i for i in range(args.peers) if SLOW[i % len(SLOW)] == 1.0]
+    caps = tuple(40.0 if i in full_speed[-2:] else None for i in range(args.peers))
     config = SwarmConfig(
         out=out, peers=args.peers, steps=10**6, slowdowns=slowdowns, bandwidth_caps=caps, heartbeat_s=2.0,
         replan_interval_s=10**6, timeout_s=10.0, mix_deadline_s=3.0, seed=args.seed,
@@ -170,7 +172,7 @@ def main() -> int:
 
 
 def print_throughput(rows: list[tuple[str, dict]]) -> None:
-    print("\nthroughput, same peers, one run, windows in the order run (tokens/s: the lanes' rates summed)")
+    print("\nthroughput, same peers, one run, windows in the order run (tokens/s: global batches completed per second)")
     print(f"{'plan':<12} {'epoch':>5} {'steps':>6} {'tokens/s':>9} {'predicted s/step':>17} {'measured s/step':>16} {'meas/pred':>9}")
     for name, r in rows:
         print(f"{name:<12} {r['epoch']:>5} {r['steps']:>6} {r['tokens_per_s']:>9.0f} {r['predicted_s']:>17.3f} "

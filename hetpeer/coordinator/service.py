@@ -218,6 +218,7 @@ class Coordinator:
         self.last_publish = self.control.now()
         if plan is not self.plan:
             self.plan, self.plan_time = plan, self.last_publish
+            self.view = replace(self.view, plan=plan, plan_time=self.last_publish)  # the API shows it now, not a round later
             shape = f"{len(plan.stages)} stage(s) x {plan.group_size} lane(s)"
             self.report(
                 f"published plan epoch {plan.epoch} from step {plan.start_step}: {shape}, predicted "
