@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from p2p_keys import make_keys
+from processes import live_processes
 from hetpeer.peer.data.corpus import Corpus
 from hetpeer.peer.launch import free_port
 from hetpeer.peer.model.gpt import build_stage
@@ -51,20 +52,8 @@ def write_json(path: Path, wire) -> Path:
 
 
 def live_members(group: int) -> list[str]:
-    """Command lines of the running (not zombie) processes of a process group."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:  # it ended while we looked
-            continue
-        state, _ppid, pgrp = stat[stat.rindex(")") + 2 :].split()[:3]
-        if int(pgrp) == group and state != "Z":
-            found.append(f"{entry.name}: {cmdline}")
-    return found
+    """Command lines of the running processes of a process group."""
+    return [f"{pid}: {cmdline}" for pid, pgrp, cmdline in live_processes() if pgrp == group]
 
 
 class Cli:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from processes import live_processes
 from hetpeer.swarm.report import RunReport
 
 pytestmark = pytest.mark.slow
@@ -30,18 +31,8 @@ def start(out: Path, *options: str) -> subprocess.Popen:
 
 
 def processes_using(folder: Path) -> list[str]:
-    """Command lines of live processes that name `folder` (the swarm's coordinator and peers do)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if str(folder) in command and entry.name != str(os.getpid()):
-            found.append(command)
-    return found
+    """Command lines of running processes that name `folder` (the swarm's coordinator and peers do)."""
+    return [cmdline for pid, _, cmdline in live_processes() if str(folder) in cmdline and pid != os.getpid()]
 
 
 def finish(process: subprocess.Popen) -> tuple[str, str]:
