@@ -121,6 +121,7 @@ def main() -> int:
                         "eight processes on a small machine then mostly wait instead of competing for its cores)")
     parser.add_argument("--rounds", type=int, default=3, help="windows per plan, alternating between the plans (default 3)")
     parser.add_argument("--stages", type=int, default=2, help="pipeline stages the coordinator must use (default 2)")
+    parser.add_argument("--group-size", type=int, help="fix the coordinator's group size too (default: it chooses)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="hetpeer-bench-swarm-"))
@@ -130,7 +131,7 @@ def main() -> int:
     config = SwarmConfig(
         out=out, peers=args.peers, steps=10**6, slowdowns=slowdowns, bandwidth_caps=caps, heartbeat_s=2.0,
         replan_interval_s=10**6, timeout_s=10.0, mix_deadline_s=3.0, seed=args.seed,
-        coordinator_args=("--stages", str(args.stages)),
+        coordinator_args=("--stages", str(args.stages)) + (("--group-size", str(args.group_size)) if args.group_size else ()),
     )
     workload = Workload(preset(config.model), batch=config.batch, micro_batch=config.micro_batch, dtype=config.dtype)
     tokens_per_step = config.batch * workload.model.seq_len

@@ -107,6 +107,21 @@ def switch_now(running: Plan | None, new: Plan, step: int) -> bool:
     return not set(running.devices) <= set(new.devices) | set(new.standby)
 
 
+def held_epochs(worked: Plan | None, running: Plan | None, pending: Plan | None, me: str) -> tuple[int, int]:
+    """The plan epochs (first, last) whose frames this peer keeps before a worker of theirs reads them:
+    from the one after the plan its worker runs (`worked`), up to `FUTURE_EPOCHS` past the newest plan it
+    has read. Without a worker: from the running plan on while this peer is one of its members (its
+    worker is being built, and lane neighbours already at work send to it), else from the one after."""
+    newest = max((p.epoch for p in (worked, running, pending) if p is not None), default=0)
+    if worked is not None:
+        first = worked.epoch + 1
+    elif running is not None:
+        first = running.epoch if me in running.devices else running.epoch + 1
+    else:
+        first = 1
+    return first, newest + FUTURE_EPOCHS
+
+
 def donors_for(records: Mapping[str, PeerRecord], layers: tuple[int, int], me: str) -> list[str]:
     """Peers that announce layers overlapping `layers`, exact holders first, then by most recent step;
     never a peer that announced it is leaving."""
@@ -222,14 +237,11 @@ class SwarmPeer:
         worker = self.worker
         if worker is not None and header.epoch == worker.plan.epoch:
             return worker.accept(header)
-        # the epoch this peer's frames are routed by: its worker's, or (no worker: standby) the running plan's
-        base = worker.plan.epoch if worker is not None else self.running.epoch if self.running is not None else 0
-        known = [p for p in (self.running, self.pending, worker.plan if worker is not None else None) if p is not None]
-        newest = max((p.epoch for p in known), default=0)
-        if base < header.epoch <= newest + FUTURE_EPOCHS and header.kind in RUNNING_KINDS and header.sender in self.transport.book.peers:
+        first, last = held_epochs(worker.plan if worker is not None else None, self.running, self.pending, self.device_id)
+        if first <= header.epoch <= last and header.kind in RUNNING_KINDS and header.sender in self.transport.book.peers:
             # a neighbour runs a plan this peer has not read or not switched to yet: keep the frame; the worker of that plan
             # screens it again (`Inbox.rescreen`) before reading it. And read plans now rather than at the next heartbeat.
-            if header.epoch > newest:
+            if header.epoch > last - FUTURE_EPOCHS:
                 self.plan_hint.set()
             return None
         return Late(f"plan epoch {header.epoch}, this peer runs {worker.plan.epoch if worker else 'no plan'}")

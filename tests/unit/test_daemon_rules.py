@@ -1,9 +1,10 @@
-"""A swarm peer's pure rules: when a new plan replaces the running one (`switch_now`), and which peers to
-download a stage's state from (`donors_for`)."""
+"""A swarm peer's pure rules: when a new plan replaces the running one (`switch_now`), which plans' frames
+it keeps before it runs them (`held_epochs`), and which peers to download a stage's state from
+(`donors_for`)."""
 
 from __future__ import annotations
 
-from hetpeer.peer.daemon import donors_for, switch_now
+from hetpeer.peer.daemon import FUTURE_EPOCHS, donors_for, held_epochs, switch_now
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.records import PeerRecord
@@ -53,6 +54,29 @@ def test_a_member_missing_from_the_new_plan_switches_at_once():
 def test_a_member_moved_to_standby_is_still_intact():
     benched = make_plan([["a", "b"], ["c", "e"]], standby=("d",), epoch=2, start_step=50)
     assert not switch_now(RUNNING, benched, 10)
+
+
+# -- held_epochs ------------------------------------------------------------------------------------------
+
+
+def test_a_working_peer_keeps_frames_of_the_plans_after_its_own():
+    running = make_plan([["a", "b"], ["c", "d"]], epoch=4)
+    pending = make_plan([["a", "b"], ["c", "d"]], epoch=5)
+    assert held_epochs(running, running, None, "a") == (5, 4 + FUTURE_EPOCHS)
+    assert held_epochs(running, running, pending, "a") == (5, 5 + FUTURE_EPOCHS)
+
+
+def test_a_peer_building_the_worker_of_a_plan_keeps_that_plans_frames():
+    """A standby peer that a new plan brings in builds its worker and downloads its state while its lane
+    neighbours already send it the plan's first activations: those must wait for it, not be dropped."""
+    entered = make_plan([["a", "b"], ["c", "d"]], epoch=5)
+    assert held_epochs(None, entered, None, "c") == (5, 5 + FUTURE_EPOCHS)
+
+
+def test_a_standby_peer_keeps_only_frames_of_later_plans():
+    benched = make_plan([["a", "b"], ["c", "d"]], standby=("e",), epoch=5)
+    assert held_epochs(None, benched, None, "e") == (6, 5 + FUTURE_EPOCHS)
+    assert held_epochs(None, None, None, "e") == (1, FUTURE_EPOCHS)  # no plan read yet
 
 
 # -- donors_for -------------------------------------------------------------------------------------------
