@@ -324,8 +324,7 @@ class SwarmPeer:
         except Interrupted:
             self.worker = None  # a newer plan came: this one never ran; `old` still holds the state to move
             raise
-        worker.step = worker.sync.step = plan.start_step
-        worker.sync.sent = None
+        assert worker.step == worker.sync.step == plan.start_step, "a worker enters at its plan's start step"
         self._set(state="training", epoch=plan.epoch, layers=layers, step=plan.start_step)
         group = ", ".join(d for d in stage_plan.devices if d != self.device_id) or "none"
         self.report(
@@ -349,7 +348,7 @@ class SwarmPeer:
             if donors:
                 self._set(state="fetching", epoch=epoch, layers=layers)
                 try:
-                    download = worker.fetch_state(donors)
+                    download = worker.fetch_state(donors, enter_at=worker.plan.start_step)
                     how = (f"downloaded {download.bytes / 2**20:.1f} MiB of state in {download.chunks} chunk(s) from "
                            f"{', '.join(download.donors)} in {download.seconds:.2f} s")
                 except StateDownloadError as error:

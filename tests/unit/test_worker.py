@@ -338,3 +338,17 @@ def test_compressed_activations_and_gradients_give_a_close_loss(corpus, codec, t
             assert (head.codec, head.dtype) == (codec, "fp32")
             assert size == payload_bytes("fp32", head.shape, codec) < head.numel * 4
     assert kinds == {"activation": 2, "gradient": 2, "labels": 2}
+
+
+def test_a_download_enters_at_the_donors_step_or_where_the_plan_says(corpus):
+    pipeline = Pipeline(make_plan(1, lanes=3, start_step=7), corpus)
+    donor = pipeline.workers["s0l0"]
+    donor.step = donor.sync.step = 30  # the group went on; a joiner takes its weights
+    with torch.no_grad():
+        donor.flat.data.add_(1.0)
+    rejoined, entering = pipeline.workers["s0l1"], pipeline.workers["s0l2"]
+    assert rejoined.fetch_state(["s0l0"], timeout_s=10).step == 30
+    assert rejoined.step == rejoined.sync.step == 30  # a rejoining peer of a fixed plan enters at the group's step
+    download = entering.fetch_state(["s0l0"], timeout_s=10, enter_at=7)
+    assert download.step == 30 and entering.step == entering.sync.step == 7  # a peer entering a plan: at its start
+    assert torch.equal(entering.flat.data, donor.flat.data)

@@ -212,12 +212,15 @@ class StageWorker:
         result = self.compute()
         return replace(result, sync=self.apply(last))
 
-    def fetch_state(self, donors: Sequence[str] | None = None, timeout_s: float | None = None) -> Download:
+    def fetch_state(
+        self, donors: Sequence[str] | None = None, timeout_s: float | None = None, enter_at: int | None = None
+    ) -> Download:
         """Download this stage's parameters and optimizer state from `donors` (default: the rest of the
-        group), and enter at the step they are at."""
+        group), and enter at `enter_at` (default: the step they are at). A peer that enters a new plan
+        stays at the plan's start step throughout, so its neighbours' first frames are never "ahead"."""
         donors = [d for d in (self.sync.members if donors is None else donors) if d != self.device_id]
         download = fetch_state(self.server, self.sync, *self.param_range, donors, timeout_s or self.config.timeout_s)
-        self.step = self.sync.step = download.step
+        self.step = self.sync.step = download.step if enter_at is None else enter_at
         self.sync.sent = None
         return download
 
