@@ -228,7 +228,7 @@ def _worker_config(args: argparse.Namespace):
         adam=AdamConfig(lr=args.lr, accumulate=args.accumulate),
         sync=SyncConfig(
             topology=args.topology, deadline_s=args.mix_deadline, codec=args.sync_compress, clip=args.robust,
-            overlap=not args.no_overlap,
+            overlap=not args.no_overlap, allreduce_timeout_s=args.timeout,
         ),
         timeout_s=args.timeout,
         codec=args.compress,

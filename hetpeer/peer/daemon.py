@@ -10,7 +10,9 @@ Three threads, each with one job:
   new plan runs the old one up to that step; when a member of the old plan is gone (membership broke),
   every peer drops the step in progress (`Inbox.interrupt`) and switches at once, entering at
   `start_step`. A peer keeps its parameters and optimizer state when its layers stay the same, and
-  otherwise downloads them from the peers that announce those layers (`gossip/state.py`).
+  otherwise downloads them from the peers that announce those layers (`gossip/state.py`). A peer that
+  enters a plan from outside it (standby, just started) waits before its first step until its lane and
+  group announce the plan: members of the plan before finish that one up to the start step first.
 
 A peer that loses its lane (a neighbour stopped answering) announces "waiting" under the plan's epoch,
 which tells the coordinator that the plan is broken; it resumes with the next plan.
@@ -107,6 +109,15 @@ def switch_now(running: Plan | None, new: Plan, step: int) -> bool:
     return not set(running.devices) <= set(new.devices) | set(new.standby)
 
 
+def not_arrived(plan: Plan, records: Mapping[str, PeerRecord], me: str) -> list[str]:
+    """`me`'s lane and group neighbours under `plan` that do not yet announce it (or a later plan). A peer
+    that enters a plan from outside waits for them before its first step: members of the previous plan
+    finish that one up to the start step first, and its frames would wait for them against a timeout."""
+    stage, lane = plan.position(me)
+    neighbours = set(plan.lanes[lane]) | set(plan.stages[stage].devices)
+    return sorted(d for d in neighbours - {me} if d not in records or records[d].epoch < plan.epoch)
+
+
 def held_epochs(worked: Plan | None, running: Plan | None, pending: Plan | None, me: str) -> tuple[int, int]:
     """The plan epochs (first, last) whose frames this peer keeps before a worker of theirs reads them:
     from the one after the plan its worker runs (`worked`), up to `FUTURE_EPOCHS` past the newest plan it
@@ -124,11 +135,12 @@ def held_epochs(worked: Plan | None, running: Plan | None, pending: Plan | None,
 
 def donors_for(records: Mapping[str, PeerRecord], layers: tuple[int, int], me: str) -> list[str]:
     """Peers that announce layers overlapping `layers`, exact holders first, then by most recent step;
-    never a peer that announced it is leaving."""
+    never a peer that announced it is leaving, nor one still downloading those layers itself."""
     start, end = layers
     found = [
         r for r in records.values()
-        if r.device_id != me and r.state != "leaving" and r.layers is not None and r.layers[0] < end and start < r.layers[1]
+        if r.device_id != me and r.state not in ("leaving", "fetching") and r.layers is not None
+        and r.layers[0] < end and start < r.layers[1]
     ]
     found.sort(key=lambda r: (r.layers != layers, -r.step))
     return [r.device_id for r in found]
@@ -160,6 +172,7 @@ class SwarmPeer:
         self.threads: list[threading.Thread] = []
         self._corpus: Corpus | None = None
         self._refused: set[tuple[str, int]] = set()
+        self._entering_until: float | None = None  # a peer that entered a plan from outside waits for its neighbours until then
         self._rng = numpy.random.default_rng()
 
     # -- life cycle ---------------------------------------------------------------------------------
@@ -264,6 +277,13 @@ class SwarmPeer:
             if worker is None or self.status.state == "waiting":
                 self.stopping.wait(0.1)
                 continue
+            if self._entering_until is not None:
+                with self.lock:
+                    missing = not_arrived(worker.plan, self.records, self.device_id)
+                if missing and time.monotonic() < self._entering_until:
+                    self.stopping.wait(0.1)
+                    continue
+                self._entering_until = None
             if config.steps is not None and worker.step >= config.steps:
                 self.report(f"reached step {worker.step}: leaving")
                 return
@@ -315,6 +335,8 @@ class SwarmPeer:
         stage_plan = plan.stages[stage]
         layers = (stage_plan.layer_start, stage_plan.layer_end)
         corpus = self._corpus_for(stage)
+        if self.worker is None:  # entering from outside the plan: the first step waits for the neighbours (`not_arrived`)
+            self._entering_until = time.monotonic() + min(self.config.worker.timeout_s, (TTL_HEARTBEATS + 1) * self.config.heartbeat_s)
         worker = StageWorker(plan, self.device_id, self.transport, corpus, self.config.worker, server=self.server)
         self.transport.set_policy(self.accept)  # the worker's constructor set its own; this one routes to it
         self.worker, self.previous = worker, old  # frames of this plan now reach it

@@ -1,10 +1,12 @@
 """A swarm peer's pure rules: when a new plan replaces the running one (`switch_now`), which plans' frames
-it keeps before it runs them (`held_epochs`), and which peers to download a stage's state from
-(`donors_for`)."""
+it keeps before it runs them (`held_epochs`), whom a peer entering a plan waits for (`not_arrived`), and
+which peers to download a stage's state from (`donors_for`)."""
 
 from __future__ import annotations
 
-from hetpeer.peer.daemon import FUTURE_EPOCHS, donors_for, held_epochs, switch_now
+from dataclasses import replace
+
+from hetpeer.peer.daemon import FUTURE_EPOCHS, donors_for, held_epochs, not_arrived, switch_now
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.records import PeerRecord
@@ -115,6 +117,25 @@ def test_never_itself_and_never_a_peer_that_holds_nothing():
     assert donors_for(book(record("me", (0, 2), 99), record("fresh", None, 3)), (0, 2), "me") == []
 
 
-def test_a_leaving_peer_never_donates():
-    records = book(record("gone", (0, 2), 99, state="leaving"), record("other", (0, 2), 1))
+def test_a_leaving_or_downloading_peer_never_donates():
+    records = book(
+        record("gone", (0, 2), 99, state="leaving"), record("joining", (0, 2), 99, state="fetching"),
+        record("other", (0, 2), 1),
+    )  # fmt: skip
     assert donors_for(records, (0, 2), "me") == ["other"]
+
+
+# -- not_arrived --------------------------------------------------------------------------------------------
+
+
+def announcing(device: str, epoch: int) -> PeerRecord:
+    return replace(record(device, None, 0), epoch=epoch)
+
+
+def test_an_entering_peer_waits_for_its_lane_and_group_to_announce_the_plan():
+    plan = make_plan([["a", "b"], ["c", "d"]], standby=("e",), epoch=3)  # lanes a-c and b-d; groups a,b and c,d
+    assert not_arrived(plan, {}, "a") == ["b", "c"]  # never d: neither in its lane nor in its group
+    records = book(announcing("b", 3), announcing("c", 2), announcing("d", 2), announcing("e", 1))
+    assert not_arrived(plan, records, "a") == ["c"]  # c still finishes the plan before
+    records["c"] = announcing("c", 4)  # or is already under a later one
+    assert not_arrived(plan, records, "a") == []

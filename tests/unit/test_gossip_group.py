@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import math
 import re
+import time
 from typing import Callable
 
 import numpy as np
@@ -136,7 +137,7 @@ def test_allreduce_gives_every_member_the_adam_step_of_the_mean_gradient(n):
     size = 40  # not a multiple of 3: the ring's shares are uneven
     x0 = rng.normal(size=size).astype(np.float32)
     adam = AdamConfig(lr=1e-2, weight_decay=0.1)
-    group = Group(n, sync="allreduce", adam=adam, size=size, x0=np.stack([x0] * n), config=SyncConfig(deadline_s=10))
+    group = Group(n, sync="allreduce", adam=adam, size=size, x0=np.stack([x0] * n), config=SyncConfig(allreduce_timeout_s=10))
     reference, state = torch.from_numpy(x0.copy()), AdamState(size)
     for t in range(3):
         grads = rng.normal(size=(n, size)).astype(np.float32)
@@ -157,10 +158,26 @@ def test_allreduce_gives_every_member_the_adam_step_of_the_mean_gradient(n):
 
 
 def test_allreduce_with_a_member_missing_times_out_instead_of_hanging():
-    group = Group(3, sync="allreduce", config=SyncConfig(deadline_s=0.3))
+    group = Group(3, sync="allreduce", config=SyncConfig(allreduce_timeout_s=0.3))
     reports = group.step(0, members=("p0", "p1"))
     for device in ("p0", "p1"):
         assert isinstance(reports[device], TransportTimeout), reports[device]
+
+
+def test_allreduce_waits_past_the_mix_deadline_for_a_member_that_comes_late():
+    """A member entering the plan from standby may start its step a little before the others finish the
+    old plan: all-reduce cannot leave it out, and must not give up after the gossip deadline."""
+    group = Group(2, sync="allreduce", config=SyncConfig(deadline_s=0.05, allreduce_timeout_s=30))
+    for sync in group.syncs.values():
+        sync.flat.zero_grad()
+        sync.begin(0)
+
+    def late() -> object:
+        time.sleep(0.5)  # ten mix deadlines
+        return group.syncs["p1"].finish(0)
+
+    reports = run_all([lambda: group.syncs["p0"].finish(0), late])
+    assert not any(isinstance(r, BaseException) for r in reports), reports
 
 
 # -- gossip ----------------------------------------------------------------------------------------------

@@ -56,14 +56,17 @@ class SyncConfig:
     clip: float | None = None  # robust mixing: clip differences at clip x the typical neighbour distance
     chunk_bytes: int = 16 << 20  # parameters travel in frames of at most this size
     overlap: bool = True  # send x(t) as soon as it exists; False sends it after the gradient (to measure)
+    # all-reduce cannot leave a member out, so it waits for one as long as for any frame (a failure timeout),
+    # not a deadline: a member that enters the plan a little later must not break it
+    allreduce_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         if self.topology not in TOPOLOGIES:
             raise ValueError(f"topology must be one of {', '.join(TOPOLOGIES)}, got {self.topology!r}")
         if self.codec not in CODECS:
             raise ValueError(f"codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
-        if not self.deadline_s > 0 or self.chunk_bytes < 4:
-            raise ValueError(f"deadline_s must be positive and chunk_bytes at least 4: {self}")
+        if not self.deadline_s > 0 or not self.allreduce_timeout_s > 0 or self.chunk_bytes < 4:
+            raise ValueError(f"deadline_s and allreduce_timeout_s must be positive and chunk_bytes at least 4: {self}")
         if self.clip is not None and not self.clip > 0:
             raise ValueError(f"clip must be positive, got {self.clip}")
 
@@ -227,7 +230,7 @@ class GroupSync:
         n, i = len(self.members), self.index
         parts = list(self.flat.grad.tensor_split(n))
         after, before = self.members[(i + 1) % n], self.members[(i - 1) % n]
-        timeout = self.config.deadline_s
+        timeout = self.config.allreduce_timeout_s
         for r in range(2 * (n - 1)):
             reduce = r < n - 1
             send_index = (i - r) % n if reduce else (i + 1 - (r - n + 1)) % n
