@@ -111,10 +111,13 @@ def profile_machine(
 ) -> MachineProfile:
     """What this peer announces about its machine; the compute probe takes about `seconds`.
 
-    TFLOPS are measured under `Slowdown(slowdown)`, the same emulation the stage worker runs under, so
-    they are what the peer achieves, not a datasheet figure divided by hand."""
+    TFLOPS are the fastest pass's: what the device achieves for a peer that has it to itself, as a peer
+    of a real swarm has its GPU. (Peers sharing one machine, as in `hetpeer swarm`, start and probe at
+    different moments: a typical pass would credit the first to probe with the whole machine.) They are
+    measured under `Slowdown(slowdown)`, the same emulation the stage worker runs under, so they are what
+    the peer achieves, not a datasheet figure divided by hand."""
     around = Slowdown(slowdown) if slowdown != 1 else None
-    tflops = block_tflops(spec, micro_batch, device, seconds, dtype=dtype, around=around)
+    tflops = block_tflops(spec, micro_batch, device, seconds, dtype=dtype, around=around, best=True)
     return MachineProfile(device_name(device), tflops, free_memory_bytes(device))
 
 

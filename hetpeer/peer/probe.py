@@ -34,9 +34,12 @@ def block_tflops(
     seconds: float = 1.0,
     dtype: str = "fp32",
     around: ContextManager | None = None,
+    best: bool = False,
 ) -> float:
-    """Achieved TFLOPS in `dtype` of forward + backward through one block of `spec` (the median pass
-    of at least 3 timed). `around`, a reusable context manager (e.g. a `measure.Slowdown`), is entered around each pass."""
+    """Achieved TFLOPS in `dtype` of forward + backward through one block of `spec`, from at least 3
+    timed passes: the median pass (what the device gives this process now, sharing it), or with `best`
+    the fastest (what it gives a process that has it to itself: other work only ever slows a pass).
+    `around`, a reusable context manager (e.g. a `measure.Slowdown`), is entered around each pass."""
     if dtype not in AUTOCAST_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(AUTOCAST_DTYPES)}, got {dtype!r}")
     block = Block(spec).to(device)
@@ -54,7 +57,7 @@ def block_tflops(
                 y = block(x)
             y.float().sum().backward()
 
-    return flops / _time_per_call(run, device, seconds) / 1e12
+    return flops / _time_per_call(run, device, seconds, best) / 1e12
 
 
 def matmul_tflops(size: int = 1024, device: str = "cpu", seconds: float = 1.0) -> float:
@@ -64,10 +67,10 @@ def matmul_tflops(size: int = 1024, device: str = "cpu", seconds: float = 1.0) -
     return 2 * size**3 / _time_per_call(lambda: a @ b, device, seconds) / 1e12
 
 
-def _time_per_call(run, device: str, seconds: float) -> float:
-    """The median time of one call, over at least 3 calls and about `seconds`. The median, not the
-    mean: a burst of other work on the machine (another process starting, a peer's DHT node) slows a
-    few calls, and should not decide what the peer announces for as long as it trains."""
+def _time_per_call(run, device: str, seconds: float, best: bool = False) -> float:
+    """The median (or with `best` the shortest) time of one call, over at least 3 calls and about
+    `seconds`. Not the mean: a burst of other work on the machine (another process starting, a peer's
+    DHT node) slows a few calls, and should not decide the figure."""
     run()  # warm up
     _sync(device)
     times: list[float] = []
@@ -77,7 +80,7 @@ def _time_per_call(run, device: str, seconds: float) -> float:
         run()
         _sync(device)
         times.append(time.perf_counter() - call_started)
-    return statistics.median(times)
+    return min(times) if best else statistics.median(times)
 
 
 def _sync(device: str) -> None:

@@ -3,7 +3,8 @@
 `LocalSwarm` starts them (the coordinator first: peers need its DHT address and its key), watches the
 swarm through the coordinator's gRPC API like any organizer's tool would, and can kill and restart
 any process (the fault tests and benchmarks drive it). `run` trains until the swarm reaches the step
-count, shows a live line, and returns what the run report needs. Every process gets its own home
+count, shows a live line, and returns what the run report needs; its loss curve comes from the step
+lines the peers print (every step, where the API's view moves once a heartbeat). Every process gets its own home
 folder (keys, so a restarted peer is the same peer) and log file under `out`.
 """
 
@@ -22,11 +23,13 @@ from pathlib import Path
 from typing import Callable
 
 from hetpeer.coordinator.api import ApiClient, ApiError
-from hetpeer.swarm.report import Event, PeerInfo, PlanUse, RunReport, Sample, StageUse, summarize
+from hetpeer.swarm.report import Event, LaneStep, PeerInfo, PlanUse, RunReport, StageUse, samples_from_lanes, summarize
 
 KEY_RE = re.compile(r"its key \(give peers --coordinator-key\): ([0-9a-f]{64})")
 DHT_RE = re.compile(r"^DHT: (\S+)")
 PEER_RE = re.compile(r"^peer (\S+) in swarm \S+: tensors on \S+, DHT on (\S+)")
+# a step line of a lane's last stage (the others print "loss -"): epoch, lane (from 1), step (from 1), loss, tok/s
+STEP_RE = re.compile(r"^e(\d+) stage \d+ lane (\d+)\s+step (\d+)\S*\s+loss ([\d.]+)\s+([\d,.]+) tok/s")
 START_TIMEOUT_S = 120.0
 
 
@@ -144,7 +147,7 @@ class LocalSwarm:
         self.device_ids: dict[int, str] = {}
         self.peer_maddrs: dict[int, str] = {}
         self.events: list[Event] = []
-        self.samples: list[Sample] = []
+        self.lane_steps: list[LaneStep] = []  # what the lanes' last stages printed, step by step
         self.plans: dict[int, PlanUse] = {}
         self.measured: dict[str, tuple[str, float]] = {}  # device id -> (device name, TFLOPS) it announced
         self.started = time.monotonic()
@@ -237,6 +240,11 @@ class LocalSwarm:
                 if dht:
                     self.dht_maddrs = line.split()[1:]
                 self._seen.notify_all()
+        elif (done := STEP_RE.match(line)) is not None:
+            epoch, lane, step, loss, rate = done.groups()
+            with self._seen:
+                self.lane_steps.append(LaneStep(self.elapsed(), int(epoch), int(lane) - 1, int(step) - 1, float(loss),
+                                                float(rate.replace(",", ""))))
         elif (peer := PEER_RE.match(line)) is not None:
             i = int(name.removeprefix("peer"))
             with self._seen:
@@ -256,12 +264,11 @@ class LocalSwarm:
                 self._seen.wait(0.5)
 
     # -- watching through the API ---------------------------------------------------------------------
-    def run(self, until_step: int | None = None, status: Callable[[str], None] | None = None,
-            on_sample: Callable[["LocalSwarm", Sample], None] | None = None) -> RunReport:
+    def run(self, until_step: int | None = None, status: Callable[[str], None] | None = None) -> RunReport:
         """Watch until the swarm has completed `until_step` steps (default: the configured count), every
         peer has left, or progress stalls; then the report (processes keep running: `shutdown` stops them)."""
         target = until_step if until_step is not None else self.config.steps
-        samples, plans = self.samples, self.plans
+        plans = self.plans
         last_step, moved = -1, time.monotonic()
         left_at: float | None = None  # when the last peer was seen gone
         with ApiClient(self.api_address, timeout_s=2.0) as client:
@@ -289,12 +296,6 @@ class LocalSwarm:
                     )
                     self.event(f"plan epoch {plan.epoch}: {len(plan.stages)} stage(s) x {plan.group_size} lane(s) "
                                f"from step {plan.start_step}, predicted {plan.total_s:.3f} s/step")
-                if progress.loss is not None and progress.step > (samples[-1].step + 1 if samples else 0):
-                    # after a plan that restarts lanes at an earlier step, the curve resumes past its furthest point
-                    sample = Sample(self.elapsed(), progress.step - 1, progress.loss, progress.tokens_per_s, progress.epoch)
-                    samples.append(sample)
-                    if on_sample is not None:
-                        on_sample(self, sample)
                 if progress.step != last_step:
                     last_step, moved = progress.step, time.monotonic()
                     if status is not None and progress.loss is not None:
@@ -309,8 +310,10 @@ class LocalSwarm:
         return self.report()
 
     def report(self) -> RunReport:
-        """What was seen so far, for the run report."""
-        c, samples = self.config, self.samples
+        """What was seen so far, for the run report: the loss curve from every step the peers printed."""
+        c = self.config
+        with self._seen:
+            samples = samples_from_lanes(self.lane_steps)
         peers = []
         for i in range(c.peers):
             device = self.device_ids.get(i, f"peer{i}")

@@ -74,6 +74,35 @@ class Sample:
     epoch: int
 
 
+class LaneStep(NamedTuple):
+    """A lane's last stage completing a step, as its peer printed it."""
+
+    time_s: float
+    epoch: int
+    lane: int
+    step: int  # index (from 0) of the step completed
+    loss: float
+    tokens_per_s: float  # the lane's rate over that step
+
+
+def samples_from_lanes(points: Sequence[LaneStep]) -> list[Sample]:
+    """One sample per step: the mean loss of the lanes that completed it, at the time the first of them
+    did, with the swarm's tokens/s the lanes' mean rate at that step times the lanes seen under that plan
+    (lanes have equal shares of the batch). O(points log points)."""
+    lanes: dict[int, set[int]] = {}
+    by_step: dict[int, list[LaneStep]] = {}
+    for p in points:
+        lanes.setdefault(p.epoch, set()).add(p.lane)
+        by_step.setdefault(p.step, []).append(p)
+    samples = []
+    for step in sorted(by_step):
+        done = by_step[step]
+        epoch = max(p.epoch for p in done)
+        rate = sum(p.tokens_per_s for p in done) / len(done) * len(lanes[epoch])
+        samples.append(Sample(min(p.time_s for p in done), step, sum(p.loss for p in done) / len(done), rate, epoch))
+    return samples
+
+
 @dataclass(frozen=True, slots=True)
 class Event:
     time_s: float

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from hetpeer.swarm.png import chart_pixels, encode_png, format_tick, line_chart, nice_ticks
-from hetpeer.swarm.report import Event, PeerInfo, PlanUse, RunReport, Sample, summarize, write_report
+from hetpeer.swarm.report import (
+    Event, LaneStep, PeerInfo, PlanUse, RunReport, Sample, samples_from_lanes, summarize, write_report,
+)
 
 
 def decode_png(data: bytes) -> np.ndarray:
@@ -178,3 +180,18 @@ def test_write_report_of_a_run_without_samples(tmp_path):
     empty = RunReport("none", "tiny", 0, 0.0, [], [], [])
     md = write_report(empty, tmp_path)["md"].read_text()
     assert "first -, last -" in md and "- none" in md
+
+
+def test_samples_from_lanes_average_the_lanes_of_each_step():
+    points = [
+        LaneStep(1.0, 1, 0, 0, 5.0, 100.0), LaneStep(1.2, 1, 1, 0, 4.0, 300.0),
+        LaneStep(2.0, 1, 0, 1, 3.0, 200.0),  # lane 1 has not printed step 1 yet
+        LaneStep(9.0, 2, 0, 7, 2.0, 500.0),  # a plan of one lane, from step 7
+    ]  # fmt: skip
+    samples = samples_from_lanes(points)
+    assert [(s.step, s.time_s, s.loss, s.tokens_per_s, s.epoch) for s in samples] == [
+        (0, 1.0, 4.5, 400.0, 1),  # mean loss; mean rate times the two lanes of the plan
+        (1, 2.0, 3.0, 400.0, 1),
+        (7, 9.0, 2.0, 500.0, 2),
+    ]
+    assert samples_from_lanes([]) == []
