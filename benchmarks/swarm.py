@@ -85,7 +85,7 @@ def measure(client: ApiClient, plan: Plan, window_s: float, tokens_per_step: int
         raise SystemExit(f"plan epoch {plan.epoch} completed no step in {elapsed_s:.0f} s")
     return {
         "epoch": plan.epoch, "steps": steps, "tokens_per_s": steps * tokens_per_step / elapsed_s,
-        "measured_s": elapsed_s / steps, "predicted_s": plan.total_s, "loss": progress.loss,
+        "measured_s": elapsed_s / steps, "predicted_s": plan.total_s,
     }
 
 

@@ -46,7 +46,7 @@ class Progress:
     coordinator_key: str
     epoch: int  # the current plan's; -1 without a plan
     step: int  # highest step among peers training (or leaving, having trained) under the current plan
-    loss: float | None  # mean over the last stage's training peers; None when none announces one
+    loss: float | None  # mean over the last stage's counted peers (see `progress`); None when none announces one
     tokens_per_s: float  # sum over the lanes' last stages
     peers_by_state: Mapping[str, int]
     dropped: int
@@ -69,15 +69,15 @@ def progress(view: SwarmView) -> Progress:
     follows at once when they leave early).
     """
     epoch = view.plan.epoch if view.plan is not None else None
-    training = [r for r in view.peers.values() if r.state == "training" or (r.state == "leaving" and r.epoch == epoch)]
+    counted = [r for r in view.peers.values() if r.state == "training" or (r.state == "leaving" and r.epoch == epoch)]
     last = set(view.plan.stages[-1].devices) if view.plan is not None else set()
-    heads = [r for r in training if r.device_id in last]
+    heads = [r for r in counted if r.device_id in last]
     losses = [r.loss for r in heads if r.loss is not None]
     return Progress(
         swarm=view.swarm,
         coordinator_key=view.coordinator_key,
         epoch=view.plan.epoch if view.plan is not None else -1,
-        step=max((r.step for r in training), default=0),
+        step=max((r.step for r in counted), default=0),
         loss=sum(losses) / len(losses) if losses else None,
         tokens_per_s=float(sum(r.tokens_per_s for r in heads)),
         peers_by_state=dict(sorted(Counter(r.state for r in view.peers.values()).items())),

@@ -38,6 +38,7 @@ CASES = {
     "coordinator with a gain of 1.5": (["coordinator", "--swarm", "demo", "--gain", "1.5"], 2, ["gain", "1.5"]),
     "coordinator with a negative gain": (["coordinator", "--swarm", "demo", "--gain", "-0.1"], 2, ["gain", "-0.1"]),
     "coordinator of a badly named swarm": (["coordinator", "--swarm", "no spaces!"], 2, ["swarm", "'no spaces!'"]),
+    "coordinator with a last step of 0": (["coordinator", "--swarm", "demo", "--steps", "0"], 2, ["--steps", "'0'"]),
     "status of an API nobody serves": (["status", "--api", "127.0.0.1:1", "--timeout", "1"], 1, ["127.0.0.1:1"]),
     "swarm with a slowdown that is no number": (["swarm", "--slowdowns", "1,x"], 2, ["--slowdowns", "'1,x'"]),
     "swarm with a zero bandwidth cap": (["swarm", "--bandwidth-caps", "0"], 2, ["bandwidth caps", "positive"]),
@@ -108,7 +109,7 @@ def test_refused_commands_leave_nothing_behind(runs):
     "command, options",
     [
         ("join", ["--swarm", "--coordinator-key", "--initial-peers", "--name", "--home", "--slowdown", "--plan"]),
-        ("coordinator", ["--swarm", "--min-peers", "--replan-interval", "--gain", "--api", "--batch", "--micro-batch"]),
+        ("coordinator", ["--swarm", "--min-peers", "--replan-interval", "--gain", "--api", "--batch", "--micro-batch", "--steps"]),
         ("status", ["--api", "--json", "--timeout"]),
         ("swarm", ["--peers", "--steps", "--slowdowns", "--bandwidth-caps", "--out"]),
     ],
