@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from hetpeer.logline import unstamp
 from hetpeer.peer.data.corpus import Corpus
 from hetpeer.peer.gossip.adam import AdamConfig
 from hetpeer.peer.gossip.flat import FlatParams
@@ -41,7 +42,7 @@ from hetpeer.peer.launch import free_port
 from hetpeer.peer.model.gpt import build_stage
 from hetpeer.peer.pipeline.worker import StageWorker, WorkerConfig
 from hetpeer.peer.transport import MemoryHub, MemoryTransport
-from hetpeer.peer.transport.network import NetworkTransport, TcpLink
+from hetpeer.peer.transport.network import Emulation, NetworkTransport, TcpLink
 from hetpeer.protocol.addresses import AddressBook, PeerAddress
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.workload import preset
@@ -117,7 +118,7 @@ def launch_steps(folder: Path, plan: Plan, steps: int, extra: list[str]) -> floa
     if out.returncode:
         raise SystemExit(f"hetpeer launch failed:\n{out.stdout[-3000:]}")
     times: dict[str, list[float]] = {}
-    for line in out.stdout.splitlines():
+    for line in map(unstamp, out.stdout.splitlines()):
         if (match := STEP_LINE.match(line)) and int(match[2]) > 2:
             times.setdefault(match[1], []).append(float(match[3]))
     return max(statistics.median(t) for t in times.values())
@@ -162,7 +163,7 @@ def part_download(args: argparse.Namespace) -> bool:
     syncs, servers, transports = [], [], []
     for i, device in enumerate(devices):
         transport = NetworkTransport(device, book, [TcpLink(*book.get(device).direct)],
-                                     rate_limit_bytes_per_s=rate if i else None)
+                                     emulation=Emulation(rate_bytes_per_s=rate if i else None))
         server = StateServer(transport, device, known=lambda d: d in devices)
         transport.set_policy(lambda header, index=i: (servers[index].accept(header) if header.kind in ("state_request", "state")
                                                       else syncs[index].accept(header)))

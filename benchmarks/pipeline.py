@@ -34,6 +34,8 @@ from transport import framed  # noqa: E402  (the sibling benchmark's timed trans
 
 import torch  # noqa: E402
 
+from hetpeer.logline import unstamp  # noqa: E402
+
 GOAL = 0.20
 MODEL = "small"
 PROBE = """
@@ -93,7 +95,7 @@ def run(folder: Path, plan_wire: dict, steps: int) -> tuple[float, dict[str, str
         raise SystemExit(f"hetpeer launch failed:\n{out.stdout[-3000:]}")
     times: dict[str, list[float]] = {}
     memory = {}
-    for line in out.stdout.splitlines():
+    for line in map(unstamp, out.stdout.splitlines()):
         if match := STEP_LINE.match(line):
             if int(match[2]) > 2:
                 times.setdefault(match[1], []).append(float(match[3]))

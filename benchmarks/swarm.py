@@ -42,6 +42,7 @@ from hetpeer.coordinator.api import ApiClient, ApiError
 from hetpeer.coordinator.planner import PlannerConfig, Shape, make_model, to_plan
 from hetpeer.coordinator.planner.baselines import blocks_grid, random_grids
 from hetpeer.coordinator.policy import build_problem
+from hetpeer.logline import unstamp
 from hetpeer.peer.launch import free_port
 from hetpeer.protocol.control import ControlPlane
 from hetpeer.protocol.plan import Plan
@@ -205,10 +206,14 @@ def recovery(swarm: LocalSwarm, client: ApiClient, running: Plan) -> None:
     back = poll(client, lambda: (p := client.call_get_plan()[0]) and victim in p.devices and p, "a plan with the peer back", timeout_s=300)
     included_s = time.monotonic() - restarted
     log = swarm.config.out / f"peer{index}.log"
-    poll(client, lambda: any(int(e) >= back.epoch for e in re.findall(r"^e(\d+) stage", log.read_text(), re.M)),
+
+    def text() -> str:
+        return "\n".join(map(unstamp, log.read_text().splitlines()))
+
+    poll(client, lambda: any(int(e) >= back.epoch for e in re.findall(r"^e(\d+) stage", text(), re.M)),
          "the peer to train again", timeout_s=300)
     training_s = time.monotonic() - restarted
-    download = re.findall(r"downloaded ([\d.]+) MiB of state in (\d+) chunk\(s\) from (.+) in ([\d.]+) s", log.read_text())
+    download = re.findall(r"downloaded ([\d.]+) MiB of state in (\d+) chunk\(s\) from (.+) in ([\d.]+) s", text())
     print(f"peer {victim} restarted: in plan epoch {back.epoch} after {included_s:.1f} s, training after {training_s:.1f} s"
           + (f"; state download {download[-1][0]} MiB from {download[-1][2]} in {download[-1][3]} s" if download else
              "; kept no state to download (its layers were fresh)"))

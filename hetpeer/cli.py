@@ -12,21 +12,16 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-import numpy as np
-
-from hetpeer import __version__, scenarios
-from hetpeer.coordinator.planner import PlannerConfig, PlanningError, Problem, make_model, solve
-from hetpeer.coordinator.planner.baselines import baseline_costs
-from hetpeer.coordinator.planner.render import format_plan
-from hetpeer.coordinator.planner.timemodel import SYNC_CHOICES
+from hetpeer import __version__, logline, scenarios
 from hetpeer.peer.gossip.topology import TOPOLOGIES
-from hetpeer.peer.node import LINK_CHOICES
-from hetpeer.protocol.addresses import AddressBook
+from hetpeer.protocol.addresses import LINK_CHOICES
 from hetpeer.protocol.frame import CODECS
-from hetpeer.protocol.plan import COST_MODELS, Plan
-from hetpeer.protocol.topology import Topology
+from hetpeer.protocol.plan import COST_MODELS, SYNC_CHOICES, Plan
 from hetpeer.protocol.wire import SchemaError
 from hetpeer.protocol.workload import DTYPE_BYTES, PRESETS, Workload, preset
+
+# What runs a command is imported when it runs: `hetpeer --version` and `hetpeer plan` never load torch or
+# hivemind (the planner is pure), and building the parser loads nothing heavier than numpy.
 
 EXIT_USAGE = 2
 DEFAULT_STEPS = 20
@@ -185,6 +180,9 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--threads", type=_positive_int, metavar="N", help="torch threads per peer (default: torch's)")
     run.add_argument("--bandwidth-cap", type=_positive_float, metavar="MBIT",
                      help="emulate slow links: each peer sends at most MBIT Mbit/s to each other peer")
+    run.add_argument("--emulate-latency", type=_latency_map, default={}, metavar="HOST=MS,...",
+                     help="emulate far links: hold each frame to HOST (or HOST:PORT; * for any other) back MS milliseconds "
+                     "before it leaves (one way; the DHT's own traffic is not delayed)")
     group = parser.add_argument_group("averaging within groups (gossip mode)")
     group.add_argument("--topology", choices=TOPOLOGIES, default="one-peer-exp",
                        help="who mixes with whom each step (default one-peer-exp)")
@@ -212,6 +210,8 @@ def _run_options(args: argparse.Namespace) -> list[str]:
         passed += ["--robust", repr(args.robust)]
     if args.bandwidth_cap is not None:
         passed += ["--bandwidth-cap", repr(args.bandwidth_cap)]
+    if args.emulate_latency:
+        passed += ["--emulate-latency", ",".join(f"{host}={s * 1e3:g}" for host, s in args.emulate_latency.items())]
     if args.no_overlap:
         passed.append("--no-overlap")
     return passed
@@ -235,6 +235,29 @@ def _worker_config(args: argparse.Namespace):
     )
 
 
+def _latency_map(text: str) -> dict[str, float]:
+    """`HOST=MS,HOST:PORT=MS,*=MS` -> one-way seconds by host."""
+    found = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        host, sep, ms = part.rpartition("=")
+        try:
+            seconds = float(ms) / 1e3
+        except ValueError:
+            seconds = float("nan")
+        if not sep or not host or not 0 <= seconds <= 10:
+            raise argparse.ArgumentTypeError(f"expected HOST=MS with MS from 0 to 10000, got {part!r}")
+        found[host] = seconds
+    return found
+
+
+def emulation(args: argparse.Namespace):
+    """The links `--bandwidth-cap` and `--emulate-latency` ask a peer to emulate."""
+    from hetpeer.peer.transport.network import Emulation
+
+    rate = args.bandwidth_cap * 1e6 / 8 if args.bandwidth_cap is not None else None
+    return Emulation(rate_bytes_per_s=rate, latency_s=args.emulate_latency)
+
+
 def _load_plan(path: Path) -> Plan:
     return Plan.from_wire(_read_json(path, "plan file"))
 
@@ -249,6 +272,22 @@ def _read_json(path: Path, what: str) -> Any:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from hetpeer.coordinator.planner import PlanningError
+
+    try:
+        return _run_plan(args)
+    except PlanningError as error:
+        raise UserError(str(error)) from None
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from hetpeer.coordinator.planner import PlannerConfig, Problem, make_model, solve
+    from hetpeer.coordinator.planner.baselines import baseline_costs
+    from hetpeer.coordinator.planner.render import format_plan
+    from hetpeer.protocol.topology import Topology
+
     if args.cost_model != "dtfm" and (args.dp_bytes or args.pp_bytes):
         raise UserError("--dp-bytes and --pp-bytes apply to --cost-model dtfm only")
     raw = scenarios.load(args.scenario) if args.scenario else _read_json(args.topology, "topology file")
@@ -298,8 +337,9 @@ def run_join(args: argparse.Namespace) -> int:
     from hetpeer.peer import node
     from hetpeer.peer.data.corpus import CorpusError
     from hetpeer.peer.transport import TransportError
+    from hetpeer.protocol.addresses import AddressBook
 
-    if args.swarm is not None:
+    if args.swarm is not None or args.join_file is not None:
         from hetpeer.cli_swarm import run_swarm_join
 
         return run_swarm_join(args)
@@ -321,7 +361,7 @@ def run_join(args: argparse.Namespace) -> int:
             threads=args.threads,
             rejoin=args.rejoin,
             save=args.save,
-            bandwidth_cap_mbit=args.bandwidth_cap,
+            emulation=emulation(args),
         )
         node.run(setup, _say)
     except (node.PeerSetupError, CorpusError) as error:
@@ -335,13 +375,16 @@ def run_join(args: argparse.Namespace) -> int:
 
 
 def log_to_stdout() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stdout)
+    """Log records to stdout, stamped like the lines `_say` prints (`hetpeer.logline`)."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logline.Formatter())
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     logging.getLogger("hivemind").setLevel(logging.WARNING)
 
 
 def _say(line: str) -> None:
     # one write per line: the transport's log lines share stdout and must not land inside it
-    sys.stdout.write(line + "\n")
+    sys.stdout.write(logline.stamp(line) + "\n")
     sys.stdout.flush()
 
 
@@ -363,6 +406,11 @@ def run_launch(args: argparse.Namespace) -> int:
 
 def demo_plan(peers: int) -> Plan:
     """The tiny model over `peers` equal local peers: two stages (one if alone), as many lanes as fit."""
+    import numpy as np
+
+    from hetpeer.coordinator.planner import PlannerConfig, Problem, solve
+    from hetpeer.protocol.topology import Topology
+
     stages = min(2, peers)
     devices = [{"id": f"peer{i}", "region": "local", "tflops": 0.05} for i in range(peers)]
     topology = Topology.from_wire(
@@ -385,7 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (UserError, SchemaError, PlanningError) as error:
+    except (UserError, SchemaError) as error:
         print(f"hetpeer {args.command}: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

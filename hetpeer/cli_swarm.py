@@ -12,12 +12,15 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
+from hetpeer import logline
 from hetpeer.protocol.workload import PRESETS
 
 SWARM_DTYPES = ("fp32", "bf16")  # what the stage worker computes in
+JOIN_FILE_WAIT_S = 120.0
 
 
 def _cli():
@@ -30,6 +33,9 @@ def add_join_swarm_options(join: argparse.ArgumentParser) -> None:
     cli = _cli()
     swarm = join.add_argument_group("a swarm (--swarm)")
     swarm.add_argument("--swarm", metavar="NAME", help="the swarm to join (letters, digits, - and _)")
+    swarm.add_argument("--join-file", type=Path, metavar="PATH",
+                       help="the file `hetpeer coordinator --join-file` writes: the swarm, the coordinator's key, where to "
+                       "join, the model and dtype, in place of those options (waits up to 2 minutes for it to appear)")
     swarm.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR",
                        help="multiaddrs of peers (or the coordinator) already in the swarm's DHT")
     swarm.add_argument("--coordinator-key", metavar="HEX",
@@ -45,8 +51,8 @@ def add_join_swarm_options(join: argparse.ArgumentParser) -> None:
                        help="where this peer's DHT node listens (default /ip4/127.0.0.1/tcp/0)")
     swarm.add_argument("--dht-announce", nargs="+", default=[], metavar="MADDR",
                        help="DHT multiaddrs others should dial, when they differ from --dht-listen (NAT, containers)")
-    swarm.add_argument("--model", choices=sorted(PRESETS), default="tiny", help="the model the swarm trains (default tiny)")
-    swarm.add_argument("--dtype", choices=SWARM_DTYPES, default="fp32", help="training dtype (default fp32)")
+    swarm.add_argument("--model", choices=sorted(PRESETS), help="the model the swarm trains (default tiny, or the join file's)")
+    swarm.add_argument("--dtype", choices=SWARM_DTYPES, help="training dtype (default fp32, or the join file's)")
     swarm.add_argument("--heartbeat", type=cli._positive_float, default=2.0, metavar="SECONDS",
                        help="seconds between announcements; a record expires after 3 (default 2)")
     swarm.add_argument("--slowdown", type=cli._positive_float, default=1.0, metavar="X",
@@ -95,6 +101,9 @@ def add_commands(commands) -> None:
     coordinator.add_argument("--steps", type=cli._positive_int, metavar="N",
                              help="the swarm's last step: once the running plan reaches it, publish no new plan "
                              "(peers leave there with their own --steps; default: train on)")
+    coordinator.add_argument("--join-file", type=Path, metavar="PATH",
+                             help="write what peers need to join (swarm, key digest, DHT address, model, dtype) to PATH, "
+                             "for `hetpeer join --join-file PATH`")
     coordinator.set_defaults(run=run_coordinator)
 
     status = commands.add_parser(
@@ -144,8 +153,11 @@ def run_swarm_join(args: argparse.Namespace) -> int:
     fixed = [flag for flag, value in (("--plan", args.plan), ("--as", args.device_id), ("--peers", args.peers)) if value is not None]
     if fixed:
         raise cli.UserError(f"{', '.join(fixed)} run a fixed plan; a swarm peer follows the coordinator's plans (drop them or --swarm)")
+    if args.join_file is not None:
+        _take_join_file(args, cli)
     if args.coordinator_key is None:
-        raise cli.UserError("--swarm needs --coordinator-key (the coordinator prints it)")
+        raise cli.UserError("--swarm needs --coordinator-key (the coordinator prints it) or --join-file")
+    args.model, args.dtype = args.model or "tiny", args.dtype or "fp32"
     if not args.slowdown >= 1:
         raise cli.UserError(f"--slowdown must be at least 1, got {args.slowdown:g}")
     cli.log_to_stdout()
@@ -156,7 +168,7 @@ def run_swarm_join(args: argparse.Namespace) -> int:
             model=args.model, dtype=args.dtype,
             listen=cli._host_port(args.listen) if args.listen else ("127.0.0.1", 0), announce_host=args.announce_host,
             dht_maddrs=(args.dht_listen,), dht_announce=tuple(args.dht_announce), heartbeat_s=args.heartbeat, probe_targets=args.probe_targets, steps=args.steps,
-            data=str(args.data) if args.data else None, threads=args.threads, bandwidth_cap_mbit=args.bandwidth_cap,
+            data=str(args.data) if args.data else None, threads=args.threads, emulation=cli.emulation(args),
         )
         from hetpeer.protocol.records import NAME_RE
 
@@ -178,6 +190,32 @@ def run_swarm_join(args: argparse.Namespace) -> int:
     return 0
 
 
+def _take_join_file(args: argparse.Namespace, cli) -> None:
+    """Fill the swarm's options from the join file, waiting for it to appear (a coordinator starting beside
+    this peer writes it once its DHT node runs); an option also given on the command line must agree."""
+    from hetpeer.protocol.join import JoinInfo
+    from hetpeer.protocol.wire import SchemaError
+
+    path, waited = args.join_file, 0.0
+    while not path.exists():
+        if waited >= JOIN_FILE_WAIT_S:
+            raise cli.UserError(f"no join file at {path} after {JOIN_FILE_WAIT_S:g} s (`hetpeer coordinator --join-file` writes it)")
+        if waited % 10 == 0:
+            cli._say(f"waiting for the join file {path} (`hetpeer coordinator --join-file` writes it)")
+        time.sleep(1.0)
+        waited += 1.0
+    try:
+        info = JoinInfo.load(path)
+    except SchemaError as error:
+        raise cli.UserError(f"bad join file: {error}") from None
+    for flag, given, wanted in (("--swarm", args.swarm, info.swarm), ("--coordinator-key", args.coordinator_key, info.coordinator_key),
+                                ("--model", args.model, info.model), ("--dtype", args.dtype, info.dtype)):
+        if given is not None and given.lower() != wanted:
+            raise cli.UserError(f"{flag} {given} disagrees with the join file {path}, which says {wanted}")
+    args.swarm, args.coordinator_key, args.model, args.dtype = info.swarm, info.coordinator_key, info.model, info.dtype
+    args.initial_peers = list(dict.fromkeys([*args.initial_peers, *info.initial_peers]))
+
+
 def _replace_slowdown(worker, slowdown: float):
     return replace(worker, slowdown=slowdown)
 
@@ -196,7 +234,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
             batch=args.batch, micro_batch=args.micro_batch, dtype=args.dtype, heartbeat_s=args.heartbeat,
             replan_interval_s=args.replan_interval, min_peers=args.min_peers, gain=args.gain,
             time_budget_s=args.time_budget, stages=args.stages, group_size=args.group_size, seed=args.seed,
-            steps=args.steps,
+            steps=args.steps, join_file=args.join_file,
         )
         coordinator = Coordinator(config, cli._say)  # checks the swarm name
     except ValueError as error:
@@ -252,7 +290,8 @@ def run_swarm(args: argparse.Namespace) -> int:
     lock = threading.Lock()
 
     def echo(line: str) -> None:
-        if args.verbose or line.startswith("[swarm]") or line.startswith("[coordinator] published") or "  stage " in line:
+        text = logline.unstamp(line)
+        if args.verbose or text.startswith(("[swarm]", "[coordinator] published")) or "  stage " in text:
             with lock:
                 print(line, flush=True)
 
@@ -261,7 +300,7 @@ def run_swarm(args: argparse.Namespace) -> int:
     _stop_on_sigterm()
     try:
         swarm.start()
-        report = swarm.run(status=lambda line: echo(f"[swarm] {line}"))
+        report = swarm.run(status=lambda line: echo(logline.relabel(line, "swarm")))
     except SwarmError as error:
         print(f"hetpeer swarm: {error}", file=sys.stderr)
         return 1

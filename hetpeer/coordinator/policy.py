@@ -14,13 +14,14 @@
 - `start_step`: the step a new plan takes effect at: far enough ahead that every peer has read it.
 - `furthest_step`: how far the swarm got under the running plan; a coordinator with a last step stops
   planning there, so peers that leave once they reach it do not look like a broken plan.
+- `orphaned_layers`: the layers no live peer holds: a plan starts them from fresh weights.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Collection, Mapping
 
 import numpy as np
 
@@ -101,9 +102,12 @@ def decide(
     min_peers: int,
     settle_s: float,
     replan_interval_s: float,
+    considered: Collection[str] = (),
 ) -> Decision:
     """Whether to solve now. `first_seen` holds when each announcing peer was first read; peers that
-    appeared less than `settle_s` ago are waited for (a swarm starting up arrives in a burst)."""
+    appeared less than `settle_s` ago are waited for (a swarm starting up arrives in a burst).
+    `considered`: newcomers already solved for under the running plan and left out of it (the plan was
+    not worth changing for them); they wait for the periodic re-solve instead of one solve a round."""
     settled = [d for d in records if now - first_seen.get(d, now) >= settle_s]
     if current is None:
         if len(records) < min_peers:
@@ -114,7 +118,7 @@ def decide(
     why = broken(current, records)
     if why is not None:
         return Decision(True, why, broken=True)
-    known = set(current.devices) | set(current.standby)
+    known = set(current.devices) | set(current.standby) | set(considered)
     newcomers = [d for d in settled if d not in known]
     if newcomers:
         return Decision(True, f"{', '.join(sorted(newcomers))} joined")
@@ -156,15 +160,17 @@ def furthest_step(current: Plan, records: Mapping[str, PeerRecord]) -> int:
 
 
 def start_step(
-    current: Plan | None, records: Mapping[str, PeerRecord], broken_now: bool, heartbeat_s: float, seq_len: int
+    current: Plan | None, records: Mapping[str, PeerRecord], broken_now: bool, heartbeat_s: float, seq_len: int,
+    reached: int = 0,
 ) -> int:
     """The step a new plan starts at. A broken plan: just past the furthest peer, for every peer switches
     at once. Otherwise: far enough ahead that every peer reads the plan (`LEAD_HEARTBEATS`) before
     its lanes reach that step, at the pace the peers announce. `records` include leaving peers, whose
-    last step counts too: the swarm's step never goes back, even when every peer that reached it left."""
+    last step counts too, and `reached` is the furthest step seen before (peers that left long ago): the
+    swarm's step never goes back, even when every peer that reached it is gone."""
     if current is None:
-        return 0
-    furthest = furthest_step(current, records)
+        return reached + 1 if reached else 0
+    furthest = max(furthest_step(current, records), reached)
     if broken_now:
         return furthest + 1
     tokens_per_step = current.lane_batch * seq_len
@@ -174,3 +180,21 @@ def start_step(
         return furthest + 2
     return furthest + min(MAX_LEAD_STEPS, 2 + math.ceil(LEAD_HEARTBEATS * heartbeat_s / step_s))
 
+
+def orphaned_layers(records: Mapping[str, PeerRecord], layers: int) -> list[tuple[int, int]]:
+    """The ranges [start, end) of the model's `layers` that no peer announces holding (leaving peers do
+    not count: they take their copy with them). A plan starts these from fresh weights."""
+    held = [False] * layers
+    for record in records.values():
+        if record.state != "leaving" and record.layers is not None:
+            for layer in range(record.layers[0], min(record.layers[1], layers)):
+                held[layer] = True
+    ranges: list[tuple[int, int]] = []
+    for layer, kept in enumerate(held):
+        if kept:
+            continue
+        if ranges and ranges[-1][1] == layer:
+            ranges[-1] = (ranges[-1][0], layer + 1)
+        else:
+            ranges.append((layer, layer + 1))
+    return ranges

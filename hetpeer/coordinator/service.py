@@ -23,6 +23,7 @@ from hetpeer.coordinator import policy
 from hetpeer.coordinator.api import ApiServer, SwarmView
 from hetpeer.coordinator.planner import PlannerConfig, PlanningError, solve
 from hetpeer.protocol.control import ControlPlane, key_digest
+from hetpeer.protocol.join import JoinInfo
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.records import TTL_HEARTBEATS, PeerRecord
 from hetpeer.protocol.workload import Workload, preset
@@ -53,6 +54,7 @@ class CoordinatorConfig:
     seed: int = 0
     plan_ttl_s: float = 3600.0  # the plan stays in the DHT this long after its last (re)publication
     steps: int | None = None  # the swarm's last step: no new plan once the running one reaches it
+    join_file: Path | None = None  # where to write what peers need to join (`hetpeer join --join-file`)
 
     def __post_init__(self) -> None:
         Workload(preset(self.model), batch=self.batch, micro_batch=self.micro_batch, dtype=self.dtype)
@@ -73,7 +75,7 @@ class Coordinator:
         self.config, self.report = config, report
         self.control = ControlPlane(
             config.swarm, config.home / "coordinator.key", config.initial_peers, config.dht_maddrs, config.dht_announce,
-            identity_path=config.home / "dht.key",
+            identity_path=config.home / "dht.key", remember_path=config.home / "known_dht.json",
         )
         self.planner = PlannerConfig(
             cost_model="time", stages=config.stages, group_size=config.group_size, time_budget_s=config.time_budget_s
@@ -85,6 +87,9 @@ class Coordinator:
         self.plan: Plan | None = None
         self.plan_time: float | None = None
         self.first_seen: dict[str, float] = {}
+        self.considered: set[str] = set()  # newcomers the running plan was kept without (see `policy.decide`)
+        self.reached = 0  # the furthest step the swarm announced: no plan starts below it
+        self.finished = False  # the swarm reached --steps: no more plans, even when its peers have left
         self.last_solve = 0.0
         self.last_publish = 0.0
         self._logged: set[tuple[str, str]] = set()
@@ -107,6 +112,10 @@ class Coordinator:
         self.report(f"DHT: {' '.join(self.control.visible_maddrs())}")
         if self.api is not None:
             self.report(f"API: {self.api.address} (hetpeer status --api {self.api.address})")
+        if self.config.join_file is not None:
+            c = self.config
+            JoinInfo(c.swarm, self.key, self.control.dialable_maddrs(), c.model, c.dtype).write(c.join_file)
+            self.report(f"join file: {c.join_file} (hetpeer join --join-file {c.join_file})")
         return self
 
     def shutdown(self) -> None:
@@ -134,6 +143,10 @@ class Coordinator:
         config = self.config
         now = self.control.now()
         records, dropped = self.control.read_peers(max_age_s=(TTL_HEARTBEATS + 1) * config.heartbeat_s)
+        self.control.remember(r.dht for r in sorted(records.values(), key=lambda r: -r.time))  # a restart finds them
+        healed = self.control.heal()  # after a partition: find the swarm again
+        if healed is not None:
+            self.report(healed)
         for item in dropped:
             self._log_once(item.signer, f"dropped a peer record signed by {item.signer}: {item.reason}")
         ours = {}
@@ -147,15 +160,19 @@ class Coordinator:
             self.first_seen.setdefault(d, now)
         for d in set(self.first_seen) - set(live):
             del self.first_seen[d]
+        self.considered &= set(live)  # one that left and came back is a newcomer again
         self._read_running_plan()
         self.view = SwarmView(config.swarm, self.key, self.plan, self.plan_time, ours, len(dropped), now)
-        if config.steps is not None and self.plan is not None and policy.furthest_step(self.plan, ours) >= config.steps:
-            self._log_once("done", f"the swarm reached step {config.steps}: no more plans")  # its peers leave now
+        if self.plan is not None:
+            self.reached = max(self.reached, policy.furthest_step(self.plan, ours))
+        if self.finished or (config.steps is not None and self.reached >= config.steps):
+            self.finished = True  # for good: the peers leave now, and those left on standby are not a swarm to train
+            self._log_once("done", f"the swarm reached step {config.steps}: no more plans")
             return
         decision = policy.decide(
             self.plan, live, self.first_seen, now, self.last_solve, min_peers=config.min_peers,
             settle_s=config.settle_s if config.settle_s is not None else 2 * config.heartbeat_s,
-            replan_interval_s=config.replan_interval_s,
+            replan_interval_s=config.replan_interval_s, considered=self.considered,
         )
         if decision.solve:
             self.last_solve = now
@@ -202,19 +219,27 @@ class Coordinator:
         same = usable is not None and solution.plan.stages == usable.stages
         publish, why = policy.worth_it(decision, solution.report.objective, current_s, config.gain, same)
         if not publish:
+            known = set(current.devices) | set(current.standby)
+            self.considered |= {d for d in live if d not in known}
             self.report(f"kept epoch {current.epoch}: {why} (searched {searched_s:.1f} s)")
             return
-        step = policy.start_step(current, ours, decision.broken, config.heartbeat_s, config.workload.model.seq_len)
+        step = policy.start_step(current, ours, decision.broken, config.heartbeat_s, config.workload.model.seq_len, self.reached)
         plan = replace(
             solution.plan, epoch=(current.epoch + 1) if current is not None else 1, start_step=step,
             estimated_links=tuple(p for p in estimated if p[0] in solution.plan.devices and p[1] in solution.plan.devices),
         )
-        self._publish(plan, f"{why}; searched {searched_s:.1f} s")
+        lost = policy.orphaned_layers(live, plan.layers) if self.reached > 0 else []
+        if lost:
+            ranges = ", ".join(f"{a}-{b - 1}" for a, b in lost)
+            self.report(f"no live peer holds layers {ranges}: the swarm lost every peer that held them, so plan epoch "
+                        f"{plan.epoch} trains them again from fresh weights from step {step}")
+        if self._publish(plan, f"{why}; searched {searched_s:.1f} s"):
+            self.considered.clear()
 
-    def _publish(self, plan: Plan, why: str) -> None:
+    def _publish(self, plan: Plan, why: str) -> bool:
         if not self.control.publish_plan(plan, ttl_s=self.config.plan_ttl_s):
             self.report(f"could not store plan epoch {plan.epoch} in the DHT; trying again next round")
-            return
+            return False
         self.last_publish = self.control.now()
         if plan is not self.plan:
             self.plan, self.plan_time = plan, self.last_publish
@@ -228,6 +253,7 @@ class Coordinator:
                 self.report(f"  stage {s + 1} layers {stage.layer_start}-{stage.layer_end - 1} ({stage.sync}): {', '.join(stage.devices)}")
             if plan.estimated_links:
                 self.report(f"  {len(plan.estimated_links)} link(s) not yet measured were estimated")
+        return True
 
     def _log_once(self, key: str, line: str) -> None:
         if (key, line) not in self._logged:

@@ -38,7 +38,7 @@ from hetpeer.peer.measure import LinkHistory, LinkProber, MachineProfile, descri
 from hetpeer.peer.node import format_step
 from hetpeer.peer.pipeline.worker import StageWorker, WorkerConfig
 from hetpeer.peer.transport.inbox import Interrupted, Late, PeerUnreachable, TransportError, TransportTimeout
-from hetpeer.peer.transport.network import NetworkTransport, TcpLink
+from hetpeer.peer.transport.network import Emulation, NetworkTransport, TcpLink
 from hetpeer.protocol.addresses import AddressBook
 from hetpeer.protocol.control import ControlPlane, key_digest
 from hetpeer.protocol.frame import FrameHeader
@@ -74,7 +74,7 @@ class SwarmPeerConfig:
     steps: int | None = None  # leave once the swarm's step count reaches this
     data: str | None = None
     threads: int | None = None
-    bandwidth_cap_mbit: float | None = None
+    emulation: Emulation = Emulation()  # slow or far links emulated on a fast network (tests, demos, testbeds)
     probe_s: float = 1.0  # seconds of the compute probe
 
     def __post_init__(self) -> None:
@@ -152,7 +152,7 @@ class SwarmPeer:
         self.spec = preset(config.model)
         self.control = ControlPlane(
             config.swarm, config.home / "peer.key", config.initial_peers, config.dht_maddrs, config.dht_announce,
-            identity_path=config.home / "dht.key",
+            identity_path=config.home / "dht.key", remember_path=config.home / "known_dht.json",
         )
         self.device_id = ""
         self.transport: NetworkTransport | None = None
@@ -183,10 +183,9 @@ class SwarmPeer:
         self.control.start()
         self.device_id = device_id(config.name, self.control.public_key)
         host, port = config.listen
-        rate = config.bandwidth_cap_mbit * 1e6 / 8 if config.bandwidth_cap_mbit is not None else None
         self.transport = NetworkTransport(
             self.device_id, AddressBook({}), [TcpLink(host, port, advertise_host=config.announce_host)],
-            connect_timeout_s=min(10.0, config.worker.timeout_s), rate_limit_bytes_per_s=rate,
+            connect_timeout_s=min(10.0, config.worker.timeout_s), emulation=config.emulation,
         )
         self.transport.start()
         self.transport.book = AddressBook({self.device_id: self.transport.address()})
@@ -391,6 +390,7 @@ class SwarmPeer:
         while not self.stopping.is_set():
             started = time.monotonic()
             records, _ = self.control.read_peers(max_age_s=ttl_s + config.heartbeat_s)
+            self.control.remember(r.dht for r in sorted(records.values(), key=lambda r: -r.time))
             book = {d: r.address for d, r in records.items()}
             book[self.device_id] = self.transport.address()
             self.transport.book = AddressBook(book)
@@ -398,6 +398,9 @@ class SwarmPeer:
                 self.records = records
             self._take_plans()
             self.control.announce(self._record(), ttl_s=ttl_s)
+            healed = self.control.heal()  # after a partition: find the swarm again
+            if healed is not None:
+                self.report(healed)
             self.plan_hint.wait(max(0.0, config.heartbeat_s - (time.monotonic() - started)))
             if self.plan_hint.is_set():
                 self.plan_hint.clear()
@@ -449,6 +452,7 @@ class SwarmPeer:
             loss=status.loss,
             tokens_per_s=status.tokens_per_s,
             links=links,
+            dht=self.control.dialable_maddrs(),
             software=f"hetpeer {__version__}",
         )
 

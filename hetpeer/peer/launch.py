@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Sequence
 
+from hetpeer import logline
 from hetpeer.protocol.addresses import AddressBook, PeerAddress
 from hetpeer.protocol.plan import Plan
 
@@ -54,7 +55,7 @@ def launch(
     devices = plan.devices
     book = write_address_book(devices, out_dir, links)
     threads = max(1, (os.cpu_count() or 1) // len(devices))
-    echo(f"starting {len(devices)} peers ({threads} thread(s) each); address book and logs in {out_dir}")
+    echo(logline.stamp(f"starting {len(devices)} peers ({threads} thread(s) each); address book and logs in {out_dir}"))
     processes: dict[str, subprocess.Popen] = {}
     readers = []
     try:
@@ -79,9 +80,9 @@ def launch(
             reader.join(timeout=5)
         if failed:
             device, code = failed
-            echo(f"peer {device} failed (exit {code}); the other peers were stopped. Its log: {out_dir / device}.log")
+            echo(logline.stamp(f"peer {device} failed (exit {code}); the other peers were stopped. Its log: {out_dir / device}.log"))
             return 1
-        echo(f"done: {len(devices)} peer(s) finished {steps} step(s)")
+        echo(logline.stamp(f"done: {len(devices)} peer(s) finished {steps} step(s)"))
         return 0
     finally:
         _stop(processes.values())
@@ -92,7 +93,7 @@ def _relay(device: str, process: subprocess.Popen, out_dir: Path, echo: Callable
         for line in process.stdout:
             log.write(line)
             log.flush()
-            echo(f"[{device}] {line.rstrip()}")
+            echo(logline.relabel(line.rstrip(), device))
 
 
 def _wait(processes: dict[str, subprocess.Popen]) -> tuple[str, int] | None:

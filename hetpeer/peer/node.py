@@ -19,13 +19,12 @@ from hetpeer.peer.data.corpus import Corpus
 from hetpeer.peer.pipeline.schedule import in_flight
 from hetpeer.peer.pipeline.worker import StageWorker, StepResult, WorkerConfig
 from hetpeer.peer.probe import peak_resident_bytes, resident_bytes
-from hetpeer.peer.transport.network import Link, NetworkTransport, P2PLink, TcpLink
-from hetpeer.protocol.addresses import AddressBook
+from hetpeer.peer.transport.network import Emulation, Link, NetworkTransport, P2PLink, TcpLink
+from hetpeer.protocol.addresses import LINK_CHOICES, AddressBook
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.workload import STATE_BYTES_PER_PARAM, Workload
 
 log = logging.getLogger("hetpeer.peer")
-LINK_CHOICES = ("auto", "tcp", "p2p")
 
 
 class PeerSetupError(ValueError):
@@ -46,7 +45,7 @@ class PeerSetup:
     threads: int | None = None  # torch intra-op threads
     rejoin: bool = False  # download the stage's state from the group first
     save: Path | None = None  # folder to write the stage's parameters to at the end
-    bandwidth_cap_mbit: float | None = None  # emulate a slow link: pace what this peer sends, per destination
+    emulation: Emulation = Emulation()  # slow or far links emulated on a fast network (tests, demos, testbeds)
 
     def __post_init__(self) -> None:
         if self.links not in LINK_CHOICES:
@@ -90,10 +89,7 @@ def build_transport(setup: PeerSetup) -> NetworkTransport:
     if setup.links in ("auto", "p2p") and address.p2p:
         host_maddrs = [maddr.rsplit("/p2p/", 1)[0] for maddr in address.p2p]
         links.append(P2PLink(identity_path=setup.identity_path, host_maddrs=host_maddrs))
-    rate = setup.bandwidth_cap_mbit * 1e6 / 8 if setup.bandwidth_cap_mbit is not None else None
-    return NetworkTransport(
-        setup.device_id, setup.book, links, connect_timeout_s=setup.worker.timeout_s, rate_limit_bytes_per_s=rate
-    )
+    return NetworkTransport(setup.device_id, setup.book, links, connect_timeout_s=setup.worker.timeout_s, emulation=setup.emulation)
 
 
 def run(setup: PeerSetup, report: Callable[[str], None]) -> list[StepResult]:

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 from hetpeer.protocol.wire import SchemaError, field, need_int, need_list, need_mapping, need_str, no_extra_fields
 
 BOOK_VERSION = 1
+LINK_CHOICES = ("auto", "tcp", "p2p")  # how peers reach each other: direct TCP falling back to P2P, or only one
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,16 +43,7 @@ class PeerAddress:
         record = need_mapping(raw, path)
         no_extra_fields(record, {"direct", "p2p"}, path)
         direct = _host_port(record["direct"], f"{path}.direct") if "direct" in record else None
-        p2p = tuple(
-            need_str(maddr, f"{path}.p2p[{i}]") for i, maddr in enumerate(need_list(record.get("p2p", []), f"{path}.p2p"))
-        )
-        ids = set()
-        for i, maddr in enumerate(p2p):
-            if "/p2p/" not in maddr or not maddr.startswith("/") or not maddr.rsplit("/p2p/", 1)[1]:
-                raise SchemaError(f"{path}.p2p[{i}]", f"must be a multiaddr ending in /p2p/<peer id>, got {maddr!r}")
-            ids.add(maddr.rsplit("/p2p/", 1)[1])
-        if len(ids) > 1:
-            raise SchemaError(f"{path}.p2p", f"multiaddrs name different peer ids: {sorted(ids)}")
+        p2p = peer_maddrs(record.get("p2p", []), f"{path}.p2p")
         if direct is None and not p2p:
             raise SchemaError(path, "has neither a direct address nor a p2p multiaddr")
         return PeerAddress(direct=direct, p2p=p2p)
@@ -97,6 +89,19 @@ class AddressBook:
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise SchemaError("addresses", f"{path} is not JSON: {error}") from None
         return AddressBook.from_wire(raw)
+
+
+def peer_maddrs(raw: Any, path: str) -> tuple[str, ...]:
+    """Multiaddrs of one libp2p peer: each ends in /p2p/<peer id>, all with the same id."""
+    maddrs = tuple(need_str(maddr, f"{path}[{i}]") for i, maddr in enumerate(need_list(raw, path)))
+    ids = set()
+    for i, maddr in enumerate(maddrs):
+        if "/p2p/" not in maddr or not maddr.startswith("/") or not maddr.rsplit("/p2p/", 1)[1]:
+            raise SchemaError(f"{path}[{i}]", f"must be a multiaddr ending in /p2p/<peer id>, got {maddr!r}")
+        ids.add(maddr.rsplit("/p2p/", 1)[1])
+    if len(ids) > 1:
+        raise SchemaError(path, f"multiaddrs name different peer ids: {sorted(ids)}")
+    return maddrs
 
 
 def _host_port(raw: Any, path: str) -> tuple[str, int]:

@@ -4,16 +4,24 @@ Every participant holds an RSA key pair in a file (created on first use, reused 
 restarted peer keeps its identity). Writes go under the writer's owner marker and are signed by
 hivemind's RSASignatureValidator with that key (not the process-wide default key). Reads return only
 records that parse (`records.py`); what is dropped comes back with the reason, for the caller to log.
+
+Staying in the swarm. A DHT node forgets every node that fails to answer it, and they forget it: after a
+partition (a cable pulled, a laptop asleep) a node can be left knowing no one, and no one knowing it,
+for good. So each participant remembers the DHT addresses that others announce (`remember`, kept in a
+file beside its key, so a restarted coordinator finds the running swarm without being told), and
+`heal`, called once a round, restarts the DHT node through them and the initial peers once it has known
+no other node for `ISOLATED_ROUNDS` rounds.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.records import (
@@ -29,6 +37,8 @@ from hetpeer.protocol.records import (
 from hetpeer.protocol.wire import SchemaError
 
 log = logging.getLogger("hetpeer.control")
+REMEMBER = 16  # DHT addresses of other participants kept for the next start, the most recently seen first
+ISOLATED_ROUNDS = 3  # rounds a DHT node may know no other node before it is restarted through the ones it remembers
 
 
 class ControlError(RuntimeError):
@@ -96,54 +106,70 @@ class ControlPlane:
         host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",),
         announce_maddrs: Sequence[str] = (),
         identity_path: str | Path | None = None,
+        remember_path: str | Path | None = None,
     ) -> None:
         if not swarm or not swarm.replace("-", "").replace("_", "").isalnum():
             raise ValueError(f"swarm name must be letters, digits, - and _, got {swarm!r}")
         self.swarm, self.key_path = swarm, Path(key_path)
         self.initial_peers, self.host_maddrs, self.announce_maddrs = list(initial_peers), list(host_maddrs), list(announce_maddrs)
         self.identity_path = Path(identity_path) if identity_path is not None else None  # the DHT node's libp2p key
+        self.remember_path = Path(remember_path) if remember_path is not None else None
+        self.remembered: list[tuple[str, ...]] = []  # other nodes' multiaddrs, one tuple per node, newest first
+        self.maddrs: list[str] = []  # where this node can be dialed, once started
         self.dht = None
         self.private_key = None
         self._lock = None
+        self._validators = None
+        self._alone_rounds = 0
 
     # -- life cycle ---------------------------------------------------------------------------------
     def start(self) -> "ControlPlane":
-        from hivemind import DHT
         from hivemind.dht.crypto import RSASignatureValidator
         from hivemind.dht.schema import SchemaValidator
 
         self._lock_home()
         try:
             self.private_key = load_or_create_key(self.key_path)
-            identity = {}
-            if self.identity_path is not None:  # a stable DHT address: a restart keeps its multiaddr's peer id
+            if self.identity_path is not None and not self.identity_path.exists():  # a stable DHT address
                 from hivemind.p2p import P2P
 
-                if not self.identity_path.exists():
-                    self.identity_path.parent.mkdir(parents=True, exist_ok=True)
-                    P2P.generate_identity(str(self.identity_path))
-                # the home lock keeps two live processes off one identity; hivemind's own check would also refuse
-                # a peer restarted after a crash, whose old identity other nodes still remember
-                identity = {"identity_path": str(self.identity_path), "check_if_identity_free": False}
-            validators = [
+                self.identity_path.parent.mkdir(parents=True, exist_ok=True)
+                P2P.generate_identity(str(self.identity_path))
+            self._validators = [
                 SchemaValidator(SCHEMA, allow_extra_keys=False, prefix=self.swarm),
                 RSASignatureValidator(self.private_key),
             ]
-            try:
-                self.dht = DHT(
-                    initial_peers=self.initial_peers or None,
-                    start=True,
-                    record_validators=validators,
-                    host_maddrs=self.host_maddrs,
-                    announce_maddrs=self.announce_maddrs or None,
-                    **identity,
-                )
-            except Exception as error:  # hivemind raises plain exceptions for unreachable initial peers
-                raise ControlError(f"cannot join the DHT through {', '.join(self.initial_peers) or 'no initial peers'}: {error}") from None
+            self.remembered = load_remembered(self.remember_path) if self.remember_path is not None else []
+            self._start_dht(must_join=bool(self.initial_peers))
         except BaseException:
             self.shutdown()  # releases the lock
             raise
         return self
+
+    def _start_dht(self, must_join: bool) -> None:
+        """A DHT node joined through the initial peers and the remembered ones. When none of them answers:
+        ControlError if `must_join`, else a node of its own (the first of a swarm, or one cut off for now)."""
+        from hivemind import DHT
+
+        identity = {}
+        if self.identity_path is not None:
+            # the home lock keeps two live processes off one identity; hivemind's own check would also refuse
+            # a peer restarted after a crash, whose old identity other nodes still remember
+            identity = {"identity_path": str(self.identity_path), "check_if_identity_free": False}
+        through = self.initial_peers + [m for node in self.remembered for m in node if m not in self.initial_peers]
+        for peers in ([through, []] if through and not must_join else [through]):
+            try:
+                self.dht = DHT(
+                    initial_peers=peers or None, start=True, record_validators=self._validators, host_maddrs=self.host_maddrs,
+                    announce_maddrs=self.announce_maddrs or None, ensure_bootstrap_success=False, **identity,
+                )
+                break
+            except Exception as error:  # hivemind raises plain exceptions when no initial peer answers
+                if must_join:
+                    raise ControlError(f"cannot join the DHT through {', '.join(self.initial_peers)}: {error}") from None
+                log.warning("none of the %d known DHT address(es) answered (%s): starting a DHT node of its own",
+                            len(peers), str(error).splitlines()[0][:200])
+        self.maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
 
     def shutdown(self) -> None:
         if self.dht is not None:
@@ -152,6 +178,40 @@ class ControlPlane:
         if self._lock is not None:
             self._lock.close()  # releases the lock
             self._lock = None
+
+    # -- staying in the swarm -------------------------------------------------------------------------
+    def remember(self, maddrs: Iterable[Sequence[str]]) -> None:
+        """Keep the DHT addresses other participants announce (one sequence per node, most recent first)
+        for `heal` and for the next start; written to `remember_path` when the set changes."""
+        me = _peer_id(self.maddrs[0]) if self.maddrs else None
+        fresh = [tuple(node) for node in maddrs if node and _peer_id(node[0]) != me]
+        seen = {_peer_id(node[0]) for node in fresh}
+        merged = (fresh + [node for node in self.remembered if _peer_id(node[0]) not in seen])[:REMEMBER]
+        changed = set(merged) != set(self.remembered)
+        self.remembered = merged
+        if changed and self.remember_path is not None:
+            save_remembered(self.remember_path, merged)
+
+    def heal(self) -> str | None:
+        """Once a round: when this node has known no other DHT node for `ISOLATED_ROUNDS` rounds and there
+        is anyone to ask, restart it through the initial and remembered peers; what it did, in words."""
+        if self._dht_neighbours() > 0:
+            self._alone_rounds = 0
+            return None
+        self._alone_rounds += 1
+        known = len(self.initial_peers) + len(self.remembered)
+        if self._alone_rounds < ISOLATED_ROUNDS or not known:
+            return None
+        self._alone_rounds = 0
+        self.dht.shutdown()
+        self.dht = None
+        self._start_dht(must_join=False)
+        found = self._dht_neighbours()
+        return (f"the DHT node knew no other node for {ISOLATED_ROUNDS} rounds: restarted it through {known} known "
+                f"address(es); it now knows {found} node(s)")
+
+    def _dht_neighbours(self) -> int:
+        return self.dht.run_coroutine(_routing_table_size)
 
     def _lock_home(self) -> None:
         """One live process per key file: a second one would announce as the same peer. A POSIX record
@@ -187,7 +247,12 @@ class ControlPlane:
         return fingerprint(self.public_key)
 
     def visible_maddrs(self) -> list[str]:
-        return [str(m) for m in self.dht.get_visible_maddrs()]
+        return list(self.maddrs)
+
+    def dialable_maddrs(self) -> tuple[str, ...]:
+        """What others should dial: loopback addresses only when there are no others (one machine)."""
+        outside = [m for m in self.maddrs if not m.startswith(("/ip4/127.", "/ip6/::1/"))]
+        return tuple(outside or self.maddrs)
 
     @staticmethod
     def now() -> float:
@@ -242,6 +307,38 @@ class ControlPlane:
         if found is None or not isinstance(found.value, dict):
             return []
         return [(subkey, entry.value) for subkey, entry in found.value.items()]
+
+
+async def _routing_table_size(dht, node) -> int:
+    """Run in the DHT's process (`DHT.run_coroutine`): how many other nodes it knows."""
+    return len(node.protocol.routing_table.uid_to_peer_id)
+
+
+def _peer_id(maddr: str) -> str:
+    return maddr.rsplit("/p2p/", 1)[-1]
+
+
+def load_remembered(path: Path) -> list[tuple[str, ...]]:
+    """The addresses a previous run remembered; an unreadable file is logged and forgotten, never fatal."""
+    if not path.exists():
+        return []
+    try:
+        raw = json.loads(path.read_text())
+        nodes = [tuple(node) for node in raw["nodes"]]
+        if raw.get("version") != 1 or not all(node and all(isinstance(m, str) and "/p2p/" in m for m in node) for node in nodes):
+            raise ValueError("not a list of multiaddr lists")
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        log.warning("ignored %s (remembered DHT addresses): %s", path, error)
+        return []
+    return nodes[:REMEMBER]
+
+
+def save_remembered(path: Path, nodes: Sequence[tuple[str, ...]]) -> None:
+    """Written whole and renamed into place: a crash never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps({"version": 1, "nodes": [list(node) for node in nodes]}, indent=1))
+    os.replace(partial, path)
 
 
 def _signer(subkey: Any) -> str:

@@ -33,6 +33,7 @@ from hetpeer.protocol.wire import (
 
 PLAN_VERSION = 1
 SYNC_MODES = ("allreduce", "gossip", "none")
+SYNC_CHOICES = ("auto", "allreduce", "gossip")  # what a planner may be asked for: auto chooses per group
 COST_MODELS = ("dtfm", "time")
 
 

@@ -24,15 +24,17 @@ from typing import Any, Dict, List, Optional
 
 from pydantic import v1 as pydantic
 
-from hetpeer.protocol.addresses import PeerAddress
+from hetpeer.protocol.addresses import PeerAddress, peer_maddrs
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.wire import SchemaError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: records carry the DHT multiaddrs of their writer
 OWNER_RE = re.compile(rb"\[owner:(.+)\]\Z", re.DOTALL)  # \Z, not $: $ also matches before a final newline
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9_]{0,23}\Z")
 STATES = ("probing", "waiting", "fetching", "training", "standby", "leaving")
 MAX_LINKS = 64  # measurements one record carries; a peer probes a handful of others
+MAX_DHT_MADDRS = 8
+MAX_MADDR_CHARS = 256
 MAX_PLAN_BYTES = 1 << 20
 TTL_HEARTBEATS = 5  # a peer record expires after this many heartbeats without a new one (loaded machines miss some)
 
@@ -101,6 +103,7 @@ class PeerSchema(_Strict):
     memory_bytes: pydantic.StrictInt
     direct: Optional[pydantic.StrictStr]
     p2p: List[pydantic.StrictStr]
+    dht: List[pydantic.StrictStr]
     state: pydantic.StrictStr
     epoch: pydantic.StrictInt
     layers: Optional[List[pydantic.StrictInt]]
@@ -148,6 +151,7 @@ class PeerRecord:
     loss: float | None = None
     tokens_per_s: float = 0.0
     links: Dict[str, LinkMeasurement] = dataclass_field(default_factory=dict)
+    dht: tuple[str, ...] = ()  # where its DHT node listens (/p2p/<id> included): others bootstrap through it
     software: str = ""
     version: int = PROTOCOL_VERSION
 
@@ -164,6 +168,7 @@ class PeerRecord:
             "memory_bytes": int(self.memory_bytes),
             "direct": f"{direct[0]}:{direct[1]}" if direct else None,
             "p2p": list(self.address.p2p),
+            "dht": list(self.dht),
             "state": self.state,
             "epoch": self.epoch,
             "layers": list(self.layers) if self.layers is not None else None,
@@ -226,6 +231,9 @@ class PeerRecord:
                     f"peer.links[{i}].bandwidth_bytes_per_s", f"must be finite and positive, got {link.bandwidth_bytes_per_s!r}"
                 )
             links[link.peer] = LinkMeasurement(link.latency_s, link.bandwidth_bytes_per_s)
+        if len(parsed.dht) > MAX_DHT_MADDRS or any(len(m) > MAX_MADDR_CHARS for m in parsed.dht):
+            raise SchemaError("peer.dht", f"at most {MAX_DHT_MADDRS} multiaddrs of at most {MAX_MADDR_CHARS} characters")
+        dht = peer_maddrs(parsed.dht, "peer.dht")
         address = PeerAddress.from_wire(
             {"p2p": parsed.p2p, **({"direct": parsed.direct} if parsed.direct is not None else {})}, "peer.address"
         )
@@ -245,6 +253,7 @@ class PeerRecord:
             loss=parsed.loss,
             tokens_per_s=parsed.tokens_per_s,
             links=links,
+            dht=dht,
             software=parsed.software,
             version=parsed.version,
         )

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from hetpeer import logline
 from hetpeer.coordinator.api import ApiClient, ApiError
 from hetpeer.swarm.report import Event, LaneStep, PeerInfo, PlanUse, RunReport, StageUse, samples_from_lanes, summarize
 
@@ -226,12 +227,13 @@ class LocalSwarm:
 
     def event(self, text: str) -> None:
         self.events.append(Event(self.elapsed(), text))
-        self.echo(f"[swarm] {text}")
+        self.echo(logline.relabel(text, "swarm"))
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
 
-    def _on_line(self, name: str, line: str) -> None:
+    def _on_line(self, name: str, stamped: str) -> None:
+        line = logline.unstamp(stamped)
         if name == "coordinator":
             key, dht = KEY_RE.search(line), DHT_RE.match(line)
             with self._seen:
@@ -250,7 +252,7 @@ class LocalSwarm:
             with self._seen:
                 self.device_ids[i], self.peer_maddrs[i] = peer.group(1), peer.group(2).rstrip(",")
                 self._seen.notify_all()
-        self.echo(f"[{name}] {line}")
+        self.echo(logline.relabel(stamped, name))
 
     def _wait_for(self, ready: Callable[[], bool], what: str, process: Process) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -20,6 +20,7 @@ import torch
 
 from p2p_keys import make_keys
 from processes import live_processes
+from hetpeer.logline import unstamp
 from hetpeer.peer.data.corpus import Corpus
 from hetpeer.peer.launch import free_port
 from hetpeer.peer.model.gpt import build_stage
@@ -115,7 +116,7 @@ def test_launch_runs_every_peer_to_the_end(tmp_path, cli):
     done = cli("launch", str(plan_path), "--steps", "3", "--out", str(out))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "Traceback" not in done.stdout + done.stderr
-    lines = done.stdout.splitlines()
+    lines = [unstamp(line) for line in done.stdout.splitlines()]
     assert re.search(r"\b(all 4 peers|4 peer\(s\)) finished 3 step", lines[-1]), lines[-1]
 
     for lane, device in enumerate(("d2", "d3")):  # the last stage reports the loss of its lane

@@ -6,6 +6,7 @@ The commands import torch and hivemind, so the cases run as concurrent subproces
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -39,6 +40,11 @@ CASES = {
     "coordinator with a negative gain": (["coordinator", "--swarm", "demo", "--gain", "-0.1"], 2, ["gain", "-0.1"]),
     "coordinator of a badly named swarm": (["coordinator", "--swarm", "no spaces!"], 2, ["swarm", "'no spaces!'"]),
     "coordinator with a last step of 0": (["coordinator", "--swarm", "demo", "--steps", "0"], 2, ["--steps", "'0'"]),
+    "join with a join file that is no JSON": (["join", "--join-file", "join.json"], 2, ["join file", "not JSON"]),
+    "join with a join file of another swarm": (
+        ["join", "--join-file", "other.json", "--swarm", "demo"], 2, ["--swarm demo", "disagrees", "other"]
+    ),
+    "join with a join file that names no peer id": (["join", "--join-file", "no-id.json"], 2, ["join.initial_peers[0]"]),
     "status of an API nobody serves": (["status", "--api", "127.0.0.1:1", "--timeout", "1"], 1, ["127.0.0.1:1"]),
     "swarm with a slowdown that is no number": (["swarm", "--slowdowns", "1,x"], 2, ["--slowdowns", "'1,x'"]),
     "swarm with a zero bandwidth cap": (["swarm", "--bandwidth-caps", "0"], 2, ["bandwidth caps", "positive"]),
@@ -46,10 +52,22 @@ CASES = {
 }
 
 
+def join_file(swarm: str, peers: list[str]) -> str:
+    return json.dumps({"version": 1, "swarm": swarm, "coordinator_key": KEY, "initial_peers": peers, "model": "tiny", "dtype": "fp32"})
+
+
+# files a case's folder holds before it runs
+FILES = {
+    "join.json": "{nope",
+    "other.json": join_file("other", ["/ip4/127.0.0.1/tcp/1/p2p/12D3KooWPeer"]),
+    "no-id.json": join_file("demo", ["/ip4/127.0.0.1/tcp/1"]),
+}
+
+
 def isolated(args: list[str], home: Path) -> list[str]:
     """Keys and reports go under the test's folder, never the user's home."""
     command = args[0]
-    if command == "coordinator" or (command == "join" and "--swarm" in args):
+    if command == "coordinator" or (command == "join" and ("--swarm" in args or "--join-file" in args)):
         return args + ["--home", str(home / "home")]
     if command == "swarm":
         return args + ["--out", str(home / "out")]
@@ -61,6 +79,8 @@ def runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]
     started = {}
     for i, (case, (args, _, _)) in enumerate(CASES.items()):
         folder = tmp_path_factory.mktemp(f"case{i}")
+        for name, text in FILES.items():
+            (folder / name).write_text(text)
         command = [sys.executable, "-m", "hetpeer", *isolated(args, folder)]
         process = subprocess.Popen(
             command, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -108,8 +128,9 @@ def test_refused_commands_leave_nothing_behind(runs):
 @pytest.mark.parametrize(
     "command, options",
     [
-        ("join", ["--swarm", "--coordinator-key", "--initial-peers", "--name", "--home", "--slowdown", "--plan"]),
-        ("coordinator", ["--swarm", "--min-peers", "--replan-interval", "--gain", "--api", "--batch", "--micro-batch", "--steps"]),
+        ("join", ["--swarm", "--join-file", "--coordinator-key", "--initial-peers", "--name", "--home", "--slowdown", "--plan"]),
+        ("coordinator", ["--swarm", "--min-peers", "--replan-interval", "--gain", "--api", "--batch", "--micro-batch", "--steps",
+                         "--join-file"]),
         ("status", ["--api", "--json", "--timeout"]),
         ("swarm", ["--peers", "--steps", "--slowdowns", "--bandwidth-caps", "--out"]),
     ],

@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hetpeer.logline import unstamp
 from hetpeer.peer.launch import write_address_book
 from hetpeer.protocol.plan import Plan, StagePlan
 
@@ -77,6 +78,7 @@ class Peer:
     def _read(self) -> None:
         with open(self.log, "w") as log:
             for line in self.process.stdout:
+                line = unstamp(line)
                 log.write(line)
                 log.flush()
                 with self._changed:

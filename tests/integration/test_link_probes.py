@@ -3,21 +3,33 @@ way `hetpeer swarm --bandwidth-caps` caps it: each side measures its own directi
 
 from __future__ import annotations
 
+import time
+
 import pytest
+import torch
 
 from hetpeer.peer.measure import LinkProber
-from hetpeer.peer.transport.network import NetworkTransport, TcpLink
+from hetpeer.peer.transport.network import Emulation, NetworkTransport, TcpLink
 from hetpeer.protocol.addresses import AddressBook
 
 CAP_BYTES_PER_S = 40e6 / 8  # 40 Mbit/s
+LATENCY_S = 0.040
 
 
 @pytest.fixture
 def probers():
-    transports = {
-        "fast": NetworkTransport("fast", AddressBook({}), [TcpLink("127.0.0.1", 0)]),
-        "capped": NetworkTransport("capped", AddressBook({}), [TcpLink("127.0.0.1", 0)], rate_limit_bytes_per_s=CAP_BYTES_PER_S),
-    }
+    yield from linked_probers({"fast": Emulation(), "capped": Emulation(rate_bytes_per_s=CAP_BYTES_PER_S)})
+
+
+@pytest.fixture
+def far_probers():
+    """Two peers 40 ms apart one way (`--emulate-latency '*=40'` on both)."""
+    yield from linked_probers({"a": Emulation(latency_s={"*": LATENCY_S}), "b": Emulation(latency_s={"*": LATENCY_S})})
+
+
+def linked_probers(emulations: dict[str, Emulation]):
+    transports = {name: NetworkTransport(name, AddressBook({}), [TcpLink("127.0.0.1", 0)], emulation=emulation)
+                  for name, emulation in emulations.items()}
     found = {}
     try:
         for name, transport in transports.items():
@@ -45,3 +57,19 @@ def test_a_capped_uplink_is_measured_at_its_cap_and_only_in_its_direction(prober
         assert 0 < link.latency_s < 1.0
     for prober in probers.values():
         assert not prober.transport.inbox.misbehaving
+
+
+def test_an_emulated_latency_is_measured_one_way_and_frames_in_flight_overlap(far_probers):
+    link = far_probers["a"].measure("b", budget_bytes=256 << 10, budget_s=3.0)
+    assert LATENCY_S <= link.latency_s < LATENCY_S + 0.015  # half the round trip: 40 ms each way
+    a, b = far_probers["a"].transport, far_probers["b"].transport
+    arrived = []
+    b.inbox.handlers["probe"] = lambda header, tensor: arrived.append(time.monotonic())
+    started = time.monotonic()
+    for i in range(20):  # pings to b, each one frame: 20 of them delayed one by one would take 0.8 s
+        a.send("b", "probe", torch.zeros(1), step=10_000 + i, micro=0)
+    deadline = started + 5.0
+    while len(arrived) < 20 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert len(arrived) == 20
+    assert LATENCY_S <= arrived[0] - started and arrived[-1] - started < 2 * LATENCY_S

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from processes import live_processes
+from hetpeer.logline import unstamp
 from hetpeer.swarm.report import RunReport
 
 pytestmark = pytest.mark.slow
@@ -73,8 +74,8 @@ def test_ctrl_c_stops_every_process_and_still_writes_the_report(tmp_path):
     deadline = time.monotonic() + HANG_GUARD_S
     seen = []
     for line in process.stdout:  # the live progress: wait until the swarm trains
-        seen.append(line)
-        if line.startswith("[swarm] step ") or time.monotonic() > deadline:
+        seen.append(unstamp(line))
+        if seen[-1].startswith("[swarm] step ") or time.monotonic() > deadline:
             break
     assert seen and seen[-1].startswith("[swarm] step "), "".join(seen)
     process.send_signal(signal.SIGINT)  # what Ctrl+C at a terminal sends the launcher

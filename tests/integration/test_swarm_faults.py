@@ -16,6 +16,7 @@ from dataclasses import replace
 import pytest
 
 from hetpeer.coordinator.api import ApiClient, ApiError
+from hetpeer.logline import unstamp
 from hetpeer.peer.launch import free_port
 from hetpeer.protocol.control import ControlPlane, key_digest
 from hetpeer.protocol.records import peers_key
@@ -40,7 +41,9 @@ def wait_for(condition, what: str, timeout_s: float = TIMEOUT_S, every_s: float 
 
 
 def log_of(swarm: LocalSwarm, name: str) -> str:
-    return (swarm.config.out / f"{name}.log").read_text(errors="replace")
+    """A process's log, each line without its time stamp."""
+    lines = (swarm.config.out / f"{name}.log").read_text(errors="replace").splitlines()
+    return "\n".join(map(unstamp, lines))
 
 
 def steps_in_log(text: str) -> list[tuple[int, int, float | None]]:

@@ -193,6 +193,19 @@ def test_a_known_standby_peer_is_no_newcomer():
     assert not policy.decide(plan, records, {d: 0.0 for d in records}, 100.0, 99.0, **KNOBS).solve
 
 
+def test_a_newcomer_the_running_plan_was_kept_without_waits_for_the_periodic_re_solve():
+    plan = make_plan([["a", "b"], ["c", "d"]])
+    records = {d: record(d) for d in "abcdf"}
+    first_seen = {d: 0.0 for d in records}
+    assert policy.decide(plan, records, first_seen, 100.0, 99.0, **KNOBS).solve  # "f joined": solved once
+    kept = policy.decide(plan, records, first_seen, 102.0, 100.0, **KNOBS, considered={"f"})
+    assert not kept.solve, kept.reason  # not a solve every round for the same peer
+    assert policy.decide(plan, records, first_seen, 160.0, 100.0, **KNOBS, considered={"f"}).solve  # periodic
+    g = records | {"g": record("g")}
+    joined = policy.decide(plan, g, first_seen | {"g": 0.0}, 102.0, 100.0, **KNOBS, considered={"f"})
+    assert joined.solve and "g" in joined.reason and "f" not in joined.reason
+
+
 def test_decide_re_solves_periodically_and_otherwise_holds():
     plan = make_plan([["a", "b"], ["c", "d"]])
     records = {d: record(d) for d in "abcd"}
@@ -254,6 +267,30 @@ def test_the_step_never_goes_back_when_the_peers_that_reached_it_left():
     }  # fmt: skip
     assert policy.start_step(plan, records, True, 2.0, SEQ_LEN) == 201
     assert policy.start_step(plan, {"c": records["c"]}, True, 2.0, SEQ_LEN) == 41  # nothing seen: the plan's own start
+
+
+def test_a_plan_never_starts_below_the_step_the_swarm_reached_before():
+    plan = make_plan([["a", "b"]], standby=("c", "d"), epoch=3, start_step=0)
+    standby = {d: record(d, epoch=3, step=0, state="standby") for d in "cd"}  # the trained peers left long ago
+    assert policy.start_step(plan, standby, True, 2.0, SEQ_LEN) == 1  # what the records alone say
+    assert policy.start_step(plan, standby, True, 2.0, SEQ_LEN, reached=80) == 81
+    assert policy.start_step(plan, standby, False, 2.0, SEQ_LEN, reached=80) > 81
+    assert policy.start_step(None, standby, True, 2.0, SEQ_LEN, reached=80) == 81  # no running plan read back
+    assert policy.start_step(None, standby, True, 2.0, SEQ_LEN) == 0
+
+
+def test_layers_no_live_peer_holds_are_named():
+    layers = WORKLOAD.model.layers  # 4
+    records = {"a": record("a", layers=(0, 2)), "b": record("b", layers=(0, 2), state="standby")}
+    assert policy.orphaned_layers(records, layers) == [(2, 4)]
+    records["c"] = record("c", layers=(2, 4), state="leaving")  # leaving takes its copy along
+    assert policy.orphaned_layers(records, layers) == [(2, 4)]
+    records["d"] = record("d", layers=(3, 4), state="standby")
+    assert policy.orphaned_layers(records, layers) == [(2, 3)]
+    records["e"] = record("e", layers=(1, 3))
+    assert policy.orphaned_layers(records, layers) == []
+    assert policy.orphaned_layers({"x": record("x", layers=None)}, layers) == [(0, 4)]
+    assert policy.orphaned_layers({"x": record("x", layers=(1, 2))}, layers) == [(0, 1), (2, 4)]
 
 
 def test_the_furthest_step_counts_leaving_peers_under_the_plan_only():

@@ -31,3 +31,38 @@ def test_planner_imports_no_network_or_tensor_stack():
     assert {"hetpeer.coordinator.planner.search", "hetpeer.coordinator.planner.baselines"} <= set(modules)
     loaded = {name.split(".")[0] for name in modules}
     assert not loaded & set(FORBIDDEN), sorted(loaded & set(FORBIDDEN))
+
+
+# The CLI's cheap commands: `hetpeer --version` loads nothing heavier than numpy, `hetpeer plan` the planner.
+CLI_SCRIPT = """
+import json, sys
+from hetpeer.cli import main
+try:
+    code = main(sys.argv[1:])
+except SystemExit as done:  # --version exits from the parser
+    code = done.code
+print(json.dumps({"code": code, "modules": sorted(sys.modules)}))
+"""
+
+
+def run_cli(*argv: str) -> tuple[int, set[str]]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", CLI_SCRIPT, *argv], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    result = json.loads(done.stdout.splitlines()[-1])
+    return result["code"], set(result["modules"])
+
+
+def test_version_loads_no_tensor_or_network_stack():
+    code, modules = run_cli("--version")
+    loaded = {name.split(".")[0] for name in modules}
+    assert code == 0
+    assert not loaded & {"torch", "hivemind", "grpc", "scipy"}, sorted(loaded & {"torch", "hivemind", "grpc", "scipy"})
+
+
+def test_plan_loads_no_tensor_or_network_stack():
+    code, modules = run_cli("plan", "--scenario", "regional", "--time-budget", "0.2", "--quiet", "--random-samples", "2")
+    loaded = {name.split(".")[0] for name in modules}
+    assert code == 0 and "hetpeer.coordinator.planner.search" in modules  # it did plan
+    assert not loaded & {"torch", "hivemind", "grpc"}, sorted(loaded & {"torch", "hivemind", "grpc"})

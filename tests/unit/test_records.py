@@ -32,6 +32,7 @@ OTHER_KEY = b"ssh-rsa AAAAsomeone-else"
 NOW = 1_000_000.0
 MAX_AGE_S = 60.0
 P2P = "/ip4/127.0.0.1/tcp/4001/p2p/QmPeer"
+DHT_MADDR = "/dns4/peer1/tcp/31338/p2p/12D3KooWDhtNode"
 
 
 def record(**changes) -> PeerRecord:
@@ -54,6 +55,7 @@ def record(**changes) -> PeerRecord:
             device_id("gpu1", OTHER_KEY): LinkMeasurement(0.012, 1.25e8),
             "cpu2-000000000000": LinkMeasurement(0.0, 3.0e6),
         },
+        dht=(DHT_MADDR,),
         software="hetpeer 0.1",
     )
     fields.update(changes)
@@ -242,6 +244,16 @@ def test_a_bad_address_is_refused():
     refused(wire(direct="no-port"), "peer.address.direct")
     refused(wire(p2p=["/ip4/1.2.3.4/tcp/1"]), "peer.address.p2p[0]")
     refused(wire(direct=None, p2p=[]), "peer.address")
+
+
+def test_the_dht_addresses_must_name_one_libp2p_peer():
+    assert parse(wire(dht=[DHT_MADDR, "/ip4/10.0.0.7/tcp/31338/p2p/12D3KooWDhtNode"])).dht[0] == DHT_MADDR
+    assert parse(wire(dht=[])).dht == ()
+    refused(wire(dht=["/ip4/10.0.0.7/tcp/31338"]), "peer.dht[0]")  # no peer id: nobody could bootstrap through it
+    refused(wire(dht=[DHT_MADDR, "/ip4/10.0.0.7/tcp/1/p2p/12D3KooWSomeoneElse"]), "peer.dht")
+    refused(wire(dht=[DHT_MADDR] * 9), "peer.dht")
+    refused(wire(dht=["/dns4/" + "x" * 300 + "/tcp/1/p2p/12D3KooWDhtNode"]), "peer.dht")
+    refused(wire(dht=DHT_MADDR), "peer.dht")  # a string is not a list
 
 
 def test_parsing_does_not_change_the_raw_record():

@@ -38,10 +38,10 @@ from functools import cached_property
 import numpy as np
 
 from hetpeer.coordinator.planner.problem import PlanningError, Problem, Report, Shape
+from hetpeer.protocol.plan import SYNC_CHOICES
 from hetpeer.protocol.workload import STATE_BYTES_PER_PARAM
 
 NAME = "time"
-SYNC_CHOICES = ("auto", "allreduce", "gossip")
 AUTO_ALLREDUCE_SLACK = 0.02  # all-reduce is preferred while it costs at most this share of a step more
 OVERFLOW_PENALTY_S_PER_GB = 1e4
 # The step is a max over lanes and groups, flat under most swaps; a sliver of the mean lane and

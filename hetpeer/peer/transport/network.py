@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import socket
 import threading
 import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field as dataclass_field
 from pathlib import Path
-from typing import Awaitable, Callable, Iterable, Sequence
+from typing import Awaitable, Callable, Iterable, Mapping, Sequence
 
 import numpy
 
@@ -31,6 +33,7 @@ from hetpeer.protocol.frame import PREFIX, FrameError, FrameHeader, decode_heade
 log = logging.getLogger("hetpeer.transport")
 P2P_PROTOCOL = "/hetpeer/frames/1"
 SOCKET_BUFFER_BYTES = 4 << 20
+MAX_EMULATED_LATENCY_S = 10.0
 DRAIN_LIMIT_BYTES = 1 << 20  # a refused frame's payload up to this size is read past; beyond, the stream is closed
 
 
@@ -233,6 +236,35 @@ class P2PLink(Link):
             Path(str(maddr).removeprefix("/unix")).unlink(missing_ok=True)
 
 
+@dataclass(frozen=True, slots=True)
+class Emulation:
+    """Slow, far links emulated on a fast network, for tests, demos and testbeds. Each frame this peer sends
+    leaves `latency_s` (one way) after it was sent, by the destination's direct host (`HOST:PORT` first,
+    then `HOST`, then `*`), and frames to one destination are paced to `rate_bytes_per_s`. Frames in flight
+    overlap, as on a real link: a delay, not a stall. Neither touches the DHT's own traffic, nor TCP's
+    behaviour on a long link (its window grows as fast as on the real, short one)."""
+
+    rate_bytes_per_s: float | None = None
+    latency_s: Mapping[str, float] = dataclass_field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.rate_bytes_per_s is not None and not (math.isfinite(self.rate_bytes_per_s) and self.rate_bytes_per_s > 0):
+            raise ValueError(f"emulated rate must be a positive number of bytes/s, got {self.rate_bytes_per_s}")
+        for host, seconds in self.latency_s.items():
+            if not (math.isfinite(seconds) and 0 <= seconds <= MAX_EMULATED_LATENCY_S):
+                raise ValueError(f"emulated latency to {host} must be 0 to {MAX_EMULATED_LATENCY_S:g} s, got {seconds}")
+
+    def latency_to(self, address: PeerAddress | None) -> float:
+        if not self.latency_s:
+            return 0.0
+        if address is not None and address.direct is not None:
+            host, port = address.direct
+            for key in (f"{host}:{port}", host):
+                if key in self.latency_s:
+                    return self.latency_s[key]
+        return self.latency_s.get("*", 0.0)
+
+
 class NetworkTransport(Transport):
     def __init__(
         self,
@@ -242,15 +274,13 @@ class NetworkTransport(Transport):
         *,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         connect_timeout_s: float = 10.0,
-        rate_limit_bytes_per_s: float | None = None,
+        emulation: Emulation = Emulation(),
     ) -> None:
         if not links:
             raise ValueError("a transport needs at least one link")
-        if rate_limit_bytes_per_s is not None and not rate_limit_bytes_per_s > 0:
-            raise ValueError(f"rate limit must be positive, got {rate_limit_bytes_per_s}")
         super().__init__(device, max_frame_bytes=max_frame_bytes)
         self.book, self.links, self.connect_timeout_s = book, tuple(links), connect_timeout_s
-        self.rate_limit_bytes_per_s = rate_limit_bytes_per_s  # per destination, to emulate slow links
+        self.emulation = emulation
         self.routes: dict[str, str] = {}  # destination -> name of the link that reached it
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -313,9 +343,9 @@ class NetworkTransport(Transport):
     def _send(self, to: str, header: FrameHeader, payload: memoryview) -> None:
         if to in self._failures:
             raise PeerUnreachable(self._failures.pop(to))
-        self._loop.call_soon_threadsafe(self._enqueue, to, (header.encode(), payload))
+        self._loop.call_soon_threadsafe(self._enqueue, to, (header.encode(), payload, time.monotonic()))
 
-    def _enqueue(self, to: str, parts: tuple[bytes, memoryview]) -> None:
+    def _enqueue(self, to: str, parts: tuple[bytes, memoryview, float]) -> None:
         if to not in self._queues:
             self._queues[to] = asyncio.Queue()
             self._pumps[to] = _spawn(self._pump(to, self._queues[to]), f"{self.device}->{to}")
@@ -325,14 +355,17 @@ class NetworkTransport(Transport):
         stream: Stream | None = None
         free_at = time.monotonic()  # with a rate limit: when the emulated link is free again
         while True:
-            parts = await queue.get()
+            *parts, sent_at = await queue.get()
             try:
                 reused = stream is not None
                 if stream is None:
                     stream = await self._connect(to)
-                if self.rate_limit_bytes_per_s is not None:
+                emulation = self.emulation
+                if emulation.latency_s:  # its time in flight, counted from when it was sent: frames overlap
+                    await asyncio.sleep(sent_at + emulation.latency_to(self.book.peers.get(to)) - time.monotonic())
+                if emulation.rate_bytes_per_s is not None:
                     start = max(time.monotonic(), free_at)
-                    free_at = start + sum(len(p) for p in parts) / self.rate_limit_bytes_per_s
+                    free_at = start + sum(len(p) for p in parts) / emulation.rate_bytes_per_s
                     await asyncio.sleep(free_at - time.monotonic())  # the frame is on the wire until then
                 try:
                     await stream.write(parts)

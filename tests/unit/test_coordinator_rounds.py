@@ -1,0 +1,117 @@
+"""The coordinator's rounds over a control plane held in memory: what it publishes as the swarm reaches its
+last step, loses peers, and loses every holder of some layers."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from hetpeer.coordinator.service import Coordinator, CoordinatorConfig
+from hetpeer.protocol.addresses import PeerAddress
+from hetpeer.protocol.control import SignedPlan
+from hetpeer.protocol.records import PeerRecord
+
+KEY = b"ssh-rsa AAAAcoordinator"
+
+
+class Control:
+    """The part of `ControlPlane` a coordinator's round uses, holding records and plans in memory."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, PeerRecord] = {}
+        self.plans: list[SignedPlan] = []
+        self.clock = 1000.0
+        self.public_key = KEY
+
+    def now(self) -> float:
+        return self.clock
+
+    def read_peers(self, max_age_s: float):
+        return {d: r for d, r in self.records.items() if r.time >= self.clock - max_age_s}, []
+
+    def read_plans(self):
+        return sorted(self.plans, key=lambda p: -p.plan.epoch), []
+
+    def publish_plan(self, plan, ttl_s: float) -> bool:
+        self.plans.append(SignedPlan(plan, self.clock, KEY))
+        return True
+
+    def remember(self, maddrs) -> None:
+        list(maddrs)
+
+    def heal(self) -> None:
+        return None
+
+    def announce(self, device: str, **changes) -> None:
+        fields = dict(
+            device_id=device, model="tiny", dtype="fp32", device_name="cpu", tflops=1.0, memory_bytes=16 << 30,
+            address=PeerAddress(direct=("127.0.0.1", 7000)), state="waiting", time=self.clock,
+        )  # fmt: skip
+        old = self.records.get(device)
+        self.records[device] = replace(old, time=self.clock, **changes) if old else PeerRecord(**(fields | changes))
+
+
+@pytest.fixture
+def coordinator(tmp_path: Path):
+    lines: list[str] = []
+    config = CoordinatorConfig(swarm="t", home=tmp_path, heartbeat_s=1.0, min_peers=2, time_budget_s=0.2, steps=80,
+                               stages=1, replan_interval_s=3600)
+    made = Coordinator(config, lines.append)
+    made.control = Control()
+    made.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    made.lines = lines
+    yield made
+    made.executor.shutdown()
+
+
+def rounds(coordinator: Coordinator, n: int) -> None:
+    for _ in range(n):
+        coordinator.control.clock += coordinator.config.heartbeat_s
+        for device, record in list(coordinator.control.records.items()):
+            if record.state != "leaving":  # live peers announce every heartbeat; leaving ones said their last word
+                coordinator.control.announce(device)
+        coordinator.tick()
+
+
+def test_a_swarm_that_reached_its_last_step_is_never_planned_again(coordinator):
+    control = coordinator.control
+    for d in ("a", "b", "c"):
+        control.announce(d)
+    rounds(coordinator, 4)
+    first = control.plans[-1].plan
+    trained = [d for d in first.devices]
+    for d in trained:
+        control.announce(d, state="training", epoch=first.epoch, layers=(0, 4), step=80)
+    for d in first.standby:
+        control.announce(d, state="standby", epoch=first.epoch)
+    rounds(coordinator, 1)
+    assert any("reached step 80: no more plans" in line for line in coordinator.lines)
+    for d in trained:  # they leave at their last step; their records expire soon after
+        control.announce(d, state="leaving")
+    rounds(coordinator, 20)
+    assert all(d not in control.read_peers(6.0)[0] for d in trained)
+    assert [p.plan.epoch for p in control.plans] == [first.epoch]  # not a plan "from step 1" for the standby peers
+
+
+def test_a_plan_after_every_holder_left_starts_past_the_reached_step_and_says_so(coordinator):
+    coordinator.config = replace(coordinator.config, steps=None)
+    control = coordinator.control
+    for d in ("a", "b"):
+        control.announce(d)
+    rounds(coordinator, 4)
+    first = control.plans[-1].plan
+    for d in first.devices:
+        control.announce(d, state="training", epoch=first.epoch, layers=(0, 4), step=50)
+    rounds(coordinator, 1)
+    for d in ("a", "b"):
+        control.announce(d, state="leaving")
+    rounds(coordinator, 20)  # their records expire: nothing left says the swarm reached step 50
+    control.announce("c")
+    control.announce("d")
+    rounds(coordinator, 4)
+    last = control.plans[-1].plan
+    assert set(last.devices) <= {"c", "d"} and last.start_step == 51
+    assert any("no live peer holds layers 0-3" in line and "fresh weights" in line for line in coordinator.lines)
