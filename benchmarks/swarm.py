@@ -35,6 +35,7 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -90,16 +91,23 @@ def measure(client: ApiClient, plan: Plan, window_s: float, tokens_per_step: int
     }
 
 
-def baseline(client: ApiClient, running: Plan, kind: str, workload: Workload, rng: np.random.Generator) -> Plan:
-    """A random or blocks plan in the running plan's shape, over the peers in join order."""
+def baseline(client: ApiClient, running: Plan, kind: str, workload: Workload, rng: np.random.Generator,
+             position: Callable[[str], int]) -> Plan:
+    """A random or blocks plan in the running plan's shape; blocks takes the peers in `position` order (join
+    order, or a topology file's)."""
     records = {s.record.device_id: s.record for s in client.call_list_peers() if s.record.state != "leaving"}
     problem, estimated = build_problem(records, workload, current=None)
-    order = sorted(problem.device_ids, key=lambda d: int(re.match(r"peer(\d+)-", d).group(1)))
+    order = sorted(problem.device_ids, key=position)
     join_order = np.array([problem.device_ids.index(d) for d in order])
     shape = Shape(len(running.stages), running.group_size)
     grid = random_grids(problem, shape, 1, rng)[0] if kind == "random" else join_order[blocks_grid(shape)]
     model = make_model(problem, PlannerConfig(cost_model="time"), shape)
     return to_plan(problem, "time", grid, model.report(grid))
+
+
+def join_order(device: str) -> int:
+    """`peerN-...` -> N: the launcher starts peers in that order."""
+    return int(re.match(r"peer(\d+)-", device).group(1))
 
 
 def publish(control: ControlPlane, client: ApiClient, plan: Plan, epoch: int, tokens_per_step: int) -> Plan:
@@ -156,7 +164,7 @@ def main() -> int:
             try:
                 epoch, plans = planned.epoch, {"coordinator": planned}
                 for kind in ("random", "blocks"):
-                    plans[kind] = baseline(client, planned, kind, workload, rng)
+                    plans[kind] = baseline(client, planned, kind, workload, rng, join_order)
                 for round_ in range(args.rounds):  # alternate, so drifts in the machine's load hit every plan alike
                     for kind, plan in plans.items():
                         if round_ == 0 and kind == "coordinator":

@@ -155,8 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
     launch.set_defaults(run=run_launch)
 
     from hetpeer.cli_swarm import add_commands
+    from hetpeer.cli_testbed import add_command
 
     add_commands(commands)
+    add_command(commands)
     return parser
 
 

@@ -9,6 +9,7 @@ with `split` before matching what follows it.
 
 from __future__ import annotations
 
+import calendar
 import logging
 import re
 import time
@@ -21,6 +22,11 @@ def now() -> str:
     """The current UTC time as a line's stamp, e.g. 2026-11-24T16:05:01.234Z."""
     seconds = time.time()
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{int(seconds % 1 * 1000):03d}Z"
+
+
+def seconds(stamp_: str) -> float:
+    """A stamp as seconds since the epoch (the inverse of `now`, to the millisecond)."""
+    return calendar.timegm(time.strptime(stamp_[:19], "%Y-%m-%dT%H:%M:%S")) + int(stamp_[20:23]) / 1000
 
 
 def stamp(line: str) -> str:

@@ -2,8 +2,8 @@
 
 - `build_problem`: the planner's `Problem` from the peers' announcements. Links are what peers measured
   (a pair measured both ways takes the slower bandwidth and the mean latency of the two); a pair nobody
-  measured gets the median of the measured ones (or `DEFAULT_LINK` when there are none) and is listed,
-  so the plan can mark it estimated.
+  measured is guessed no better than the worse end's typical link (the median of its measured links,
+  else of all measured links, else `DEFAULT_LINK`) and is listed, so the plan can mark it estimated.
 - `broken`: why the running plan cannot go on (a member stopped announcing, or announces that its lane
   stalled under this plan), or None.
 - `decide`: whether to run the planner now, and why.
@@ -64,9 +64,14 @@ def build_problem(
     off = ~np.eye(n, dtype=bool)
     missing = np.isnan(latency) & off
     measured = ~np.isnan(latency) & off
-    guess_latency = float(np.median(latency[measured])) if measured.any() else DEFAULT_LINK[0]
-    guess_bandwidth = float(np.median(bandwidth[measured])) if measured.any() else DEFAULT_LINK[1]
-    latency[missing], bandwidth[missing] = guess_latency, guess_bandwidth
+    # A pair nobody measured: no better than the worse end's typical link. One peer's slow uplink must not
+    # become everyone's guess (a swarm-wide median would make a newcomer look as slow as it).
+    overall = (float(np.median(latency[measured])), float(np.median(bandwidth[measured]))) if measured.any() else DEFAULT_LINK
+    typical_latency = np.array([np.median(latency[i, measured[i]]) if measured[i].any() else overall[0] for i in range(n)])
+    typical_bandwidth = np.array([np.median(bandwidth[i, measured[i]]) if measured[i].any() else overall[1] for i in range(n)])
+    guess_latency = np.maximum.outer(typical_latency, typical_latency)
+    guess_bandwidth = np.minimum.outer(typical_bandwidth, typical_bandwidth)
+    latency[missing], bandwidth[missing] = guess_latency[missing], guess_bandwidth[missing]
     np.fill_diagonal(latency, 0.0)
     np.fill_diagonal(bandwidth, np.inf)
     estimated = tuple((ids[i], ids[j]) for i in range(n) for j in range(i + 1, n) if missing[i, j])
@@ -103,11 +108,14 @@ def decide(
     settle_s: float,
     replan_interval_s: float,
     considered: Collection[str] = (),
+    estimates_rechecked: bool = False,
 ) -> Decision:
     """Whether to solve now. `first_seen` holds when each announcing peer was first read; peers that
     appeared less than `settle_s` ago are waited for (a swarm starting up arrives in a burst).
     `considered`: newcomers already solved for under the running plan and left out of it (the plan was
-    not worth changing for them); they wait for the periodic re-solve instead of one solve a round."""
+    not worth changing for them); they wait for the periodic re-solve instead of one solve a round.
+    A plan made on estimated links (a starting swarm has measured few) is solved again once peers have
+    measured them all, unless `estimates_rechecked` says that was done for it already."""
     settled = [d for d in records if now - first_seen.get(d, now) >= settle_s]
     if current is None:
         if len(records) < min_peers:
@@ -122,9 +130,16 @@ def decide(
     newcomers = [d for d in settled if d not in known]
     if newcomers:
         return Decision(True, f"{', '.join(sorted(newcomers))} joined")
+    if current.estimated_links and not estimates_rechecked and all(measured(records, a, b) for a, b in current.estimated_links):
+        return Decision(True, f"the {len(current.estimated_links)} link(s) it estimated are measured now")
     if now - last_solve >= replan_interval_s:
         return Decision(True, "periodic re-solve")
     return Decision(False, "running plan holds")
+
+
+def measured(records: Mapping[str, PeerRecord], a: str, b: str) -> bool:
+    """Whether either end announces a measurement of the link between `a` and `b`."""
+    return (a in records and b in records[a].links) or (b in records and a in records[b].links)
 
 
 def grid_of(plan: Plan, device_ids: tuple[str, ...]) -> np.ndarray:

@@ -88,6 +88,7 @@ class Coordinator:
         self.plan_time: float | None = None
         self.first_seen: dict[str, float] = {}
         self.considered: set[str] = set()  # newcomers the running plan was kept without (see `policy.decide`)
+        self.rechecked_epoch = -1  # the plan whose estimated links were solved again once measured
         self.reached = 0  # the furthest step the swarm announced: no plan starts below it
         self.finished = False  # the swarm reached --steps: no more plans, even when its peers have left
         self.last_solve = 0.0
@@ -173,9 +174,12 @@ class Coordinator:
             self.plan, live, self.first_seen, now, self.last_solve, min_peers=config.min_peers,
             settle_s=config.settle_s if config.settle_s is not None else 2 * config.heartbeat_s,
             replan_interval_s=config.replan_interval_s, considered=self.considered,
+            estimates_rechecked=self.plan is not None and self.rechecked_epoch == self.plan.epoch,
         )
         if decision.solve:
             self.last_solve = now
+            if self.plan is not None:
+                self.rechecked_epoch = self.plan.epoch  # any solve under it uses every measurement there is
             self._solve_and_publish(decision, live, ours)
         elif self.plan is not None and now - self.last_publish > config.plan_ttl_s / 3:
             self._publish(self.plan, "kept alive")

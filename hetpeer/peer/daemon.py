@@ -472,7 +472,8 @@ class SwarmPeer:
             measured = self.prober.measure_many(targets, budget_bytes=config.probe_bytes, budget_s=config.heartbeat_s)
             with self.lock:
                 self.links.add(measured)
-                self.links.keep_only(self.records)
+                if set(self.records) - {self.device_id}:  # a peer cut off sees no one: it keeps what it knew
+                    self.links.keep_only(self.records)
             if measured:
                 self.report(f"links measured: {describe_links(measured)}")
             self.stopping.wait(config.probe_every * config.heartbeat_s)

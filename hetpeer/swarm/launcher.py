@@ -24,13 +24,12 @@ from typing import Callable
 
 from hetpeer import logline
 from hetpeer.coordinator.api import ApiClient, ApiError
-from hetpeer.swarm.report import Event, LaneStep, PeerInfo, PlanUse, RunReport, StageUse, samples_from_lanes, summarize
+from hetpeer.swarm.report import Event, LaneStep, PeerInfo, PlanUse, RunReport, StageUse, lane_step, samples_from_lanes, summarize
+from hetpeer.swarm.watch import StalledError, describe, follow
 
 KEY_RE = re.compile(r"its key \(give peers --coordinator-key\): ([0-9a-f]{64})")
 DHT_RE = re.compile(r"^DHT: (\S+)")
 PEER_RE = re.compile(r"^peer (\S+) in swarm \S+: tensors on \S+, DHT on (\S+)")
-# a step line of a lane's last stage (the others print "loss -"): epoch, lane (from 1), step (from 1), loss, tok/s
-STEP_RE = re.compile(r"^e(\d+) stage \d+ lane (\d+)\s+step (\d+)\S*\s+loss ([\d.]+)\s+([\d,.]+) tok/s")
 START_TIMEOUT_S = 120.0
 
 
@@ -242,11 +241,9 @@ class LocalSwarm:
                 if dht:
                     self.dht_maddrs = line.split()[1:]
                 self._seen.notify_all()
-        elif (done := STEP_RE.match(line)) is not None:
-            epoch, lane, step, loss, rate = done.groups()
+        elif (done := lane_step(line, self.elapsed())) is not None:
             with self._seen:
-                self.lane_steps.append(LaneStep(self.elapsed(), int(epoch), int(lane) - 1, int(step) - 1, float(loss),
-                                                float(rate.replace(",", ""))))
+                self.lane_steps.append(done)
         elif (peer := PEER_RE.match(line)) is not None:
             i = int(name.removeprefix("peer"))
             with self._seen:
@@ -270,45 +267,34 @@ class LocalSwarm:
         """Watch until the swarm has completed `until_step` steps (default: the configured count), every
         peer has left, or progress stalls; then the report (processes keep running: `shutdown` stops them)."""
         target = until_step if until_step is not None else self.config.steps
-        plans = self.plans
-        last_step, moved = -1, time.monotonic()
-        left_at: float | None = None  # when the last peer was seen gone
-        with ApiClient(self.api_address, timeout_s=2.0) as client:
-            while True:
-                time.sleep(0.5)
-                if left_at is None and not any(p.alive for p in self.peers):
-                    left_at = time.monotonic()
-                if left_at is not None and time.monotonic() - left_at > 2 * self.config.heartbeat_s + 1:
-                    # peers that reached the last step announced it as they left: the coordinator has read it by now
-                    self.event("every peer has left")
-                    break
+
+        def on_plan(plan) -> None:
+            self.plans[plan.epoch] = PlanUse(
+                plan.epoch, plan.start_step, self.elapsed(), tuple(StageUse(s.layer_start, s.layer_end, s.devices) for s in plan.stages),
+                plan.standby, predicted_step_s=plan.total_s,
+            )
+            self.event(f"plan epoch {plan.epoch}: {len(plan.stages)} stage(s) x {plan.group_size} lane(s) "
+                       f"from step {plan.start_step}, predicted {plan.total_s:.3f} s/step")
+
+        def on_progress(progress) -> None:
+            if len(self.measured) < len(self.device_ids):
                 try:
-                    progress = client.call_get_progress()
-                    plan, _ = client.call_get_plan()
-                    if len(self.measured) < len(self.device_ids):
-                        for peer in client.call_list_peers():
-                            self.measured[peer.record.device_id] = (peer.record.device_name, peer.record.tflops)
+                    for peer in client.call_list_peers():
+                        self.measured[peer.record.device_id] = (peer.record.device_name, peer.record.tflops)
                 except ApiError:
-                    continue  # the coordinator may be restarting; the peers go on without it
-                if plan is not None and plan.epoch not in plans:
-                    plans[plan.epoch] = PlanUse(
-                        plan.epoch, plan.start_step, self.elapsed(),
-                        tuple(StageUse(s.layer_start, s.layer_end, s.devices) for s in plan.stages),
-                        plan.standby, predicted_step_s=plan.total_s,
-                    )
-                    self.event(f"plan epoch {plan.epoch}: {len(plan.stages)} stage(s) x {plan.group_size} lane(s) "
-                               f"from step {plan.start_step}, predicted {plan.total_s:.3f} s/step")
-                if progress.step != last_step:
-                    last_step, moved = progress.step, time.monotonic()
-                    if status is not None and progress.loss is not None:
-                        status(f"step {progress.step}/{target}  loss {progress.loss:.4f}  "
-                               f"{progress.tokens_per_s:,.0f} tok/s  plan epoch {progress.epoch}  "
-                               f"peers {', '.join(f'{n} {s}' for s, n in sorted(progress.peers_by_state.items()))}")
-                if progress.step >= target:
-                    break
-                if time.monotonic() - moved > self.config.stall_s:
-                    raise SwarmError(f"the swarm made no progress for {self.config.stall_s:g} s (at step {last_step}); "
-                                     f"logs in {self.config.out}")
+                    pass  # next time
+            if status is not None and progress.loss is not None:
+                status(describe(progress, target))
+
+        with ApiClient(self.api_address, timeout_s=2.0) as client:
+            try:
+                # peers that reached the last step announced it as they left: the coordinator reads it within a round or two
+                ended = follow(client, target, stall_s=self.config.stall_s, on_plan=on_plan, on_progress=on_progress,
+                               gone=lambda: not any(p.alive for p in self.peers), gone_grace_s=2 * self.config.heartbeat_s + 1)
+            except StalledError as error:
+                raise SwarmError(f"{error}; logs in {self.config.out}") from None
+        if ended == "left":
+            self.event("every peer has left")
         return self.report()
 
     def report(self) -> RunReport:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from statistics import median
@@ -83,6 +84,19 @@ class LaneStep(NamedTuple):
     step: int  # index (from 0) of the step completed
     loss: float
     tokens_per_s: float  # the lane's rate over that step
+
+
+# a step line of a lane's last stage (the others print "loss -"): epoch, lane (from 1), step (from 1), loss, tok/s
+STEP_RE = re.compile(r"^e(\d+) stage \d+ lane (\d+)\s+step (\d+)\S*\s+loss ([\d.]+)\s+([\d,.]+) tok/s")
+
+
+def lane_step(line: str, time_s: float) -> LaneStep | None:
+    """A peer's step line (its time stamp taken off) as the LaneStep it reports, or None for any other line."""
+    found = STEP_RE.match(line)
+    if found is None:
+        return None
+    epoch, lane, step, loss, rate = found.groups()
+    return LaneStep(time_s, int(epoch), int(lane) - 1, int(step) - 1, float(loss), float(rate.replace(",", "")))
 
 
 def samples_from_lanes(points: Sequence[LaneStep]) -> list[Sample]:

@@ -73,23 +73,24 @@ def test_a_link_measured_one_way_counts_for_both_directions():
     assert estimated == ()
 
 
-def test_unmeasured_pairs_get_the_median_and_are_listed_as_estimated():
+def test_an_unmeasured_pair_is_guessed_no_better_than_its_worse_end_and_listed_as_estimated():
     records = {
-        "d": record("d", links={"d": link(9.0, 1.0), "gone": link(9.0, 1.0)}),  # itself and a stranger: ignored
+        "e": record("e", links={"e": link(9.0, 1.0), "gone": link(9.0, 1.0)}),  # itself and a stranger: ignored
+        "d": record("d", links={"a": link(0.05, 5e6), "b": link(0.07, 4e6)}),  # a slow uplink
         "c": record("c", links={"a": link(0.02, 2e8)}),
         "b": record("b", links={"c": link(0.06, 6e8)}),
         "a": record("a", links={"b": link(0.01, 1e8)}),
     }
     problem, estimated = policy.build_problem(records, WORKLOAD, None)
-    assert problem.device_ids == ("a", "b", "c", "d")
-    assert estimated == (("a", "d"), ("b", "d"), ("c", "d"))
-    median_latency = float(np.median([0.01, 0.02, 0.06]))
-    median_bandwidth = float(np.median([1e8, 2e8, 6e8]))
-    for i in range(3):
-        for a, b in ((i, 3), (3, i)):
-            assert problem.latency_s[a, b] == pytest.approx(median_latency)
-            assert problem.bandwidth_bytes_per_s[a, b] == pytest.approx(median_bandwidth)
-    assert problem.latency_s[0, 2] == pytest.approx(0.02)  # measured figures are kept
+    assert problem.device_ids == ("a", "b", "c", "d", "e")
+    assert estimated == (("a", "e"), ("b", "e"), ("c", "d"), ("c", "e"), ("d", "e"))
+    a, b, c, d, e = range(5)
+    # c's own links: 2e8 and 6e8 (median 4e8, latency 0.04); d's: 5e6 and 4e6 (median 4.5e6, latency 0.06)
+    assert problem.bandwidth_bytes_per_s[c, d] == pytest.approx(4.5e6) and problem.latency_s[c, d] == pytest.approx(0.06)
+    # e measured nothing: the median of every measured link (1e8, 2e8, 6e8, 5e6, 4e6 -> 1e8; latency 0.05)
+    assert problem.bandwidth_bytes_per_s[c, e] == pytest.approx(1e8) and problem.latency_s[c, e] == pytest.approx(0.05)
+    assert problem.bandwidth_bytes_per_s[d, e] == pytest.approx(4.5e6)  # d's slow uplink bounds it
+    assert problem.bandwidth_bytes_per_s[a, c] == pytest.approx(2e8)  # measured figures are kept
     assert np.all(np.diag(problem.latency_s) == 0)
     assert np.all(np.isinf(np.diag(problem.bandwidth_bytes_per_s)))
     assert np.array_equal(problem.latency_s, problem.latency_s.T)
@@ -204,6 +205,19 @@ def test_a_newcomer_the_running_plan_was_kept_without_waits_for_the_periodic_re_
     g = records | {"g": record("g")}
     joined = policy.decide(plan, g, first_seen | {"g": 0.0}, 102.0, 100.0, **KNOBS, considered={"f"})
     assert joined.solve and "g" in joined.reason and "f" not in joined.reason
+
+
+def test_a_plan_made_on_estimated_links_is_solved_again_once_they_are_measured():
+    plan = replace(make_plan([["a", "b"]], standby=("c",)), estimated_links=(("a", "b"), ("a", "c")))
+    records = {d: record(d) for d in "abc"}
+    first_seen = {d: 0.0 for d in records}
+    assert not policy.decide(plan, records, first_seen, 100.0, 99.0, **KNOBS).solve
+    records["a"] = record("a", links={"b": link(0.01, 1e8)})
+    assert not policy.decide(plan, records, first_seen, 100.0, 99.0, **KNOBS).solve  # one of two measured
+    records["c"] = record("c", links={"a": link(0.01, 1e8)})  # either end may have measured it
+    measured = policy.decide(plan, records, first_seen, 100.0, 99.0, **KNOBS)
+    assert measured.solve and not measured.broken and "2 link(s) it estimated" in measured.reason
+    assert not policy.decide(plan, records, first_seen, 100.0, 99.0, **KNOBS, estimates_rechecked=True).solve
 
 
 def test_decide_re_solves_periodically_and_otherwise_holds():

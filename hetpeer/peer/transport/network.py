@@ -284,8 +284,11 @@ class NetworkTransport(Transport):
         self.routes: dict[str, str] = {}  # destination -> name of the link that reached it
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._queues: dict[str, asyncio.Queue] = {}
-        self._pumps: dict[str, asyncio.Task] = {}
+        # one queue, pump and connection per (destination, channel): link probes travel apart from training
+        # frames, so a ping does not wait behind megabytes of parameters queued for the same peer
+        self._queues: dict[tuple[str, str], asyncio.Queue] = {}
+        self._pumps: dict[tuple[str, str], asyncio.Task] = {}
+        self._free_at: dict[str, float] = {}  # with an emulated rate: when the link to a destination is free again
         self._failures: dict[str, str] = {}
 
     # -- life cycle ---------------------------------------------------------------------------
@@ -343,17 +346,17 @@ class NetworkTransport(Transport):
     def _send(self, to: str, header: FrameHeader, payload: memoryview) -> None:
         if to in self._failures:
             raise PeerUnreachable(self._failures.pop(to))
-        self._loop.call_soon_threadsafe(self._enqueue, to, (header.encode(), payload, time.monotonic()))
+        channel = "probe" if header.kind == "probe" else "frames"
+        self._loop.call_soon_threadsafe(self._enqueue, (to, channel), (header.encode(), payload, time.monotonic()))
 
-    def _enqueue(self, to: str, parts: tuple[bytes, memoryview, float]) -> None:
-        if to not in self._queues:
-            self._queues[to] = asyncio.Queue()
-            self._pumps[to] = _spawn(self._pump(to, self._queues[to]), f"{self.device}->{to}")
-        self._queues[to].put_nowait(parts)
+    def _enqueue(self, key: tuple[str, str], parts: tuple[bytes, memoryview, float]) -> None:
+        if key not in self._queues:
+            self._queues[key] = asyncio.Queue()
+            self._pumps[key] = _spawn(self._pump(key[0], self._queues[key]), f"{self.device}->{key[0]} ({key[1]})")
+        self._queues[key].put_nowait(parts)
 
     async def _pump(self, to: str, queue: asyncio.Queue) -> None:
         stream: Stream | None = None
-        free_at = time.monotonic()  # with a rate limit: when the emulated link is free again
         while True:
             *parts, sent_at = await queue.get()
             try:
@@ -363,10 +366,10 @@ class NetworkTransport(Transport):
                 emulation = self.emulation
                 if emulation.latency_s:  # its time in flight, counted from when it was sent: frames overlap
                     await asyncio.sleep(sent_at + emulation.latency_to(self.book.peers.get(to)) - time.monotonic())
-                if emulation.rate_bytes_per_s is not None:
-                    start = max(time.monotonic(), free_at)
-                    free_at = start + sum(len(p) for p in parts) / emulation.rate_bytes_per_s
-                    await asyncio.sleep(free_at - time.monotonic())  # the frame is on the wire until then
+                if emulation.rate_bytes_per_s is not None:  # one emulated link per destination, whatever the channel
+                    start = max(time.monotonic(), self._free_at.get(to, 0.0))
+                    self._free_at[to] = start + sum(len(p) for p in parts) / emulation.rate_bytes_per_s
+                    await asyncio.sleep(self._free_at[to] - time.monotonic())  # the frame is on the wire until then
                 try:
                     await stream.write(parts)
                 except (ConnectionError, OSError):
@@ -419,7 +422,7 @@ class NetworkTransport(Transport):
             await asyncio.sleep(0.1)  # the peer may still be starting
 
     def flush(self, timeout_s: float, to: Iterable[str] | None = None) -> None:
-        destinations = set(self._queues) if to is None else set(to)
+        destinations = {d for d, _ in self._queues} if to is None else set(to)
         try:
             self._call(self._drain(destinations), timeout_s)
         except TimeoutError:
@@ -430,9 +433,9 @@ class NetworkTransport(Transport):
             raise PeerUnreachable(self._failures.pop(destination))
 
     async def _drain(self, destinations: set[str]) -> None:
-        for to in destinations:
-            if to in self._queues:
-                await self._queues[to].join()
+        for (to, _), queue in list(self._queues.items()):
+            if to in destinations:
+                await queue.join()
 
     # -- receiving ----------------------------------------------------------------------------
     async def _serve(self, stream: Stream) -> None:

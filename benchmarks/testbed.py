@@ -1,0 +1,211 @@
+"""Testbed benchmark: plans on a WAN of containers, the coordinator's against baselines, predicted against
+measured, and recovery from a killed peer, all in one run of one testbed.
+
+    python3 benchmarks/testbed.py [--per-region 2] [--scale 0.05] [--slowdown 16] [--window 60] [--json]
+
+The world-wide scenario of Yuan et al. (NeurIPS 2022; hetpeer/scenarios) cut to `--per-region` devices in
+each of its 8 regions, as a `hetpeer testbed`: one container per device, each shaping what it sends to each
+other device to the scenario's bandwidth times `--scale` (htb, per destination), the scenario's latency
+added one way by the peers' transport (this kernel has no netem), compute slowed `--slowdown` times so
+that 16 peers mostly wait on 2 cores as they would beside GPUs. The coordinator is held to `--stages`
+(2): with the tiny model one stage fits every peer, and any assignment of peers to single-stage lanes is
+the same plan, so only a pipeline gives placement something to decide. Once every peer has measured its
+links and the coordinator has planned from those measurements:
+
+1. throughput: the swarm's tokens/s (global batches completed in `--window` seconds, once the plan has run
+   `SETTLE_STEPS`) under the coordinator's plan, a random plan and the "blocks" plan (devices in the
+   topology's order) of the same shape, published with the coordinator's key as the coordinator would,
+   `--rounds` windows each, alternating (the machine is shared and its load drifts); medians compared;
+2. prediction: each plan's predicted seconds per step (the time model, on the links the peers measured)
+   beside the measured ones;
+3. recovery: under each kind of plan, a peer of it is killed (`docker kill`); reported: seconds until a
+   plan without it has run a step. The peer is then started again and the swarm waits for it.
+
+`--json` prints one JSON object as the last line: per plan kind, tokens_per_s, predicted_s, measured_s and
+recovery_s, and the goals' ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+from swarm import SETTLE_STEPS, baseline, measure, poll, publish  # noqa: E402  (the sibling benchmark's windows)
+
+from hetpeer import scenarios  # noqa: E402
+from hetpeer.coordinator.api import ApiClient  # noqa: E402
+from hetpeer.peer.launch import free_port  # noqa: E402
+from hetpeer.protocol.control import ControlPlane  # noqa: E402
+from hetpeer.protocol.join import JoinInfo  # noqa: E402
+from hetpeer.protocol.plan import Plan  # noqa: E402
+from hetpeer.protocol.topology import Topology  # noqa: E402
+from hetpeer.protocol.workload import Workload, preset  # noqa: E402
+from hetpeer.testbed.compose import free_subnet  # noqa: E402
+from hetpeer.testbed.project import TestbedConfig, peer_name, service_name  # noqa: E402
+from hetpeer.testbed.run import Testbed  # noqa: E402
+
+KINDS = ("coordinator", "random", "blocks")
+GOAL_SPEEDUP = 2.0  # the coordinator's tokens/s over the random plan's
+GOAL_PREDICTION = 0.25  # |measured / predicted - 1| for every plan kind
+
+
+def world_wide(per_region: int) -> Topology:
+    """The world-wide scenario with its first `per_region` devices of each region."""
+    raw = scenarios.load("world-wide")
+    kept, seen = [], {}
+    for device in raw["devices"]:
+        seen[device["region"]] = seen.get(device["region"], 0) + 1
+        if seen[device["region"]] <= per_region:
+            kept.append(device)
+    return Topology.from_wire({**raw, "name": f"world-wide, {per_region} per region", "devices": kept})
+
+
+def all_measured(client: ApiClient, devices: int):
+    """The records once every peer announces a measurement of every other peer (either direction)."""
+    records = {p.record.device_id: p.record for p in client.call_list_peers() if p.record.state != "leaving"}
+    if len(records) < devices:
+        return None
+    pairs = {(a, b) for a, r in records.items() for b in r.links} | {(b, a) for a, r in records.items() for b in r.links}
+    return records if all((a, b) in pairs for a in records for b in records if a != b) else None
+
+
+def recover(bed: Testbed, client: ApiClient, running: Plan) -> float:
+    """Kill a member of `running`; seconds until a plan without it has run a step. Then start it again and
+    wait until it announces again."""
+    victim = running.stages[-1].devices[0]
+    service = service_name(next(d.id for d in bed.config.topology.devices if victim.startswith(peer_name(d.id) + "-")))
+    killed = time.monotonic()
+    bed.compose.kill(service)
+    new = poll(client, lambda: (p := client.call_get_plan()[0]) and p.epoch > running.epoch and victim not in p.devices and p,
+               "a plan without the killed peer", timeout_s=300)
+    poll(client, lambda: (g := client.call_get_progress()).epoch >= new.epoch and g.step > new.start_step, "it to run", 300)
+    seconds = time.monotonic() - killed
+    bed.compose.start(service)
+    poll(client, lambda: any(p.record.device_id == victim and p.record.state != "leaving" for p in client.call_list_peers()),
+         "the killed peer to announce again", timeout_s=300)
+    return seconds
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--per-region", type=int, default=2, help="devices per region of the world-wide scenario (default 2)")
+    parser.add_argument("--scale", type=float, default=0.05, help="bandwidth scale (default 0.05: 2 Gbit/s becomes 100 Mbit/s)")
+    parser.add_argument("--slowdown", type=float, default=16.0, help="compute slowdown of every peer (default 16)")
+    parser.add_argument("--stages", type=int, default=2, help="pipeline stages the coordinator must use (default 2)")
+    parser.add_argument("--batch", type=int, default=32, help="global batch in sequences (default 32)")
+    parser.add_argument("--window", type=float, default=60.0, help="seconds of each throughput window (default 60)")
+    parser.add_argument("--rounds", type=int, default=2, help="windows per plan kind, alternating (default 2)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--image", default="hetpeer:latest")
+    parser.add_argument("--out", type=Path, help="the testbed's folder: compose project, logs (default: a temporary folder)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    args = parser.parse_args()
+    topology = world_wide(args.per_region)
+    out = (args.out or Path(tempfile.mkdtemp(prefix="hetpeer-bench-testbed-"))).resolve()
+    subnet = free_subnet()
+    config = TestbedConfig(
+        topology=topology, out=out, scale=args.scale, slowdown=args.slowdown, image=args.image,
+        project=f"hetpeer-bench-{time.time_ns() % 10**8}", subnet=subnet, api_port=free_port(), swarm="bench",
+        batch=args.batch, coordinator_args=("--stages", str(args.stages), "--replan-interval", "1000000", "--seed", str(args.seed)),
+        peer_args=("--probe-targets", "8", "--timeout", "30"),
+    )
+    workload = Workload(preset(config.model), batch=config.batch, micro_batch=config.micro_batch, dtype=config.dtype)
+    tokens_per_step = config.batch * workload.model.seq_len
+    print(f"testbed: {len(topology.devices)} devices ({topology.name}), bandwidth x{args.scale:g}, compute {args.slowdown:g}x "
+          f"slower, coordinator held to {args.stages} stages; project in {out}", flush=True)
+    order = {peer_name(d.id): i for i, d in enumerate(topology.devices)}
+    rng = np.random.default_rng(args.seed)
+    bed = Testbed(config, lambda line: None)
+    rows: list[tuple[str, dict]] = []
+    recovery: dict[str, float] = {}
+    started = time.monotonic()
+    try:
+        bed.start()
+        with ApiClient(bed.api_address, timeout_s=5.0) as client:
+            poll(client, lambda: all_measured(client, len(topology.devices)), "every peer to measure every link", timeout_s=900)
+            print(f"every link measured after {time.monotonic() - started:.0f} s", flush=True)
+            planned = poll(client, lambda: (p := client.call_get_plan()[0]) and not p.estimated_links and p,
+                           "a plan made on measured links", timeout_s=300)
+            print(f"coordinator's plan: {len(planned.stages)} stage(s) x {planned.group_size} lane(s), standby "
+                  f"{', '.join(planned.standby) or 'none'}", flush=True)
+            # the coordinator's key, from a copy (the running coordinator holds its home's lock), and a DHT node
+            # on the testbed's bridge, where the containers can reach it
+            signer = out / "baselines" / "coordinator.key"
+            signer.parent.mkdir(exist_ok=True)
+            shutil.copyfile(out / "homes" / "coordinator" / "coordinator.key", signer)
+            gateway = subnet.rsplit(".", 1)[0] + ".1"
+            join = JoinInfo.load(out / "swarm" / "join.json")
+            control = ControlPlane(config.swarm, signer, join.initial_peers, [f"/ip4/{gateway}/tcp/0"]).start()
+            try:
+                plans = {"coordinator": planned}
+                for kind in ("random", "blocks"):
+                    plans[kind] = baseline(client, planned, kind, workload, rng, lambda d: order[d.rsplit("-", 1)[0]])
+                epoch = planned.epoch
+                for round_ in range(args.rounds):
+                    for kind, plan in plans.items():
+                        epoch = max(epoch, client.call_get_plan()[0].epoch) + 1
+                        running = planned if round_ == 0 and kind == "coordinator" else publish(control, client, plan, epoch, tokens_per_step)
+                        rows.append((kind, measure(client, running, args.window, tokens_per_step)))
+                        print(f"  {kind:<12} {rows[-1][1]['tokens_per_s']:>8.0f} tokens/s, {rows[-1][1]['measured_s']:.3f} s/step "
+                              f"measured, {rows[-1][1]['predicted_s']:.3f} predicted", flush=True)
+                for kind, plan in plans.items():
+                    epoch = max(epoch, client.call_get_plan()[0].epoch) + 1
+                    running = publish(control, client, plan, epoch, tokens_per_step)
+                    poll(client, lambda: (g := client.call_get_progress()).epoch == running.epoch
+                         and g.step >= running.start_step + SETTLE_STEPS, f"the {kind} plan to run")
+                    recovery[kind] = recover(bed, client, running)
+                    print(f"  {kind:<12} a killed peer's plan replaced and running after {recovery[kind]:.1f} s", flush=True)
+            finally:
+                control.shutdown()
+    finally:
+        bed.logs()
+        bed.shutdown()
+    result = summarize(rows, recovery)
+    print_table(rows, result)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def summarize(rows: list[tuple[str, dict]], recovery: dict[str, float]) -> dict:
+    result: dict = {}
+    for kind in KINDS:
+        mine = [r for k, r in rows if k == kind]
+        result[kind] = {
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in mine),
+            "predicted_s": mine[0]["predicted_s"],
+            "measured_s": statistics.median(r["measured_s"] for r in mine),
+            "recovery_s": recovery.get(kind),
+        }
+    result["speedup_over_random"] = result["coordinator"]["tokens_per_s"] / result["random"]["tokens_per_s"]
+    result["prediction_error"] = {k: result[k]["measured_s"] / result[k]["predicted_s"] - 1 for k in KINDS}
+    result["goals"] = {"speedup_over_random": GOAL_SPEEDUP, "prediction_error": GOAL_PREDICTION}
+    return result
+
+
+def print_table(rows: list[tuple[str, dict]], result: dict) -> None:
+    print("\nthroughput, same testbed, one run, windows in the order run (tokens/s: global batches completed per second)")
+    print(f"{'plan':<12} {'epoch':>5} {'steps':>6} {'tokens/s':>9} {'predicted s/step':>17} {'measured s/step':>16} {'meas/pred':>9}")
+    for name, r in rows:
+        print(f"{name:<12} {r['epoch']:>5} {r['steps']:>6} {r['tokens_per_s']:>9.0f} {r['predicted_s']:>17.3f} "
+              f"{r['measured_s']:>16.3f} {r['measured_s'] / r['predicted_s']:>9.2f}")
+    print("\nmedians, against the goals (coordinator >= 2x random; every |measured/predicted - 1| <= 25%):")
+    for kind in KINDS:
+        r = result[kind]
+        recovery = f"{r['recovery_s']:.1f} s" if r["recovery_s"] is not None else "-"
+        print(f"  {kind:<12} {r['tokens_per_s']:>8.0f} tokens/s ({r['tokens_per_s'] / result['coordinator']['tokens_per_s']:.2f}x), "
+              f"measured/predicted {r['measured_s'] / r['predicted_s']:.2f}, recovery {recovery}")
+    print(f"  coordinator over random: {result['speedup_over_random']:.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""The testbed's compose project, built from a topology file (pure: no Docker here).
+
+One container per device and one for the coordinator, on a network of their own with fixed addresses.
+Each device's container shapes what it sends, per destination, to the topology's bandwidth times
+`scale` (htb classes selected by u32 filters on the destination address, each with a short byte FIFO,
+which needs NET_ADMIN); the kernel here cannot add latency (no netem), so the topology's latency is
+added by the peer's transport (`--emulate-latency`, one way, per destination address). Compute follows
+the device's TFLOPS: the fastest device runs at `slowdown` times this machine's speed, a device half as
+fast at twice that. Peers then measure their links with their own probes and the coordinator plans
+from what they measured, as in a swarm of real hosts.
+
+Layout of the project folder: `compose.yaml`, `run/<service>.sh` (each container's start: its shaping,
+then `hetpeer`), `homes/<service>/` (keys, kept across restarts), `swarm/join.json` (written by the
+coordinator, read by the peers).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hetpeer.protocol.topology import Device, Topology
+from hetpeer.protocol.workload import Workload, preset
+
+COORDINATOR = "coordinator"
+API_PORT = 50051  # inside the coordinator's container
+DHT_PORT, PEER_DHT_PORT, TENSOR_PORT = 31337, 31338, 7000
+INTERFACE = "eth0"
+QUEUE_S = 0.01  # each shaped class queues at most this long at its rate (and at least MIN_QUEUE_BYTES)
+MIN_QUEUE_BYTES = 200_000  # three segments of 64 KiB: a queue shorter than one offloaded segment drops them all
+SERVICE_RE = re.compile(r"[^a-z0-9]+")
+
+
+class TestbedError(ValueError):
+    """A testbed that cannot be built as asked."""
+
+    __test__ = False  # not a pytest test class
+
+
+@dataclass(frozen=True, slots=True)
+class TestbedConfig:
+    __test__ = False  # not a pytest test class
+
+    topology: Topology
+    out: Path
+    scale: float = 1.0  # every link's bandwidth times this
+    slowdown: float = 1.0  # the fastest device's compute slowdown; slower devices in proportion to their TFLOPS
+    emulate_latency: bool = True
+    image: str = "hetpeer:latest"
+    project: str = "hetpeer-testbed"
+    subnet: str = "10.213.0.0/24"
+    api_port: int = 50051  # published on 127.0.0.1
+    swarm: str = "testbed"
+    model: str = "tiny"
+    batch: int = 16
+    micro_batch: int = 2
+    dtype: str = "fp32"
+    heartbeat_s: float = 2.0
+    steps: int | None = None
+    coordinator_args: tuple[str, ...] = ()  # more `hetpeer coordinator` options
+    peer_args: tuple[str, ...] = ()  # more `hetpeer join` options, for every peer
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.scale) and self.scale > 0):
+            raise TestbedError(f"scale must be a positive number, got {self.scale}")
+        if not (math.isfinite(self.slowdown) and self.slowdown >= 1):
+            raise TestbedError(f"slowdown must be a number >= 1, got {self.slowdown}")
+        try:
+            network = ipaddress.ip_network(self.subnet)
+        except ValueError as error:
+            raise TestbedError(f"subnet: {error}") from None
+        if network.version != 4:
+            raise TestbedError(f"subnet must be IPv4 (tc filters match IPv4 destinations), got {self.subnet}")
+        if network.num_addresses - 3 < len(self.topology.devices) + 1:
+            raise TestbedError(f"subnet {self.subnet} has no room for {len(self.topology.devices) + 1} containers")
+        if any(d.tflops is None for d in self.topology.devices):
+            missing = [d.id for d in self.topology.devices if d.tflops is None][:3]
+            raise TestbedError(f"every device needs tflops (the compute it emulates); missing for {', '.join(missing)}")
+        names = [service_name(d.id) for d in self.topology.devices]
+        if len(set(names)) != len(names) or COORDINATOR in names:
+            raise TestbedError(f"device ids must stay distinct as service names (a-z, 0-9, -) and not be "
+                               f"{COORDINATOR!r}: {', '.join(sorted(names))}")
+        if not 0 < self.api_port < 65536:
+            raise TestbedError(f"api port must be 1-65535, got {self.api_port}")
+        try:
+            Workload(preset(self.model), batch=self.batch, micro_batch=self.micro_batch, dtype=self.dtype)
+        except ValueError as error:
+            raise TestbedError(str(error)) from None
+
+    @property
+    def addresses(self) -> dict[str, str]:
+        """Service name -> IPv4 address: the coordinator first (after the gateway), then the devices in order."""
+        hosts = ipaddress.ip_network(self.subnet).hosts()
+        next(hosts)  # the gateway: Docker's bridge
+        names = [COORDINATOR] + [service_name(d.id) for d in self.topology.devices]
+        return {name: str(next(hosts)) for name in names}
+
+
+def service_name(device_id: str) -> str:
+    """A device id as a compose service (and host) name: lower-case a-z, 0-9 and -."""
+    return SERVICE_RE.sub("-", device_id.lower()).strip("-") or "device"
+
+
+def peer_name(device_id: str) -> str:
+    """A device id as a peer's `--name` (a-z, 0-9, _; at most 24)."""
+    return SERVICE_RE.sub("_", device_id.lower()).strip("_")[:24] or "device"
+
+
+def slowdowns(config: TestbedConfig) -> dict[str, float]:
+    fastest = max(d.tflops for d in config.topology.devices)
+    return {d.id: config.slowdown * fastest / d.tflops for d in config.topology.devices}
+
+
+def shaping(config: TestbedConfig, device: Device) -> list[str]:
+    """The `tc` commands that shape what `device` sends: one htb class per other device, at the topology's
+    bandwidth times the scale, its queue bounded in bytes. Traffic to anyone else (the coordinator, the
+    host) matches no filter and leaves unshaped."""
+    addresses = config.addresses
+    commands = [f"tc qdisc replace dev {INTERFACE} root handle 1: htb default 1 r2q 1000"]
+    for j, other in enumerate(config.topology.devices):
+        if other.id == device.id:
+            continue
+        rate_bits = config.topology.link(device, other).bandwidth_gbps * 1e9 * config.scale
+        queue_bytes = max(MIN_QUEUE_BYTES, int(rate_bits / 8 * QUEUE_S))
+        classid = f"1:{j + 10:x}"
+        commands += [
+            f"tc class add dev {INTERFACE} parent 1: classid {classid} htb rate {int(rate_bits)}bit ceil {int(rate_bits)}bit quantum 60000",
+            f"tc qdisc add dev {INTERFACE} parent {classid} bfifo limit {queue_bytes}",
+            f"tc filter add dev {INTERFACE} protocol ip parent 1: prio 1 u32 match ip dst "
+            f"{addresses[service_name(other.id)]}/32 flowid {classid}",
+        ]
+    return commands
+
+
+def latencies(config: TestbedConfig, device: Device) -> dict[str, float]:
+    """Destination address -> one-way milliseconds, for `--emulate-latency`."""
+    addresses = config.addresses
+    return {
+        addresses[service_name(other.id)]: config.topology.link(device, other).latency_ms
+        for other in config.topology.devices if other.id != device.id
+    }
+
+
+def coordinator_command(config: TestbedConfig) -> list[str]:
+    ip = config.addresses[COORDINATOR]
+    command = [
+        "hetpeer", "coordinator", "--swarm", config.swarm, "--home", "/data", "--join-file", "/swarm/join.json",
+        "--host-maddr", f"/ip4/0.0.0.0/tcp/{DHT_PORT}", "--announce-maddr", f"/ip4/{ip}/tcp/{DHT_PORT}",
+        "--api", f"0.0.0.0:{API_PORT}", "--min-peers", str(len(config.topology.devices)),
+        "--heartbeat", repr(config.heartbeat_s), "--model", config.model, "--batch", str(config.batch),
+        "--micro-batch", str(config.micro_batch), "--dtype", config.dtype,
+    ]
+    if config.steps is not None:
+        command += ["--steps", str(config.steps)]
+    return command + list(config.coordinator_args)
+
+
+def peer_command(config: TestbedConfig, device: Device) -> list[str]:
+    ip = config.addresses[service_name(device.id)]
+    command = [
+        "hetpeer", "join", "--join-file", "/swarm/join.json", "--name", peer_name(device.id), "--home", "/data",
+        "--listen", f"0.0.0.0:{TENSOR_PORT}", "--announce-host", ip, "--dht-listen", f"/ip4/0.0.0.0/tcp/{PEER_DHT_PORT}",
+        "--dht-announce", f"/ip4/{ip}/tcp/{PEER_DHT_PORT}", "--threads", "1", "--heartbeat", repr(config.heartbeat_s),
+        "--slowdown", f"{slowdowns(config)[device.id]:.6g}",
+    ]
+    if config.emulate_latency:
+        command += ["--emulate-latency", ",".join(f"{host}={ms:g}" for host, ms in latencies(config, device).items())]
+    if config.steps is not None:
+        command += ["--steps", str(config.steps)]
+    return command + list(config.peer_args)
+
+
+def script(commands: list[str], then: list[str]) -> str:
+    lines = ["#!/bin/sh", "# written by `hetpeer testbed`: this container's links, then its hetpeer process", "set -e"]
+    return "\n".join(lines + commands + ["exec " + shlex.join(then)]) + "\n"
+
+
+def scripts(config: TestbedConfig) -> dict[str, str]:
+    """Service name -> the script its container runs."""
+    found = {COORDINATOR: script([], coordinator_command(config))}
+    for device in config.topology.devices:
+        found[service_name(device.id)] = script(shaping(config, device), peer_command(config, device))
+    return found
+
+
+def compose_project(config: TestbedConfig) -> dict[str, Any]:
+    """The compose file, as data. Paths are relative to the project folder (where it is written)."""
+    addresses = config.addresses
+    services: dict[str, Any] = {}
+    for name in scripts(config):
+        service: dict[str, Any] = {
+            "image": config.image,
+            "entrypoint": ["/bin/sh", f"/testbed/run/{name}.sh"],
+            "volumes": [f"./run:/testbed/run:ro", f"./homes/{name}:/data", f"./swarm:/swarm{'' if name == COORDINATOR else ':ro'}"],
+            "networks": {"wan": {"ipv4_address": addresses[name]}},
+            "init": True,
+        }
+        if name == COORDINATOR:
+            service["ports"] = [f"127.0.0.1:{config.api_port}:{API_PORT}"]
+        else:
+            service["cap_add"] = ["NET_ADMIN"]
+            service["depends_on"] = [COORDINATOR]
+        services[name] = service
+    return {
+        "services": services,
+        "networks": {"wan": {"ipam": {"config": [{"subnet": config.subnet}]}}},
+    }
+
+
+def write(config: TestbedConfig) -> Path:
+    """Write the project folder; the compose file's path."""
+    import yaml
+
+    out = config.out
+    (out / "run").mkdir(parents=True, exist_ok=True)
+    (out / "swarm").mkdir(exist_ok=True)
+    (out / "swarm" / "join.json").unlink(missing_ok=True)  # a former run's: peers wait for this run's coordinator
+    for name, text in scripts(config).items():
+        (out / "homes" / name).mkdir(parents=True, exist_ok=True)
+        (out / "run" / f"{name}.sh").write_text(text)
+    path = out / "compose.yaml"
+    header = f"# the testbed of {config.topology.name or 'a topology'}: written by `hetpeer testbed`\n"
+    path.write_text(header + yaml.safe_dump(compose_project(config), sort_keys=False, width=120))
+    return path

@@ -1,0 +1,126 @@
+"""docker/compose.yaml as users start it, in one step: a coordinator and four unequal peers in containers,
+each with its own address. The swarm trains; a peer killed, a peer cut off the network and the coordinator
+killed are each survived, and each comes back."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from compose_helpers import ROOT, unique, wait_for
+from hetpeer.coordinator.api import ApiClient
+from hetpeer.logline import unstamp
+from hetpeer.peer.launch import free_port
+from hetpeer.testbed.compose import Compose
+
+PEERS = ("peer1", "peer2", "peer3", "peer4")
+
+
+@pytest.fixture(scope="module")
+def swarm(image):
+    port = free_port()
+    compose = Compose(ROOT / "docker" / "compose.yaml", unique("hetpeer-compose"),
+                      env={"HETPEER_IMAGE": image, "HETPEER_API_PORT": str(port), "HETPEER_SWARM": "ci"})
+    try:
+        compose.up()
+        with ApiClient(f"127.0.0.1:{port}", timeout_s=5.0) as client:
+            compose.client = client
+            yield compose
+    finally:
+        compose.down()
+
+
+def device_of(swarm: Compose, service: str) -> str:
+    """The device id a service's peer announces (NAME-<key fingerprint>)."""
+    return next(p.record.device_id for p in swarm.client.call_list_peers() if p.record.device_id.startswith(service + "-"))
+
+
+def service_of(device: str) -> str:
+    return device.rsplit("-", 1)[0]
+
+
+def log_lines(swarm: Compose, service: str) -> list[str]:
+    return [unstamp(line) for line in swarm.logs(service).splitlines()]
+
+
+def steps_of(swarm: Compose, service: str) -> list[int]:
+    return [int(m.group(1)) for line in log_lines(swarm, service) if (m := re.match(r"e\d+ stage \d+ lane \d+\s+step (\d+)", line))]
+
+
+def coordinator_log(swarm: Compose) -> str:
+    return "the coordinator's log ends:\n" + "\n".join(swarm.logs("coordinator").splitlines()[-25:])
+
+
+def fast_member(swarm: Compose, plan) -> str:
+    """A member of the plan the swarm is worse off without (peer1 and peer2 compute at full speed and are not
+    capped), so the coordinator takes it back when it returns."""
+    return next(d for d in plan.devices if service_of(d) in ("peer1", "peer2"))
+
+
+def training_plan(swarm: Compose, after_epoch: int = 0, lanes: int = 2):
+    """The running plan once it is newer than `after_epoch`, has `lanes` lanes or more and has run a few steps."""
+    client = swarm.client
+
+    def ready():
+        plan, _ = client.call_get_plan()
+        progress = client.call_get_progress()
+        return plan if plan and plan.epoch > after_epoch and plan.group_size >= lanes and progress.epoch == plan.epoch \
+            and progress.step >= plan.start_step + 3 else None
+
+    return wait_for(ready, f"a plan after epoch {after_epoch} with {lanes}+ lanes to train", 300, explain=lambda: coordinator_log(swarm))
+
+
+def test_the_compose_swarm_trains(swarm):
+    plan = training_plan(swarm)
+    first = swarm.client.call_get_progress()
+    assert first.loss is not None
+    later = wait_for(lambda: (p := swarm.client.call_get_progress()).step >= first.step + 40 and p, "40 more steps", 300)
+    assert later.loss < first.loss, (first, later)
+    assert set(plan.devices) | set(plan.standby) == {device_of(swarm, s) for s in PEERS}
+
+
+def test_a_killed_peer_is_planned_around_and_rejoins_with_its_groups_state(swarm):
+    plan = training_plan(swarm)
+    victim = fast_member(swarm, plan)  # it has a group: the plan has two lanes or more
+    swarm.kill(service_of(victim))
+    without = training_plan(swarm, plan.epoch, lanes=1)
+    assert victim not in without.devices
+    swarm.start(service_of(victim))
+    back = wait_for(lambda: (p := swarm.client.call_get_plan()[0]) and victim in p.devices and p, "a plan with it back", 300,
+                    explain=lambda: coordinator_log(swarm))
+    wait_for(lambda: any(re.match(rf"e{back.epoch} stage", line) for line in log_lines(swarm, service_of(victim))),
+             "it to train again", 300)
+    assert any(re.search(r"downloaded [\d.]+ MiB of state in \d+ chunk\(s\) from", line) for line in log_lines(swarm, service_of(victim)))
+
+
+def test_a_peer_cut_off_the_network_is_dropped_and_comes_back(swarm):
+    plan = training_plan(swarm)
+    victim = fast_member(swarm, plan)
+    swarm.disconnect(service_of(victim))
+    try:
+        without = training_plan(swarm, plan.epoch, lanes=1)
+        assert victim not in without.devices
+        moved = swarm.client.call_get_progress().step
+        wait_for(lambda: swarm.client.call_get_progress().step >= moved + 10, "the others to train on", 120)
+    finally:
+        swarm.connect(service_of(victim))
+    back = wait_for(lambda: (p := swarm.client.call_get_plan()[0]) and victim in p.devices and p, "a plan with it back", 300,
+                    explain=lambda: coordinator_log(swarm))
+    wait_for(lambda: any(re.match(rf"e{back.epoch} stage", line) for line in log_lines(swarm, service_of(victim))),
+             "it to train again", 300)
+
+
+def test_the_peers_train_on_without_the_coordinator_and_a_restarted_one_carries_on(swarm):
+    plan = training_plan(swarm)
+    trainer = service_of(plan.devices[0])
+    swarm.kill("coordinator")
+    at_kill = max(steps_of(swarm, trainer))
+    wait_for(lambda: max(steps_of(swarm, trainer)) >= at_kill + 10, "the peers to train on without it", 120)
+    swarm.start("coordinator")
+    wait_for(lambda: f"running plan from the DHT: epoch {plan.epoch}" in swarm.logs("coordinator"),
+             "the restarted coordinator to read the running plan back", 120)
+    resumed = wait_for(lambda: (p := swarm.client.call_get_progress()).epoch == plan.epoch and p.step > at_kill + 10 and p,
+                       "the restarted coordinator to see the swarm's progress", 120)
+    later = wait_for(lambda: (p := swarm.client.call_get_progress()).step >= resumed.step + 10 and p, "training to go on", 120)
+    assert later.epoch == plan.epoch  # it carried on with the running plan: nothing broke, nothing to re-plan

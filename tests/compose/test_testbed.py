@@ -1,0 +1,80 @@
+"""`hetpeer testbed` as users run it: four containers whose links are shaped like a topology file's. The
+peers' own probes measure those links, the swarm trains until Ctrl+C, and the command then leaves logs and
+a run report and removes its containers."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+from compose_helpers import ROOT, unique, wait_for
+from hetpeer.coordinator.api import ApiClient
+from hetpeer.peer.launch import free_port
+from hetpeer.protocol.topology import Topology
+from hetpeer.swarm.report import RunReport
+from hetpeer.testbed.compose import Compose, run
+from hetpeer.testbed.project import peer_name
+
+TOPOLOGY = {
+    "name": "two-sites",
+    "devices": [
+        {"id": "a-0", "region": "a", "tflops": 1.0}, {"id": "a-1", "region": "a", "tflops": 1.0},
+        {"id": "b-0", "region": "b", "tflops": 1.0}, {"id": "b-1", "region": "b", "tflops": 0.5},
+    ],
+    "regions": {"a": {"latency_ms": 2, "bandwidth_gbps": 0.2}, "b": {"latency_ms": 3, "bandwidth_gbps": 0.1}},
+    "region_links": [{"a": "a", "b": "b", "latency_ms": 30, "bandwidth_gbps": 0.04}],
+}
+TOLERANCE = 0.25
+# what a peer announces for a link is the median of its last three probe rounds (one every 5 heartbeats of
+# 2 s): rounds made while the containers still start up are noisy, so the check waits for later ones
+SETTLED_S = 40.0
+
+
+def test_a_shaped_testbed_is_measured_as_shaped_and_trains(image, tmp_path):
+    path = tmp_path / "two-sites.json"
+    path.write_text(json.dumps(TOPOLOGY))
+    topology = Topology.from_wire(TOPOLOGY)
+    port, project, out = free_port(), unique("hetpeer-testbed"), tmp_path / "bed"
+    # compute slowed 4x: a peer mostly waits, as beside a GPU, and its probes are not timed on a starved CPU
+    command = [sys.executable, "-m", "hetpeer", "testbed", str(path), "--scale", "1", "--slowdown", "4", "--out", str(out),
+               "--project", project, "--api-port", str(port), "--image", image]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        by_name = {peer_name(d.id): d for d in topology.devices}
+        with ApiClient(f"127.0.0.1:{port}", timeout_s=5.0) as client:
+
+            def measured():
+                records = {p.record.device_id: p.record for p in client.call_list_peers()}
+                if len(records) < 4 or any(len(r.links) < 3 for r in records.values()):
+                    return None
+                return records
+
+            wait_for(measured, "every peer to measure its links to the three others", 240)
+            time.sleep(SETTLED_S)
+            records = measured()
+        device_of = {d: by_name[d.rsplit("-", 1)[0]] for d in records}
+        for sender, record in records.items():
+            for receiver, link in record.links.items():
+                shaped = topology.link(device_of[sender], device_of[receiver])
+                rate = shaped.bandwidth_gbps * 1e9 / 8
+                assert abs(link.bandwidth_bytes_per_s / rate - 1) <= TOLERANCE, (sender, receiver, link, shaped)
+                if shaped.latency_ms >= 10:  # a few ms of the container's own delay count only on short links
+                    assert abs(link.latency_s * 1e3 / shaped.latency_ms - 1) <= TOLERANCE, (sender, receiver, link, shaped)
+        process.send_signal(signal.SIGINT)  # Ctrl+C: the command keeps logs and a report, then removes everything
+        output, _ = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.communicate()
+        if (out / "compose.yaml").exists():
+            Compose(out / "compose.yaml", project).down()  # what the command did not get to remove
+    assert process.returncode == 0, output[-3000:]
+    report = RunReport.from_json((out / "report.json").read_text())
+    assert report.steps >= 50 and report.samples[-1].loss < report.samples[0].loss, output[-2000:]
+    assert {p.device_id.rsplit("-", 1)[0] for p in report.peers} == set(by_name)
+    assert all((out / "logs" / f"{name}.log").stat().st_size > 0 for name in ("coordinator", "a-0", "b-1"))
+    left = run(["docker", "ps", "-q", "--filter", f"label=com.docker.compose.project={project}"]).stdout.split()
+    assert not left, "the testbed's containers were not removed"

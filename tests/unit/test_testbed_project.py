@@ -1,0 +1,117 @@
+"""The testbed's compose project from a topology (pure, no Docker): addresses, per-destination shaping,
+emulated latency, compute slowdowns, the commands each container runs, and what is refused."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hetpeer import scenarios
+from hetpeer.cli import build_parser
+from hetpeer.protocol.topology import Topology
+from hetpeer.testbed.project import (
+    COORDINATOR,
+    TestbedConfig,
+    TestbedError,
+    compose_project,
+    latencies,
+    peer_name,
+    scripts,
+    service_name,
+    shaping,
+    slowdowns,
+    write,
+)
+
+TOPOLOGY = Topology.from_wire({
+    "name": "two-sites",
+    "devices": [{"id": "A-0", "region": "a", "tflops": 2.0}, {"id": "a.1", "region": "a", "tflops": 2.0},
+                {"id": "b-0", "region": "b", "tflops": 1.0}],
+    "regions": {"a": {"latency_ms": 2, "bandwidth_gbps": 0.2}, "b": {"latency_ms": 3, "bandwidth_gbps": 0.1}},
+    "region_links": [{"a": "a", "b": "b", "latency_ms": 30, "bandwidth_gbps": 0.04}],
+})  # fmt: skip
+
+
+def config(**changes) -> TestbedConfig:
+    return TestbedConfig(**{"topology": TOPOLOGY, "out": Path("/tmp/bed"), "subnet": "10.213.7.0/24", **changes})
+
+
+def test_every_container_gets_a_fixed_address_after_the_gateway():
+    assert config().addresses == {COORDINATOR: "10.213.7.2", "a-0": "10.213.7.3", "a-1": "10.213.7.4", "b-0": "10.213.7.5"}
+    assert service_name("A-0") == "a-0" and peer_name("a.1") == "a_1"
+
+
+def test_each_destination_is_shaped_to_its_link_times_the_scale():
+    commands = shaping(config(scale=0.5), TOPOLOGY.devices[0])
+    assert commands[0].startswith("tc qdisc replace dev eth0 root handle 1: htb")
+    rates = {}
+    for rule, flow in zip(commands[1::3], commands[3::3]):
+        rate = int(re.search(r" rate (\d+)bit", rule).group(1))
+        rates[re.search(r"match ip dst (\S+)/32", flow).group(1)] = rate
+        assert rule.split("classid ")[1].split()[0] == flow.split("flowid ")[1]
+    assert rates == {"10.213.7.4": 100_000_000, "10.213.7.5": 20_000_000}  # 0.2 and 0.04 Gbit/s, halved
+    assert all("bfifo limit" in c for c in commands[2::3])
+
+
+def test_latency_is_emulated_per_destination_and_compute_follows_tflops():
+    assert latencies(config(), TOPOLOGY.devices[2]) == {"10.213.7.3": 30.0, "10.213.7.4": 30.0}
+    assert slowdowns(config(slowdown=4.0)) == {"A-0": 4.0, "a.1": 4.0, "b-0": 8.0}
+
+
+def test_the_containers_commands_are_what_the_cli_accepts():
+    for name, text in scripts(config(steps=50)).items():
+        lines = text.splitlines()
+        assert lines[0] == "#!/bin/sh" and "set -e" in lines
+        argv = shlex.split(lines[-1].removeprefix("exec "))
+        assert argv[0] == "hetpeer"
+        args = build_parser().parse_args(argv[1:])
+        assert args.steps == 50
+        if name == COORDINATOR:
+            assert args.command == "coordinator" and args.min_peers == 3 and str(args.join_file) == "/swarm/join.json"
+        else:
+            assert args.command == "join" and args.announce_host == config().addresses[name]
+            assert len(args.emulate_latency) == 2 and str(args.join_file) == "/swarm/join.json"
+            assert sum(line.startswith("tc filter") for line in lines) == 2
+    assert "--emulate-latency" not in scripts(config(emulate_latency=False))["a-0"]
+
+
+def test_the_compose_project_puts_everyone_on_one_network_with_their_addresses(tmp_path):
+    path = write(config(out=tmp_path, api_port=50999))
+    project = yaml.safe_load(path.read_text())
+    assert project == compose_project(config(out=tmp_path, api_port=50999))
+    services = project["services"]
+    assert services[COORDINATOR]["ports"] == ["127.0.0.1:50999:50051"]
+    assert all(services[n]["cap_add"] == ["NET_ADMIN"] for n in ("a-0", "a-1", "b-0"))
+    assert all(s["networks"]["wan"]["ipv4_address"] == config().addresses[n] for n, s in services.items())
+    assert project["networks"]["wan"]["ipam"]["config"] == [{"subnet": "10.213.7.0/24"}]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [f"{n}.sh" for n in sorted(services)]
+
+
+def test_the_world_wide_scenario_fits_a_slash_24():
+    world = Topology.from_wire(scenarios.load("world-wide"))
+    assert len(config(topology=world).addresses) == 65
+
+
+@pytest.mark.parametrize("change, fragment", [
+    ({"scale": 0.0}, "scale"), ({"slowdown": 0.5}, "slowdown"), ({"subnet": "10.0.0.0/30"}, "no room"),
+    ({"subnet": "fe80::/64"}, "IPv4"), ({"subnet": "10.0.0.300/24"}, "subnet"), ({"api_port": 0}, "api port"),
+    ({"batch": 2, "micro_batch": 4}, "micro"),
+])
+def test_impossible_testbeds_are_refused(change, fragment):
+    with pytest.raises(TestbedError, match=fragment):
+        config(**change)
+
+
+def test_devices_need_tflops_and_distinct_service_names():
+    no_tflops = Topology.from_wire({"devices": [{"id": "x", "region": "r"}], "regions": {"r": {"latency_ms": 1, "bandwidth_gbps": 1}}})
+    with pytest.raises(TestbedError, match="tflops"):
+        config(topology=no_tflops)
+    clash = Topology.from_wire({"devices": [{"id": "x.1", "region": "r", "tflops": 1}, {"id": "x-1", "region": "r", "tflops": 1}],
+                                "regions": {"r": {"latency_ms": 1, "bandwidth_gbps": 1}}})
+    with pytest.raises(TestbedError, match="distinct"):
+        replace(config(), topology=clash)
