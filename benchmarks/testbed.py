@@ -101,7 +101,9 @@ def main() -> int:
     parser.add_argument("--scale", type=float, default=0.05, help="bandwidth scale (default 0.05: 2 Gbit/s becomes 100 Mbit/s)")
     parser.add_argument("--slowdown", type=float, default=16.0, help="compute slowdown of every peer (default 16)")
     parser.add_argument("--stages", type=int, default=2, help="pipeline stages the coordinator must use (default 2)")
-    parser.add_argument("--batch", type=int, default=32, help="global batch in sequences (default 32)")
+    parser.add_argument("--batch", type=int, default=16, help="global batch in sequences (default 16)")
+    parser.add_argument("--heartbeat", type=float, default=4.0,
+                        help="peers' and coordinator's heartbeat (default 4: sixteen DHT nodes at 2 s would take most of 2 cores)")
     parser.add_argument("--window", type=float, default=60.0, help="seconds of each throughput window (default 60)")
     parser.add_argument("--rounds", type=int, default=2, help="windows per plan kind, alternating (default 2)")
     parser.add_argument("--seed", type=int, default=0)
@@ -115,7 +117,7 @@ def main() -> int:
     config = TestbedConfig(
         topology=topology, out=out, scale=args.scale, slowdown=args.slowdown, image=args.image,
         project=f"hetpeer-bench-{time.time_ns() % 10**8}", subnet=subnet, api_port=free_port(), swarm="bench",
-        batch=args.batch, coordinator_args=("--stages", str(args.stages), "--replan-interval", "1000000", "--seed", str(args.seed)),
+        batch=args.batch, heartbeat_s=args.heartbeat, coordinator_args=("--stages", str(args.stages), "--replan-interval", "1000000", "--seed", str(args.seed)),
         peer_args=("--probe-targets", "8", "--timeout", "30"),
     )
     workload = Workload(preset(config.model), batch=config.batch, micro_batch=config.micro_batch, dtype=config.dtype)
@@ -149,6 +151,11 @@ def main() -> int:
                 plans = {"coordinator": planned}
                 for kind in ("random", "blocks"):
                     plans[kind] = baseline(client, planned, kind, workload, rng, lambda d: order[d.rsplit("-", 1)[0]])
+                # what the plans were made from, for a later look at the time model's terms
+                (out / "plans.json").write_text(json.dumps({
+                    "plans": {kind: plan.to_wire() for kind, plan in plans.items()},
+                    "records": [p.record.to_wire() for p in client.call_list_peers()],
+                }, indent=1))
                 epoch = planned.epoch
                 for round_ in range(args.rounds):
                     for kind, plan in plans.items():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import signal
 import sys
 import tempfile
 import threading
@@ -109,6 +110,9 @@ def run_testbed(args: argparse.Namespace) -> int:
         print("interrupted", flush=True)
         ended = 0
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl+C must not leave the containers behind
+        if (out / "compose.yaml").exists():
+            print("collecting the logs" + ("" if args.keep else " and removing the containers") + "...", flush=True)
         logs = bed.logs() if (out / "compose.yaml").exists() else {}
         if logs:
             files = write_report(bed.report(logs), out)

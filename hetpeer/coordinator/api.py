@@ -175,6 +175,7 @@ def _peer_to_pb(record: PeerRecord, age_s: float) -> swarm_pb2.Peer:
         dtype=record.dtype,
         device_name=record.device_name,
         tflops=record.tflops,
+        achieved_tflops=record.achieved_tflops,
         memory_bytes=record.memory_bytes,
         direct=f"{direct[0]}:{direct[1]}" if direct else None,
         p2p=list(record.address.p2p),
@@ -193,6 +194,7 @@ def _peer_to_pb(record: PeerRecord, age_s: float) -> swarm_pb2.Peer:
         software=record.software,
         version=record.version,
         age_s=age_s,
+        dht=list(record.dht),
     )
 
 
@@ -207,6 +209,8 @@ def _peer_from_pb(pb: swarm_pb2.Peer) -> PeerStatus:
     numbers += [x for link in pb.links for x in (link.latency_s, link.bandwidth_bytes_per_s)]
     if pb.HasField("loss"):
         numbers.append(pb.loss)
+    if pb.HasField("achieved_tflops"):
+        numbers.append(pb.achieved_tflops)
     if not all(math.isfinite(x) for x in numbers):
         raise SchemaError(path, "carries a number that is not finite")
     if pb.HasField("layer_start") != pb.HasField("layer_end"):
@@ -230,6 +234,8 @@ def _peer_from_pb(pb: swarm_pb2.Peer) -> PeerStatus:
         loss=pb.loss if pb.HasField("loss") else None,
         tokens_per_s=pb.tokens_per_s,
         links={link.peer: LinkMeasurement(link.latency_s, link.bandwidth_bytes_per_s) for link in pb.links},
+        achieved_tflops=pb.achieved_tflops if pb.HasField("achieved_tflops") else None,
+        dht=tuple(pb.dht),
         software=pb.software,
         version=pb.version,
     )

@@ -1,6 +1,8 @@
 """What the coordinator decides, as pure functions of what it read: no DHT, no clock, no threads.
 
-- `build_problem`: the planner's `Problem` from the peers' announcements. Links are what peers measured
+- `build_problem`: the planner's `Problem` from the peers' announcements. Compute is what a peer's
+  training achieved, or its probe corrected by the swarm's achieved-over-probed (`effective_tflops`).
+  Links are what peers measured
   (a pair measured both ways takes the slower bandwidth and the mean latency of the two); a pair nobody
   measured is guessed no better than the worse end's typical link (the median of its measured links,
   else of all measured links, else `DEFAULT_LINK`) and is listed, so the plan can mark it estimated.
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Collection, Mapping
+from typing import Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -80,11 +82,23 @@ def build_problem(
         latency_s=latency,
         bandwidth_bytes_per_s=bandwidth,
         workload=workload,
-        tflops=np.array([records[d].tflops for d in ids], dtype=float),
+        tflops=effective_tflops([records[d] for d in ids]),
         memory_bytes=np.array([float(records[d].memory_bytes) for d in ids]),
         current=current,
     )
     return problem, estimated
+
+
+def effective_tflops(records: Sequence[PeerRecord]) -> np.ndarray:
+    """What each peer's compute will deliver in training: what its training steps achieved, where it has
+    trained; else its probe's figure times the swarm's efficiency, the median of achieved over probed among
+    peers that trained (a block timed alone runs faster than a training step: the framework's own
+    overheads, the transport's threads beside it, a shared machine), else its probe's figure."""
+    probed = np.array([r.tflops for r in records], dtype=float)
+    achieved = np.array([r.achieved_tflops if r.achieved_tflops is not None else np.nan for r in records])
+    known = ~np.isnan(achieved)
+    efficiency = float(np.median(achieved[known] / probed[known])) if known.any() else 1.0
+    return np.where(known, achieved, probed * efficiency)
 
 
 def broken(current: Plan, records: Mapping[str, PeerRecord]) -> str | None:

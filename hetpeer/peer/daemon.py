@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import statistics
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -44,12 +45,13 @@ from hetpeer.protocol.control import ControlPlane, key_digest
 from hetpeer.protocol.frame import FrameHeader
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.records import TTL_HEARTBEATS, PeerRecord, device_id
-from hetpeer.protocol.workload import preset
+from hetpeer.protocol.workload import ModelSpec, Workload, preset
 
 log = logging.getLogger("hetpeer.peer")
 RUNNING_KINDS = ("activation", "gradient", "labels", "params", "allreduce")  # frames that belong to a plan
 RATE_STEPS = 10  # the tokens/s a peer announces is its rate over this many steps
 FUTURE_EPOCHS = 2  # frames of plans this much newer than the newest this peer has read are kept for it
+REPROFILE_S = 60.0  # a peer not training times its device again this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +99,17 @@ class Status:
     step: int = 0
     loss: float | None = None
     tokens_per_s: float = 0.0
+    achieved_tflops: float | None = None  # of its training steps: the stage's FLOPs over the median compute time
+
+
+def stage_flops(plan: Plan, me: str, spec: ModelSpec) -> float:
+    """The FLOPs of `me`'s training step under `plan` (forward and backward: 3x forward), as the planner's time
+    model counts them: its layers for the lane's batch, and the output head on the last stage."""
+    stage, _ = plan.position(me)
+    layers = plan.stages[stage].layer_end - plan.stages[stage].layer_start
+    workload = Workload(spec, batch=plan.batch, micro_batch=plan.micro_batch, dtype=plan.dtype)
+    head = workload.head_fwd_flops_per_seq if stage == len(plan.stages) - 1 else 0.0
+    return 3 * plan.lane_batch * (layers * workload.layer_fwd_flops_per_seq + head)
 
 
 def switch_now(running: Plan | None, new: Plan, step: int) -> bool:
@@ -173,6 +186,7 @@ class SwarmPeer:
         self._corpus: Corpus | None = None
         self._refused: set[tuple[str, int]] = set()
         self._entering_until: float | None = None  # a peer that entered a plan from outside waits for its neighbours until then
+        self._profiled_at = 0.0
         self._rng = numpy.random.default_rng()
 
     # -- life cycle ---------------------------------------------------------------------------------
@@ -198,9 +212,7 @@ class SwarmPeer:
             f"{self.transport.address().direct[1]}, DHT on {', '.join(self.control.visible_maddrs())}"
         )
         self.report(f"trusting plans signed by coordinator key {config.coordinator_key[:16]}...")
-        self.machine = profile_machine(
-            self.spec, config.micro_batch, config.dtype, config.worker.device, config.worker.slowdown, config.probe_s
-        )
+        self.machine = self._profile()
         self.report(
             f"machine: {self.machine.device_name}, {self.machine.tflops * 1e3:.2f} GFLOPS achieved in {config.dtype} on "
             f"{config.model} blocks" + (f" (slowed {config.worker.slowdown:g}x)" if config.worker.slowdown != 1 else "")
@@ -263,10 +275,12 @@ class SwarmPeer:
         """Train until `steps` or `stopping`; returns normally when done."""
         config = self.config
         recent: collections.deque[tuple[int, float]] = collections.deque(maxlen=RATE_STEPS)  # (tokens, seconds) per step
+        computed: collections.deque[float] = collections.deque(maxlen=RATE_STEPS)  # compute seconds per step
         while not self.stopping.is_set():
             plan = self._due()
             if plan is not None:
                 recent.clear()  # another plan, another pace
+                computed.clear()
                 try:
                     self._switch(plan)
                 except Interrupted:
@@ -299,9 +313,11 @@ class SwarmPeer:
                 continue
             seconds = time.perf_counter() - started
             recent.append((result.tokens, seconds))
+            computed.append(result.compute_s)
             loss = result.loss if result.loss is not None else self.status.loss
             # the rate over the last few steps: one step's swings with the machine's load
-            self._set(step=worker.step, loss=loss, tokens_per_s=sum(t for t, _ in recent) / sum(s for _, s in recent))
+            self._set(step=worker.step, loss=loss, tokens_per_s=sum(t for t, _ in recent) / sum(s for _, s in recent),
+                      achieved_tflops=stage_flops(worker.plan, self.device_id, self.spec) / statistics.median(computed) / 1e12)
             stage, lane = worker.plan.position(self.device_id)
             self.report(f"e{worker.plan.epoch} stage {stage + 1} lane {lane + 1}  "
                         + format_step(result, seconds, config.steps or 0).replace("/0 ", " "))
@@ -451,6 +467,7 @@ class SwarmPeer:
             step=status.step,
             loss=status.loss,
             tokens_per_s=status.tokens_per_s,
+            achieved_tflops=status.achieved_tflops,
             links=links,
             dht=self.control.dialable_maddrs(),
             software=f"hetpeer {__version__}",
@@ -460,15 +477,32 @@ class SwarmPeer:
         with self.lock:
             self.status = replace(self.status, **changes)
 
+    def _profile(self) -> MachineProfile:
+        config = self.config
+        self._profiled_at = time.monotonic()
+        return profile_machine(self.spec, config.micro_batch, config.dtype, config.worker.device, config.worker.slowdown, config.probe_s)
+
+    def _profile_again(self) -> None:
+        """While not training (its device idle), time the device again now and then and keep the faster figure:
+        a machine busy when the peer started (other programs, or peers starting beside it) read too slow."""
+        if self.status.state not in ("waiting", "standby") or time.monotonic() - self._profiled_at < REPROFILE_S:
+            return
+        again = self._profile()
+        if again.tflops > self.machine.tflops:
+            self.report(f"machine: {again.tflops * 1e3:.2f} GFLOPS achieved now (was {self.machine.tflops * 1e3:.2f} when busier)")
+            self.machine = replace(self.machine, tflops=again.tflops)
+
     # -- link probes (their own thread) ---------------------------------------------------------------
     def _probe_loop(self) -> None:
         config = self.config
         self.stopping.wait(config.heartbeat_s)  # the first read of the swarm comes first
         while not self.stopping.is_set():
+            self._profile_again()
             with self.lock:
                 known = [d for d in self.records if d != self.device_id]
                 preferred = self._neighbours()
-            targets = pick_targets(self.device_id, known, preferred, config.probe_targets, self._rng)
+                oldest = self.links.oldest_first()
+            targets = pick_targets(self.device_id, known, preferred, config.probe_targets, self._rng, oldest)
             measured = self.prober.measure_many(targets, budget_bytes=config.probe_bytes, budget_s=config.heartbeat_s)
             with self.lock:
                 self.links.add(measured)

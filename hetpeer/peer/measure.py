@@ -10,8 +10,8 @@ over the peer's own transport, so what it measures is the path training frames t
 A probe id (the frame's `step` field) is unique in the process, so probes of several peers at once never
 mix. Each measurement is bounded in bytes (`budget_bytes`) and in time (`budget_s`): a small pilot frame
 first estimates the link, and the main data frames are sized to what the link carries in half the time
-left, so a slow link is measured instead of timing out. `pick_targets` samples whom to probe, so a
-peer's probing costs O(k) frames whatever the swarm's size.
+left, so a slow link is measured instead of timing out. `pick_targets` chooses whom to probe (neighbours,
+then the links measured longest ago), so a peer's probing costs O(k) frames whatever the swarm's size.
 
 Noise only ever adds time (a busy receiver, a descheduled thread), so every figure is taken from the
 fastest of several round trips (`estimate_link`), and a transfer too short to tell from that noise
@@ -302,6 +302,10 @@ class LinkHistory:
         for gone in set(self._seen) - keep:
             del self._seen[gone]
 
+    def oldest_first(self) -> list[str]:
+        """The peers it holds measurements of, the least recently measured first."""
+        return list(self._seen)
+
     def current(self) -> dict[str, LinkMeasurement]:
         return {
             peer: LinkMeasurement(
@@ -325,18 +329,26 @@ def _rate(bytes_per_s: float) -> str:
     return f"{bytes_per_s:.3g} B/s"
 
 
-def pick_targets(me: str, known: Sequence[str], preferred: Sequence[str], k: int, rng: numpy.random.Generator) -> list[str]:
-    """Up to `k` peers to probe: the `preferred` ones (group and lane neighbours) first, in order, then a
-    uniform sample of the other `known` peers; never `me`. The same seed gives the same targets."""
+def pick_targets(
+    me: str, known: Sequence[str], preferred: Sequence[str], k: int, rng: numpy.random.Generator, measured: Sequence[str] = ()
+) -> list[str]:
+    """Up to `k` peers to probe, never `me`: the `preferred` ones (lane and group neighbours) first, in order,
+    filling at most half of `k` (rounded up) when there are others; the rest goes to the peers measured
+    longest ago: first those never measured (a uniform sample), then `measured` in its order (least recent
+    first). So every known peer is measured within a few rounds, and the coordinator plans from measured
+    links rather than guesses, whichever plan runs. The same seed gives the same targets."""
     if k < 0:
         raise ValueError(f"k must not be negative, got {k}")
-    chosen = list(dict.fromkeys(p for p in preferred if p != me))[:k]
+    others = set(known) - {me}
+    near = list(dict.fromkeys(p for p in preferred if p != me))
+    chosen = near[: k if others <= set(near) else -(-k // 2)]
     taken = set(chosen) | {me}
-    rest = sorted(set(known) - taken)  # sorted: the sample depends on the seed, not on the order given
-    want = min(k - len(chosen), len(rest))
+    never = sorted(others - taken - set(measured))  # sorted: the sample depends on the seed, not on the order given
+    want = min(k - len(chosen), len(never))
     if want > 0:
-        chosen += [rest[i] for i in rng.choice(len(rest), size=want, replace=False)]
-    return chosen
+        chosen += [never[i] for i in rng.choice(len(never), size=want, replace=False)]
+    stale = [p for p in dict.fromkeys(measured) if p in others and p not in chosen]
+    return chosen + stale[: k - len(chosen)]
 
 
 def _peek_probe_id() -> int:

@@ -39,6 +39,14 @@ from hetpeer.protocol.wire import SchemaError
 log = logging.getLogger("hetpeer.control")
 REMEMBER = 16  # DHT addresses of other participants kept for the next start, the most recently seen first
 ISOLATED_ROUNDS = 3  # rounds a DHT node may know no other node before it is restarted through the ones it remembers
+# Every participant reads the swarm's two keys once a round anyway, so hivemind's own refreshing of cached
+# values before they expire, and its copying of each value found to one more node, only add work: every
+# node that receives a value checks each record in it (schema and signature), and in a swarm of n peers
+# a round already costs O(n^2) such checks.
+DHT_OPTIONS = {"cache_refresh_before_expiry": 0, "cache_nearest": 0}
+# A value lives on the key's 5 nearest nodes (hivemind's replication); a search that keeps 5 candidates
+# finds them all without asking (and checking the answer of) every node of a small swarm.
+BEAM = 5
 
 
 class ControlError(RuntimeError):
@@ -161,7 +169,7 @@ class ControlPlane:
             try:
                 self.dht = DHT(
                     initial_peers=peers or None, start=True, record_validators=self._validators, host_maddrs=self.host_maddrs,
-                    announce_maddrs=self.announce_maddrs or None, ensure_bootstrap_success=False, **identity,
+                    announce_maddrs=self.announce_maddrs or None, ensure_bootstrap_success=False, **identity, **DHT_OPTIONS,
                 )
                 break
             except Exception as error:  # hivemind raises plain exceptions when no initial peer answers
@@ -262,11 +270,11 @@ class ControlPlane:
 
     # -- writes -------------------------------------------------------------------------------------
     def announce(self, record: PeerRecord, ttl_s: float) -> bool:
-        return bool(self.dht.store(peers_key(self.swarm), record.to_wire(), self.now() + ttl_s, subkey=self.owner))
+        return bool(self.dht.store(peers_key(self.swarm), record.to_wire(), self.now() + ttl_s, subkey=self.owner, beam_size=BEAM))
 
     def publish_plan(self, plan: Plan, ttl_s: float) -> bool:
         now = self.now()
-        return bool(self.dht.store(plan_key(self.swarm), plan_to_wire(plan, now), now + ttl_s, subkey=self.owner))
+        return bool(self.dht.store(plan_key(self.swarm), plan_to_wire(plan, now), now + ttl_s, subkey=self.owner, beam_size=BEAM))
 
     def store_raw(self, key: str, value: Any, ttl_s: float, subkey: Any) -> bool:
         """Write anything (tests and tools that check what the swarm refuses)."""
@@ -303,7 +311,7 @@ class ControlPlane:
         return plans, dropped
 
     def _entries(self, key: str) -> list[tuple[Any, Any]]:
-        found = self.dht.get(key, latest=True)
+        found = self.dht.get(key, latest=True, beam_size=BEAM)
         if found is None or not isinstance(found.value, dict):
             return []
         return [(subkey, entry.value) for subkey, entry in found.value.items()]

@@ -28,7 +28,7 @@ from hetpeer.protocol.addresses import PeerAddress, peer_maddrs
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.wire import SchemaError
 
-PROTOCOL_VERSION = 2  # 2: records carry the DHT multiaddrs of their writer
+PROTOCOL_VERSION = 2  # 2: records carry the DHT multiaddrs of their writer and what its training achieves
 OWNER_RE = re.compile(rb"\[owner:(.+)\]\Z", re.DOTALL)  # \Z, not $: $ also matches before a final newline
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9_]{0,23}\Z")
 STATES = ("probing", "waiting", "fetching", "training", "standby", "leaving")
@@ -86,10 +86,14 @@ class _Strict(pydantic.BaseModel):
         extra = pydantic.Extra.forbid
 
 
-class LinkSchema(_Strict):
-    peer: pydantic.StrictStr
-    latency_s: pydantic.StrictFloat
-    bandwidth_bytes_per_s: pydantic.StrictFloat
+class LinksSchema(_Strict):
+    """A peer's link measurements as parallel lists: every DHT node that stores or returns a record checks
+    it, for every record of the swarm, so a list of numbers (one model) rather than a model per link
+    (checked about four times faster)."""
+
+    peers: List[pydantic.StrictStr]
+    latency_s: List[pydantic.StrictFloat]
+    bandwidth_bytes_per_s: List[pydantic.StrictFloat]
 
 
 class PeerSchema(_Strict):
@@ -100,6 +104,7 @@ class PeerSchema(_Strict):
     dtype: pydantic.StrictStr
     device_name: pydantic.StrictStr
     tflops: pydantic.StrictFloat
+    achieved_tflops: Optional[pydantic.StrictFloat]
     memory_bytes: pydantic.StrictInt
     direct: Optional[pydantic.StrictStr]
     p2p: List[pydantic.StrictStr]
@@ -110,7 +115,7 @@ class PeerSchema(_Strict):
     step: pydantic.StrictInt
     loss: Optional[pydantic.StrictFloat]
     tokens_per_s: pydantic.StrictFloat
-    links: List[LinkSchema]
+    links: LinksSchema
     time: pydantic.StrictFloat
 
 
@@ -151,6 +156,7 @@ class PeerRecord:
     loss: float | None = None
     tokens_per_s: float = 0.0
     links: Dict[str, LinkMeasurement] = dataclass_field(default_factory=dict)
+    achieved_tflops: float | None = None  # what its training steps achieve (FLOPs over compute time), once it trains
     dht: tuple[str, ...] = ()  # where its DHT node listens (/p2p/<id> included): others bootstrap through it
     software: str = ""
     version: int = PROTOCOL_VERSION
@@ -165,6 +171,7 @@ class PeerRecord:
             "dtype": self.dtype,
             "device_name": self.device_name,
             "tflops": float(self.tflops),
+            "achieved_tflops": float(self.achieved_tflops) if self.achieved_tflops is not None else None,
             "memory_bytes": int(self.memory_bytes),
             "direct": f"{direct[0]}:{direct[1]}" if direct else None,
             "p2p": list(self.address.p2p),
@@ -175,10 +182,11 @@ class PeerRecord:
             "step": self.step,
             "loss": float(self.loss) if self.loss is not None else None,
             "tokens_per_s": float(self.tokens_per_s),
-            "links": [
-                {"peer": peer, "latency_s": float(m.latency_s), "bandwidth_bytes_per_s": float(m.bandwidth_bytes_per_s)}
-                for peer, m in sorted(self.links.items())
-            ],
+            "links": {
+                "peers": sorted(self.links),
+                "latency_s": [float(self.links[p].latency_s) for p in sorted(self.links)],
+                "bandwidth_bytes_per_s": [float(self.links[p].bandwidth_bytes_per_s) for p in sorted(self.links)],
+            },
             "time": float(self.time),
         }
 
@@ -206,6 +214,8 @@ class PeerRecord:
                 raise SchemaError(f"peer.{name_}", f"must be a finite, non-negative number, got {value!r}")
         if parsed.tflops <= 0:
             raise SchemaError("peer.tflops", f"must be positive, got {parsed.tflops!r}")
+        if parsed.achieved_tflops is not None and not (math.isfinite(parsed.achieved_tflops) and parsed.achieved_tflops > 0):
+            raise SchemaError("peer.achieved_tflops", f"must be a finite, positive number, got {parsed.achieved_tflops!r}")
         for name_, value, least in (("memory_bytes", parsed.memory_bytes, 0), ("step", parsed.step, 0), ("epoch", parsed.epoch, -1)):
             if value < least:
                 raise SchemaError(f"peer.{name_}", f"must be at least {least}, got {value}")
@@ -220,17 +230,22 @@ class PeerRecord:
             if len(parsed.layers) != 2 or not 0 <= parsed.layers[0] < parsed.layers[1]:
                 raise SchemaError("peer.layers", f"must be [start, end) with 0 <= start < end, got {parsed.layers}")
             layers = (parsed.layers[0], parsed.layers[1])
-        if len(parsed.links) > MAX_LINKS:
-            raise SchemaError("peer.links", f"at most {MAX_LINKS} measurements, got {len(parsed.links)}")
+        measured = parsed.links
+        count = len(measured.peers)
+        if count > MAX_LINKS:
+            raise SchemaError("peer.links", f"at most {MAX_LINKS} measurements, got {count}")
+        if len(measured.latency_s) != count or len(measured.bandwidth_bytes_per_s) != count:
+            raise SchemaError("peer.links", f"{count} peers but {len(measured.latency_s)} latencies and "
+                              f"{len(measured.bandwidth_bytes_per_s)} bandwidths")
+        if len(set(measured.peers)) != count:
+            raise SchemaError("peer.links.peers", "names a peer twice")
         links = {}
-        for i, link in enumerate(parsed.links):
-            if not (math.isfinite(link.latency_s) and link.latency_s >= 0):
-                raise SchemaError(f"peer.links[{i}].latency_s", f"must be finite and non-negative, got {link.latency_s!r}")
-            if not (math.isfinite(link.bandwidth_bytes_per_s) and link.bandwidth_bytes_per_s > 0):
-                raise SchemaError(
-                    f"peer.links[{i}].bandwidth_bytes_per_s", f"must be finite and positive, got {link.bandwidth_bytes_per_s!r}"
-                )
-            links[link.peer] = LinkMeasurement(link.latency_s, link.bandwidth_bytes_per_s)
+        for i, (peer, latency, bandwidth) in enumerate(zip(measured.peers, measured.latency_s, measured.bandwidth_bytes_per_s)):
+            if not (math.isfinite(latency) and latency >= 0):
+                raise SchemaError(f"peer.links.latency_s[{i}]", f"must be finite and non-negative, got {latency!r}")
+            if not (math.isfinite(bandwidth) and bandwidth > 0):
+                raise SchemaError(f"peer.links.bandwidth_bytes_per_s[{i}]", f"must be finite and positive, got {bandwidth!r}")
+            links[peer] = LinkMeasurement(latency, bandwidth)
         if len(parsed.dht) > MAX_DHT_MADDRS or any(len(m) > MAX_MADDR_CHARS for m in parsed.dht):
             raise SchemaError("peer.dht", f"at most {MAX_DHT_MADDRS} multiaddrs of at most {MAX_MADDR_CHARS} characters")
         dht = peer_maddrs(parsed.dht, "peer.dht")
@@ -253,6 +268,7 @@ class PeerRecord:
             loss=parsed.loss,
             tokens_per_s=parsed.tokens_per_s,
             links=links,
+            achieved_tflops=parsed.achieved_tflops,
             dht=dht,
             software=parsed.software,
             version=parsed.version,

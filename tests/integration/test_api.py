@@ -47,8 +47,9 @@ def record(device: str, state: str = "training", **kw) -> PeerRecord:
 
 def make_peers() -> dict[str, PeerRecord]:
     peers = [
-        record("a", layers=(0, 4), step=105, tokens_per_s=0.0,
-               links={"b": LinkMeasurement(0.001, 1e9), "c": LinkMeasurement(0.05, 1.25e7)}),
+        record("a", layers=(0, 4), step=105, tokens_per_s=0.0, achieved_tflops=6.5,
+               links={"b": LinkMeasurement(0.001, 1e9), "c": LinkMeasurement(0.05, 1.25e7)},
+               dht=("/ip4/127.0.0.1/tcp/31338/p2p/QmDhta",)),
         record("b", layers=(0, 4), step=104),
         record("c", layers=(4, 6), step=105, loss=2.0, tokens_per_s=300.0, time=NOW - 7.5),
         record("d", layers=(4, 6), step=103, loss=3.0, tokens_per_s=200.0),

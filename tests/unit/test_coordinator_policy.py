@@ -107,6 +107,19 @@ def test_default_link_when_nothing_was_measured():
     assert np.all(problem.bandwidth_bytes_per_s[off] == policy.DEFAULT_LINK[1])
 
 
+def test_compute_is_what_training_achieved_and_probes_are_corrected_by_the_swarms_efficiency():
+    records = {
+        "a": record("a", tflops=2.0, achieved_tflops=1.0),  # trained at half its probe
+        "b": record("b", tflops=4.0, achieved_tflops=3.0),  # at three quarters
+        "c": record("c", tflops=1.0, achieved_tflops=0.4),
+        "d": record("d", tflops=8.0),  # not trained yet: the median efficiency, 0.5
+    }
+    problem, _ = policy.build_problem(records, WORKLOAD, None)
+    assert problem.tflops.tolist() == [1.0, 3.0, 0.4, 4.0]
+    untrained = {d: record(d, tflops=t) for d, t in (("x", 2.0), ("y", 3.0))}
+    assert policy.build_problem(untrained, WORKLOAD, None)[0].tflops.tolist() == [2.0, 3.0]  # nothing to correct by
+
+
 def test_compute_memory_and_the_current_plan_come_from_the_records():
     records = {
         "b": record("b", tflops=2.5, memory_bytes=3 << 30),

@@ -124,9 +124,30 @@ def test_preferred_peers_come_first_in_order_and_never_me():
     assert set(chosen[3:]) <= set(KNOWN) - {"p0", "p5", "p3"}
 
 
+def test_neighbours_fill_at_most_half_so_every_link_gets_measured():
+    rng = np.random.default_rng(1)
+    group = [f"p{i}" for i in range(1, 9)]
+    chosen = pick_targets("p0", KNOWN, group, 4, rng)
+    assert chosen[:2] == ["p1", "p2"] and set(chosen[2:]) <= set(KNOWN) - set(group) - {"p0"}
+    measured: list[str] = []
+    for round_ in range(10):  # neighbours every round, the others in turn: all 19 within ten rounds of 2 new each
+        chosen = pick_targets("p0", KNOWN, group, 4, rng, measured)
+        measured = [p for p in measured if p not in chosen] + chosen  # oldest first, as LinkHistory keeps them
+    assert set(measured) == set(KNOWN) - {"p0"}
+    assert pick_targets("p0", KNOWN[:4], ["p3", "p2", "p1"], 4, rng) == ["p3", "p2", "p1"]  # no one else: all of them
+
+
+def test_never_measured_peers_come_before_the_least_recently_measured():
+    rng = np.random.default_rng(2)
+    measured = [p for p in KNOWN if p not in ("p0", "p7", "p8")]  # p1 oldest
+    assert sorted(pick_targets("p0", KNOWN, [], 2, rng, measured)) == ["p7", "p8"]
+    assert pick_targets("p0", KNOWN, [], 4, rng, measured)[2:] == ["p1", "p2"]
+    assert pick_targets("p0", KNOWN, [], 3, rng, ["gone", "p0"] + measured)[2:] == ["p1"]  # only known peers, never me
+
+
 def test_k_bounds_the_targets():
     rng = np.random.default_rng(1)
-    assert pick_targets("p0", KNOWN, ["p9", "p8", "p7"], 2, rng) == ["p9", "p8"]
+    assert pick_targets("p0", ["p7", "p8", "p9"], ["p9", "p8", "p7"], 2, rng) == ["p9", "p8"]
     assert pick_targets("p0", KNOWN, ["p9"], 0, rng) == []
     everyone = pick_targets("p0", KNOWN + ["p0"], [], 100, rng)
     assert sorted(everyone) == sorted(KNOWN[1:])
@@ -143,8 +164,8 @@ def test_the_same_seed_picks_the_same_targets_whatever_the_order_given():
     assert len(samples) > 1  # the seed matters
     rng = np.random.default_rng(7)
     before = rng.bit_generator.state
-    pick_targets("p3", KNOWN, ["p1", "p2", "p4", "p5", "p6"], 5, rng)
-    assert rng.bit_generator.state == before  # no draw when the preferred peers fill k
+    pick_targets("p3", KNOWN, ["p1", "p2"], 5, rng, [p for p in KNOWN if p not in ("p1", "p2", "p3")])
+    assert rng.bit_generator.state == before  # no draw when every other peer was measured before
 
 
 # -- estimate_link and LinkHistory ------------------------------------------------------------------
@@ -186,6 +207,7 @@ def test_link_history_keeps_the_most_recently_measured_peers_and_forgets_those_g
     history.add({"a": LinkMeasurement(0.01, 1e8)})  # a is measured again: b is now the oldest
     history.add({"d": LinkMeasurement(0.01, 1e8)})
     assert set(history.current()) == {"a", "c", "d"}
+    assert history.oldest_first() == ["c", "a", "d"]  # whom to measure again first
     history.keep_only(["a", "x"])
     assert set(history.current()) == {"a"}
     assert LinkHistory().limit == MAX_LINKS  # a record carries no more

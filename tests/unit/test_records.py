@@ -56,6 +56,7 @@ def record(**changes) -> PeerRecord:
             "cpu2-000000000000": LinkMeasurement(0.0, 3.0e6),
         },
         dht=(DHT_MADDR,),
+        achieved_tflops=250.0,
         software="hetpeer 0.1",
     )
     fields.update(changes)
@@ -118,7 +119,7 @@ def test_a_record_survives_its_wire_form_and_json():
     raw = sent.to_wire()
     assert parse(raw) == sent
     assert parse(json.loads(json.dumps(raw))) == sent
-    assert [link["peer"] for link in raw["links"]] == sorted(sent.links)
+    assert raw["links"]["peers"] == sorted(sent.links)
 
 
 def test_a_minimal_record_survives_its_wire_form():
@@ -166,8 +167,17 @@ def test_a_non_finite_or_negative_number_is_refused_naming_its_field(field, valu
 )
 def test_a_bad_link_measurement_is_refused_naming_the_link(field, value):
     raw = wire()
-    raw["links"][1][field] = value
-    refused(raw, f"peer.links[1].{field}")
+    raw["links"][field][1] = value
+    refused(raw, f"peer.links.{field}[1]")
+
+
+def test_link_lists_of_different_lengths_or_a_peer_twice_are_refused():
+    raw = wire()
+    raw["links"]["latency_s"].append(0.5)
+    refused(raw, "peer.links")
+    raw = wire()
+    raw["links"]["peers"][1] = raw["links"]["peers"][0]
+    refused(raw, "peer.links.peers")
 
 
 def test_a_stale_record_and_one_from_the_future_are_refused():
@@ -178,9 +188,11 @@ def test_a_stale_record_and_one_from_the_future_are_refused():
 
 
 def test_a_record_with_too_many_links_is_refused():
-    links = [{"peer": f"p{i}-000000000000", "latency_s": 0.01, "bandwidth_bytes_per_s": 1e6} for i in range(MAX_LINKS)]
-    assert len(parse(wire(links=links)).links) == MAX_LINKS
-    error = refused(wire(links=links + [dict(links[0], peer="one-more")]), "peer.links")
+    def links(n: int) -> dict:
+        return {"peers": [f"p{i}-000000000000" for i in range(n)], "latency_s": [0.01] * n, "bandwidth_bytes_per_s": [1e6] * n}
+
+    assert len(parse(wire(links=links(MAX_LINKS))).links) == MAX_LINKS
+    error = refused(wire(links=links(MAX_LINKS + 1)), "peer.links")
     assert str(MAX_LINKS) in str(error)
 
 
@@ -206,7 +218,7 @@ def test_another_protocol_version_is_refused():
         ("p2p", P2P, "peer.p2p"),
         ("layers", [4.0, 8.0], "peer.layers.0"),
         ("loss", "2.75", "peer.loss"),
-        ("links", {"x": 1}, "peer.links"),
+        ("links", [{"x": 1}], "peer.links"),
     ],
 )
 def test_a_value_of_the_wrong_type_is_refused_not_converted(field, value, path):
@@ -217,15 +229,15 @@ def test_a_record_that_parses_only_after_conversion_is_refused():
     raw = wire(p2p=(P2P,))  # a tuple would parse as a list
     assert "type conversions" in str(refused(raw, "peer"))
     raw = wire()
-    raw["links"] = tuple(raw["links"])
+    raw["links"]["peers"] = tuple(raw["links"]["peers"])
     refused(raw, "peer")
 
 
 def test_extra_and_missing_fields_are_refused():
     assert "extra fields" in str(refused(wire(admin=True), "peer.admin"))
     raw = wire()
-    raw["links"][0]["jitter_s"] = 0.1
-    refused(raw, "peer.links.0.jitter_s")
+    raw["links"]["jitter_s"] = [0.1, 0.1]
+    refused(raw, "peer.links.jitter_s")
     raw = wire()
     del raw["model"]
     assert "required" in str(refused(raw, "peer.model"))
@@ -244,6 +256,14 @@ def test_a_bad_address_is_refused():
     refused(wire(direct="no-port"), "peer.address.direct")
     refused(wire(p2p=["/ip4/1.2.3.4/tcp/1"]), "peer.address.p2p[0]")
     refused(wire(direct=None, p2p=[]), "peer.address")
+
+
+def test_achieved_tflops_is_optional_but_finite_and_positive():
+    assert parse(wire(achieved_tflops=0.75)).achieved_tflops == 0.75
+    assert parse(wire(achieved_tflops=None)).achieved_tflops is None
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        refused(wire(achieved_tflops=bad), "peer.achieved_tflops")
+    refused(wire(achieved_tflops=1), "peer.achieved_tflops")  # an int where a float belongs
 
 
 def test_the_dht_addresses_must_name_one_libp2p_peer():

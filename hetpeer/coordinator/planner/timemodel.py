@@ -14,7 +14,9 @@ For a grid (rows = stages in order, columns = lanes), with M micro-batches per l
 - a group syncs its stage's parameters either by ring all-reduce after the step,
       2 (m - 1) (max ring latency + stage bytes / (m min ring bandwidth)),
   or by gossip (decentralized Adam, one-peer exponential graph: round r pairs lane l with lane
-  l + 2^r mod m), whose exchange overlaps the next step's compute, so only max(0, gossip - T) shows;
+  l + 2^r mod m, one round a step, in turn), whose exchange overlaps the step's compute, so a round
+  shows only where it outlasts the step: the mean over rounds of max(0, round - T), where a round
+  takes its slowest pair (the mean of the rounds first would hide a slow round behind fast ones);
   `auto` takes all-reduce (exact averaging) unless it costs more than 2% of the step over gossip;
 - step = slowest lane + slowest group's exposed sync; the search minimises the step plus
   TIE_BREAK (1%) of the mean lane time and mean exposed sync, so that swaps which do not move the
@@ -158,16 +160,15 @@ class TimeCost:
         return lane, t, h
 
     def _groups(self, rows: np.ndarray, stage_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(all-reduce seconds, gossip seconds before overlap) for groups given as (..., m) devices."""
+        """(all-reduce seconds (...), each gossip round's seconds before overlap (..., rounds)) for groups
+        given as (..., m) devices."""
         if rows.shape[-1] == 1:
-            zero = np.zeros(rows.shape[:-1])
-            return zero, zero
+            return np.zeros(rows.shape[:-1]), np.zeros(rows.shape[:-1] + (1,))
         m = rows.shape[-1]
         latency, per_byte = self._pairs(rows, np.roll(rows, -1, axis=-1))
         allreduce = 2 * (m - 1) * (latency.max(-1) + stage_bytes / m * per_byte.max(-1))
         latency, per_byte = self._pairs(rows[..., None, :], rows[..., self.partners])  # (..., rounds, m)
-        rounds = (latency + stage_bytes[..., None, None] * per_byte).max(-1)
-        return allreduce, rounds.mean(-1)
+        return allreduce, (latency + stage_bytes[..., None, None] * per_byte).max(-1)
 
     def _pairs(self, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(latency seconds, seconds per byte) from devices a to devices b, elementwise."""
@@ -175,8 +176,9 @@ class TimeCost:
         return self._latency_flat.take(index), self._seconds_per_byte_flat.take(index)
 
     def _sync(self, allreduce: np.ndarray, gossip: np.ndarray, lane_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Per group (K, S): exposed sync seconds and whether it gossips."""
-        gossip = np.maximum(gossip - lane_s[:, None], 0.0)
+        """Per group (K, S), from all-reduce (K, S) and gossip rounds (K, S, rounds): exposed sync seconds
+        and whether it gossips."""
+        gossip = np.maximum(gossip - lane_s[:, None, None], 0.0).mean(-1)
         if self.shape.group_size == 1 or self.sync == "allreduce":
             use_gossip = np.zeros(allreduce.shape, dtype=bool)
         elif self.sync == "gossip":
