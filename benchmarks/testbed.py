@@ -16,8 +16,8 @@ links and the coordinator has planned from those measurements:
    `SETTLE_STEPS`) under the coordinator's plan, a random plan and the "blocks" plan (devices in the
    topology's order) of the same shape, published with the coordinator's key as the coordinator would,
    `--rounds` windows each, alternating (the machine is shared and its load drifts); medians compared;
-2. prediction: each plan's predicted seconds per step (the time model, on the links the peers measured)
-   beside the measured ones;
+2. prediction: each plan's predicted seconds per step beside the measured ones: the time model on what
+   the peers announce as its window opens (measured links, achieved compute), alike for every kind;
 3. recovery: under each kind of plan, a peer of it is killed (`docker kill`); reported: seconds until a
    plan without it has run a step. The peer is then started again and the swarm waits for it.
 
@@ -43,6 +43,8 @@ from swarm import SETTLE_STEPS, baseline, measure, poll, publish  # noqa: E402  
 
 from hetpeer import scenarios  # noqa: E402
 from hetpeer.coordinator.api import ApiClient  # noqa: E402
+from hetpeer.coordinator.planner import PlannerConfig  # noqa: E402
+from hetpeer.coordinator.policy import build_problem, predicted_step_s  # noqa: E402
 from hetpeer.peer.launch import free_port  # noqa: E402
 from hetpeer.protocol.control import ControlPlane  # noqa: E402
 from hetpeer.protocol.join import JoinInfo  # noqa: E402
@@ -78,9 +80,18 @@ def all_measured(client: ApiClient, devices: int):
     return records if all((a, b) in pairs for a in records for b in records if a != b) else None
 
 
+def predicted_now(client: ApiClient, plan: Plan, workload: Workload) -> float:
+    """The time model's step for `plan` on what the peers announce now (their latest link measurements and
+    achieved compute), as for any plan the coordinator would weigh: every kind is predicted alike."""
+    records = {s.record.device_id: s.record for s in client.call_list_peers() if s.record.state != "leaving"}
+    problem, _ = build_problem(records, workload, current=None)
+    return predicted_step_s(problem, PlannerConfig(cost_model="time"), plan)
+
+
 def recover(bed: Testbed, client: ApiClient, running: Plan) -> float:
     """Kill a member of `running`; seconds until a plan without it has run a step. Then start it again and
-    wait until it announces again."""
+    wait until the coordinator has planned with it again (in or on standby), so that its re-plan for the
+    newcomer does not replace the next plan measured."""
     victim = running.stages[-1].devices[0]
     service = service_name(next(d.id for d in bed.config.topology.devices if victim.startswith(peer_name(d.id) + "-")))
     killed = time.monotonic()
@@ -92,6 +103,12 @@ def recover(bed: Testbed, client: ApiClient, running: Plan) -> float:
     bed.compose.start(service)
     poll(client, lambda: any(p.record.device_id == victim and p.record.state != "leaving" for p in client.call_list_peers()),
          "the killed peer to announce again", timeout_s=300)
+    deadline = time.monotonic() + 8 * bed.config.heartbeat_s  # it settles, the coordinator solves: a new plan, or none
+    while time.monotonic() < deadline:
+        plan = client.call_get_plan()[0]
+        if plan.epoch > new.epoch and victim in set(plan.devices) | set(plan.standby):
+            break
+        time.sleep(1.0)
     return seconds
 
 
@@ -161,7 +178,8 @@ def main() -> int:
                     for kind, plan in plans.items():
                         epoch = max(epoch, client.call_get_plan()[0].epoch) + 1
                         running = planned if round_ == 0 and kind == "coordinator" else publish(control, client, plan, epoch, tokens_per_step)
-                        rows.append((kind, measure(client, running, args.window, tokens_per_step)))
+                        predicted_s = predicted_now(client, running, workload)
+                        rows.append((kind, {**measure(client, running, args.window, tokens_per_step), "predicted_s": predicted_s}))
                         print(f"  {kind:<12} {rows[-1][1]['tokens_per_s']:>8.0f} tokens/s, {rows[-1][1]['measured_s']:.3f} s/step "
                               f"measured, {rows[-1][1]['predicted_s']:.3f} predicted", flush=True)
                 for kind, plan in plans.items():
@@ -189,7 +207,7 @@ def summarize(rows: list[tuple[str, dict]], recovery: dict[str, float]) -> dict:
         mine = [r for k, r in rows if k == kind]
         result[kind] = {
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in mine),
-            "predicted_s": mine[0]["predicted_s"],
+            "predicted_s": statistics.median(r["predicted_s"] for r in mine),
             "measured_s": statistics.median(r["measured_s"] for r in mine),
             "recovery_s": recovery.get(kind),
         }

@@ -344,12 +344,13 @@ def render_status(
         f"peers {sum(progress.peers_by_state.values())} ({states}), {progress.dropped} records dropped",
         "",
     ]
-    rows = [("peer", "state", "stage", "step", "loss", "tok/s", "TFLOPS", "device", "age s")]
+    rows = [("peer", "state", "stage", "step", "loss", "tok/s", "TFLOPS", "achieved", "device", "age s")]
     for p in sorted(peers, key=lambda p: p.record.device_id):
         r = p.record
         rows.append((
             r.device_id, r.state, _place(plan, r), str(r.step), f"{r.loss:.4f}" if r.loss is not None else "-",
-            f"{r.tokens_per_s:.1f}", f"{r.tflops:.3g}", r.device_name, f"{p.age_s:.0f}",
+            f"{r.tokens_per_s:.1f}", f"{r.tflops:.3g}", f"{r.achieved_tflops:.3g}" if r.achieved_tflops else "-",
+            r.device_name, f"{p.age_s:.0f}",
         ))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]

@@ -9,8 +9,8 @@ over the peer's own transport, so what it measures is the path training frames t
 
 A probe id (the frame's `step` field) is unique in the process, so probes of several peers at once never
 mix. Each measurement is bounded in bytes (`budget_bytes`) and in time (`budget_s`): a small pilot frame
-first estimates the link, and the main data frames are sized to what the link carries in half the time
-left, so a slow link is measured instead of timing out. `pick_targets` chooses whom to probe (neighbours,
+first estimates the link, and the main data frames are sized to what the link carries in `FRAME_S` (and
+in half the time left), so a slow link is measured instead of timing out, without crowding out training. `pick_targets` chooses whom to probe (neighbours,
 then the links measured longest ago), so a peer's probing costs O(k) frames whatever the swarm's size.
 
 Noise only ever adds time (a busy receiver, a descheduled thread), so every figure is taken from the
@@ -53,6 +53,7 @@ PING, PONG, DATA, DATA_ACK = range(4)  # the `micro` field of probe frames
 PILOT_BYTES = 64 << 10  # the first data frame, at most; it sizes the main one
 PILOT_SHARE = 8  # the pilot takes at most 1/8 of the byte budget
 DATA_SAMPLES = 3  # data frames per measurement; the fastest counts
+FRAME_S = 0.1  # a main data frame holds the link about this long: long enough to time, short enough not to crowd out training
 RESOLUTION_S = 1e-4  # a data frame's time on the wire is taken to be at least this: shorter is lost in timing noise
 HISTORY_ROUNDS = 3  # rounds of measurements a peer's announced figure is the median of
 _probe_ids = itertools.count(1)  # shared by every prober in the process: replies never cross
@@ -79,31 +80,61 @@ class MachineProfile:
 
 
 class Slowdown:
-    """Emulates an accelerator `factor` times slower: `with slowdown:` times the work inside, then sleeps
-    (factor - 1) times as long. Reusable and thread-safe (each thread times its own blocks)."""
+    """Emulates an accelerator `factor` times slower: the work inside `with slowdown.of(key):` (or `with
+    slowdown:`, key None) lasts `factor` times the fastest this object has seen that work done, or as long
+    as it took if that is longer. A device runs its kernels at its own pace: scaling each run's own time
+    instead would also scale the host's noise (a busy core, the GIL) `factor`-fold. A key names one kind of
+    work (forward or backward of one micro-batch shape, say); work that changes needs a new key or a new
+    Slowdown. Reusable and thread-safe (each thread times its own blocks)."""
 
     def __init__(self, factor: float) -> None:
         if not (math.isfinite(factor) and factor >= 1):
             raise ValueError(f"slowdown factor must be a finite number >= 1, got {factor!r}")
         self.factor = float(factor)
         self._starts = threading.local()
+        self._fastest: dict[object, float] = {}
+        self._lock = threading.Lock()
+
+    def of(self, key: object) -> "_Timed":
+        return _Timed(self, key)
 
     def __enter__(self) -> "Slowdown":
-        if self.factor != 1:
-            _sync_cuda()  # time this block's kernels, not the queue left by earlier ones
-            self._stack().append(time.perf_counter())
+        self._begin(None)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._end()
+
+    def _begin(self, key: object) -> None:
+        if self.factor != 1:
+            _sync_cuda()  # time this block's kernels, not the queue left by earlier ones
+            self._stack().append((time.perf_counter(), key))
+
+    def _end(self) -> None:
         if self.factor != 1:
             _sync_cuda()  # kernels run asynchronously: wait for them before reading the clock
-            elapsed = time.perf_counter() - self._stack().pop()
-            time.sleep((self.factor - 1) * elapsed)
+            started, key = self._stack().pop()
+            elapsed = time.perf_counter() - started
+            with self._lock:
+                fastest = self._fastest[key] = min(self._fastest.get(key, math.inf), elapsed)
+            time.sleep(max(0.0, self.factor * fastest - elapsed))
 
-    def _stack(self) -> list[float]:
+    def _stack(self) -> list[tuple[float, object]]:
         if not hasattr(self._starts, "stack"):
             self._starts.stack = []
         return self._starts.stack
+
+
+class _Timed:
+    def __init__(self, slowdown: Slowdown, key: object) -> None:
+        self.slowdown, self.key = slowdown, key
+
+    def __enter__(self) -> "_Timed":
+        self.slowdown._begin(self.key)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.slowdown._end()
 
 
 def profile_machine(
@@ -192,7 +223,8 @@ class LinkProber:
         and `budget_s` seconds; ProbeError (naming the peer) when it cannot.
 
         Cost: `pings` round trips, a pilot data frame of at most `PILOT_BYTES`, then up to `DATA_SAMPLES`
-        data frames sharing the rest of the byte budget."""
+        data frames sharing the rest of the byte budget, each sized to hold the link about `FRAME_S` (at
+        least twice the pilot)."""
         if peer == self.device_id:
             raise ValueError(f"{self.device_id} cannot probe itself")
         if budget_bytes < 4 or not budget_s > 0 or pings < 1:
@@ -206,12 +238,16 @@ class LinkProber:
             size = max(4, min(total_bytes, self.max_probe_bytes) // 4 * 4)
             return estimate_link(ping_s, [self._data(peer, size, deadline, budget_s)], size)
         pilot = estimate_link(ping_s, [self._data(peer, pilot_bytes, deadline, budget_s)], pilot_bytes)
-        # the pilot's rate is a lower bound (latency noise inflates its time): half the time left is safe
-        fits = int(pilot.bandwidth_bytes_per_s * (deadline - time.perf_counter()) / 2 / DATA_SAMPLES)
-        each_bytes = min(each_bytes, fits) // 4 * 4
+        # The pilot's rate is a lower bound (latency noise inflates a small frame's time most): the main frames
+        # hold the link about FRAME_S at that rate, but are at least twice the pilot, and what they take must
+        # fit half the time left.
+        rate = pilot.bandwidth_bytes_per_s
+        fits = int(rate * (deadline - time.perf_counter()) / 2 / DATA_SAMPLES)
+        each_bytes = min(each_bytes, fits, max(int(rate * FRAME_S), 2 * pilot_bytes)) // 4 * 4
         if each_bytes <= pilot_bytes:
             return pilot
-        return estimate_link(ping_s, [self._data(peer, each_bytes, deadline, budget_s) for _ in range(DATA_SAMPLES)], each_bytes)
+        main = estimate_link(ping_s, [self._data(peer, each_bytes, deadline, budget_s) for _ in range(DATA_SAMPLES)], each_bytes)
+        return main if main.bandwidth_bytes_per_s >= rate else pilot  # noise only slows: the faster estimate
 
     def measure_many(
         self, peers: Sequence[str], budget_bytes: int = 1 << 20, budget_s: float = 2.0, pings: int = 3
@@ -281,7 +317,9 @@ def estimate_link(ping_s: Sequence[float], data_s: Sequence[float], data_bytes: 
 class LinkHistory:
     """The links a peer announces: per peer, the median of its last `rounds` measurements (latency and
     bandwidth each), so one round spoiled by a busy machine does not change what the coordinator plans
-    with; at most `limit` peers, the most recently measured (a record carries at most `MAX_LINKS`).
+    with; until there are that many, the fastest (noise only slows, and two rounds cannot outvote a
+    spoiled one: a first round made while the machine was still starting up would otherwise stand); at
+    most `limit` peers, the most recently measured (a record carries at most `MAX_LINKS`).
     Not thread-safe: its owner holds a lock."""
 
     def __init__(self, rounds: int = HISTORY_ROUNDS, limit: int = MAX_LINKS) -> None:
@@ -307,12 +345,14 @@ class LinkHistory:
         return list(self._seen)
 
     def current(self) -> dict[str, LinkMeasurement]:
-        return {
-            peer: LinkMeasurement(
-                statistics.median(m.latency_s for m in seen), statistics.median(m.bandwidth_bytes_per_s for m in seen)
-            )
-            for peer, seen in self._seen.items()
-        }
+        found = {}
+        for peer, seen in self._seen.items():
+            latency, bandwidth = [m.latency_s for m in seen], [m.bandwidth_bytes_per_s for m in seen]
+            if len(seen) < self.rounds:
+                found[peer] = LinkMeasurement(min(latency), max(bandwidth))
+            else:
+                found[peer] = LinkMeasurement(statistics.median(latency), statistics.median(bandwidth))
+        return found
 
 
 def describe_links(links: Mapping[str, LinkMeasurement]) -> str:

@@ -180,6 +180,7 @@ def test_render_status_and_json(serve):
         assert needle in text, needle
     row = next(line for line in text.splitlines() if line.startswith("c "))
     assert "training" in row and "300.0" in row and "2.0000" in row
+    assert "6.5" in next(line for line in text.splitlines() if line.startswith("a "))  # what its training achieved
     doc = json.loads(json.dumps(status_json(plan, peers, figures, published)))
     assert doc["tokens_per_s"] == 500.0 and doc["loss"] == 2.5 and doc["plan"] == make_plan().to_wire()
     assert [p["device_id"] for p in doc["peers"]] == ["a", "b", "c", "d", "e", "f"]

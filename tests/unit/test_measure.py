@@ -74,9 +74,19 @@ def test_a_slowdown_of_three_makes_a_block_take_about_three_times_as_long(sleeps
         total_s = timed(slowdown)
         [(_, slept_s)] = sleeps
         sleeps.clear()
-        # it sleeps twice what the block took: at least twice the work, at most twice what was left of the total
-        assert 2 * WORK_S <= slept_s <= 2 * (total_s - slept_s) + 1e-6
+        # three times the fastest run of the work (at least the work's own time): it sleeps at most twice this run
         assert 3 * WORK_S <= total_s < 5.0
+        assert slept_s <= 2 * (total_s - slept_s) + 1e-6
+
+
+def test_a_run_slowed_by_the_host_is_not_slowed_three_times_more(sleeps):
+    slowdown = Slowdown(3)
+    timed(slowdown, WORK_S)
+    noisy_s = timed(slowdown, 2 * WORK_S)  # the same work, on a busier host: the emulated device is no slower
+    assert 3 * WORK_S <= noisy_s < 3 * 2 * WORK_S
+    assert sleeps[-1][1] <= WORK_S + 0.01  # three times the fastest, less what it took
+    other_s = timed(slowdown.of("other work"), 2 * WORK_S)  # another key: its own fastest
+    assert other_s >= 3 * 2 * WORK_S
 
 
 def test_a_slowdown_times_each_threads_blocks_on_their_own(sleeps):
@@ -84,10 +94,10 @@ def test_a_slowdown_times_each_threads_blocks_on_their_own(sleeps):
 
     def later() -> float:
         REAL_SLEEP(0.05)
-        return timed(slowdown, 0.3)
+        return timed(slowdown.of("long"), 0.3)
 
     # the first block starts before the second and ends inside it: one shared stack would mix their starts
-    first, second = outcomes([lambda: timed(slowdown, 0.1), later], 10.0)
+    first, second = outcomes([lambda: timed(slowdown.of("short"), 0.1), later], 10.0)
     slept = dict(sleeps)
     assert len(slept) == 2 and len(set(slept.values())) == 2
     short_s, long_s = sorted(slept.values())
@@ -198,6 +208,16 @@ def test_a_peer_announces_the_median_of_its_last_rounds():
     assert history.current() == {"p": LinkMeasurement(0.01, 1.1e8)}
     history.add({"p": LinkMeasurement(5.0, 1e3)})  # a link that really changed is followed
     assert history.current() == {"p": LinkMeasurement(5.0, 1e3)}
+
+
+def test_before_three_rounds_the_fastest_counts():
+    history = LinkHistory(rounds=3)
+    history.add({"p": LinkMeasurement(0.012, 3.6e5)})  # measured while the machine was still starting up
+    assert history.current() == {"p": LinkMeasurement(0.012, 3.6e5)}
+    history.add({"p": LinkMeasurement(0.006, 1.2e7)})
+    assert history.current() == {"p": LinkMeasurement(0.006, 1.2e7)}  # not the mean of the two
+    history.add({"p": LinkMeasurement(0.007, 1.1e7)})
+    assert history.current() == {"p": LinkMeasurement(0.007, 1.1e7)}  # three rounds: the median again
 
 
 def test_link_history_keeps_the_most_recently_measured_peers_and_forgets_those_gone():

@@ -6,11 +6,16 @@ For a grid (rows = stages in order, columns = lanes), with M micro-batches per l
   device would then finish its micro-batch soonest (optimal for the min-max), within memory;
 - a device's time per micro-batch t = its stage's layers x 3 x forward FLOPs / its TFLOPS (backward
   is twice the forward), plus the output head on the last stage;
-- a hop between consecutive stages of a lane costs h = latency + micro-batch activation bytes /
-  bandwidth, once forward (activations) and once backward (their gradients), on a full-duplex link;
-- a lane under 1F1B, with its hops treated as pipeline stages, takes
-      T = sum t + 2 sum h + (M - 1) max(max t, max h)
-  (fill and drain of one micro-batch, then one bottleneck slot per further micro-batch);
+- a hop between consecutive stages of a lane costs h = latency + x, x = micro-batch activation bytes /
+  bandwidth (the link's occupancy), once forward (activations) and once backward (their gradients), on a
+  full-duplex link;
+- a lane under 1F1B takes
+      T = C + (M - 1) P,   C = sum t + 2 sum h,   P = max(max t, max x, C / S if M > S)
+  C is one micro-batch's round trip (fill and drain); each further micro-batch costs the lane's
+  bottleneck: a stage's compute, a link's occupancy (latency is no resource: micro-batches in flight
+  share it), or, once there are more micro-batches than stages, a round trip per S of them (1F1B holds
+  at most S - s in flight on stage s). Against an event simulation of the runtime's schedule this is
+  exact for M = 1 and within a few percent on average (`tests/unit/test_timemodel.py`);
 - a group syncs its stage's parameters either by ring all-reduce after the step,
       2 (m - 1) (max ring latency + stage bytes / (m min ring bandwidth)),
   or by gossip (decentralized Adam, one-peer exponential graph: round r pairs lane l with lane
@@ -148,16 +153,20 @@ class TimeCost:
 
     def _lanes(self, cols: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Lane times for lanes given as (..., S) device indices with (..., S) layer counts:
-        (lane seconds (...), per-stage compute t (..., S), per-hop h (..., S-1 or 1))."""
+        (lane seconds (...), per-stage compute t (..., S), per-micro-batch period P (...))."""
+        stages, M = cols.shape[-1], self.micro_batches
         t = counts * self.layer_s[cols]
         t[..., -1] += self.head_s[cols[..., -1]]
-        if cols.shape[-1] > 1:
+        if stages > 1:
             latency, per_byte = self._pairs(cols[..., :-1], cols[..., 1:])
-            h = latency + self.hop_bytes * per_byte
+            occupancy = self.hop_bytes * per_byte
+            round_trip = t.sum(-1) + 2 * (latency + occupancy).sum(-1)
+            period = np.maximum(t.max(-1), occupancy.max(-1))
         else:
-            h = np.zeros(cols.shape[:-1] + (1,))
-        lane = t.sum(-1) + 2 * h.sum(-1) + (self.micro_batches - 1) * np.maximum(t.max(-1), h.max(-1))
-        return lane, t, h
+            round_trip, period = t.sum(-1), t.max(-1)
+        if M > stages:
+            period = np.maximum(period, round_trip / stages)
+        return round_trip + (M - 1) * period, t, period
 
     def _groups(self, rows: np.ndarray, stage_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(all-reduce seconds (...), each gossip round's seconds before overlap (..., rounds)) for groups
@@ -196,7 +205,7 @@ class TimeCost:
     def _evaluate(self, grids: np.ndarray) -> dict[str, np.ndarray]:
         K = grids.shape[0]
         counts = self._layers(grids)
-        lane, t, h = self._lanes(grids.transpose(0, 2, 1), counts[:, None, :])  # lanes: (K, m)
+        lane, t, period = self._lanes(grids.transpose(0, 2, 1), counts[:, None, :])  # lanes: (K, m)
         slowest = lane.argmax(axis=1)
         lane_s = lane[np.arange(K), slowest]
         stage_bytes = counts * self.wire_per_layer + self.wire_fixed  # (K, S)
@@ -208,7 +217,7 @@ class TimeCost:
         move = self._move_s(grids, counts) if self._current is not None else np.zeros(K)
         objective = self._objective(lane, sync_s, overflow, move)
         return {
-            "counts": counts, "lane": lane, "t": t, "h": h, "slowest": slowest, "lane_s": lane_s,
+            "counts": counts, "lane": lane, "t": t, "period": period, "slowest": slowest, "lane_s": lane_s,
             "allreduce": allreduce, "gossip": gossip, "sync_s": sync_s, "use_gossip": use_gossip, "total": total,
             "move": move, "overflow": overflow.sum(axis=1), "row_overflow": overflow, "objective": objective,
         }  # fmt: skip
@@ -270,14 +279,16 @@ class TimeCost:
     def report(self, grid: np.ndarray) -> Report:
         e = self._evaluate(grid[None])
         lane = int(e["slowest"][0])
-        t, h, M = e["t"][0, lane], e["h"][0, lane], self.micro_batches
+        t, M = e["t"][0, lane], self.micro_batches
+        lane_s = float(e["lane"][0, lane])
         sync = tuple(
             "none" if self.shape.group_size == 1 else ("gossip" if g else "allreduce") for g in e["use_gossip"][0]
         )
         cost = {
             "compute_s": float(M * t.max()),
             "bubble_s": float(t.sum() - t.max()),
-            "activation_s": float(2 * h.sum() + (M - 1) * max(0.0, h.max() - t.max())),
+            # the rest of the slowest lane: transfers and round trips that compute does not hide
+            "activation_s": lane_s - float(M * t.max() + t.sum() - t.max()),
             "sync_s": float(e["sync_s"][0].max()),
             "total_s": float(e["total"][0]),
         }

@@ -158,7 +158,7 @@ class StageWorker:
                     labels = self._recv("labels", self.previous, step, micro)
                     inputs = x
                 wait_s += time.perf_counter() - tick
-                with self._autocast(), self.slowdown:
+                with self._autocast(), self.slowdown.of(("forward", self.sizes[micro])):
                     y = self.model(x)
                     if self.next is None:
                         y = self.model.loss(y, labels) * (self.sizes[micro] / self.plan.lane_batch)
@@ -170,13 +170,13 @@ class StageWorker:
             else:
                 inputs, y = held.pop(micro)
                 if self.next is None:
-                    with self.slowdown:
+                    with self.slowdown.of(("backward", self.sizes[micro])):
                         y.backward()
                 else:
                     tick = time.perf_counter()
                     grad = self._recv("gradient", self.next, step, micro)
                     wait_s += time.perf_counter() - tick
-                    with self.slowdown:
+                    with self.slowdown.of(("backward", self.sizes[micro])):
                         y.backward(grad.to(y.dtype))
                 if inputs is not None:
                     self._send("gradient", self.previous, inputs.grad, micro)
