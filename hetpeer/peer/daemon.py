@@ -72,7 +72,7 @@ class SwarmPeerConfig:
     heartbeat_s: float = 2.0
     probe_every: int = 5  # heartbeats between rounds of link probes
     probe_targets: int = 4  # peers probed per round: lane and group neighbours first, then a sample
-    probe_bytes: int = 1 << 20
+    probe_bytes: int = 2 << 20  # per peer probed: larger frames read a fast link's rate through timing noise
     steps: int | None = None  # leave once the swarm's step count reaches this
     data: str | None = None
     threads: int | None = None

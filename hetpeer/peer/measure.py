@@ -238,16 +238,16 @@ class LinkProber:
             size = max(4, min(total_bytes, self.max_probe_bytes) // 4 * 4)
             return estimate_link(ping_s, [self._data(peer, size, deadline, budget_s)], size)
         pilot = estimate_link(ping_s, [self._data(peer, pilot_bytes, deadline, budget_s)], pilot_bytes)
-        # The pilot's rate is a lower bound (latency noise inflates a small frame's time most): the main frames
-        # hold the link about FRAME_S at that rate, but are at least twice the pilot, and what they take must
-        # fit half the time left.
+        # The pilot only sizes the main frames: a ping slowed by noise makes a small frame's transfer look
+        # shorter than it was, so its rate errs either way, most on a fast link. The main frames hold the link
+        # about FRAME_S at that rate, but are at least twice the pilot, and what they take must fit half the
+        # time left; being the largest, their estimate counts.
         rate = pilot.bandwidth_bytes_per_s
         fits = int(rate * (deadline - time.perf_counter()) / 2 / DATA_SAMPLES)
         each_bytes = min(each_bytes, fits, max(int(rate * FRAME_S), 2 * pilot_bytes)) // 4 * 4
         if each_bytes <= pilot_bytes:
             return pilot
-        main = estimate_link(ping_s, [self._data(peer, each_bytes, deadline, budget_s) for _ in range(DATA_SAMPLES)], each_bytes)
-        return main if main.bandwidth_bytes_per_s >= rate else pilot  # noise only slows: the faster estimate
+        return estimate_link(ping_s, [self._data(peer, each_bytes, deadline, budget_s) for _ in range(DATA_SAMPLES)], each_bytes)
 
     def measure_many(
         self, peers: Sequence[str], budget_bytes: int = 1 << 20, budget_s: float = 2.0, pings: int = 3

@@ -23,9 +23,14 @@ class ComposeError(RuntimeError):
     """A docker or compose command failed, or Docker is not there."""
 
 
-def run(command: Sequence[str], timeout_s: float = TIMEOUT_S, check: bool = True) -> subprocess.CompletedProcess:
+def run(
+    command: Sequence[str], timeout_s: float = TIMEOUT_S, check: bool = True, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run a command, its output captured; ComposeError naming it when it is missing, hangs or (with
+    `check`) fails. `env` adds to this process's environment."""
     try:
-        done = subprocess.run(list(command), capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run(list(command), capture_output=True, text=True, timeout=timeout_s,
+                              env={**os.environ, **env} if env else None)
     except FileNotFoundError:
         raise ComposeError(f"{command[0]} is not installed (see docker/README.md)") from None
     except subprocess.TimeoutExpired:
@@ -89,16 +94,8 @@ class Compose:
     def __init__(self, file: Path, project: str, env: dict[str, str] | None = None) -> None:
         self.file, self.project, self.env = Path(file), project, env or {}
 
-    def _run(self, *args: str, timeout_s: float = TIMEOUT_S, check: bool = True) -> subprocess.CompletedProcess:
-        command = [*compose_command(), "-f", str(self.file), "-p", self.project, *args]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **self.env})
-        except subprocess.TimeoutExpired:
-            raise ComposeError(f"`{' '.join(command)}` did not finish within {timeout_s:g} s") from None
-        if check and done.returncode != 0:
-            said = (done.stderr or done.stdout).strip().splitlines()
-            raise ComposeError(f"`{' '.join(command)}` failed (exit {done.returncode}): {' / '.join(said[-3:])}")
-        return done
+    def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        return run([*compose_command(), "-f", str(self.file), "-p", self.project, *args], check=check, env=self.env)
 
     def up(self, *services: str) -> None:
         self._run("up", "-d", "--no-build", *services)

@@ -121,21 +121,25 @@ def test_one_stage_two_lanes_sync_by_hand(tflops, sync):
     assert report.cost["total_s"] == pytest.approx(lane_s + expected_sync, rel=1e-12)
 
 
-@pytest.mark.parametrize("sync", ["gossip", "auto"])
-def test_gossip_rounds_of_the_exponential_graph_by_hand(sync):
-    # 1 stage x 4 lanes; ring neighbours on 8 Gbit/s (1e9 B/s), opposite lanes (d0-d2, d1-d3) on 0.8 Gbit/s.
-    # Gossip round 0 pairs lane l with l + 1, round 1 with l + 2: one round a step, in turn; both outlast
-    # this (fast) step, so a step pays the mean round less the step.
+def four_lanes_slow_across(tflops: float, sync: str):
+    """The report of 1 stage x 4 lanes: ring neighbours on 8 Gbit/s (1e9 B/s), opposite lanes (d0-d2,
+    d1-d3) on 0.8 Gbit/s."""
     raw = {
-        "devices": [{"id": f"d{i}", "region": "r", "tflops": 1000.0, "memory_gb": 100.0} for i in range(4)],
+        "devices": [{"id": f"d{i}", "region": "r", "tflops": tflops, "memory_gb": 100.0} for i in range(4)],
         "regions": {"r": {"latency_ms": 0.0, "bandwidth_gbps": 8.0}},
         "links": [{"a": "d0", "b": "d2", "latency_ms": 0.0, "bandwidth_gbps": 0.8},
                   {"a": "d1", "b": "d3", "latency_ms": 0.0, "bandwidth_gbps": 0.8}],
     }  # fmt: skip
     problem = Problem.from_topology(Topology.from_wire(raw), Workload(preset("tiny", 4), batch=4))
-    report = make_model(problem, PlannerConfig(stages=1, group_size=4, sync=sync), Shape(1, 4)).report(
-        np.array([[0, 1, 2, 3]])
-    )
+    return make_model(problem, PlannerConfig(stages=1, group_size=4, sync=sync), Shape(1, 4)).report(np.array([[0, 1, 2, 3]]))
+
+
+@pytest.mark.parametrize("sync", ["gossip", "auto"])
+def test_gossip_rounds_of_the_exponential_graph_by_hand(sync):
+    # 1 stage x 4 lanes; ring neighbours on 8 Gbit/s (1e9 B/s), opposite lanes (d0-d2, d1-d3) on 0.8 Gbit/s.
+    # Gossip round 0 pairs lane l with l + 1, round 1 with l + 2: one round a step, in turn; both outlast
+    # this (fast) step, so a step pays the mean round less the step.
+    report = four_lanes_slow_across(1000.0, sync)
     stage_bytes = (4 * LAYER_PARAMS + EMBEDDING_PARAMS + HEAD_PARAMS) * 2  # 473_856
     lane_s = (4 * 3 * LAYER_FLOPS + 3 * HEAD_FLOPS) / 1000e12  # M = 1
     gossip = (stage_bytes / 1e9 + stage_bytes / 1e8) / 2 - lane_s
@@ -153,16 +157,7 @@ def test_gossip_rounds_of_the_exponential_graph_by_hand(sync):
 def test_a_slow_gossip_round_is_not_hidden_behind_a_fast_one():
     # As above, but the step lasts longer than round 0 (fast links) and shorter than round 1 (slow ones):
     # round 0 hides entirely behind the step, round 1 shows its excess, every other step.
-    raw = {
-        "devices": [{"id": f"d{i}", "region": "r", "tflops": 0.05, "memory_gb": 100.0} for i in range(4)],
-        "regions": {"r": {"latency_ms": 0.0, "bandwidth_gbps": 8.0}},
-        "links": [{"a": "d0", "b": "d2", "latency_ms": 0.0, "bandwidth_gbps": 0.8},
-                  {"a": "d1", "b": "d3", "latency_ms": 0.0, "bandwidth_gbps": 0.8}],
-    }  # fmt: skip
-    problem = Problem.from_topology(Topology.from_wire(raw), Workload(preset("tiny", 4), batch=4))
-    report = make_model(problem, PlannerConfig(stages=1, group_size=4, sync="gossip"), Shape(1, 4)).report(
-        np.array([[0, 1, 2, 3]])
-    )
+    report = four_lanes_slow_across(0.05, "gossip")
     stage_bytes = (4 * LAYER_PARAMS + EMBEDDING_PARAMS + HEAD_PARAMS) * 2
     lane_s = (4 * 3 * LAYER_FLOPS + 3 * HEAD_FLOPS) / 0.05e12
     fast, slow = stage_bytes / 1e9, stage_bytes / 1e8

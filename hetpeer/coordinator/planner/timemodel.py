@@ -288,7 +288,7 @@ class TimeCost:
             "compute_s": float(M * t.max()),
             "bubble_s": float(t.sum() - t.max()),
             # the rest of the slowest lane: transfers and round trips that compute does not hide
-            "activation_s": lane_s - float(M * t.max() + t.sum() - t.max()),
+            "activation_s": max(0.0, lane_s - float(M * t.max() + t.sum() - t.max())),
             "sync_s": float(e["sync_s"][0].max()),
             "total_s": float(e["total"][0]),
         }
