@@ -177,7 +177,7 @@ def run_swarm_join(args: argparse.Namespace) -> int:
         peer = SwarmPeer(config, cli._say)  # checks the swarm name
     except ValueError as error:
         raise cli.UserError(str(error)) from None
-    _stop_on_sigterm()
+    stop_on_sigterm()
     try:
         peer.start()
         peer.run()
@@ -239,7 +239,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         coordinator = Coordinator(config, cli._say)  # checks the swarm name
     except ValueError as error:
         raise cli.UserError(str(error)) from None
-    _stop_on_sigterm()
+    stop_on_sigterm()
     try:
         coordinator.start()
         coordinator.run()
@@ -297,7 +297,7 @@ def run_swarm(args: argparse.Namespace) -> int:
 
     print(f"a swarm of {config.peers} peers and a coordinator on this machine; logs and report in {out}", flush=True)
     swarm = LocalSwarm(config, echo, free_port())
-    _stop_on_sigterm()
+    stop_on_sigterm()
     try:
         swarm.start()
         report = swarm.run(status=lambda line: echo(logline.relabel(line, "swarm")))
@@ -314,7 +314,7 @@ def run_swarm(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stop_on_sigterm() -> None:
+def stop_on_sigterm() -> None:
     """SIGTERM (docker stop, the launcher) leaves the way Ctrl+C does: announcing it. Processes forked
     later (hivemind's DHT node, which its owner stops with SIGTERM) inherit the handler: they just exit."""
     main = os.getpid()

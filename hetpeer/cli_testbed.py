@@ -62,6 +62,7 @@ def add_command(commands) -> None:
 
 def run_testbed(args: argparse.Namespace) -> int:
     import hetpeer.cli as cli
+    from hetpeer.cli_swarm import stop_on_sigterm
     from hetpeer.protocol.topology import Topology
     from hetpeer.swarm.report import write_report
     from hetpeer.swarm.watch import StalledError
@@ -97,6 +98,7 @@ def run_testbed(args: argparse.Namespace) -> int:
           f"project in {out}", flush=True)
     bed = Testbed(config, echo)
     ended = 1
+    stop_on_sigterm()  # `kill`, a CI's timeout: the containers are removed as after Ctrl+C
     try:
         bed.start()
         print(f"watch it: hetpeer status --api {bed.api_address}", flush=True)
@@ -110,7 +112,8 @@ def run_testbed(args: argparse.Namespace) -> int:
         print("interrupted", flush=True)
         ended = 0
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl+C must not leave the containers behind
+        for stop in (signal.SIGINT, signal.SIGTERM):  # a second Ctrl+C must not leave the containers behind
+            signal.signal(stop, signal.SIG_IGN)
         if (out / "compose.yaml").exists():
             print("collecting the logs" + ("" if args.keep else " and removing the containers") + "...", flush=True)
         logs = bed.logs() if (out / "compose.yaml").exists() else {}

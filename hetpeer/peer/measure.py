@@ -4,8 +4,15 @@
 the free memory. `LinkProber` measures latency and bandwidth to another peer with short active probes
 over the peer's own transport, so what it measures is the path training frames take:
 
-    ping    micro 0, one float32   -> echoed as micro 1          latency = fastest round trip / 2
-    data    micro 2, n float32s    -> answered by micro 3 (n)    bandwidth = bytes / (fastest round trip - fastest ping)
+    ping    micro 0, one float32   -> echoed as micro 1                       latency = fastest round trip / 2
+    data    micro 2, n float32s    -> answered by micro 3 (n, seconds)        bandwidth = bytes / median seconds
+
+The receiver times a data frame from its header to its last byte and says how long it took: what crossed
+the link in that time, free of the way back (replies that queue behind the receiver's own traffic) and of
+ping noise. A reply that cannot be true (longer than the round trip it is part of) is not believed: that
+frame counts by its round trip less the fastest ping. While it times a link the prober holds the peer's
+own training frames to that peer back (`Transport.quiet`), so it measures the link, not what training
+leaves of it.
 
 A probe id (the frame's `step` field) is unique in the process, so probes of several peers at once never
 mix. Each measurement is bounded in bytes (`budget_bytes`) and in time (`budget_s`): a small pilot frame
@@ -13,9 +20,10 @@ first estimates the link, and the main data frames are sized to what the link ca
 in half the time left), so a slow link is measured instead of timing out, without crowding out training. `pick_targets` chooses whom to probe (neighbours,
 then the links measured longest ago), so a peer's probing costs O(k) frames whatever the swarm's size.
 
-Noise only ever adds time (a busy receiver, a descheduled thread), so every figure is taken from the
-fastest of several round trips (`estimate_link`), and a transfer too short to tell from that noise
-counts as `RESOLUTION_S`: a fast link reads as "at least this fast", never as a near-infinite rate.
+Noise only ever adds time to a round trip (a busy receiver, a descheduled thread), so latency is the
+fastest of several pings; a transfer is the median of three frames (`estimate_link`), and one too short to
+tell from timing noise counts as `RESOLUTION_S`: a fast link reads as "at least this fast", never as a
+near-infinite rate.
 `LinkHistory` then announces, per peer, the median of the last few rounds, so one bad round does not
 move the plan.
 
@@ -25,6 +33,7 @@ swarms); the machine probe runs under it, so the TFLOPS a slowed peer announces 
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import math
@@ -55,6 +64,7 @@ PILOT_SHARE = 8  # the pilot takes at most 1/8 of the byte budget
 DATA_SAMPLES = 3  # data frames per measurement; the fastest counts
 FRAME_S = 0.1  # a main data frame holds the link about this long: long enough to time, short enough not to crowd out training
 RESOLUTION_S = 1e-4  # a data frame's time on the wire is taken to be at least this: shorter is lost in timing noise
+MAX_ARRIVING = 64  # data frames whose transfer a prober times at once, at most
 HISTORY_ROUNDS = 3  # rounds of measurements a peer's announced figure is the median of
 _probe_ids = itertools.count(1)  # shared by every prober in the process: replies never cross
 _probe_ids_lock = threading.Lock()
@@ -188,6 +198,7 @@ class LinkProber:
         self.transport, self.device_id, self.max_probe_bytes = transport, device_id, max_probe_bytes
         self._replies: dict[tuple[str, int, int], torch.Tensor | None] = {}  # (peer, probe id, micro) awaited
         self._arrived = threading.Condition()
+        self._started: collections.OrderedDict[tuple[str, int], float] = collections.OrderedDict()  # data frames arriving
 
     def install(self) -> None:
         self.transport.inbox.handlers["probe"] = self._serve
@@ -205,9 +216,9 @@ class LinkProber:
             return f"probe frames are raw fp32, got {header.dtype} as {header.codec}"
         if len(header.shape) != 1:
             return f"probe frames are 1-D, got shape {header.shape}"
-        limit = self.max_probe_bytes // 4 if header.micro == DATA else 1
-        if not 1 <= header.shape[0] <= limit:
-            return f"probe micro {header.micro} carries 1 to {limit} float32s, got {header.shape[0]}"
+        least, most = {DATA: (1, self.max_probe_bytes // 4), DATA_ACK: (2, 2)}.get(header.micro, (1, 1))
+        if not least <= header.shape[0] <= most:
+            return f"probe micro {header.micro} carries {least} to {most} float32s, got {header.shape[0]}"
         if header.micro in (PONG, DATA_ACK):
             with self._arrived:
                 awaited = (header.sender, header.step, header.micro) in self._replies
@@ -216,6 +227,11 @@ class LinkProber:
                     issued = header.step < _peek_probe_id()
                 # a reply after its probe gave up is no one's fault; one to a probe never sent is
                 return Late("reply after its probe gave up") if issued else "reply to a probe never sent"
+        if header.micro == DATA:  # its payload follows: the clock of its transfer starts
+            with self._arrived:
+                self._started[(header.sender, header.step)] = time.perf_counter()
+                while len(self._started) > MAX_ARRIVING:  # frames refused after their header never finish
+                    self._started.popitem(last=False)
         return None
 
     def measure(self, peer: str, budget_bytes: int = 1 << 20, budget_s: float = 2.0, pings: int = 3) -> LinkMeasurement:
@@ -230,18 +246,22 @@ class LinkProber:
         if budget_bytes < 4 or not budget_s > 0 or pings < 1:
             raise ValueError(f"need budget_bytes >= 4, budget_s > 0 and pings >= 1, got {budget_bytes}, {budget_s}, {pings}")
         deadline = time.perf_counter() + budget_s
-        ping_s = [self._round_trip(peer, PING, torch.zeros(1), deadline, budget_s) for _ in range(pings)]
+        with self.transport.quiet(peer, budget_s / 4):
+            return self._measure(peer, budget_bytes, budget_s, pings, deadline)
+
+    def _measure(self, peer: str, budget_bytes: int, budget_s: float, pings: int, deadline: float) -> LinkMeasurement:
+        ping_s = [self._round_trip(peer, PING, torch.zeros(1), deadline, budget_s)[0] for _ in range(pings)]
         total_bytes = min(budget_bytes, DATA_SAMPLES * self.max_probe_bytes + PILOT_BYTES)
         pilot_bytes = min(PILOT_BYTES, total_bytes // PILOT_SHARE) // 4 * 4
         each_bytes = min((total_bytes - pilot_bytes) // DATA_SAMPLES, self.max_probe_bytes)
         if not pilot_bytes:  # a budget too small for a pilot: one frame of what there is
             size = max(4, min(total_bytes, self.max_probe_bytes) // 4 * 4)
             return estimate_link(ping_s, [self._data(peer, size, deadline, budget_s)], size)
-        pilot = estimate_link(ping_s, [self._data(peer, pilot_bytes, deadline, budget_s)], pilot_bytes)
-        # The pilot only sizes the main frames: a ping slowed by noise makes a small frame's transfer look
-        # shorter than it was, so its rate errs either way, most on a fast link. The main frames hold the link
-        # about FRAME_S at that rate, but are at least twice the pilot, and what they take must fit half the
-        # time left; being the largest, their estimate counts.
+        # by its round trip: a frame this small may arrive whole with its header, too fast for its receiver to time
+        pilot = estimate_link(ping_s, [Transfer(self._data(peer, pilot_bytes, deadline, budget_s).round_trip_s)], pilot_bytes)
+        # The pilot only sizes the main frames: its transfer is short beside timing noise. The main frames
+        # hold the link about FRAME_S at the pilot's rate, but are at least twice the pilot, and what they
+        # take must fit half the time left; being the largest, their estimate counts.
         rate = pilot.bandwidth_bytes_per_s
         fits = int(rate * (deadline - time.perf_counter()) / 2 / DATA_SAMPLES)
         each_bytes = min(each_bytes, fits, max(int(rate * FRAME_S), 2 * pilot_bytes)) // 4 * 4
@@ -262,11 +282,17 @@ class LinkProber:
                 log.warning("%s: %s", self.device_id, error)
         return links
 
-    def _data(self, peer: str, size_bytes: int, deadline: float, budget_s: float) -> float:
-        """The round trip of one data frame of `size_bytes`."""
-        return self._round_trip(peer, DATA, torch.ones(size_bytes // 4), deadline, budget_s)
+    def _data(self, peer: str, size_bytes: int, deadline: float, budget_s: float) -> Transfer:
+        """One data frame of `size_bytes`: its round trip, and its transfer as the receiver timed it when
+        that can be true (a number of seconds within the round trip, for a frame of the size sent)."""
+        round_trip_s, reply = self._round_trip(peer, DATA, torch.ones(size_bytes // 4), deadline, budget_s)
+        floats, seconds = float(reply[0]), float(reply[1])
+        believable = floats == size_bytes // 4 and math.isfinite(seconds) and 0 <= seconds <= round_trip_s
+        return Transfer(round_trip_s, seconds if believable else None)
 
-    def _round_trip(self, peer: str, micro: int, tensor: torch.Tensor, deadline: float, budget_s: float) -> float:
+    def _round_trip(
+        self, peer: str, micro: int, tensor: torch.Tensor, deadline: float, budget_s: float
+    ) -> tuple[float, torch.Tensor]:
         with _probe_ids_lock:
             probe_id = next(_probe_ids)
         slot = (peer, probe_id, micro + 1)
@@ -281,7 +307,7 @@ class LinkProber:
                     if left <= 0:
                         raise ProbeError(f"{self.device_id}: {peer} did not answer probe {probe_id} within {budget_s:g} s")
                     self._arrived.wait(left)
-            return time.perf_counter() - started
+                return time.perf_counter() - started, self._replies[slot]
         except PeerUnreachable as error:
             raise ProbeError(f"{self.device_id}: cannot probe {peer}: {error}") from None
         finally:
@@ -297,21 +323,37 @@ class LinkProber:
                     self._replies[slot] = tensor
                     self._arrived.notify_all()
             return
-        reply = tensor if header.micro == PING else torch.tensor([float(tensor.numel())])
+        if header.micro == PING:
+            reply = tensor
+        else:
+            with self._arrived:
+                started = self._started.pop((header.sender, header.step), None)
+            seconds = time.perf_counter() - started if started is not None else -1.0  # not timed: not believed
+            reply = torch.tensor([float(tensor.numel()), seconds])
         try:
             self.transport.send(header.sender, "probe", reply, step=header.step, micro=header.micro + 1)
         except PeerUnreachable as error:
             log.info("%s: cannot answer probe %d of %s: %s", self.device_id, header.step, header.sender, error)
 
 
-def estimate_link(ping_s: Sequence[float], data_s: Sequence[float], data_bytes: int) -> LinkMeasurement:
-    """A link from round trips: pings of one float, data frames of `data_bytes` each. Timing noise only
-    adds, so the fastest of each counts; the data frame's time on the wire is what its round trip takes
-    beyond a ping's, and at least `RESOLUTION_S`."""
-    if not ping_s or not data_s or data_bytes < 1:
-        raise ValueError(f"need pings, data round trips and a positive size, got {list(ping_s)}, {list(data_s)}, {data_bytes}")
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """One data frame: its round trip, and how long its receiver saw it arrive (None: not believable)."""
+
+    round_trip_s: float
+    receiver_s: float | None = None
+
+
+def estimate_link(ping_s: Sequence[float], data: Sequence[Transfer], data_bytes: int) -> LinkMeasurement:
+    """A link from pings of one float and data frames of `data_bytes` each. Noise only adds time to a
+    round trip, so the fastest ping counts. A frame's time on the wire is its receiver's timing, else its
+    round trip beyond the fastest ping; the median frame counts (a receiver that reads a header late reads
+    the transfer short, one that reads its end late long), and at least `RESOLUTION_S`."""
+    if not ping_s or not data or data_bytes < 1:
+        raise ValueError(f"need pings, data round trips and a positive size, got {list(ping_s)}, {list(data)}, {data_bytes}")
     fastest_ping = min(ping_s)
-    return LinkMeasurement(fastest_ping / 2, data_bytes / max(min(data_s) - fastest_ping, RESOLUTION_S))
+    wire_s = [t.round_trip_s - fastest_ping if t.receiver_s is None else t.receiver_s for t in data]
+    return LinkMeasurement(fastest_ping / 2, data_bytes / max(statistics.median(wire_s), RESOLUTION_S))
 
 
 class LinkHistory:

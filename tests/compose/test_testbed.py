@@ -1,5 +1,5 @@
 """`hetpeer testbed` as users run it: four containers whose links are shaped like a topology file's. The
-peers' own probes measure those links, the swarm trains until Ctrl+C, and the command then leaves logs and
+peers' own probes measure those links, the swarm trains until it is stopped (`kill`, as Ctrl+C), and the command then leaves logs and
 a run report and removes its containers."""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def test_a_shaped_testbed_is_measured_as_shaped_and_trains(image, tmp_path):
                 assert abs(link.bandwidth_bytes_per_s / rate - 1) <= TOLERANCE, (sender, receiver, link, shaped)
                 if shaped.latency_ms >= 10:  # a few ms of the container's own delay count only on short links
                     assert abs(link.latency_s * 1e3 / shaped.latency_ms - 1) <= TOLERANCE, (sender, receiver, link, shaped)
-        process.send_signal(signal.SIGINT)  # Ctrl+C: the command keeps logs and a report, then removes everything
+        process.send_signal(signal.SIGTERM)  # `kill`, as Ctrl+C: the command keeps logs and a report, then removes everything
         output, _ = process.communicate(timeout=300)
     finally:
         if process.poll() is None:

@@ -24,6 +24,7 @@ from hetpeer.peer.measure import (
     MachineProfile,
     ProbeError,
     Slowdown,
+    Transfer,
     describe_links,
     estimate_link,
     pick_targets,
@@ -181,22 +182,31 @@ def test_the_same_seed_picks_the_same_targets_whatever_the_order_given():
 # -- estimate_link and LinkHistory ------------------------------------------------------------------
 
 
-def test_the_fastest_round_trips_make_the_estimate():
-    link = estimate_link([0.002, 0.001, 0.005], [0.030, 0.011, 0.050], 1_000_000)
+def test_the_fastest_ping_and_the_median_frame_make_the_estimate():
+    link = estimate_link([0.002, 0.001, 0.005], [Transfer(0.030), Transfer(0.011), Transfer(0.050)], 1_000_000)
     assert link.latency_s == pytest.approx(0.0005)  # half the fastest ping
-    assert link.bandwidth_bytes_per_s == pytest.approx(1e8)  # 1 MB in 11 ms less the 1 ms ping
+    assert link.bandwidth_bytes_per_s == pytest.approx(1e6 / 0.029)  # 1 MB in the median 30 ms less the 1 ms ping
+
+
+def test_the_receivers_timing_counts_where_it_is_believed():
+    # the way back queued behind traffic: round trips say little, the receiver saw 10 ms of transfer
+    frames = [Transfer(0.040, 0.010), Transfer(0.090, 0.011), Transfer(0.050, 0.009)]
+    assert estimate_link([0.030], frames, 1_000_000).bandwidth_bytes_per_s == pytest.approx(1e8)
+    # a frame without a believable timing counts by its round trip beyond the fastest ping
+    mixed = [Transfer(0.040, 0.010), Transfer(0.050), Transfer(0.060, None)]
+    assert estimate_link([0.030], mixed, 1_000_000).bandwidth_bytes_per_s == pytest.approx(1e6 / 0.020)
 
 
 def test_a_transfer_lost_in_timing_noise_reads_as_fast_not_infinite():
-    for data_s in ([0.001], [0.0009], [0.001 + RESOLUTION_S / 10]):  # no slower than a ping, or barely
-        link = estimate_link([0.001], data_s, 1_000_000)
+    for frame in (Transfer(0.001), Transfer(0.0009), Transfer(0.001 + RESOLUTION_S / 10), Transfer(0.002, 0.0)):
+        link = estimate_link([0.001], [frame], 1_000_000)
         assert link.bandwidth_bytes_per_s == pytest.approx(1_000_000 / RESOLUTION_S)
 
 
-@pytest.mark.parametrize("ping_s, data_s, size", [([], [0.1], 10), ([0.1], [], 10), ([0.1], [0.2], 0)])
-def test_estimate_link_needs_round_trips_and_a_size(ping_s, data_s, size):
+@pytest.mark.parametrize("ping_s, data, size", [([], [Transfer(0.1)], 10), ([0.1], [], 10), ([0.1], [Transfer(0.2)], 0)])
+def test_estimate_link_needs_round_trips_and_a_size(ping_s, data, size):
     with pytest.raises(ValueError, match="need pings"):
-        estimate_link(ping_s, data_s, size)
+        estimate_link(ping_s, data, size)
 
 
 def test_a_peer_announces_the_median_of_its_last_rounds():
@@ -346,7 +356,8 @@ def test_accept_takes_requests_within_limits(swarm):
         (dict(micro=PING, n=2), "probe micro 0 carries 1 to 1 float32s, got 2"),
         (dict(micro=DATA, n=(256 << 10) // 4 + 1), f"carries 1 to {(256 << 10) // 4} float32s"),
         (dict(micro=DATA, shape=(0,)), "got 0"),
-        (dict(micro=DATA_ACK, n=2), "carries 1 to 1"),
+        (dict(micro=DATA_ACK, n=1), "probe micro 3 carries 2 to 2 float32s, got 1"),
+        (dict(micro=PONG, n=2), "carries 1 to 1"),
     ],
 )
 def test_accept_refuses_what_a_probe_is_not(swarm, frame, reason):
@@ -365,7 +376,7 @@ def test_an_unsolicited_reply_is_refused_and_counted_but_a_late_one_is_not(swarm
     assert isinstance(late, Late)
     # over the transport: b sends a pong no one asked for, then one to a probe long given up
     b.transport.send("a", "probe", torch.zeros(1), step=10**12, micro=PONG)
-    b.transport.send("a", "probe", torch.zeros(1), step=1, micro=DATA_ACK)
+    b.transport.send("a", "probe", torch.zeros(2), step=1, micro=DATA_ACK)
     assert a.transport.inbox.misbehaving["b"] == 1
     assert a.transport.inbox.late == 1
     assert a._replies == {}
@@ -386,6 +397,23 @@ def test_a_wrong_reply_does_not_complete_a_probe(swarm):
     results = outcomes([lambda: a.measure("b", budget_s=0.5), answer_for_b], 10.0)
     assert isinstance(results[0], ProbeError) and results[1] is None
     assert a.transport.inbox.late == 1  # refused: not the peer it asked
+
+
+@pytest.mark.parametrize("seconds", [100.0, -1.0])  # not finite: refused by the frame checks, as every frame is
+def test_a_receivers_timing_that_cannot_be_true_is_not_believed(swarm, seconds):
+    """b says its transfers took longer than the round trips they were part of (or nonsense): a counts
+    each frame by its round trip instead, and is not slowed to what b claims."""
+    _, probers = swarm
+    a, b = probers["a"], probers["b"]
+
+    def lying(header, tensor):
+        reply = tensor if header.micro == PING else torch.tensor([float(tensor.numel()), seconds])
+        b.transport.send(header.sender, "probe", reply, step=header.step, micro=header.micro + 1)
+
+    b.transport.inbox.handlers["probe"] = lying
+    link = a.measure("b", budget_bytes=1 << 20, budget_s=2.0)
+    assert_sane(link, 2.0, 0.0)
+    assert link.bandwidth_bytes_per_s > (1 << 20) / 2.0  # a frame's round trip, not b's story
 
 
 # -- the machine ------------------------------------------------------------------------------------

@@ -7,8 +7,9 @@ encoding and the same `Inbox` checks, so what a test sees is what the network do
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 
@@ -70,6 +71,13 @@ class Transport(ABC):
     def flush(self, timeout_s: float, to: Iterable[str] | None = None) -> None:
         """Block until every frame queued (for the peers `to`, or all) has left, or raise the error that
         stopped one: PeerUnreachable, or TransportTimeout past the deadline."""
+
+    @contextlib.contextmanager
+    def quiet(self, to: str, wait_s: float) -> Iterator[None]:
+        """Hold back frames to `to` other than link probes, after waiting up to `wait_s` for those already
+        on their way to leave: a probe then times the link, not the share training leaves it. Frames held
+        queue and follow. A transport without links of its own holds nothing."""
+        yield
 
     @abstractmethod
     def start(self) -> None: ...

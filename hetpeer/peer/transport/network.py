@@ -12,15 +12,19 @@ runs at most of a raw socket's speed, where P2P streams copy through the daemon.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import logging
 import math
 import socket
+import struct
+import termios
 import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field as dataclass_field
 from pathlib import Path
-from typing import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy
 
@@ -35,6 +39,9 @@ P2P_PROTOCOL = "/hetpeer/frames/1"
 SOCKET_BUFFER_BYTES = 4 << 20
 MAX_EMULATED_LATENCY_S = 10.0
 DRAIN_LIMIT_BYTES = 1 << 20  # a refused frame's payload up to this size is read past; beyond, the stream is closed
+QUIET_BYTES = 64 << 10  # `quiet`: the link counts as clear once no more than this waits to cross it
+QUIET_POLL_S = 0.005
+EMULATED_CHUNK_S = 0.01  # an emulated rate paces a frame in pieces of about this long, as a link delivers it
 
 
 class Stream(ABC):
@@ -51,6 +58,10 @@ class Stream(ABC):
 
     @abstractmethod
     def close(self) -> None: ...
+
+    def unsent_bytes(self) -> int:
+        """Bytes written but not yet across (as far as this end can tell)."""
+        return 0
 
 
 Serve = Callable[[Stream], Awaitable[None]]
@@ -105,6 +116,12 @@ class _SocketStream(Stream):
         loop = asyncio.get_running_loop()
         for part in parts:
             await loop.sock_sendall(self.sock, part)
+
+    def unsent_bytes(self) -> int:
+        try:  # the kernel's send queue: bytes not yet acknowledged by the other end
+            return struct.unpack("i", fcntl.ioctl(self.sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+        except OSError:
+            return 0
 
     def close(self) -> None:
         self.sock.close()
@@ -175,6 +192,9 @@ class _P2PStream(Stream):
             self.writer.write(part)
         await self.writer.drain()
 
+    def unsent_bytes(self) -> int:
+        return self.writer.transport.get_write_buffer_size()  # what the daemon holds is out of sight
+
     def close(self) -> None:
         self.writer.close()
 
@@ -240,7 +260,8 @@ class P2PLink(Link):
 class Emulation:
     """Slow, far links emulated on a fast network, for tests, demos and testbeds. Each frame this peer sends
     leaves `latency_s` (one way) after it was sent, by the destination's direct host (`HOST:PORT` first,
-    then `HOST`, then `*`), and frames to one destination are paced to `rate_bytes_per_s`. Frames in flight
+    then `HOST`, then `*`), and frames to one destination are paced to `rate_bytes_per_s` (in pieces of
+    about `EMULATED_CHUNK_S`, so a receiver sees a frame arrive as over a link of that rate). Frames in flight
     overlap, as on a real link: a delay, not a stall. Neither touches the DHT's own traffic, nor TCP's
     behaviour on a long link (its window grows as fast as on the real, short one)."""
 
@@ -290,6 +311,12 @@ class NetworkTransport(Transport):
         self._pumps: dict[tuple[str, str], asyncio.Task] = {}
         self._free_at: dict[str, float] = {}  # with an emulated rate: when the link to a destination is free again
         self._failures: dict[str, str] = {}
+        # `quiet`: destinations whose training frames are held back (how many holds), the gate their pumps
+        # pass, and what each pump is writing on (to see when what it wrote has left)
+        self._holds: dict[str, int] = {}
+        self._gates: dict[str, asyncio.Event] = {}
+        self._streams: dict[tuple[str, str], Stream] = {}
+        self._busy: set[tuple[str, str]] = set()
 
     # -- life cycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -352,26 +379,25 @@ class NetworkTransport(Transport):
     def _enqueue(self, key: tuple[str, str], parts: tuple[bytes, memoryview, float]) -> None:
         if key not in self._queues:
             self._queues[key] = asyncio.Queue()
-            self._pumps[key] = _spawn(self._pump(key[0], self._queues[key]), f"{self.device}->{key[0]} ({key[1]})")
+            self._pumps[key] = _spawn(self._pump(*key, self._queues[key]), f"{self.device}->{key[0]} ({key[1]})")
         self._queues[key].put_nowait(parts)
 
-    async def _pump(self, to: str, queue: asyncio.Queue) -> None:
-        stream: Stream | None = None
+    async def _pump(self, to: str, channel: str, queue: asyncio.Queue) -> None:
+        key, stream = (to, channel), None
         while True:
             *parts, sent_at = await queue.get()
             try:
                 reused = stream is not None
                 if stream is None:
-                    stream = await self._connect(to)
+                    stream = self._streams[key] = await self._connect(to)
                 emulation = self.emulation
                 if emulation.latency_s:  # its time in flight, counted from when it was sent: frames overlap
                     await asyncio.sleep(sent_at + emulation.latency_to(self.book.peers.get(to)) - time.monotonic())
-                if emulation.rate_bytes_per_s is not None:  # one emulated link per destination, whatever the channel
-                    start = max(time.monotonic(), self._free_at.get(to, 0.0))
-                    self._free_at[to] = start + sum(len(p) for p in parts) / emulation.rate_bytes_per_s
-                    await asyncio.sleep(self._free_at[to] - time.monotonic())  # the frame is on the wire until then
+                if channel == "frames" and to in self._gates:
+                    await self._gates[to].wait()  # a probe is timing the link
+                self._busy.add(key)
                 try:
-                    await stream.write(parts)
+                    await self._write(to, stream, parts)
                 except (ConnectionError, OSError):
                     if not reused:
                         raise
@@ -379,8 +405,10 @@ class NetworkTransport(Transport):
                     # before the frame counts as lost; a receiver drops a frame cut short on the old one
                     stream.close()
                     stream = None
-                    stream = await self._connect(to)
-                    await stream.write(parts)
+                    stream = self._streams[key] = await self._connect(to)
+                    await self._write(to, stream, parts)
+                finally:
+                    self._busy.discard(key)
             except (PeerUnreachable, ConnectionError, OSError) as error:
                 dropped = 1 + queue.qsize()
                 self._failures[to] = f"{self.device}: sending to {to} failed, {dropped} frame(s) dropped: {error}"
@@ -388,11 +416,53 @@ class NetworkTransport(Transport):
                 if stream is not None:
                     stream.close()
                     stream = None
+                self._streams.pop(key, None)
                 while not queue.empty():
                     queue.get_nowait()
                     queue.task_done()
             finally:
                 queue.task_done()
+
+    async def _write(self, to: str, stream: Stream, parts: Sequence[bytes | memoryview]) -> None:
+        rate = self.emulation.rate_bytes_per_s
+        if rate is None:
+            await stream.write(parts)
+            return
+        # one emulated link per destination, whatever the channel: each piece waits for its turn on it and
+        # leaves when it would have crossed, so a receiver sees the frame arrive at the emulated rate
+        piece = max(1 << 12, int(rate * EMULATED_CHUNK_S))
+        for part in parts:
+            view = memoryview(part).cast("B")
+            for start in range(0, max(len(view), 1), piece):
+                chunk = view[start:start + piece]
+                free_at = max(time.monotonic(), self._free_at.get(to, 0.0)) + len(chunk) / rate
+                self._free_at[to] = free_at
+                await asyncio.sleep(free_at - time.monotonic())
+                await stream.write([chunk])
+
+    @contextlib.contextmanager
+    def quiet(self, to: str, wait_s: float) -> Iterator[None]:
+        self._call(self._hold(to, wait_s), timeout_s=wait_s + 10.0)
+        try:
+            yield
+        finally:
+            self._loop.call_soon_threadsafe(self._release, to)
+
+    async def _hold(self, to: str, wait_s: float) -> None:
+        self._holds[to] = self._holds.get(to, 0) + 1
+        self._gates.setdefault(to, asyncio.Event())  # not set: pumps of training frames wait at it
+        key, deadline = (to, "frames"), time.monotonic() + wait_s
+        while time.monotonic() < deadline:  # a frame being written finishes, and what it left in the socket crosses
+            stream = self._streams.get(key)
+            if key not in self._busy and (stream is None or stream.unsent_bytes() <= QUIET_BYTES):
+                return
+            await asyncio.sleep(QUIET_POLL_S)
+
+    def _release(self, to: str) -> None:
+        self._holds[to] -= 1
+        if not self._holds[to]:
+            del self._holds[to]
+            self._gates.pop(to).set()
 
     async def _connect(self, to: str) -> Stream:
         try:
