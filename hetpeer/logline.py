@@ -20,8 +20,13 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 def now() -> str:
     """The current UTC time as a line's stamp, e.g. 2026-11-24T16:05:01.234Z."""
-    seconds = time.time()
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{int(seconds % 1 * 1000):03d}Z"
+    return at(time.time())
+
+
+def at(seconds_: float) -> str:
+    """Seconds since the epoch in a stamp's form."""
+    whole, ms = divmod(round(seconds_ * 1000), 1000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(whole)) + f".{ms:03d}Z"
 
 
 def seconds(stamp_: str) -> float:

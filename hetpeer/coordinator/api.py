@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import grpc
 
+from hetpeer import logline
 from hetpeer.protocol import swarm_pb2, swarm_pb2_grpc
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan
@@ -358,10 +359,10 @@ def render_status(
     if plan is None:
         lines.append("no plan yet")
     else:
-        published = f", published at {plan_time:.0f}" if plan_time is not None else ""
+        published = f", published {logline.at(plan_time)}" if plan_time is not None else ""
         lines.append(
-            f"plan epoch {plan.epoch} from step {plan.start_step}{published}: {len(plan.stages)} stages x "
-            f"{plan.group_size} lanes, {plan.model} {plan.dtype}, batch {plan.batch} in {plan.micro_batches} "
+            f"plan epoch {plan.epoch} from step {plan.start_step}{published}: {len(plan.stages)} stage(s) x "
+            f"{plan.group_size} lane(s), {plan.model} {plan.dtype}, batch {plan.batch} in {plan.micro_batches} "
             f"micro-batches of {plan.micro_batch}, predicted {plan.total_s:.3f} s/step ({plan.cost_model})"
         )
         for s in plan.stages:

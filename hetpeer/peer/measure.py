@@ -4,28 +4,31 @@
 the free memory. `LinkProber` measures latency and bandwidth to another peer with short active probes
 over the peer's own transport, so what it measures is the path training frames take:
 
-    ping    micro 0, one float32   -> echoed as micro 1                       latency = fastest round trip / 2
-    data    micro 2, n float32s    -> answered by micro 3 (n, seconds)        bandwidth = bytes / median seconds
+    ping    micro 0, one float32   -> echoed as micro 1            latency = fastest round trip / 2
+    data    micro 2, n float32s    -> answered by micro 3 (n, own, beside, window)
 
-The receiver times a data frame from its header to its last byte and says how long it took: what crossed
-the link in that time, free of the way back (replies that queue behind the receiver's own traffic) and of
-ping noise. A reply that cannot be true (longer than the round trip it is part of) is not believed: that
-frame counts by its round trip less the fastest ping. While it times a link the prober holds the peer's
-own training frames to that peer back (`Transport.quiet`), so it measures the link, not what training
-leaves of it.
+Bandwidth is what crossed the link while a data frame arrived, as its receiver saw it: from the first
+read of its payload after its header to its last byte (`window`), the frame's own bytes (`own`, less
+what that first read found already there: they came earlier) and the bytes of the prober's other frames
+(`beside`: a link that carries training frames gives a probe only its share), over `window`. Neither
+the way back (an answer that queues behind the receiver's traffic) nor a slowed ping enters it, and a
+link that delivers in bursts is timed from burst to burst. The answer is checked: its parts within the
+frame's size and round trip, and no more beside than the prober had on its way or sent since. A frame
+whose receiver could not time it (the P2P path delivers a frame whole; a frame that came in one burst)
+counts by its round trip beyond the fastest ping.
 
 A probe id (the frame's `step` field) is unique in the process, so probes of several peers at once never
 mix. Each measurement is bounded in bytes (`budget_bytes`) and in time (`budget_s`): a small pilot frame
 first estimates the link, and the main data frames are sized to what the link carries in `FRAME_S` (and
-in half the time left), so a slow link is measured instead of timing out, without crowding out training. `pick_targets` chooses whom to probe (neighbours,
-then the links measured longest ago), so a peer's probing costs O(k) frames whatever the swarm's size.
+in half the time left), so a slow link is measured instead of timing out, without crowding out
+training. `pick_targets` chooses whom to probe (neighbours, then the links measured longest ago), so a
+peer's probing costs O(k) frames whatever the swarm's size.
 
 Noise only ever adds time to a round trip (a busy receiver, a descheduled thread), so latency is the
-fastest of several pings; a transfer is the median of three frames (`estimate_link`), and one too short to
-tell from timing noise counts as `RESOLUTION_S`: a fast link reads as "at least this fast", never as a
-near-infinite rate.
-`LinkHistory` then announces, per peer, the median of the last few rounds, so one bad round does not
-move the plan.
+fastest of several pings; bandwidth is the median of three frames (`estimate_link`), and a transfer too
+short to tell from timing noise counts as `RESOLUTION_S`: a fast link reads as "at least this fast",
+never as a near-infinite rate. `LinkHistory` then announces, per peer, the median of the last few
+rounds, so one bad round does not move the plan.
 
 `Slowdown` emulates a slower accelerator on a fast one (for tests and benchmarks of heterogeneous
 swarms); the machine probe runs under it, so the TFLOPS a slowed peer announces are what it achieves.
@@ -42,7 +45,7 @@ import platform
 import statistics
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
@@ -64,7 +67,6 @@ PILOT_SHARE = 8  # the pilot takes at most 1/8 of the byte budget
 DATA_SAMPLES = 3  # data frames per measurement; the fastest counts
 FRAME_S = 0.1  # a main data frame holds the link about this long: long enough to time, short enough not to crowd out training
 RESOLUTION_S = 1e-4  # a data frame's time on the wire is taken to be at least this: shorter is lost in timing noise
-MAX_ARRIVING = 64  # data frames whose transfer a prober times at once, at most
 HISTORY_ROUNDS = 3  # rounds of measurements a peer's announced figure is the median of
 _probe_ids = itertools.count(1)  # shared by every prober in the process: replies never cross
 _probe_ids_lock = threading.Lock()
@@ -198,7 +200,6 @@ class LinkProber:
         self.transport, self.device_id, self.max_probe_bytes = transport, device_id, max_probe_bytes
         self._replies: dict[tuple[str, int, int], torch.Tensor | None] = {}  # (peer, probe id, micro) awaited
         self._arrived = threading.Condition()
-        self._started: collections.OrderedDict[tuple[str, int], float] = collections.OrderedDict()  # data frames arriving
 
     def install(self) -> None:
         self.transport.inbox.handlers["probe"] = self._serve
@@ -216,7 +217,7 @@ class LinkProber:
             return f"probe frames are raw fp32, got {header.dtype} as {header.codec}"
         if len(header.shape) != 1:
             return f"probe frames are 1-D, got shape {header.shape}"
-        least, most = {DATA: (1, self.max_probe_bytes // 4), DATA_ACK: (2, 2)}.get(header.micro, (1, 1))
+        least, most = {DATA: (1, self.max_probe_bytes // 4), DATA_ACK: (4, 4)}.get(header.micro, (1, 1))
         if not least <= header.shape[0] <= most:
             return f"probe micro {header.micro} carries {least} to {most} float32s, got {header.shape[0]}"
         if header.micro in (PONG, DATA_ACK):
@@ -227,11 +228,6 @@ class LinkProber:
                     issued = header.step < _peek_probe_id()
                 # a reply after its probe gave up is no one's fault; one to a probe never sent is
                 return Late("reply after its probe gave up") if issued else "reply to a probe never sent"
-        if header.micro == DATA:  # its payload follows: the clock of its transfer starts
-            with self._arrived:
-                self._started[(header.sender, header.step)] = time.perf_counter()
-                while len(self._started) > MAX_ARRIVING:  # frames refused after their header never finish
-                    self._started.popitem(last=False)
         return None
 
     def measure(self, peer: str, budget_bytes: int = 1 << 20, budget_s: float = 2.0, pings: int = 3) -> LinkMeasurement:
@@ -246,10 +242,6 @@ class LinkProber:
         if budget_bytes < 4 or not budget_s > 0 or pings < 1:
             raise ValueError(f"need budget_bytes >= 4, budget_s > 0 and pings >= 1, got {budget_bytes}, {budget_s}, {pings}")
         deadline = time.perf_counter() + budget_s
-        with self.transport.quiet(peer, budget_s / 4):
-            return self._measure(peer, budget_bytes, budget_s, pings, deadline)
-
-    def _measure(self, peer: str, budget_bytes: int, budget_s: float, pings: int, deadline: float) -> LinkMeasurement:
         ping_s = [self._round_trip(peer, PING, torch.zeros(1), deadline, budget_s)[0] for _ in range(pings)]
         total_bytes = min(budget_bytes, DATA_SAMPLES * self.max_probe_bytes + PILOT_BYTES)
         pilot_bytes = min(PILOT_BYTES, total_bytes // PILOT_SHARE) // 4 * 4
@@ -257,8 +249,7 @@ class LinkProber:
         if not pilot_bytes:  # a budget too small for a pilot: one frame of what there is
             size = max(4, min(total_bytes, self.max_probe_bytes) // 4 * 4)
             return estimate_link(ping_s, [self._data(peer, size, deadline, budget_s)], size)
-        # by its round trip: a frame this small may arrive whole with its header, too fast for its receiver to time
-        pilot = estimate_link(ping_s, [Transfer(self._data(peer, pilot_bytes, deadline, budget_s).round_trip_s)], pilot_bytes)
+        pilot = estimate_link(ping_s, [self._data(peer, pilot_bytes, deadline, budget_s)], pilot_bytes)
         # The pilot only sizes the main frames: its transfer is short beside timing noise. The main frames
         # hold the link about FRAME_S at the pilot's rate, but are at least twice the pilot, and what they
         # take must fit half the time left; being the largest, their estimate counts.
@@ -267,7 +258,16 @@ class LinkProber:
         each_bytes = min(each_bytes, fits, max(int(rate * FRAME_S), 2 * pilot_bytes)) // 4 * 4
         if each_bytes <= pilot_bytes:
             return pilot
-        return estimate_link(ping_s, [self._data(peer, each_bytes, deadline, budget_s) for _ in range(DATA_SAMPLES)], each_bytes)
+        sent, unsent = self.transport.sent[peer], self.transport.unsent_bytes(peer)
+        frames = [self._data(peer, each_bytes, deadline, budget_s) for _ in range(DATA_SAMPLES)]
+        # the receiver's word for what else crossed: at most what was on its way at the start or sent since
+        could_cross = self.transport.sent[peer] - sent + unsent
+        claimed = sum(f.beside_bytes for f in frames)
+        if claimed > could_cross:
+            log.info("%s: %s claims %.0f bytes of other frames crossed beside probe frames, at most %d could",
+                     self.device_id, peer, claimed, could_cross)
+            frames = [replace(f, beside_bytes=f.beside_bytes * could_cross / claimed) for f in frames]
+        return estimate_link(ping_s, frames, each_bytes)
 
     def measure_many(
         self, peers: Sequence[str], budget_bytes: int = 1 << 20, budget_s: float = 2.0, pings: int = 3
@@ -283,12 +283,14 @@ class LinkProber:
         return links
 
     def _data(self, peer: str, size_bytes: int, deadline: float, budget_s: float) -> Transfer:
-        """One data frame of `size_bytes`: its round trip, and its transfer as the receiver timed it when
-        that can be true (a number of seconds within the round trip, for a frame of the size sent)."""
+        """One data frame of `size_bytes`: its round trip, and its arrival as the receiver saw it, where
+        that can be true (its own bytes within the frame, other bytes not negative, its time within the
+        round trip); else its round trip alone."""
         round_trip_s, reply = self._round_trip(peer, DATA, torch.ones(size_bytes // 4), deadline, budget_s)
-        floats, seconds = float(reply[0]), float(reply[1])
-        believable = floats == size_bytes // 4 and math.isfinite(seconds) and 0 <= seconds <= round_trip_s
-        return Transfer(round_trip_s, seconds if believable else None)
+        floats, own, beside, window = (float(x) for x in reply)
+        if floats == size_bytes // 4 and 0 <= own <= size_bytes and beside >= 0 and 0 <= window <= round_trip_s:
+            return Transfer(round_trip_s, own, beside, window)
+        return Transfer(round_trip_s)
 
     def _round_trip(
         self, peer: str, micro: int, tensor: torch.Tensor, deadline: float, budget_s: float
@@ -325,11 +327,14 @@ class LinkProber:
             return
         if header.micro == PING:
             reply = tensor
-        else:
-            with self._arrived:
-                started = self._started.pop((header.sender, header.step), None)
-            seconds = time.perf_counter() - started if started is not None else -1.0  # not timed: not believed
-            reply = torch.tensor([float(tensor.numel()), seconds])
+        else:  # what crossed while it arrived, when its transport could see it arrive
+            arrival = self.transport.inbox.arrivals.pop(header.sender, None)
+            own = beside = window = 0.0
+            if arrival is not None:
+                own = float(tensor.numel() * 4 - arrival.first_bytes)
+                beside = float(self.transport.arrived_bytes(header.sender) - arrival.others_before)
+                window = arrival.end_s - arrival.first_s
+            reply = torch.tensor([float(tensor.numel()), own, beside, window])
         try:
             self.transport.send(header.sender, "probe", reply, step=header.step, micro=header.micro + 1)
         except PeerUnreachable as error:
@@ -338,22 +343,30 @@ class LinkProber:
 
 @dataclass(frozen=True, slots=True)
 class Transfer:
-    """One data frame: its round trip, and how long its receiver saw it arrive (None: not believable)."""
+    """One data frame: its round trip and, as its receiver saw it arrive, its own bytes after the first
+    read, the bytes of the prober's other frames meanwhile, and the time from that first read to its end."""
 
     round_trip_s: float
-    receiver_s: float | None = None
+    own_bytes: float = 0.0
+    beside_bytes: float = 0.0
+    window_s: float = 0.0
+
+    def rate(self, data_bytes: int, fastest_ping_s: float) -> float:
+        """What the link carries by this frame: what crossed while it arrived, where its receiver timed at
+        least a quarter of it; else its size over its round trip beyond the fastest ping (at least
+        `RESOLUTION_S`)."""
+        if self.window_s >= RESOLUTION_S and self.own_bytes >= data_bytes / 4:
+            return (self.own_bytes + self.beside_bytes) / self.window_s
+        return data_bytes / max(self.round_trip_s - fastest_ping_s, RESOLUTION_S)
 
 
 def estimate_link(ping_s: Sequence[float], data: Sequence[Transfer], data_bytes: int) -> LinkMeasurement:
     """A link from pings of one float and data frames of `data_bytes` each. Noise only adds time to a
-    round trip, so the fastest ping counts. A frame's time on the wire is its receiver's timing, else its
-    round trip beyond the fastest ping; the median frame counts (a receiver that reads a header late reads
-    the transfer short, one that reads its end late long), and at least `RESOLUTION_S`."""
+    round trip, so the fastest ping counts for latency; the median frame's rate counts for bandwidth."""
     if not ping_s or not data or data_bytes < 1:
         raise ValueError(f"need pings, data round trips and a positive size, got {list(ping_s)}, {list(data)}, {data_bytes}")
     fastest_ping = min(ping_s)
-    wire_s = [t.round_trip_s - fastest_ping if t.receiver_s is None else t.receiver_s for t in data]
-    return LinkMeasurement(fastest_ping / 2, data_bytes / max(statistics.median(wire_s), RESOLUTION_S))
+    return LinkMeasurement(fastest_ping / 2, statistics.median(t.rate(data_bytes, fastest_ping) for t in data))
 
 
 class LinkHistory:

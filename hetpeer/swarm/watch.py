@@ -22,8 +22,9 @@ def describe(progress: Progress, target: float) -> str:
     """One status line: step (of `target`, when finite), loss, throughput, plan and peers by state."""
     loss = f"{progress.loss:.4f}" if progress.loss is not None else "-"
     of = f"/{target:g}" if math.isfinite(target) else ""
-    return (f"step {progress.step}{of}  loss {loss}  {progress.tokens_per_s:,.0f} tok/s  plan epoch {progress.epoch}  "
-            f"peers {', '.join(f'{n} {s}' for s, n in sorted(progress.peers_by_state.items()))}")
+    plan = f"plan epoch {progress.epoch}" if progress.epoch >= 0 else "no plan yet"
+    peers = ", ".join(f"{n} {s}" for s, n in sorted(progress.peers_by_state.items())) or "none yet"
+    return f"step {progress.step}{of}  loss {loss}  {progress.tokens_per_s:,.0f} tok/s  {plan}  peers {peers}"
 
 
 def follow(

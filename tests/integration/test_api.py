@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from hetpeer import logline
 from hetpeer.coordinator.api import (
     ApiClient, ApiError, ApiServer, Progress, SwarmView, progress, render_status, status_json,
 )
@@ -176,7 +177,8 @@ def test_render_status_and_json(serve):
         figures = client.call_get_progress()
     text = render_status(plan, peers, figures, published)
     for needle in ("swarm demo", "epoch 3", "step 105", "loss 2.5000", "tokens/s 500.0", "2 records dropped",
-                   "GPU c", "s1/l0 [4,6)", "standby", "lane 1: b -> d", "stage 0 layers [0,4) allreduce: a b"):
+                   "GPU c", "s1/l0 [4,6)", "standby", "lane 1: b -> d", "stage 0 layers [0,4) allreduce: a b",
+                   f"published {logline.at(published)}: 2 stage(s) x 2 lane(s)"):
         assert needle in text, needle
     row = next(line for line in text.splitlines() if line.startswith("c "))
     assert "training" in row and "300.0" in row and "2.0000" in row

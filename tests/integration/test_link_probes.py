@@ -77,8 +77,8 @@ def test_an_emulated_latency_is_measured_one_way_and_frames_in_flight_overlap(fa
 
 
 def test_a_link_busy_with_training_is_measured_whole(probers):
-    """Training frames stream up the capped link the whole time: the probe holds them back while it times
-    the link, so it reads the cap, not the share training leaves it; the frames held arrive afterwards."""
+    """Training frames stream up the capped link the whole time, so each probe frame gets a share of it;
+    the receiver counts what else arrived from the prober meanwhile, and the probe reads the whole cap."""
     capped, fast = probers["capped"].transport, probers["fast"].transport
     fast.set_policy(lambda header: None if header.kind == "activation" else probers["fast"].accept(header))
     sent, stop = [], threading.Event()
@@ -101,5 +101,7 @@ def test_a_link_busy_with_training_is_measured_whole(probers):
         trainer.join(20)
     assert 0.8 * CAP_BYTES_PER_S <= link.bandwidth_bytes_per_s <= 1.1 * CAP_BYTES_PER_S
     assert len(sent) >= 3
-    for step in sent:  # held, not lost
+    for step in sent:
         assert fast.recv("activation", "capped", step, 0, timeout_s=10.0).numel() == 64 << 10
+    assert capped.sent["fast"] == fast.inbox.received["capped"] == len(sent) * (256 << 10)  # probes aside
+    assert capped.unsent_bytes("fast") == 0

@@ -14,8 +14,9 @@ def test_a_stamped_line_splits_back_into_its_time_and_text():
     line = logline.stamp("plan epoch 2 from step 41")
     when, rest = logline.split(line)
     assert rest == "plan epoch 2 from step 41"
-    assert before - 0.002 <= logline.seconds(when) <= time.time()
+    assert before - 0.002 <= logline.seconds(when) <= time.time() + 0.001  # to the nearest millisecond
     assert logline.seconds("2026-11-24T16:05:01.234Z") == 1795536301.234
+    assert logline.at(1795536301.234) == "2026-11-24T16:05:01.234Z"
 
 
 def test_lines_without_a_stamp_pass_through_unchanged():

@@ -7,9 +7,9 @@ encoding and the same `Inbox` checks, so what a test sees is what the network do
 
 from __future__ import annotations
 
-import contextlib
+import collections
 from abc import ABC, abstractmethod
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import torch
 
@@ -24,6 +24,7 @@ class Transport(ABC):
     def __init__(self, device: str, *, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         self.device = device
         self.inbox = Inbox(device, max_frame_bytes=max_frame_bytes)
+        self.sent: collections.Counter[str] = collections.Counter()  # payload bytes queued per peer, probes aside
 
     def set_policy(self, policy: Policy) -> None:
         """What this peer accepts: a function of the header that returns a reason to refuse, or None."""
@@ -59,6 +60,8 @@ class Transport(ABC):
             codec=codec,
             checksum=checksum(payload),
         )
+        if kind != "probe":
+            self.sent[to] += payload.nbytes
         self._send(to, header, payload)
 
     def recv(self, kind: str, sender: str, step: int, micro: int, timeout_s: float) -> torch.Tensor:
@@ -72,12 +75,13 @@ class Transport(ABC):
         """Block until every frame queued (for the peers `to`, or all) has left, or raise the error that
         stopped one: PeerUnreachable, or TransportTimeout past the deadline."""
 
-    @contextlib.contextmanager
-    def quiet(self, to: str, wait_s: float) -> Iterator[None]:
-        """Hold back frames to `to` other than link probes, after waiting up to `wait_s` for those already
-        on their way to leave: a probe then times the link, not the share training leaves it. Frames held
-        queue and follow. A transport without links of its own holds nothing."""
-        yield
+    def arrived_bytes(self, sender: str) -> int:
+        """Payload bytes of frames other than probes that have arrived from `sender` so far."""
+        return self.inbox.received[sender]
+
+    def unsent_bytes(self, to: str) -> int:
+        """Of the bytes `sent` to `to`, how many have not crossed yet, as far as this end can tell."""
+        return 0
 
     @abstractmethod
     def start(self) -> None: ...

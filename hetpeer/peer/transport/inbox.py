@@ -14,6 +14,7 @@ import collections
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -47,6 +48,18 @@ class Late(str):
     """A refusal that is no one's fault: a frame for a step this peer has left behind. Not counted."""
 
 
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """How a probe frame's payload came in off a stream: the clock (`time.perf_counter`) at the first
+    read after its header and at its end, the payload bytes that first read found already there, and
+    the bytes of other frames from its sender received before that first read."""
+
+    first_s: float
+    end_s: float
+    first_bytes: int
+    others_before: int
+
+
 def accept_all(header: FrameHeader) -> str | None:
     return None
 
@@ -61,6 +74,8 @@ class Inbox:
         self.misbehaving: collections.Counter[str] = collections.Counter()
         self.rejections: collections.deque[tuple[str, str]] = collections.deque(maxlen=256)
         self.late = 0  # frames dropped because they came after their step was done
+        self.received: collections.Counter[str] = collections.Counter()  # payload bytes arrived per sender, probes aside
+        self.arrivals: dict[str, Arrival] = {}  # per sender, its last probe frame off a stream, for the probe handler
         self.handlers: dict[str, Callable[[FrameHeader, torch.Tensor], None]] = {}  # kinds served, not stored
         self._frames: dict[Key, torch.Tensor] = {}
         self._headers: dict[Key, FrameHeader] = {}  # of the frames waiting, to screen them again under a new plan

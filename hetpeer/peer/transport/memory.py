@@ -52,6 +52,8 @@ class MemoryTransport(Transport):
         if reason is not None:
             self.inbox.refuse(header, reason)
             return False
+        if header.kind != "probe":
+            self.inbox.received[header.sender] += len(payload)
         return self.inbox.offer(header, bytearray(payload))
 
     def flush(self, timeout_s: float, to: Iterable[str] | None = None) -> None:

@@ -12,7 +12,7 @@ runs at most of a raw socket's speed, where P2P streams copy through the daemon.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import collections
 import fcntl
 import logging
 import math
@@ -24,13 +24,13 @@ import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field as dataclass_field
 from pathlib import Path
-from typing import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Awaitable, Callable, Iterable, Mapping, Sequence
 
 import numpy
 
 from hetpeer.peer.transport.base import DEFAULT_MAX_FRAME_BYTES, Transport
 from hetpeer.peer.transport.codec import PayloadCheck
-from hetpeer.peer.transport.inbox import PeerUnreachable, TransportError, TransportTimeout
+from hetpeer.peer.transport.inbox import Arrival, PeerUnreachable, TransportError, TransportTimeout
 from hetpeer.protocol.addresses import AddressBook, PeerAddress
 from hetpeer.protocol.frame import PREFIX, FrameError, FrameHeader, decode_header, header_length
 
@@ -39,8 +39,6 @@ P2P_PROTOCOL = "/hetpeer/frames/1"
 SOCKET_BUFFER_BYTES = 4 << 20
 MAX_EMULATED_LATENCY_S = 10.0
 DRAIN_LIMIT_BYTES = 1 << 20  # a refused frame's payload up to this size is read past; beyond, the stream is closed
-QUIET_BYTES = 64 << 10  # `quiet`: the link counts as clear once no more than this waits to cross it
-QUIET_POLL_S = 0.005
 EMULATED_CHUNK_S = 0.01  # an emulated rate paces a frame in pieces of about this long, as a link delivers it
 
 
@@ -61,6 +59,10 @@ class Stream(ABC):
 
     def unsent_bytes(self) -> int:
         """Bytes written but not yet across (as far as this end can tell)."""
+        return 0
+
+    def unread_bytes(self) -> int:
+        """Bytes arrived but not yet read (as far as this end can tell)."""
         return 0
 
 
@@ -120,6 +122,12 @@ class _SocketStream(Stream):
     def unsent_bytes(self) -> int:
         try:  # the kernel's send queue: bytes not yet acknowledged by the other end
             return struct.unpack("i", fcntl.ioctl(self.sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
+        except OSError:
+            return 0
+
+    def unread_bytes(self) -> int:
+        try:  # the kernel's receive queue
+            return struct.unpack("i", fcntl.ioctl(self.sock.fileno(), termios.FIONREAD, b"\0" * 4))[0]
         except OSError:
             return 0
 
@@ -311,12 +319,9 @@ class NetworkTransport(Transport):
         self._pumps: dict[tuple[str, str], asyncio.Task] = {}
         self._free_at: dict[str, float] = {}  # with an emulated rate: when the link to a destination is free again
         self._failures: dict[str, str] = {}
-        # `quiet`: destinations whose training frames are held back (how many holds), the gate their pumps
-        # pass, and what each pump is writing on (to see when what it wrote has left)
-        self._holds: dict[str, int] = {}
-        self._gates: dict[str, asyncio.Event] = {}
-        self._streams: dict[tuple[str, str], Stream] = {}
-        self._busy: set[tuple[str, str]] = set()
+        self._streams: dict[tuple[str, str], Stream] = {}  # each pump's connection, to see what it has not sent
+        self._written: collections.Counter[str] = collections.Counter()  # of `sent`, the payload bytes written
+        self._incoming: dict[str, set[Stream]] = collections.defaultdict(set)  # streams carrying a peer's frames
 
     # -- life cycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -393,9 +398,6 @@ class NetworkTransport(Transport):
                 emulation = self.emulation
                 if emulation.latency_s:  # its time in flight, counted from when it was sent: frames overlap
                     await asyncio.sleep(sent_at + emulation.latency_to(self.book.peers.get(to)) - time.monotonic())
-                if channel == "frames" and to in self._gates:
-                    await self._gates[to].wait()  # a probe is timing the link
-                self._busy.add(key)
                 try:
                     await self._write(to, stream, parts)
                 except (ConnectionError, OSError):
@@ -407,8 +409,8 @@ class NetworkTransport(Transport):
                     stream = None
                     stream = self._streams[key] = await self._connect(to)
                     await self._write(to, stream, parts)
-                finally:
-                    self._busy.discard(key)
+                if channel == "frames":
+                    self._written[to] += memoryview(parts[1]).nbytes
             except (PeerUnreachable, ConnectionError, OSError) as error:
                 dropped = 1 + queue.qsize()
                 self._failures[to] = f"{self.device}: sending to {to} failed, {dropped} frame(s) dropped: {error}"
@@ -440,29 +442,13 @@ class NetworkTransport(Transport):
                 await asyncio.sleep(free_at - time.monotonic())
                 await stream.write([chunk])
 
-    @contextlib.contextmanager
-    def quiet(self, to: str, wait_s: float) -> Iterator[None]:
-        self._call(self._hold(to, wait_s), timeout_s=wait_s + 10.0)
-        try:
-            yield
-        finally:
-            self._loop.call_soon_threadsafe(self._release, to)
+    def arrived_bytes(self, sender: str) -> int:
+        # what the kernel holds unread counts as arrived: a reader busy with a frame lags its stream
+        return self.inbox.received[sender] + sum(stream.unread_bytes() for stream in list(self._incoming[sender]))
 
-    async def _hold(self, to: str, wait_s: float) -> None:
-        self._holds[to] = self._holds.get(to, 0) + 1
-        self._gates.setdefault(to, asyncio.Event())  # not set: pumps of training frames wait at it
-        key, deadline = (to, "frames"), time.monotonic() + wait_s
-        while time.monotonic() < deadline:  # a frame being written finishes, and what it left in the socket crosses
-            stream = self._streams.get(key)
-            if key not in self._busy and (stream is None or stream.unsent_bytes() <= QUIET_BYTES):
-                return
-            await asyncio.sleep(QUIET_POLL_S)
-
-    def _release(self, to: str) -> None:
-        self._holds[to] -= 1
-        if not self._holds[to]:
-            del self._holds[to]
-            self._gates.pop(to).set()
+    def unsent_bytes(self, to: str) -> int:
+        stream = self._streams.get((to, "frames"))  # read from another thread: a moment's view is all it needs
+        return self.sent[to] - self._written[to] + (stream.unsent_bytes() if stream is not None else 0)
 
     async def _connect(self, to: str) -> Stream:
         try:
@@ -510,7 +496,7 @@ class NetworkTransport(Transport):
     # -- receiving ----------------------------------------------------------------------------
     async def _serve(self, stream: Stream) -> None:
         """Read frames off one stream until it ends; garbage or an oversize frame closes it."""
-        inbox = self.inbox
+        inbox, incoming = self.inbox, set()
         try:
             while True:
                 try:
@@ -529,7 +515,15 @@ class NetworkTransport(Transport):
                     inbox.refuse(header, reason)
                     continue
                 check = PayloadCheck(header)
-                payload = await stream.read_exactly(header.payload_bytes, check.update)
+                if header.kind != "probe":
+                    self._incoming[header.sender].add(stream)
+                    incoming.add(header.sender)
+                arriving = _Arriving(self, header, check.update)
+                payload = await stream.read_exactly(header.payload_bytes, arriving)
+                if header.kind == "probe" and arriving.first_s is not None:
+                    inbox.arrivals[header.sender] = Arrival(
+                        arriving.first_s, time.perf_counter(), arriving.first_bytes, arriving.others_before
+                    )
                 # the sender is up (again): a failure to reach it before is history, not news for the next send
                 self._failures.pop(header.sender, None)
                 inbox.offer(header, payload, check)
@@ -538,6 +532,8 @@ class NetworkTransport(Transport):
         except ConnectionError as error:
             log.info("%s: stream from %s ended inside a frame: %s", self.device, stream.remote, error)
         finally:
+            for sender in incoming:
+                self._incoming[sender].discard(stream)
             stream.close()
 
 
@@ -557,3 +553,26 @@ def _spawn(coroutine: Awaitable, name: str) -> asyncio.Task:
 
     task.add_done_callback(done)
     return task
+
+
+class _Arriving:
+    """The progress of one payload off a stream, passed on to `then`: bytes of frames other than probes
+    count into `inbox.received` as they arrive; for a probe, when the first read came, what it found, and
+    what had arrived of the sender's other frames by then."""
+
+    def __init__(self, transport: "NetworkTransport", header: FrameHeader, then: Progress) -> None:
+        self.transport, self.sender, self.then = transport, header.sender, then
+        self.probe = header.kind == "probe"
+        self.counted = 0
+        self.first_s: float | None = None
+        self.first_bytes = self.others_before = 0
+
+    def __call__(self, buffer: memoryview, end: int) -> None:
+        if self.probe:
+            if self.first_s is None:
+                self.first_s, self.first_bytes = time.perf_counter(), end
+                self.others_before = self.transport.arrived_bytes(self.sender)
+        else:
+            self.transport.inbox.received[self.sender] += end - self.counted
+            self.counted = end
+        self.then(buffer, end)
