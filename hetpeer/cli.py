@@ -6,8 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -258,6 +261,20 @@ def emulation(args: argparse.Namespace):
 
     rate = args.bandwidth_cap * 1e6 / 8 if args.bandwidth_cap is not None else None
     return Emulation(rate_bytes_per_s=rate, latency_s=args.emulate_latency)
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (docker stop, the launcher) leaves the way Ctrl+C does: announcing it. Processes forked
+    later (hivemind's DHT node, which its owner stops with SIGTERM) inherit the handler: they just exit."""
+    main = os.getpid()
+
+    def stop(signum, frame):
+        if os.getpid() != main:
+            os._exit(0)
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, stop)
 
 
 def _load_plan(path: Path) -> Plan:

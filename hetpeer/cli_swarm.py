@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import sys
 import tempfile
 import threading
@@ -177,7 +175,7 @@ def run_swarm_join(args: argparse.Namespace) -> int:
         peer = SwarmPeer(config, cli._say)  # checks the swarm name
     except ValueError as error:
         raise cli.UserError(str(error)) from None
-    stop_on_sigterm()
+    cli.stop_on_sigterm()
     try:
         peer.start()
         peer.run()
@@ -239,7 +237,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
         coordinator = Coordinator(config, cli._say)  # checks the swarm name
     except ValueError as error:
         raise cli.UserError(str(error)) from None
-    stop_on_sigterm()
+    cli.stop_on_sigterm()
     try:
         coordinator.start()
         coordinator.run()
@@ -297,7 +295,7 @@ def run_swarm(args: argparse.Namespace) -> int:
 
     print(f"a swarm of {config.peers} peers and a coordinator on this machine; logs and report in {out}", flush=True)
     swarm = LocalSwarm(config, echo, free_port())
-    stop_on_sigterm()
+    cli.stop_on_sigterm()
     try:
         swarm.start()
         report = swarm.run(status=lambda line: echo(logline.relabel(line, "swarm")))
@@ -312,18 +310,4 @@ def run_swarm(args: argparse.Namespace) -> int:
     files = write_report(report, out)
     print(f"report: {files['md']} (loss curve {files['png']})", flush=True)
     return 0
-
-
-def stop_on_sigterm() -> None:
-    """SIGTERM (docker stop, the launcher) leaves the way Ctrl+C does: announcing it. Processes forked
-    later (hivemind's DHT node, which its owner stops with SIGTERM) inherit the handler: they just exit."""
-    main = os.getpid()
-
-    def stop(signum, frame):
-        if os.getpid() != main:
-            os._exit(0)
-        raise KeyboardInterrupt
-
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, stop)
 

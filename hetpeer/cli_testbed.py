@@ -62,7 +62,6 @@ def add_command(commands) -> None:
 
 def run_testbed(args: argparse.Namespace) -> int:
     import hetpeer.cli as cli
-    from hetpeer.cli_swarm import stop_on_sigterm
     from hetpeer.protocol.topology import Topology
     from hetpeer.swarm.report import write_report
     from hetpeer.swarm.watch import StalledError
@@ -98,7 +97,7 @@ def run_testbed(args: argparse.Namespace) -> int:
           f"project in {out}", flush=True)
     bed = Testbed(config, echo)
     ended = 1
-    stop_on_sigterm()  # `kill`, a CI's timeout: the containers are removed as after Ctrl+C
+    cli.stop_on_sigterm()  # `kill`, a CI's timeout: the containers are removed as after Ctrl+C
     try:
         bed.start()
         print(f"watch it: hetpeer status --api {bed.api_address}", flush=True)

@@ -36,7 +36,6 @@ swarms); the machine probe runs under it, so the TFLOPS a slowed peer announces 
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
 import math
@@ -64,7 +63,7 @@ log = logging.getLogger("hetpeer.peer")
 PING, PONG, DATA, DATA_ACK = range(4)  # the `micro` field of probe frames
 PILOT_BYTES = 64 << 10  # the first data frame, at most; it sizes the main one
 PILOT_SHARE = 8  # the pilot takes at most 1/8 of the byte budget
-DATA_SAMPLES = 3  # data frames per measurement; the fastest counts
+DATA_SAMPLES = 3  # data frames per measurement; the median counts
 FRAME_S = 0.1  # a main data frame holds the link about this long: long enough to time, short enough not to crowd out training
 RESOLUTION_S = 1e-4  # a data frame's time on the wire is taken to be at least this: shorter is lost in timing noise
 HISTORY_ROUNDS = 3  # rounds of measurements a peer's announced figure is the median of

@@ -196,7 +196,7 @@ def compose_project(config: TestbedConfig) -> dict[str, Any]:
         service: dict[str, Any] = {
             "image": config.image,
             "entrypoint": ["/bin/sh", f"/testbed/run/{name}.sh"],
-            "volumes": [f"./run:/testbed/run:ro", f"./homes/{name}:/data", f"./swarm:/swarm{'' if name == COORDINATOR else ':ro'}"],
+            "volumes": ["./run:/testbed/run:ro", f"./homes/{name}:/data", f"./swarm:/swarm{'' if name == COORDINATOR else ':ro'}"],
             "networks": {"wan": {"ipv4_address": addresses[name]}},
             "init": True,
         }

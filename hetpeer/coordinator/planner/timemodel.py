@@ -151,9 +151,9 @@ class TimeCost:
             counts[rows[fill], choice[fill]] += 1
         return counts
 
-    def _lanes(self, cols: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _lanes(self, cols: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Lane times for lanes given as (..., S) device indices with (..., S) layer counts:
-        (lane seconds (...), per-stage compute t (..., S), per-micro-batch period P (...))."""
+        (lane seconds (...), per-stage compute t (..., S))."""
         stages, M = cols.shape[-1], self.micro_batches
         t = counts * self.layer_s[cols]
         t[..., -1] += self.head_s[cols[..., -1]]
@@ -166,7 +166,7 @@ class TimeCost:
             round_trip, period = t.sum(-1), t.max(-1)
         if M > stages:
             period = np.maximum(period, round_trip / stages)
-        return round_trip + (M - 1) * period, t, period
+        return round_trip + (M - 1) * period, t
 
     def _groups(self, rows: np.ndarray, stage_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(all-reduce seconds (...), each gossip round's seconds before overlap (..., rounds)) for groups
@@ -205,7 +205,7 @@ class TimeCost:
     def _evaluate(self, grids: np.ndarray) -> dict[str, np.ndarray]:
         K = grids.shape[0]
         counts = self._layers(grids)
-        lane, t, period = self._lanes(grids.transpose(0, 2, 1), counts[:, None, :])  # lanes: (K, m)
+        lane, t = self._lanes(grids.transpose(0, 2, 1), counts[:, None, :])  # lanes: (K, m)
         slowest = lane.argmax(axis=1)
         lane_s = lane[np.arange(K), slowest]
         stage_bytes = counts * self.wire_per_layer + self.wire_fixed  # (K, S)
@@ -217,7 +217,7 @@ class TimeCost:
         move = self._move_s(grids, counts) if self._current is not None else np.zeros(K)
         objective = self._objective(lane, sync_s, overflow, move)
         return {
-            "counts": counts, "lane": lane, "t": t, "period": period, "slowest": slowest, "lane_s": lane_s,
+            "counts": counts, "lane": lane, "t": t, "slowest": slowest, "lane_s": lane_s,
             "allreduce": allreduce, "gossip": gossip, "sync_s": sync_s, "use_gossip": use_gossip, "total": total,
             "move": move, "overflow": overflow.sum(axis=1), "row_overflow": overflow, "objective": objective,
         }  # fmt: skip
