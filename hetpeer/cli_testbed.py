@@ -28,7 +28,7 @@ def add_command(commands) -> None:
         "one for the coordinator, start it and follow the swarm until --steps (or Ctrl+C). Each container shapes what "
         "it sends to each other device to the topology's bandwidth times --scale (htb, per destination); the "
         "topology's latency is added by the peers' transport (emulated: this kernel has no netem); compute is slowed "
-        "in proportion to each device's TFLOPS. Peers measure their links themselves and the coordinator plans from "
+        "in proportion to each device's TFLOPS; a device's memory_gb limits its container. Peers measure their links themselves and the coordinator plans from "
         "what they measured. At the end the containers' logs and a run report are kept in --out and the containers "
         "removed (--keep leaves them running). Needs Docker and the hetpeer image (docker/build.sh).",
     )

@@ -177,14 +177,37 @@ def device_name(device: str) -> str:
 
 
 def free_memory_bytes(device: str) -> int:
+    """Free accelerator memory, or the system memory this process can still use: the machine's available
+    memory, or what its control group (a container's memory limit) leaves, whichever is less."""
     if torch.device(device).type == "cuda":
         return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    available = None
     meminfo = Path("/proc/meminfo")
     if meminfo.exists():
         for line in meminfo.read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+                available = int(line.split()[1]) * 1024
+    if available is None:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    left = cgroup_free_bytes()
+    return available if left is None else min(available, left)
+
+
+def cgroup_free_bytes(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """The memory limit of this process's control group less what the group uses now (cgroup v2's
+    memory.max and memory.current, or v1's memory/memory.limit_in_bytes and usage_in_bytes); None without
+    a limit. Reads the group mounted at `root`: inside a container that is the container's own."""
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            limit_text = (root / limit_file).read_text().strip()
+            usage = int((root / usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit_text == "max" or not limit_text.isdigit() or int(limit_text) >= 2**60:  # v1 writes "no limit" as ~2^63
+            return None
+        return max(0, int(limit_text) - usage)
+    return None
 
 
 class LinkProber:

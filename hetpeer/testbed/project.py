@@ -6,7 +6,7 @@ Each device's container shapes what it sends, per destination, to the topology's
 which needs NET_ADMIN); the kernel here cannot add latency (no netem), so the topology's latency is
 added by the peer's transport (`--emulate-latency`, one way, per destination address). Compute follows
 the device's TFLOPS: the fastest device runs at `slowdown` times this machine's speed, a device half as
-fast at twice that. Peers then measure their links with their own probes and the coordinator plans
+fast at twice that. Memory follows the device's `memory_gb`: its container is limited to that much. Peers then measure their links with their own probes and the coordinator plans
 from what they measured, as in a swarm of real hosts.
 
 Layout of the project folder: `compose.yaml`, `run/<service>.sh` (each container's start: its shaping,
@@ -34,6 +34,7 @@ INTERFACE = "eth0"
 QUEUE_S = 0.01  # each shaped class queues at most this long at its rate (and at least MIN_QUEUE_BYTES)
 MIN_QUEUE_BYTES = 200_000  # three segments of 64 KiB: a queue shorter than one offloaded segment drops them all
 SERVICE_RE = re.compile(r"[^a-z0-9]+")
+SHM_BYTES = 2 * 2**30
 
 
 class TestbedError(ValueError):
@@ -114,6 +115,12 @@ def peer_name(device_id: str) -> str:
 def slowdowns(config: TestbedConfig) -> dict[str, float]:
     fastest = max(d.tflops for d in config.topology.devices)
     return {d.id: config.slowdown * fastest / d.tflops for d in config.topology.devices}
+
+
+def memory_limits(config: TestbedConfig) -> dict[str, int]:
+    """Service name -> its container's memory limit in bytes: the device's `memory_gb` (1e9 bytes), for
+    the devices that state one. A peer reads the limit as its free memory, as on a GPU of that size."""
+    return {service_name(d.id): int(d.memory_gb * 1e9) for d in config.topology.devices if d.memory_gb is not None}
 
 
 def shaping(config: TestbedConfig, device: Device) -> list[str]:
@@ -205,6 +212,11 @@ def compose_project(config: TestbedConfig) -> dict[str, Any]:
         else:
             service["cap_add"] = ["NET_ADMIN"]
             service["depends_on"] = [COORDINATOR]
+            # a host's /dev/shm, not Docker's 64 MB: torch.multiprocessing (hivemind's averager among
+            # others) passes tensors through it; what is written there counts against the memory limit
+            service["shm_size"] = SHM_BYTES
+            if (limit := memory_limits(config).get(name)) is not None:
+                service["mem_limit"] = service["memswap_limit"] = limit  # no swap: the limit is the device's memory
         services[name] = service
     return {
         "services": services,

@@ -1,6 +1,7 @@
 """`hetpeer testbed` as users run it: four containers whose links are shaped like a topology file's. The
-peers' own probes measure those links, the swarm trains until it is stopped (`kill`, as Ctrl+C), and the command then leaves logs and
-a run report and removes its containers."""
+peers' own probes measure those links, a device's memory limits its container, the swarm trains until it
+is stopped (`kill`, as Ctrl+C), and the command then leaves logs and a run report and removes its
+containers."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ TOPOLOGY = {
     "name": "two-sites",
     "devices": [
         {"id": "a-0", "region": "a", "tflops": 1.0}, {"id": "a-1", "region": "a", "tflops": 1.0},
-        {"id": "b-0", "region": "b", "tflops": 1.0}, {"id": "b-1", "region": "b", "tflops": 0.5},
+        {"id": "b-0", "region": "b", "tflops": 1.0}, {"id": "b-1", "region": "b", "tflops": 0.5, "memory_gb": 2.0},
     ],
     "regions": {"a": {"latency_ms": 2, "bandwidth_gbps": 0.2}, "b": {"latency_ms": 3, "bandwidth_gbps": 0.1}},
     "region_links": [{"a": "a", "b": "b", "latency_ms": 30, "bandwidth_gbps": 0.04}],
@@ -56,6 +57,10 @@ def test_a_shaped_testbed_is_measured_as_shaped_and_trains(image, tmp_path):
             time.sleep(SETTLED_S)
             records = measured()
         device_of = {d: by_name[d.rsplit("-", 1)[0]] for d in records}
+        # b-1's container is limited to its 2 GB, and its peer announces what that limit leaves it
+        limited = {d: r.memory_bytes for d, r in records.items() if device_of[d].memory_gb is not None}
+        assert len(limited) == 1 and 0 < next(iter(limited.values())) <= 2e9, limited
+        assert all(r.memory_bytes > 2e9 for d, r in records.items() if d not in limited), records
         for sender, record in records.items():
             for receiver, link in record.links.items():
                 shaped = topology.link(device_of[sender], device_of[receiver])

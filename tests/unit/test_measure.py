@@ -26,6 +26,7 @@ from hetpeer.peer.measure import (
     ProbeError,
     Slowdown,
     Transfer,
+    cgroup_free_bytes,
     describe_links,
     estimate_link,
     pick_targets,
@@ -472,3 +473,19 @@ def test_one_slow_call_does_not_decide_the_compute_figure():
 def test_a_machine_profile_refuses_nonsense(fields, message):
     with pytest.raises(ValueError, match=message):
         MachineProfile(**{**dict(device_name="cpu", tflops=1.0, memory_bytes=0), **fields})
+
+
+@pytest.mark.parametrize("files, free", [
+    ({"memory.max": "1000000000\n", "memory.current": "300000000\n"}, 700_000_000),  # cgroup v2
+    ({"memory.max": "max\n", "memory.current": "300000000\n"}, None),
+    ({"memory/memory.limit_in_bytes": "2000\n", "memory/memory.usage_in_bytes": "500\n"}, 1500),  # cgroup v1
+    ({"memory/memory.limit_in_bytes": "9223372036854771712\n", "memory/memory.usage_in_bytes": "5\n"}, None),
+    ({"memory.max": "100\n", "memory.current": "250\n"}, 0),  # over its limit (reclaimable cache): nothing left
+    ({"memory.max": "garbage\n", "memory.current": "1\n"}, None),
+    ({}, None),  # no control group mounted
+])
+def test_a_containers_memory_limit_bounds_the_free_memory_a_peer_announces(tmp_path, files, free):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cgroup_free_bytes(tmp_path) == free

@@ -20,6 +20,7 @@ from hetpeer.testbed.project import (
     TestbedError,
     compose_project,
     latencies,
+    memory_limits,
     peer_name,
     scripts,
     service_name,
@@ -87,9 +88,19 @@ def test_the_compose_project_puts_everyone_on_one_network_with_their_addresses(t
     services = project["services"]
     assert services[COORDINATOR]["ports"] == ["127.0.0.1:50999:50051"]
     assert all(services[n]["cap_add"] == ["NET_ADMIN"] for n in ("a-0", "a-1", "b-0"))
+    assert all(services[n]["shm_size"] == 2 * 2**30 for n in ("a-0", "a-1", "b-0"))  # not Docker's 64 MB
     assert all(s["networks"]["wan"]["ipv4_address"] == config().addresses[n] for n, s in services.items())
     assert project["networks"]["wan"]["ipam"]["config"] == [{"subnet": "10.213.7.0/24"}]
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [f"{n}.sh" for n in sorted(services)]
+
+
+def test_a_device_that_states_its_memory_gets_a_container_of_that_size_and_no_swap(tmp_path):
+    devices = [{"id": "A-0", "region": "a", "tflops": 2.0, "memory_gb": 1.25}, {"id": "b-0", "region": "b", "tflops": 1.0}]
+    topology = Topology.from_wire({**TOPOLOGY.to_wire(), "devices": devices})
+    services = compose_project(config(topology=topology, out=tmp_path))["services"]
+    assert memory_limits(config(topology=topology)) == {"a-0": 1_250_000_000}
+    assert services["a-0"]["mem_limit"] == services["a-0"]["memswap_limit"] == 1_250_000_000
+    assert "mem_limit" not in services["b-0"] and "mem_limit" not in services[COORDINATOR]
 
 
 def test_the_world_wide_scenario_fits_a_slash_24():
