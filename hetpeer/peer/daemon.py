@@ -159,6 +159,19 @@ def donors_for(records: Mapping[str, PeerRecord], layers: tuple[int, int], me: s
     return [r.device_id for r in found]
 
 
+def still_fetched(plan: Plan, records: Mapping[str, PeerRecord], me: str, layers: tuple[int, int]) -> bool:
+    """Whether a stage `me` held before `plan` (`layers`) may still be downloaded from it: some other member
+    of `plan` whose layers overlap it does not yet announce training under `plan` (or a later one)."""
+    start, end = layers
+    for stage in plan.stages:
+        if stage.layer_start < end and start < stage.layer_end:
+            for device in stage.devices:
+                record = records.get(device)
+                if device != me and (record is None or record.epoch < plan.epoch or record.state != "training"):
+                    return True
+    return False
+
+
 class SwarmPeer:
     def __init__(self, config: SwarmPeerConfig, report: Callable[[str], None]) -> None:
         self.config, self.report = config, report
@@ -173,7 +186,7 @@ class SwarmPeer:
         self.server: StateServer | None = None
         self.machine: MachineProfile | None = None
         self.worker: StageWorker | None = None  # the stage this peer trains now
-        self.previous: StageWorker | None = None  # the one before (kept to move state from, and to serve)
+        self.previous: StageWorker | None = None  # the one before (kept to move state from, and to serve, until no one needs it)
         self.running: Plan | None = None
         self.pending: Plan | None = None
         self.records: dict[str, PeerRecord] = {}
@@ -286,6 +299,7 @@ class SwarmPeer:
                 except Interrupted:
                     self.transport.inbox.resume()  # a newer plan came while switching: take that one
                     continue
+            self._release_previous()
             worker = self.worker
             if worker is None or self.status.state == "waiting":
                 self.stopping.wait(0.1)
@@ -368,6 +382,22 @@ class SwarmPeer:
             f"plan epoch {plan.epoch} from step {plan.start_step}: stage {stage + 1}/{len(plan.stages)} (layers "
             f"{layers[0]}-{layers[1] - 1}), lane {lane + 1}/{plan.group_size}, group with {group}; {how}"
         )
+
+    def _release_previous(self) -> None:
+        """Let go of the stage held before the running plan once no member of that plan can still want to
+        download it: a peer would otherwise hold two stages' state (a memory-bound peer has room for one).
+        A peer on standby keeps it: that is its warm copy."""
+        previous, running = self.previous, self.running
+        if previous is None or running is None or self.worker is None:
+            return
+        with self.lock:
+            needed = still_fetched(running, self.records, self.device_id, previous.layers)
+        if not needed:
+            self.previous = None
+            if self.server is not None:
+                self.server.release(previous.sync)
+            log.info("%s: released the stage held before plan epoch %d (layers %d-%d)", self.device_id, running.epoch,
+                     previous.layers[0], previous.layers[1] - 1)
 
     def _fill(self, worker: StageWorker, old: StageWorker | None, layers: tuple[int, int], epoch: int) -> str:
         """Put the stage's parameters and optimizer state in `worker`: the old worker's when it held the

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hetpeer.peer.daemon import FUTURE_EPOCHS, donors_for, held_epochs, not_arrived, switch_now
+from hetpeer.peer.daemon import FUTURE_EPOCHS, donors_for, held_epochs, not_arrived, still_fetched, switch_now
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.records import PeerRecord
@@ -139,3 +139,19 @@ def test_an_entering_peer_waits_for_its_lane_and_group_to_announce_the_plan():
     assert not_arrived(plan, records, "a") == ["c"]  # c still finishes the plan before
     records["c"] = announcing("c", 4)  # or is already under a later one
     assert not_arrived(plan, records, "a") == []
+
+
+# -- still_fetched ------------------------------------------------------------------------------------------
+
+
+def test_a_stage_held_before_is_kept_until_every_new_holder_of_its_layers_trains_under_the_plan():
+    plan = make_plan([["a", "b"], ["c", "d"]], epoch=3)  # layers [0, 2) on a and b, [2, 4) on c and d
+    records = book(replace(record("b", (0, 2), 0, state="fetching"), epoch=3), replace(record("c", (2, 4), 0), epoch=3))
+    assert still_fetched(plan, records, "a", (0, 2))  # b still downloads layers 0-1, perhaps from a
+    records["b"] = replace(records["b"], state="training")
+    assert not still_fetched(plan, records, "a", (0, 2))  # a itself and b train: no one needs a's old copy
+    assert still_fetched(plan, records, "a", (1, 3))  # overlaps c's and d's stage: d has not announced epoch 3
+    records["d"] = replace(record("d", (2, 4), 0), epoch=2)
+    assert still_fetched(plan, records, "a", (1, 3))  # d still runs the plan before
+    records["d"] = replace(records["d"], epoch=4)
+    assert not still_fetched(plan, records, "a", (1, 3))

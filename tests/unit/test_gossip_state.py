@@ -318,3 +318,14 @@ def test_a_donor_serves_its_last_two_holdings_and_forgets_the_third():
         swarm.fetch(["p1"], timeout_s=0.2)
     swarm.transports["p0"].send("p1", "state_request", torch.tensor([0, 0, 3]), step=7)
     assert swarm.transports["p1"].inbox.misbehaving == {"p0": 1}
+
+
+def test_a_released_holding_is_no_longer_served():
+    swarm = Swarm([(0, 10)], distinct=False)
+    donor, first = swarm.servers["p1"], swarm.syncs["p1"]
+    second = swarm.sync("p1", swarm.transports["p1"], 10, 12)
+    donor.hold(second, 10, 12)
+    donor.release(first)  # every new holder of [0, 10) has it: p1 lets its old stage go
+    assert [h.sync for h in donor.holdings] == [second]
+    with pytest.raises(StateDownloadError, match=re.escape("no donor (p1) described its state of parameters [0, 10)")):
+        swarm.fetch(["p1"], timeout_s=0.2)

@@ -260,3 +260,23 @@ def test_time_model_needs_tflops():
     with pytest.raises(PlanningError, match="tflops"):
         make_model(problem, PlannerConfig(), Shape(1, 2))
 
+
+
+def test_a_device_that_moves_must_fit_its_old_stage_beside_its_new_one():
+    # room for either stage of a 2-stage split, not for the whole model: a device that changes stages keeps
+    # the one it held (its successor downloads it) while it fills the new one, and that overflows
+    workload = Workload(preset("tiny", 4), batch=4)
+    whole = 4 * (20 * LAYER_PARAMS + 34 * SEQ * H) + 20 * (EMBEDDING_PARAMS + HEAD_PARAMS) + 2 * 4 * SEQ * VOCAB
+    config = PlannerConfig(stages=2, group_size=1, memory_reserve=0.0)
+    devices = topology([1e-3, 1e-3], 1.0, 10.0, [0.75 * whole / 1e9] * 2)
+    fresh = make_model(Problem.from_topology(devices, workload), config, Shape(2, 1))
+    held, swapped = np.array([[0], [1]]), np.array([[1], [0]])
+    assert fresh.report(held).fits_memory and fresh.report(swapped).fits_memory
+    cut = fresh.report(held).layers[0]
+    current = Plan(
+        cost_model="time", model="tiny", layers=4, batch=4, micro_batch=1, micro_batches=4, dtype="fp16",
+        stages=(StagePlan(0, 0, cut, ("d0",), "none"), StagePlan(1, cut, 4, ("d1",), "none")),
+    )  # fmt: skip
+    moving = make_model(Problem.from_topology(devices, workload, current=current), config, Shape(2, 1))
+    assert moving.report(held).fits_memory  # nobody moves
+    assert not moving.report(swapped).fits_memory

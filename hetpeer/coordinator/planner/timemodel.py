@@ -32,7 +32,8 @@ For a grid (rows = stages in order, columns = lanes), with M micro-batches per l
   the search can walk out of it;
 - with a current plan, every device that must fetch layers it does not hold pays bytes / its best
   incoming bandwidth from a current holder; the slowest such move, spread over `horizon_steps`
-  steps, is added to the objective, so a plan must be worth its move.
+  steps, is added to the objective, so a plan must be worth its move; such a device also keeps its
+  old stage beside the new one while the new holders download it, which must fit its memory too.
 
 Costs are evaluated on batches of grids, (K, S, m) -> (K,), in O(K S m log m) plus a few greedy
 layer placements per grid (the split starts from its continuous bound).
@@ -102,6 +103,7 @@ class TimeCost:
             first * (STATE_BYTES_PER_PARAM + 2 * wire) * model.embedding_params
             + last * ((STATE_BYTES_PER_PARAM + 2 * wire) * model.head_params + mb * w.logits_bytes_per_seq)
         )
+        self.state_per_param = STATE_BYTES_PER_PARAM + 2 * wire
         self.wire_per_layer = float(model.layer_params * wire)
         self.wire_fixed = (first * model.embedding_params + last * model.head_params) * float(wire)
         self.usable_memory = None if problem.memory_bytes is None else problem.memory_bytes * (1 - memory_reserve)
@@ -213,6 +215,8 @@ class TimeCost:
         sync_s, use_gossip = self._sync(allreduce, gossip, lane_s)
         need = self.mem_fixed + counts * self.mem_per_layer  # (K, S)
         overflow = self._overflow(grids, need)
+        if self._current is not None and self.usable_memory is not None:
+            overflow = np.maximum(overflow, self._move_overflow(grids, counts, need))
         total = lane_s + sync_s.max(axis=1)
         move = self._move_s(grids, counts) if self._current is not None else np.zeros(K)
         objective = self._objective(lane, sync_s, overflow, move)
@@ -261,6 +265,19 @@ class TimeCost:
             + move / self.horizon_steps
             + OVERFLOW_PENALTY_S_PER_GB * overflow.sum(axis=1) / 1e9
         )
+
+    def _move_overflow(self, grids: np.ndarray, counts: np.ndarray, need: np.ndarray) -> np.ndarray:
+        """(K, S): bytes by which a group's device falls short while it holds the stage it held in the
+        current plan beside its new one (it serves the old one until the new holders have it)."""
+        held_start, held_end = self._current[0][grids], self._current[1][grids]  # (K, S, m)
+        end = np.cumsum(counts, axis=1)[:, :, None]
+        start = end - counts[:, :, None]
+        model = self.problem.workload.model
+        held_params = ((held_end - held_start) * model.layer_params + (held_start == 0) * model.embedding_params
+                       + (held_end == self.problem.layers) * model.head_params)
+        moving = (held_end > held_start) & ((held_start != start) | (held_end != end))
+        peak = need[:, :, None] + np.where(moving, held_params * self.state_per_param, 0.0)
+        return np.maximum(peak - self.usable_memory[grids], 0).max(axis=-1)
 
     def _move_s(self, grids: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Seconds for the slowest device to fetch the layers it would hold but does not hold now."""

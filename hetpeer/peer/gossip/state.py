@@ -80,6 +80,11 @@ class StateServer:
         with self.lock:
             self.holdings = [Holding(sync, start, end)] + [h for h in self.holdings if h.sync is not sync][: HOLDINGS - 1]
 
+    def release(self, sync: GroupSync) -> None:
+        """Stop serving `sync`'s state (a stage this peer no longer holds)."""
+        with self.lock:
+            self.holdings = [h for h in self.holdings if h.sync is not sync]
+
     def accept(self, header: FrameHeader) -> str | None:
         """The policy for `state_request` and `state` frames."""
         if header.kind == "state_request":

@@ -98,7 +98,8 @@ class StageWorker:
         self.model = build_stage(self.spec, stage_plan.layer_start, stage_plan.layer_end, config.seed, config.device)
         self.flat = FlatParams(self.model)
         self.sync = GroupSync(plan, device_id, transport, self.flat, config.adam, config.sync)
-        self.param_range = self.spec.param_range(stage_plan.layer_start, stage_plan.layer_end)
+        self.layers = (stage_plan.layer_start, stage_plan.layer_end)
+        self.param_range = self.spec.param_range(*self.layers)
         # a static plan serves its own peers; a swarm peer passes the server it keeps across plans
         self.server = server or StateServer(transport, device_id, known=lambda d: d in plan.devices)
         self.server.hold(self.sync, *self.param_range)
