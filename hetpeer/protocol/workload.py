@@ -79,6 +79,9 @@ PRESETS: dict[str, ModelSpec] = {
     # multiplies dominate a step, as on real GPUs (benchmarks that hold the planner to the runtime).
     "tiny": ModelSpec("tiny", hidden=64, heads=4, seq_len=64, vocab=256, layers=4),
     "small": ModelSpec("small", hidden=256, heads=8, seq_len=128, vocab=256, layers=8),
+    # 38M parameters: a peer of a few GB holds a stage of it, but not the whole model with its optimizer
+    # state and a data-parallel averager's buffers (benchmarks/vs_hivemind.py's memory case).
+    "medium": ModelSpec("medium", hidden=512, heads=8, seq_len=128, vocab=256, layers=12),
 }
 
 

@@ -89,3 +89,12 @@ def test_bad_presets():
         preset("gpt5")
     with pytest.raises(ValueError, match="layers"):
         preset("tiny", layers=0)
+
+
+def test_medium_preset_size_by_hand():
+    # the memory case of benchmarks/vs_hivemind.py: 38.2M parameters, as docs/vs_hivemind.md says
+    h, vocab, seq, layers = 512, 256, 128, 12
+    blocks = layers * (12 * h * h + 13 * h)
+    embeddings = vocab * h + seq * h
+    head = vocab * h + 2 * h
+    assert preset("medium").params == blocks + embeddings + head == 38_157_312
