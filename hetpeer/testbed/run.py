@@ -11,12 +11,26 @@ from typing import Callable
 
 from hetpeer import logline
 from hetpeer.coordinator.api import ApiClient, ApiError
-from hetpeer.swarm.report import Event, PeerInfo, PlanUse, RunReport, StageUse, lane_step, samples_from_lanes, summarize
+from hetpeer.swarm.report import Event, LaneStep, PeerInfo, PlanUse, RunReport, StageUse, lane_step, samples_from_lanes, summarize
 from hetpeer.swarm.watch import describe, follow
 from hetpeer.testbed.compose import Compose, ComposeError, check_docker, image_exists
 from hetpeer.testbed.project import COORDINATOR, TestbedConfig, peer_name, service_name, slowdowns, write
 
 GONE_CHECK_S = 5.0  # how often to ask Docker whether peers still run
+
+
+def lane_steps(logs: dict[str, Path], origin_s: float = 0.0) -> list[LaneStep]:
+    """Every lane step the peers' logs (service -> file, as `Testbed.logs` writes them) print, at its time
+    stamp less `origin_s` (seconds since the epoch)."""
+    steps = []
+    for name, path in logs.items():
+        if name == COORDINATOR:
+            continue
+        for line in path.read_text(errors="replace").splitlines():
+            when, text = logline.split(line)
+            if when is not None and (done := lane_step(text, logline.seconds(when) - origin_s)) is not None:
+                steps.append(done)
+    return steps
 
 
 class Testbed:
@@ -95,15 +109,7 @@ class Testbed:
 
     def report(self, logs: dict[str, Path]) -> RunReport:
         """The run report from the peers' step lines (their time stamps place each step in the run)."""
-        steps = []
-        for name, path in logs.items():
-            if name == COORDINATOR:
-                continue
-            for line in path.read_text(errors="replace").splitlines():
-                when, text = logline.split(line)
-                if when is not None and (done := lane_step(text, logline.seconds(when) - self.started_at)) is not None:
-                    steps.append(done)
-        samples = samples_from_lanes(steps)
+        samples = samples_from_lanes(lane_steps(logs, self.started_at))
         slow = slowdowns(self.config)
         peers = []
         for device in self.config.topology.devices:
