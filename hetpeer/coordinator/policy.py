@@ -35,6 +35,7 @@ from hetpeer.protocol.workload import Workload
 DEFAULT_LINK = (1e-3, 100e6)  # (latency s, bytes/s) assumed when no link at all has been measured
 MAX_LEAD_STEPS = 1000
 LEAD_HEARTBEATS = 5  # a plan that keeps membership takes effect this far ahead: peers read plans once a heartbeat
+LINKS_WAIT_HEARTBEATS = 5  # the first plan waits this much past the settling for links to be measured
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,19 +124,28 @@ def decide(
     replan_interval_s: float,
     considered: Collection[str] = (),
     estimates_rechecked: bool = False,
+    links_wait_s: float = 0.0,
 ) -> Decision:
     """Whether to solve now. `first_seen` holds when each announcing peer was first read; peers that
     appeared less than `settle_s` ago are waited for (a swarm starting up arrives in a burst).
     `considered`: newcomers already solved for under the running plan and left out of it (the plan was
     not worth changing for them); they wait for the periodic re-solve instead of one solve a round.
     A plan made on estimated links (a starting swarm has measured few) is solved again once peers have
-    measured them all, unless `estimates_rechecked` says that was done for it already."""
+    measured them all, unless `estimates_rechecked` says that was done for it already. The first plan
+    waits up to `links_wait_s` past the settling for the peers to measure the links between them: a plan
+    made on guesses is soon replaced, and moving stages between the two costs downloads over the very
+    links it guessed."""
     settled = [d for d in records if now - first_seen.get(d, now) >= settle_s]
     if current is None:
         if len(records) < min_peers:
             return Decision(False, f"waiting for peers: {len(records)} of at least {min_peers}")
         if len(settled) < len(records):
             return Decision(False, f"{len(records) - len(settled)} peer(s) arrived less than {settle_s:g} s ago")
+        missing = unmeasured_pairs(records)
+        waited = now - max(first_seen.get(d, now) for d in records) - settle_s
+        if missing and waited < links_wait_s:
+            return Decision(False, f"{missing} link(s) between the peers not measured yet (waiting up to "
+                                   f"{links_wait_s - waited:.0f} s more)")
         return Decision(True, f"first plan for {len(records)} peers")
     why = broken(current, records)
     if why is not None:
@@ -149,6 +159,12 @@ def decide(
     if now - last_solve >= replan_interval_s:
         return Decision(True, "periodic re-solve")
     return Decision(False, "running plan holds")
+
+
+def unmeasured_pairs(records: Mapping[str, PeerRecord]) -> int:
+    """How many pairs of the announcing peers neither end announces a measurement of."""
+    pairs = {frozenset((a, b)) for a, record in records.items() for b in record.links if b != a and b in records}
+    return len(records) * (len(records) - 1) // 2 - len(pairs)
 
 
 def measured(records: Mapping[str, PeerRecord], a: str, b: str) -> bool:

@@ -175,6 +175,7 @@ class Coordinator:
             settle_s=config.settle_s if config.settle_s is not None else 2 * config.heartbeat_s,
             replan_interval_s=config.replan_interval_s, considered=self.considered,
             estimates_rechecked=self.plan is not None and self.rechecked_epoch == self.plan.epoch,
+            links_wait_s=policy.LINKS_WAIT_HEARTBEATS * config.heartbeat_s,
         )
         if decision.solve:
             self.last_solve = now

@@ -172,6 +172,14 @@ def still_fetched(plan: Plan, records: Mapping[str, PeerRecord], me: str, layers
     return False
 
 
+def fetching(plan: Plan, records: Mapping[str, PeerRecord], device: str) -> bool:
+    """Whether `device` announces fetching its stage's state under `plan`: its lane neighbours wait for its
+    first frames past their deadline (a stage's download over a slow link can take minutes), rather than
+    stop their lanes and have the coordinator re-plan around a peer that is only arriving."""
+    record = records.get(device)
+    return record is not None and record.state == "fetching" and record.epoch == plan.epoch
+
+
 class SwarmPeer:
     def __init__(self, config: SwarmPeerConfig, report: Callable[[str], None]) -> None:
         self.config, self.report = config, report
@@ -367,6 +375,7 @@ class SwarmPeer:
         if self.worker is None:  # entering from outside the plan: the first step waits for the neighbours (`not_arrived`)
             self._entering_until = time.monotonic() + min(self.config.worker.timeout_s, (TTL_HEARTBEATS + 1) * self.config.heartbeat_s)
         worker = StageWorker(plan, self.device_id, self.transport, corpus, self.config.worker, server=self.server)
+        worker.patience = lambda sender: fetching(plan, self.records, sender)  # records are replaced whole, never changed
         self.transport.set_policy(self.accept)  # the worker's constructor set its own; this one routes to it
         self.worker, self.previous = worker, old  # frames of this plan now reach it
         inbox.rescreen()
@@ -401,8 +410,10 @@ class SwarmPeer:
 
     def _fill(self, worker: StageWorker, old: StageWorker | None, layers: tuple[int, int], epoch: int) -> str:
         """Put the stage's parameters and optimizer state in `worker`: the old worker's when it held the
-        same layers, else downloaded from the peers that announce them; how, in words."""
+        same layers, else what the old one held of them and the rest downloaded from the peers that announce
+        them; how, in words."""
         how = "fresh weights"
+        overlaps = old is not None and old.layers[0] < layers[1] and layers[0] < old.layers[1]
         if old is not None and old.param_range == worker.param_range:
             with old.sync.lock:
                 for mine, theirs in zip(worker.sync.state_tensors(), old.sync.state_tensors()):
@@ -412,12 +423,14 @@ class SwarmPeer:
         else:
             with self.lock:
                 donors = donors_for(self.records, layers, self.device_id)
-            if donors:
+            if donors or overlaps:
                 self._set(state="fetching", epoch=epoch, layers=layers)
                 try:
                     download = worker.fetch_state(donors, enter_at=worker.plan.start_step)
                     how = (f"downloaded {download.bytes / 2**20:.1f} MiB of state in {download.chunks} chunk(s) from "
-                           f"{', '.join(download.donors)} in {download.seconds:.2f} s")
+                           f"{', '.join(download.donors) or 'no one'} in {download.seconds:.2f} s")
+                    if download.kept:
+                        how += f", kept {download.kept / 2**20:.1f} MiB of its previous stage's"
                 except StateDownloadError as error:
                     how = f"fresh weights ({error})"
         return how

@@ -184,6 +184,17 @@ def test_decide_waits_for_enough_peers_then_for_them_to_settle():
     assert first.solve and not first.broken
 
 
+def test_the_first_plan_waits_a_while_for_the_links_between_the_peers_to_be_measured():
+    records = {"a": record("a", links={"b": link(0.01, 1e8)}), "b": record("b"), "c": record("c")}
+    seen = {"a": 0.0, "b": 0.0, "c": 90.0}  # settled at 94 (4 s); waits up to 10 s past that
+    waiting = policy.decide(None, records, seen, 100.0, 0.0, **KNOBS, links_wait_s=10.0)
+    assert not waiting.solve and "2 link(s) between the peers not measured yet (waiting up to 4 s more)" in waiting.reason
+    assert policy.decide(None, records, seen, 104.0, 0.0, **KNOBS, links_wait_s=10.0).solve  # waited long enough
+    records["c"] = record("c", links={"a": link(0.01, 1e8), "b": link(0.01, 1e8), "stranger": link(0.01, 1e8)})
+    assert policy.unmeasured_pairs(records) == 0  # either end's measurement counts; strangers do not
+    assert policy.decide(None, records, seen, 100.0, 0.0, **KNOBS, links_wait_s=10.0).solve  # all measured: at once
+
+
 def test_decide_solves_at_once_with_broken_when_a_member_is_gone():
     plan = make_plan([["a", "b"], ["c", "d"]])
     records = {d: record(d) for d in "abc"}

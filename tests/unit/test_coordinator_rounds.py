@@ -9,12 +9,15 @@ from pathlib import Path
 
 import pytest
 
+from hetpeer.coordinator.policy import LINKS_WAIT_HEARTBEATS
 from hetpeer.coordinator.service import Coordinator, CoordinatorConfig
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.control import SignedPlan
 from hetpeer.protocol.records import PeerRecord
 
 KEY = b"ssh-rsa AAAAcoordinator"
+# rounds to the first plan: settling, then the wait for links, which these peers never measure
+FIRST_PLAN_ROUNDS = 4 + LINKS_WAIT_HEARTBEATS
 
 
 class Control:
@@ -80,7 +83,7 @@ def test_a_swarm_that_reached_its_last_step_is_never_planned_again(coordinator):
     control = coordinator.control
     for d in ("a", "b", "c"):
         control.announce(d)
-    rounds(coordinator, 4)
+    rounds(coordinator, FIRST_PLAN_ROUNDS)
     first = control.plans[-1].plan
     trained = [d for d in first.devices]
     for d in trained:
@@ -101,7 +104,7 @@ def test_a_plan_after_every_holder_left_starts_past_the_reached_step_and_says_so
     control = coordinator.control
     for d in ("a", "b"):
         control.announce(d)
-    rounds(coordinator, 4)
+    rounds(coordinator, FIRST_PLAN_ROUNDS)
     first = control.plans[-1].plan
     for d in first.devices:
         control.announce(d, state="training", epoch=first.epoch, layers=(0, 4), step=50)

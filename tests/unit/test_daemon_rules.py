@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hetpeer.peer.daemon import FUTURE_EPOCHS, donors_for, held_epochs, not_arrived, still_fetched, switch_now
+from hetpeer.peer.daemon import FUTURE_EPOCHS, donors_for, fetching, held_epochs, not_arrived, still_fetched, switch_now
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.records import PeerRecord
@@ -155,3 +155,16 @@ def test_a_stage_held_before_is_kept_until_every_new_holder_of_its_layers_trains
     assert still_fetched(plan, records, "a", (1, 3))  # d still runs the plan before
     records["d"] = replace(records["d"], epoch=4)
     assert not still_fetched(plan, records, "a", (1, 3))
+
+
+# -- fetching --------------------------------------------------------------------------------------------
+
+
+def test_a_neighbour_is_waited_for_only_while_it_announces_fetching_under_the_running_plan():
+    plan = make_plan([["a", "b"], ["c", "d"]], epoch=3)
+    downloading = replace(record("c", (2, 4), 0, state="fetching"), epoch=3)
+    assert fetching(plan, book(downloading), "c")
+    assert not fetching(plan, book(replace(downloading, epoch=2)), "c")  # fetching for a plan this one replaced
+    assert not fetching(plan, book(replace(downloading, state="training")), "c")  # it has its state: frames are late
+    assert not fetching(plan, book(replace(downloading, state="waiting")), "c")
+    assert not fetching(plan, {}, "c")  # stopped announcing: gone

@@ -140,7 +140,52 @@ def test_one_range_is_assembled_from_donors_holding_different_overlapping_ranges
     assert swarm.syncs["p0"].state.step == 42 and download.step == 52
 
 
+def moved(swarm: Swarm, start: int, end: int) -> GroupSync:
+    """p0 changes stage to [start, end): its old stage (WHOLE + 500, Adam step 7) is still held beside the new."""
+    old = swarm.syncs["p0"]
+    with old.lock:
+        for k, tensor in enumerate(old.state_tensors()):
+            tensor.copy_(WHOLE[k, slice(*swarm.ranges[0])] + 500)
+    old.state.step = 7
+    new = swarm.sync("p0", swarm.transports["p0"], start, end, zeros=True)
+    swarm.servers["p0"].hold(new, start, end)
+    return new
+
+
+def test_a_peer_that_changes_stage_takes_what_it_held_from_itself_and_downloads_only_the_rest():
+    swarm = Swarm([(0, 10)], joiner=(2, 9))
+    new = moved(swarm, 0, 10)
+    download = fetch_state(swarm.servers["p0"], new, 0, 10, ["p1"], 5.0)
+    state = torch.stack([t.detach().clone() for t in new.state_tensors()])
+    assert torch.equal(state[:, 2:9], WHOLE[:, 2:9] + 500)  # its own, not p1's
+    assert torch.equal(state[:, :2], WHOLE[:, :2] + 100) and torch.equal(state[:, 9:], WHOLE[:, 9:10] + 100)
+    assert sorted(r for _, r in swarm.chunks_asked("p1")) == sorted([k, lo, n] for k in range(TENSORS) for lo, n in ((0, 2), (9, 1)))
+    assert (download.kept, download.bytes, download.donors) == (7 * TENSORS * 4, 3 * TENSORS * 4, ("p1",))
+    assert new.state.step == 41 and download.step == 51  # the furthest source's
+    assert swarm.requests["p0"] == []
+
+
+def test_a_peer_whose_old_stage_covers_the_new_one_asks_no_one():
+    swarm = Swarm([(0, 10)], joiner=(2, 9))
+    new = moved(swarm, 3, 6)
+    download = fetch_state(swarm.servers["p0"], new, 3, 6, [], 5.0)  # no donor at all: its own copy is enough
+    assert torch.equal(torch.stack([t.detach() for t in new.state_tensors()]), WHOLE[:, 3:6] + 500)
+    assert (download.kept, download.bytes, download.donors, new.state.step) == (3 * TENSORS * 4, 0, (), 7)
+    assert swarm.requests["p1"] == []
+
+
 # -- downloads that fail, leaving the state alone ----------------------------------------------------------
+
+
+def test_what_neither_the_old_stage_nor_a_donor_holds_fails_naming_the_gap():
+    swarm = Swarm([(0, 2)], joiner=(2, 9))
+    new = moved(swarm, 0, 10)
+    with pytest.raises(StateDownloadError, match=re.escape("no donor holds parameters [9, 10) (donors hold p0 [2, 9), p1 [0, 2))")):
+        fetch_state(swarm.servers["p0"], new, 0, 10, ["p1"], 5.0)
+    assert torch.equal(new.flat.data, torch.zeros(10)) and swarm.chunks_asked("p1") == []
+    lone = Swarm([], joiner=(2, 9))
+    with pytest.raises(StateDownloadError, match=re.escape("no donor holds parameters [9, 10) (donors hold p0 [2, 9))")):
+        fetch_state(lone.servers["p0"], moved(lone, 2, 10), 2, 10, [], 5.0)  # nobody to ask: its own part alone
 
 
 def test_a_range_no_donor_covers_fails_naming_the_gap_and_leaves_the_state_alone():
@@ -151,6 +196,7 @@ def test_a_range_no_donor_covers_fails_naming_the_gap_and_leaves_the_state_alone
     assert torch.equal(swarm.state(), before) and swarm.syncs["p0"].state.step == 0
     assert swarm.chunks_asked("p1") == swarm.chunks_asked("p2") == []  # it knew before asking for any chunk
     gap = swarm.sync("p0", swarm.transports["p0"], 4, 6, zeros=True)
+    swarm.servers["p0"].release(swarm.syncs["p0"])  # else p0 would take [4, 6) from the stage it holds
     with pytest.raises(StateDownloadError, match=re.escape("no donor (p1) described its state of parameters [4, 6)")):
         fetch_state(swarm.servers["p0"], gap, 4, 6, ["p1"], 0.2)  # p1 holds nothing of it
     assert torch.equal(gap.flat.data, torch.zeros(2))

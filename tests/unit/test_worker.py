@@ -298,6 +298,22 @@ def test_a_silent_neighbour_raises_a_timeout_instead_of_hanging(corpus, waiting)
     assert time.monotonic() - started < 10.0  # a hang guard, not a timing
 
 
+def test_a_neighbour_that_is_still_fetching_its_state_is_waited_for_past_the_deadline(corpus):
+    plan = make_plan(2, lane_batch=4, micro_batch=2)
+    pipeline = Pipeline(plan, corpus, WorkerConfig(timeout_s=0.3))
+    asked: list[str] = []
+    pipeline.workers["s1l0"].patience = lambda sender: asked.append(sender) or True  # it announces fetching
+
+    def arriving_late(worker: StageWorker):
+        if worker.device_id == "s0l0":
+            time.sleep(1.0)  # more than three of its neighbour's deadlines: it downloads its stage first
+        return worker.compute()
+
+    results = pipeline.run(arriving_late)
+    assert_lane_matches(pipeline, results, whole_model(corpus, 0, 0, 4))
+    assert len(asked) >= 2 and set(asked) == {"s0l0"}  # the deadline passed, and the lane waited on
+
+
 def test_bf16_plan_runs_on_the_cpu(corpus):
     plan = make_plan(2, lane_batch=4, micro_batch=2, dtype="bf16")
     pipeline = Pipeline(plan, corpus)

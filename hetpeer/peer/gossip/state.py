@@ -11,8 +11,9 @@ for a description of what the donor holds there: [Adam step, start, end, step, t
 `state` frames carrying the request id as the step and the asker's chunk number as the micro-batch,
 and the asker accepts only the chunks it asked of that donor, of the length it asked.
 
-`fetch_state` asks every candidate donor for a description, cuts the range into chunks at donor
-boundaries, asks chunk c of the c mod D-th donor holding it (D donors serve at once). A donor that
+`fetch_state` takes what this peer itself still holds of the range (the stage it held before a plan
+change) from memory, asks every candidate donor for a description of the rest, cuts the range into
+chunks at donor boundaries, asks chunk c of the c mod D-th donor holding it (D donors serve at once). A donor that
 lets a chunk pass the deadline is given up on: every chunk it still owes goes to the next holder at
 once, so a donor that dies midway costs one deadline, not one per chunk. Donors answer from their live state under a
 short lock, so serving never waits for averaging. Nothing lands in the asker's state until every chunk
@@ -52,8 +53,9 @@ class Download:
     step: int  # the step the donors were at, where the joiner enters
     chunks: int
     donors: tuple[str, ...]  # the donors that served chunks
-    bytes: int
+    bytes: int  # downloaded
     seconds: float
+    kept: int = 0  # bytes taken from a stage this peer held before
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +81,11 @@ class StateServer:
             raise ValueError(f"range [{start}, {end}) is not the {sync.flat.size} parameters of {self.device_id}'s stage")
         with self.lock:
             self.holdings = [Holding(sync, start, end)] + [h for h in self.holdings if h.sync is not sync][: HOLDINGS - 1]
+
+    def own(self, sync: GroupSync, start: int, end: int) -> Holding | None:
+        """The newest stage this peer holds besides `sync` that overlaps [start, end)."""
+        with self.lock:
+            return next((h for h in self.holdings if h.sync is not sync and h.start < end and start < h.end), None)
 
     def release(self, sync: GroupSync) -> None:
         """Stop serving `sync`'s state (a stage this peer no longer holds)."""
@@ -139,16 +146,29 @@ class StateServer:
 def fetch_state(
     server: StateServer, sync: GroupSync, start: int, end: int, donors: Sequence[str], timeout_s: float
 ) -> Download:
-    """Fill `sync` (this peer's stage, whole-model range [start, end)) from `donors`."""
-    donors = tuple(d for d in dict.fromkeys(donors) if d != server.device_id)
-    if not donors:
-        raise StateDownloadError(f"{server.device_id} has no peer to download its state from")
+    """Fill `sync` (this peer's stage, whole-model range [start, end)) from the stage this peer held
+    before, where it overlaps, and from `donors` for the rest."""
+    me = server.device_id
+    donors = tuple(d for d in dict.fromkeys(donors) if d != me)
+    own = server.own(sync, start, end)
+    if own is not None and len(own.sync.state_tensors()) != len(sync.state_tensors()):
+        own = None  # another optimizer's state (a window more or less): not this one's to take
+    if not donors and own is None:
+        raise StateDownloadError(f"{me} has no peer to download its state from")
     started = time.perf_counter()
     request = next(_request_ids)
     transport, epoch, tensors = server.transport, sync.plan.epoch, sync.state_tensors()
     try:
-        held = _describe(server, request, donors, start, end, len(tensors), timeout_s)
-        chunks = _chunks(server.device_id, held, start, end, len(tensors), sync.chunk_elems)
+        held: dict[str, tuple[int, int, int, int]] = {}
+        if own is not None:
+            held[me] = (own.sync.state.step, own.start, own.end, own.sync.step)
+        if donors and (own is None or not (own.start <= start and end <= own.end)):
+            try:
+                held |= _describe(server, request, donors, start, end, len(tensors), timeout_s)
+            except StateDownloadError:
+                if own is None:
+                    raise  # else: the pieces no one holds are named below
+        chunks = _chunks(me, held, start, end, len(tensors), sync.chunk_elems)
         asked = [0] * len(chunks)  # chunk c goes to holder (c + asked[c]) mod D: D donors serve at once
         failed: set[str] = set()  # donors that let a chunk time out: none of their chunks is waited for again
 
@@ -166,10 +186,14 @@ def fetch_state(
                 log.info("%s: state request to %s failed: %s", server.device_id, donor, error)
 
         for c in range(len(chunks)):
-            ask(c)
+            if chunks[c][3] != (me,):
+                ask(c)
         parts: list[torch.Tensor] = []
         served: set[str] = set()
         for c, (k, lo, length, holders) in enumerate(chunks):
+            if holders == (me,):
+                with own.sync.lock:
+                    parts.append(own.sync.state_tensors()[k][lo - own.start : lo - own.start + length].detach().clone())
             while len(parts) == c:
                 donor = holder(c)
                 try:
@@ -197,8 +221,9 @@ def fetch_state(
         assert all(o == size for o in offset), "the chunks cover the range exactly once"
         sync.state.step = max(adam_step for adam_step, _, _, _ in held.values())
     step = max(s for _, _, _, s in held.values())
-    return Download(step, len(chunks), tuple(d for d in donors if d in served), size * len(tensors) * 4,
-                    time.perf_counter() - started)
+    kept = sum(length for _, _, length, holders in chunks if holders == (me,)) * 4
+    return Download(step, len(chunks), tuple(d for d in donors if d in served), size * len(tensors) * 4 - kept,
+                    time.perf_counter() - started, kept)
 
 
 def _missing(chunk: tuple[int, int, int, tuple[str, ...]]) -> str:
@@ -243,11 +268,14 @@ def _describe(
 def _chunks(
     device: str, held: dict[str, tuple[int, int, int, int]], start: int, end: int, tensors: int, chunk_elems: int
 ) -> list[tuple[int, int, int, tuple[str, ...]]]:
-    """(tensor, start, length, holders) pieces of at most `chunk_elems`, cut where holders change."""
+    """(tensor, start, length, holders) pieces of at most `chunk_elems`, cut where holders change; a
+    piece `device` itself holds (a stage it held before) has it as its only holder."""
     cuts = sorted({start, end} | {b for _, lo, hi, _ in held.values() for b in (lo, hi) if start < b < end})
     pieces = []
     for lo, hi in zip(cuts, cuts[1:]):
         holders = tuple(d for d, (_, a, b, _) in held.items() if a <= lo and hi <= b)
+        if device in holders:
+            holders = (device,)
         if not holders:
             raise StateDownloadError(f"{device}: no donor holds parameters [{lo}, {hi}) (donors hold "
                                      + ", ".join(f"{d} [{a}, {b})" for d, (_, a, b, _) in held.items()) + ")")

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -30,7 +30,7 @@ from hetpeer.peer.measure import Slowdown
 from hetpeer.peer.model.gpt import build_stage
 from hetpeer.peer.pipeline.schedule import FORWARD, one_f_one_b
 from hetpeer.peer.transport.base import Transport
-from hetpeer.peer.transport.inbox import Late
+from hetpeer.peer.transport.inbox import Late, TransportTimeout
 from hetpeer.peer.transport.codec import TORCH_DTYPES
 from hetpeer.protocol.frame import CODECS, FrameHeader
 from hetpeer.protocol.plan import Plan
@@ -103,6 +103,9 @@ class StageWorker:
         # a static plan serves its own peers; a swarm peer passes the server it keeps across plans
         self.server = server or StateServer(transport, device_id, known=lambda d: d in plan.devices)
         self.server.hold(self.sync, *self.param_range)
+        # whether a lane neighbour that let a frame's deadline pass is still worth waiting for (a swarm peer:
+        # it announces fetching this plan's state, and its first frames come once it has it)
+        self.patience: Callable[[str], bool] = lambda sender: False
         self.slowdown = Slowdown(config.slowdown)
         self.schedule = one_f_one_b(self.stage, len(plan.stages), plan.micro_batches)
         self.sizes = plan.micro_batch_sizes
@@ -237,8 +240,14 @@ class StageWorker:
         ]
 
     def _recv(self, kind: str, sender: str, step: int, micro: int) -> torch.Tensor:
-        tensor = self.transport.recv(kind, sender, step, micro, self.config.timeout_s)
-        return tensor.to(self.config.device)
+        while True:
+            try:
+                tensor = self.transport.recv(kind, sender, step, micro, self.config.timeout_s)
+                return tensor.to(self.config.device)
+            except TransportTimeout:
+                if not self.patience(sender):
+                    raise
+                log.info("%s: %s is still fetching its state; waiting on for its %s of step %d", self.device_id, sender, kind, step)
 
     def _send(self, kind: str, to: str, tensor: torch.Tensor, micro: int) -> None:
         self.transport.send(
