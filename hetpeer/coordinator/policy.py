@@ -35,7 +35,7 @@ from hetpeer.protocol.workload import Workload
 DEFAULT_LINK = (1e-3, 100e6)  # (latency s, bytes/s) assumed when no link at all has been measured
 MAX_LEAD_STEPS = 1000
 LEAD_HEARTBEATS = 5  # a plan that keeps membership takes effect this far ahead: peers read plans once a heartbeat
-LINKS_WAIT_HEARTBEATS = 5  # the first plan waits this much past the settling for links to be measured
+LINKS_WAIT_HEARTBEATS = 10  # the first plan waits this much past the settling for links to be measured
 
 
 @dataclass(frozen=True, slots=True)

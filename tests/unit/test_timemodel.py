@@ -280,3 +280,23 @@ def test_a_device_that_moves_must_fit_its_old_stage_beside_its_new_one():
     moving = make_model(Problem.from_topology(devices, workload, current=current), config, Shape(2, 1))
     assert moving.report(held).fits_memory  # nobody moves
     assert not moving.report(swapped).fits_memory
+
+
+def test_a_device_that_moves_must_also_fit_the_state_it_downloads_staged_beside_both():
+    # room for the whole model and then some (1.1x): the old stage and the new one fit side by side, but
+    # not with the new stage's download staged until it is complete (16 bytes a parameter of 2 layers)
+    workload = Workload(preset("tiny", 4), batch=4)
+    whole = 4 * (20 * LAYER_PARAMS + 34 * SEQ * H) + 20 * (EMBEDDING_PARAMS + HEAD_PARAMS) + 2 * 4 * SEQ * VOCAB
+    current = Plan(
+        cost_model="time", model="tiny", layers=4, batch=4, micro_batch=1, micro_batches=4, dtype="fp16",
+        stages=(StagePlan(0, 0, 2, ("d0",), "none"), StagePlan(1, 2, 4, ("d1",), "none")),
+    )  # fmt: skip
+    config = PlannerConfig(stages=2, group_size=1, memory_reserve=0.0)
+
+    def fits(memory: float, grid: list[list[int]]) -> bool:
+        devices = topology([1e-3, 1e-3], 1.0, 10.0, [memory / 1e9] * 2)
+        model = make_model(Problem.from_topology(devices, workload, current=current), config, Shape(2, 1))
+        return model.report(np.array(grid)).fits_memory
+
+    assert fits(1.1 * whole, [[0], [1]]) and not fits(1.1 * whole, [[1], [0]])
+    assert fits(1.1 * whole + 2 * LAYER_PARAMS * 16, [[1], [0]])  # the staged download is what it lacked

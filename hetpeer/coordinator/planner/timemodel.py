@@ -33,7 +33,8 @@ For a grid (rows = stages in order, columns = lanes), with M micro-batches per l
 - with a current plan, every device that must fetch layers it does not hold pays bytes / its best
   incoming bandwidth from a current holder; the slowest such move, spread over `horizon_steps`
   steps, is added to the objective, so a plan must be worth its move; such a device also keeps its
-  old stage beside the new one while the new holders download it, which must fit its memory too.
+  old stage beside the new one while the new holders download it, and the download staged until it
+  is complete, which must fit its memory too.
 
 Costs are evaluated on batches of grids, (K, S, m) -> (K,), in O(K S m log m) plus a few greedy
 layer placements per grid (the split starts from its continuous bound).
@@ -268,7 +269,8 @@ class TimeCost:
 
     def _move_overflow(self, grids: np.ndarray, counts: np.ndarray, need: np.ndarray) -> np.ndarray:
         """(K, S): bytes by which a group's device falls short while it holds the stage it held in the
-        current plan beside its new one (it serves the old one until the new holders have it)."""
+        current plan beside its new one (it serves the old one until the new holders have it) and the
+        state it downloads, staged until the whole of it has arrived."""
         held_start, held_end = self._current[0][grids], self._current[1][grids]  # (K, S, m)
         end = np.cumsum(counts, axis=1)[:, :, None]
         start = end - counts[:, :, None]
@@ -276,7 +278,9 @@ class TimeCost:
         held_params = ((held_end - held_start) * model.layer_params + (held_start == 0) * model.embedding_params
                        + (held_end == self.problem.layers) * model.head_params)
         moving = (held_end > held_start) & ((held_start != start) | (held_end != end))
-        peak = need[:, :, None] + np.where(moving, held_params * self.state_per_param, 0.0)
+        kept = np.clip(np.minimum(end, held_end) - np.maximum(start, held_start), 0, None)
+        staged = (counts[:, :, None] - kept) * model.layer_params * STATE_BYTES_PER_PARAM
+        peak = need[:, :, None] + np.where(moving, held_params * self.state_per_param + staged, 0.0)
         return np.maximum(peak - self.usable_memory[grids], 0).max(axis=-1)
 
     def _move_s(self, grids: np.ndarray, counts: np.ndarray) -> np.ndarray:

@@ -188,12 +188,11 @@ def fetch_state(
         for c in range(len(chunks)):
             if chunks[c][3] != (me,):
                 ask(c)
-        parts: list[torch.Tensor] = []
+        parts: list[torch.Tensor | None] = []
         served: set[str] = set()
         for c, (k, lo, length, holders) in enumerate(chunks):
             if holders == (me,):
-                with own.sync.lock:
-                    parts.append(own.sync.state_tensors()[k][lo - own.start : lo - own.start + length].detach().clone())
+                parts.append(None)  # taken from its own copy when everything else is here: nothing staged
             while len(parts) == c:
                 donor = holder(c)
                 try:
@@ -216,7 +215,12 @@ def fetch_state(
     with sync.lock:
         offset = [0] * len(tensors)
         for (k, lo, length, _), part in zip(chunks, parts):
-            tensors[k][lo - start : lo - start + length].copy_(part.to(tensors[k].device))
+            if part is None:
+                with own.sync.lock:
+                    part = own.sync.state_tensors()[k][lo - own.start : lo - own.start + length]
+                    tensors[k][lo - start : lo - start + length].copy_(part.to(tensors[k].device))
+            else:
+                tensors[k][lo - start : lo - start + length].copy_(part.to(tensors[k].device))
             offset[k] += length
         assert all(o == size for o in offset), "the chunks cover the range exactly once"
         sync.state.step = max(adam_step for adam_step, _, _, _ in held.values())
