@@ -61,6 +61,7 @@ def train(args: argparse.Namespace) -> None:
     from hivemind.compression import Float16Compression
 
     from hetpeer.peer.data import Corpus
+    from hetpeer.peer.gossip.flat import decays
     from hetpeer.peer.measure import Slowdown
     from hetpeer.peer.model import build_stage
     from hetpeer.protocol.workload import preset
@@ -74,10 +75,13 @@ def train(args: argparse.Namespace) -> None:
     say(f"hivemind peer {args.peer}: model {spec.name} ({spec.params / 1e6:.1f}M parameters), local batch {args.local_batch}, "
         f"target batch {args.target_batch}, slowed {args.slowdown:g}x")
     model = build_stage(spec, 0, spec.layers, seed=args.seed)
+    decayed = decays(model)  # hetpeer's rule: matrices decay, biases, norm gains and embeddings do not
+    groups = [{"params": [p for n, p in model.named_parameters() if decayed(n, p) == decay], "weight_decay": 0.1 if decay else 0.0}
+              for decay in (True, False)]
     optimizer = hivemind.Optimizer(
         dht=dht, run_id=args.run_id, target_batch_size=args.target_batch, batch_size_per_step=args.local_batch,
-        optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1),
-        params=model.parameters(), matchmaking_time=args.matchmaking_time, averaging_timeout=args.averaging_timeout,
+        optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), eps=1e-8),
+        params=groups, matchmaking_time=args.matchmaking_time, averaging_timeout=args.averaging_timeout,
         offload_optimizer=True, delay_optimizer_step=True, delay_grad_averaging=True,
         grad_compression=Float16Compression(), state_averaging_compression=Float16Compression(),
         averager_opts={"bandwidth": args.bandwidth_mbit}, verbose=True,

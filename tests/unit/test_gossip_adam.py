@@ -204,6 +204,37 @@ def test_without_mixing_it_is_torch_adamw(lr, betas, eps, weight_decay):
     assert state.step == 8
 
 
+def test_decay_ranges_are_torch_adamw_with_a_no_decay_group():
+    """Biases and embedding tables take no weight decay: torch's AdamW with two parameter groups, step for step."""
+    torch.manual_seed(0)
+
+    def build():
+        return torch.nn.ModuleDict({"embed": torch.nn.Embedding(7, 4), "out": torch.nn.Linear(4, 3)})
+
+    model, twin = build(), build()
+    twin.load_state_dict(model.state_dict())
+    flat = FlatParams(twin)
+    assert flat.decay_ranges == ((28, 40),)  # embed.weight [0, 28) no; out.weight [28, 40) yes; out.bias no
+    config = AdamConfig(lr=5e-2, weight_decay=0.5)
+    decayed = [model["out"].weight]
+    optimizer = torch.optim.AdamW([{"params": decayed, "weight_decay": 0.5},
+                                   {"params": [model["embed"].weight, model["out"].bias], "weight_decay": 0.0}],
+                                  lr=5e-2, betas=config.betas, eps=config.eps)
+    state = AdamState(flat.size)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(6):
+        ids, targets = torch.randint(0, 7, (16,), generator=generator), torch.randn(16, 3, generator=generator)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model["out"](model["embed"](ids)), targets).backward()
+        optimizer.step()
+        flat.zero_grad()
+        torch.nn.functional.mse_loss(twin["out"](twin["embed"](ids)), targets).backward()
+        adam_update(flat.data, flat.grad, state, config, flat.decay_ranges)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(dict(twin.named_parameters())[name].detach(), p.detach(), rtol=1e-5, atol=1e-7,
+                                       msg=f"{name} at step {step}")
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -258,6 +289,7 @@ class Group:
             transport.start()
             flat = FlatParams(torch.nn.Linear(4, 2))
             assert flat.size == DIM
+            flat.decay_ranges = ((0, DIM),)  # the equations decay every parameter; the rule is tested on its own
             flat.data.copy_(torch.from_numpy(x0[i]))
             sync_i = GroupSync(self.plan, device, transport, flat, adam, sync)
             transport.set_policy(sync_i.accept)

@@ -6,6 +6,9 @@ Decentralized Adam (Wang et al., ICLR 2025), peer i at step t (1-based), gradien
     m = b1 m + (1 - b1) g,  v = b2 v + (1 - b2) g^2     (moments are local and never sent)
     x_i(t+1) = x_half - lr (m / (1 - b1^t) / (sqrt(v / (1 - b2^t)) + eps) + wd x_half)
 
+Weight decay (wd) applies to weight matrices only: biases, norm gains and embedding tables take none
+(`flat.decays`), as in common GPT-2 training practice and in the authors' GPT-2 experiment.
+
 With W = I this is AdamW exactly (a test holds it to torch.optim.AdamW). AccumAdam (same paper, for the
 variance of small local batches) keeps persistent moments M, V that change only at the end of each
 window of A steps, from the window's mean gradient gbar: M = b1 M + (1 - b1) gbar,
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -56,8 +60,12 @@ class AdamState:
 
 
 @torch.no_grad()
-def adam_update(x: torch.Tensor, grad: torch.Tensor, state: AdamState, config: AdamConfig) -> None:
-    """Move x (the mixed point, changed in place) by one (Accum)Adam step with `grad`."""
+def adam_update(
+    x: torch.Tensor, grad: torch.Tensor, state: AdamState, config: AdamConfig,
+    decay_ranges: Sequence[tuple[int, int]] | None = None,
+) -> None:
+    """Move x (the mixed point, changed in place) by one (Accum)Adam step with `grad`; weight decay applies
+    to the [start, end) `decay_ranges` of x (`FlatParams.decay_ranges`), or to all of it when None."""
     b1, b2 = config.betas
     state.step += 1
     t, window = state.step, config.accumulate
@@ -76,5 +84,10 @@ def adam_update(x: torch.Tensor, grad: torch.Tensor, state: AdamState, config: A
             state.v.mul_(b2).addcmul_(mean, mean, value=1 - b2)
             state.window.zero_()
     denominator = v.sqrt().div_(math.sqrt(1 - b2**k)).add_(config.eps)
-    x.mul_(1 - config.lr * config.weight_decay)
+    shrink = 1 - config.lr * config.weight_decay
+    if decay_ranges is None:
+        x.mul_(shrink)
+    elif shrink != 1:
+        for start, end in decay_ranges:
+            x[start:end].mul_(shrink)
     x.addcdiv_(m, denominator, value=-config.lr / (1 - b1**k))

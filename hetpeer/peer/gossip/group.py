@@ -152,7 +152,7 @@ class GroupSync:
         wait_s = time.perf_counter() - started
         with self.lock:
             clipped = self._mix(w[self.index], received) if self.mode == "gossip" else 0
-            adam_update(self.flat.data, self.flat.grad, self.state, self.adam)
+            adam_update(self.flat.data, self.flat.grad, self.state, self.adam, self.flat.decay_ranges)
         for device in left_out:
             self.left_out[device] += 1
         if left_out:

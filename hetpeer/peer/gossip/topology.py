@@ -1,8 +1,9 @@
 """Who mixes with whom: one doubly stochastic mixing matrix per round, for a group of n peers in lane order.
 
 Row i of W(r) holds the weights peer i gives to the parameters it mixes in round r (row sums are 1,
-so a peer's mix is an average; column sums are 1, so the group's mean is preserved). Topologies, as
-named by Wang et al. (ICLR 2025, the Decent-DP package), defined here for any n:
+so a peer's mix is an average; column sums are 1, so the group's mean is preserved). Topologies of
+Wang et al. (ICLR 2025), defined here for any n (their decent-dp package calls our
+`alternating-exp-ring` `one-peer-exp`; ours of that name is Ying et al.'s directed shift):
 
 - `complete`: W = J / n, the exact average, every peer sending to every other (n - 1 sends);
 - `ring`: alternating pairs. Even rounds pair (0,1), (2,3), ...; odd rounds (1,2), (3,4), ... and,
