@@ -39,7 +39,7 @@ from hetpeer.peer.gossip.flat import FlatParams
 from hetpeer.peer.gossip.group import GroupSync, SyncConfig
 from hetpeer.peer.gossip.state import StateServer, fetch_state
 from hetpeer.peer.launch import free_port
-from hetpeer.peer.model.gpt import build_stage
+from hetpeer.peer.model import build_stage
 from hetpeer.peer.pipeline.worker import StageWorker, WorkerConfig
 from hetpeer.peer.transport import MemoryHub, MemoryTransport
 from hetpeer.peer.transport.network import Emulation, NetworkTransport, TcpLink

@@ -11,8 +11,8 @@ slowed (`--slowdown` for the fast site, twice that for the slow one) with the sa
 
 (a) speed, the `small` GPT: both systems train from the same initial weights, batches drawn by the same
     rule (seed, lane or peer, step) from the same corpus, AdamW with the same lr, betas (0.9, 0.95) and
-    weight decay 0.1, global batch `--batch` sequences, values in fp16 on the wire, for `--duration`
-    seconds from each system's first step:
+    weight decay 0.1 on matrices (hetpeer's rule), global batch `--batch` sequences, values in fp16 on the
+    wire, for `--duration` seconds from each system's first step:
     - hetpeer: `hetpeer coordinator` plans from the peers' own measurements (stages, groups, lanes; the
       time model), peers train with decentralized Adam in their groups (`--compress fp16 --sync-compress
       fp16`);

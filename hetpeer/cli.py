@@ -21,7 +21,7 @@ from hetpeer.protocol.addresses import LINK_CHOICES
 from hetpeer.protocol.frame import CODECS
 from hetpeer.protocol.plan import COST_MODELS, SYNC_CHOICES, Plan
 from hetpeer.protocol.wire import SchemaError
-from hetpeer.protocol.workload import DTYPE_BYTES, PRESETS, Workload, preset
+from hetpeer.protocol.workload import DTYPE_BYTES, PRESETS, ModelSpec, Workload, load_model
 
 # What runs a command is imported when it runs: `hetpeer --version` and `hetpeer plan` never load torch or
 # hivemind (the planner is pure), and building the parser loads nothing heavier than numpy.
@@ -84,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("topology", nargs="?", type=Path, metavar="TOPOLOGY.json", help="topology file (JSON, see docs/topology.md)")
     source.add_argument("--scenario", choices=scenarios.NAMES, help="a built-in scenario of Yuan et al. (2022)")
     work = plan.add_argument_group("workload")
-    work.add_argument("--model", choices=sorted(PRESETS), default="gpt3-xl", help="model preset (default gpt3-xl)")
-    work.add_argument("--layers", type=_positive_int, metavar="N", help="number of transformer layers (default: the preset's)")
+    add_model_options(work, default="gpt3-xl")
+    work.add_argument("--layers", type=_positive_int, metavar="N", help="number of transformer layers (default: the model's)")
     work.add_argument("--batch", type=_positive_int, default=512, metavar="N", help="global batch in sequences (default 512)")
     work.add_argument("--micro-batch", type=_positive_int, default=1, metavar="N", help="micro-batch in sequences (default 1)")
     work.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="training dtype (default bf16)")
@@ -133,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     static.add_argument("--rejoin", action="store_true",
                         help="first download the stage's parameters and optimizer state from the rest of its group, "
                         "and enter at the group's step")
-    static.add_argument("--save", type=Path, metavar="DIR", help="at the end, write the stage's parameters to DIR/DEVICE.npy")
+    static.add_argument("--resume", type=Path, metavar="DIR",
+                        help="start from this peer's checkpoint DIR/DEVICE.safetensors (weights, Adam moments and step)")
     join.add_argument("--listen", metavar="HOST:PORT",
                       help="where to accept direct connections (default: this peer's address in the book; "
                       "with --swarm: 127.0.0.1 on a free port)")
@@ -153,9 +154,24 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--local-peers", type=_positive_int, default=4, metavar="N",
                         help="peers of the demo plan when no PLAN.json is given (default 4)")
     launch.add_argument("--out", type=Path, metavar="DIR", help="folder for the address book, keys and logs (default: a new temporary folder)")
+    launch.add_argument("--model", metavar="PATH", help="the model folder of a plan made with `hetpeer plan --model PATH` "
+                        "(its config.json, and safetensors the peers load their stages from)")
+    launch.add_argument("--seq-len", type=_positive_int, metavar="N", help="the sequence length that plan was made with, if not the model's context")
     _add_link_option(launch)
     _add_run_options(launch)
     launch.set_defaults(run=run_launch)
+
+    export = commands.add_parser(
+        "export",
+        help="join stage checkpoints into one model folder",
+        description="Join the stage checkpoints a run wrote (`--save DIR`: DIR/DEVICE.safetensors) into one model "
+        "folder: config.json and model.safetensors, each part of the model from the checkpoint holding it at the "
+        "highest step. A GPT-2 or Llama model loads with transformers' from_pretrained; hetpeer's GPT with --model.",
+    )
+    export.add_argument("checkpoints", type=Path, nargs="+", metavar="CHECKPOINT",
+                        help="stage checkpoints (.safetensors), or folders of them")
+    export.add_argument("--out", type=Path, required=True, metavar="DIR", help="the model folder to write")
+    export.set_defaults(run=run_export)
 
     from hetpeer.cli_swarm import add_commands
     from hetpeer.cli_testbed import add_command
@@ -163,6 +179,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_commands(commands)
     add_command(commands)
     return parser
+
+
+def add_model_options(parser, default: str | None, default_text: str | None = None) -> None:
+    """--model (a preset or a model folder) and --seq-len, for every command that names the model."""
+    parser.add_argument("--model", default=default, metavar="NAME|PATH",
+                        help=f"a preset ({', '.join(PRESETS)}) or a model folder with a GPT-2 or Llama config.json "
+                        "(and safetensors: peers load their stage's weights from it)"
+                        f" ({default_text or f'default {default}'})")
+    parser.add_argument("--seq-len", type=_positive_int, metavar="N",
+                        help="tokens per training sequence, for a model folder (default: the model's context)")
+
+
+def model_spec(args: argparse.Namespace, layers: int | None = None) -> ModelSpec:
+    """The model `--model` and `--seq-len` name; a bad one is a user error naming it."""
+    try:
+        return load_model(args.model, layers, args.seq_len)
+    except ValueError as error:
+        raise UserError(str(error)) from None
 
 
 def _add_link_option(parser: argparse.ArgumentParser) -> None:
@@ -183,6 +217,10 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--compress", choices=CODECS, default="raw",
                      help="how activations and gradients travel: raw (default), fp16, bf16 or int8")
     run.add_argument("--threads", type=_positive_int, metavar="N", help="torch threads per peer (default: torch's)")
+    run.add_argument("--save", type=Path, metavar="DIR",
+                     help="write each peer's stage checkpoint (weights, Adam moments, step, plan epoch) to DIR/DEVICE.safetensors "
+                     "at the end and every --save-every steps, atomically; `hetpeer export` joins them into one model")
+    run.add_argument("--save-every", type=_positive_int, metavar="N", help="steps between checkpoints (default: only at the end)")
     run.add_argument("--bandwidth-cap", type=_positive_float, metavar="MBIT",
                      help="emulate slow links: each peer sends at most MBIT Mbit/s to each other peer")
     run.add_argument("--emulate-latency", type=_latency_map, default={}, metavar="HOST=MS,...",
@@ -211,8 +249,12 @@ def _run_options(args: argparse.Namespace) -> list[str]:
               "--sync-compress", args.sync_compress]
     if args.data is not None:
         passed += ["--data", str(args.data)]
+    if args.model is not None:
+        passed += ["--model", str(Path(args.model).resolve())] + (["--seq-len", str(args.seq_len)] if args.seq_len else [])
     if args.robust is not None:
         passed += ["--robust", repr(args.robust)]
+    if args.save is not None:
+        passed += ["--save", str(args.save.resolve())] + (["--save-every", str(args.save_every)] if args.save_every else [])
     if args.bandwidth_cap is not None:
         passed += ["--bandwidth-cap", repr(args.bandwidth_cap)]
     if args.emulate_latency:
@@ -222,12 +264,16 @@ def _run_options(args: argparse.Namespace) -> list[str]:
     return passed
 
 
-def _worker_config(args: argparse.Namespace):
+def _worker_config(args: argparse.Namespace, model: ModelSpec | None = None):
+    """The worker's settings; `model` is the model `--model` gave this peer (a folder's weights are read from it)."""
     from hetpeer.peer.gossip.adam import AdamConfig
     from hetpeer.peer.gossip.group import SyncConfig
     from hetpeer.peer.pipeline.worker import WorkerConfig
 
+    folder = model is not None and args.model not in PRESETS  # a path: the model's weights may be there too
     return WorkerConfig(
+        model=model,
+        weights=str(args.model) if folder else None,
         device=args.device,
         seed=args.seed,
         adam=AdamConfig(lr=args.lr, accumulate=args.accumulate),
@@ -312,9 +358,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     raw = scenarios.load(args.scenario) if args.scenario else _read_json(args.topology, "topology file")
     topology = Topology.from_wire(raw)
     try:
-        workload = Workload(
-            preset(args.model, args.layers), batch=args.batch, micro_batch=args.micro_batch, dtype=args.dtype
-        )
+        workload = Workload(model_spec(args, args.layers), batch=args.batch, micro_batch=args.micro_batch, dtype=args.dtype)
     except ValueError as error:
         raise UserError(str(error)) from None
     current = Plan.from_wire(_read_json(args.current, "plan file")) if args.current else None
@@ -354,6 +398,7 @@ def _run_plan(args: argparse.Namespace) -> int:
 
 def run_join(args: argparse.Namespace) -> int:
     from hetpeer.peer import node
+    from hetpeer.peer.checkpoint import CheckpointError
     from hetpeer.peer.data.corpus import CorpusError
     from hetpeer.peer.transport import TransportError
     from hetpeer.protocol.addresses import AddressBook
@@ -371,7 +416,7 @@ def run_join(args: argparse.Namespace) -> int:
             device_id=args.device_id,
             plan=_load_plan(args.plan),
             book=AddressBook.load(args.peers),
-            worker=_worker_config(args),
+            worker=_worker_config(args, model_spec(args) if args.model is not None else None),
             steps=args.steps or DEFAULT_STEPS,
             links=args.link,
             listen=_host_port(args.listen) if args.listen else None,
@@ -380,16 +425,36 @@ def run_join(args: argparse.Namespace) -> int:
             threads=args.threads,
             rejoin=args.rejoin,
             save=args.save,
+            save_every=args.save_every,
+            resume=args.resume,
             emulation=emulation(args),
         )
         node.run(setup, _say)
-    except (node.PeerSetupError, CorpusError) as error:
+    except (node.PeerSetupError, CorpusError, CheckpointError) as error:
         raise UserError(str(error)) from None
     except ValueError as error:  # the worker refuses a plan it cannot run (dtype, device)
         raise UserError(str(error)) from None
     except TransportError as error:
         print(f"hetpeer join: stopped: {error}", file=sys.stderr)
         return 1
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from hetpeer.peer.checkpoint import CheckpointError, export
+
+    paths = []
+    for given in args.checkpoints:
+        found = sorted(given.glob("*.safetensors")) if given.is_dir() else [given]
+        if not found:
+            raise UserError(f"{given} holds no .safetensors checkpoints")
+        paths += found
+    try:
+        done = export(paths, args.out)
+    except CheckpointError as error:
+        raise UserError(str(error)) from None
+    print(f"exported {done['model']}: {done['tensors']} tensors from {len(set(done['parts'].values()))} checkpoint(s) "
+          f"(steps {', '.join(map(str, done['steps']))}) to {args.out}")
     return 0
 
 
@@ -420,6 +485,13 @@ def run_launch(args: argparse.Namespace) -> int:
               f"{plan.group_size} lane(s), plan in {path}", flush=True)
     else:
         plan, path = _load_plan(args.plan), args.plan.resolve()
+    if args.model is not None or plan.model not in PRESETS:  # the peers would each refuse it: say so once, here
+        if args.model is None:
+            raise UserError(f"plan {args.plan} trains model {plan.model} from a model folder: give --model with that folder")
+        given = model_spec(args, plan.layers)
+        if given.name != plan.model:
+            raise UserError(f"plan {args.plan} trains model {plan.model}; --model {args.model} is {given.name} (another "
+                            "config, sequence length or depth)")
     return launch(path, plan, out, args.steps or DEFAULT_STEPS, args.link, _run_options(args), lambda line: print(line, flush=True))
 
 
@@ -435,7 +507,7 @@ def demo_plan(peers: int) -> Plan:
     topology = Topology.from_wire(
         {"name": "demo", "regions": {"local": {"latency_ms": 0.1, "bandwidth_gbps": 10}}, "devices": devices}
     )
-    workload = Workload(preset("tiny"), batch=16, micro_batch=2, dtype="fp32")
+    workload = Workload(PRESETS["tiny"], batch=16, micro_batch=2, dtype="fp32")
     config = PlannerConfig(cost_model="time", stages=stages, group_size=peers // stages, time_budget_s=1.0)
     return solve(Problem.from_topology(topology, workload), config, np.random.default_rng(0)).plan
 

@@ -49,7 +49,8 @@ def add_join_swarm_options(join: argparse.ArgumentParser) -> None:
                        help="where this peer's DHT node listens (default /ip4/127.0.0.1/tcp/0)")
     swarm.add_argument("--dht-announce", nargs="+", default=[], metavar="MADDR",
                        help="DHT multiaddrs others should dial, when they differ from --dht-listen (NAT, containers)")
-    swarm.add_argument("--model", choices=sorted(PRESETS), help="the model the swarm trains (default tiny, or the join file's)")
+    cli.add_model_options(swarm, default=None, default_text="default: the join file's, else tiny; with --plan: the folder "
+                          "of a plan's model that is not a preset")
     swarm.add_argument("--dtype", choices=SWARM_DTYPES, help="training dtype (default fp32, or the join file's)")
     swarm.add_argument("--heartbeat", type=cli._positive_float, default=2.0, metavar="SECONDS",
                        help="seconds between announcements; a record expires after 3 (default 2)")
@@ -81,7 +82,7 @@ def add_commands(commands) -> None:
                              help="DHT multiaddrs peers should dial, when they differ from --host-maddr (NAT, containers)")
     coordinator.add_argument("--api", default="127.0.0.1:0", metavar="HOST:PORT",
                              help="where to serve the gRPC API (default 127.0.0.1 on a free port; 'off' for none)")
-    coordinator.add_argument("--model", choices=sorted(PRESETS), default="tiny", help="model preset (default tiny)")
+    cli.add_model_options(coordinator, default="tiny")
     coordinator.add_argument("--batch", type=cli._positive_int, default=16, metavar="N", help="global batch in sequences (default 16)")
     coordinator.add_argument("--micro-batch", type=cli._positive_int, default=2, metavar="N", help="micro-batch in sequences (default 2)")
     coordinator.add_argument("--dtype", choices=SWARM_DTYPES, default="fp32", help="training dtype (default fp32)")
@@ -144,8 +145,10 @@ def _home(path: Path | None, default_name: str) -> Path:
 
 def run_swarm_join(args: argparse.Namespace) -> int:
     cli = _cli()
+    from hetpeer.peer.checkpoint import CheckpointError
     from hetpeer.peer.daemon import SwarmPeer, SwarmPeerConfig
     from hetpeer.peer.data.corpus import CorpusError
+    from hetpeer.protocol.workload import ModelConfigError
     from hetpeer.protocol.control import ControlError
 
     fixed = [flag for flag, value in (("--plan", args.plan), ("--as", args.device_id), ("--peers", args.peers)) if value is not None]
@@ -156,17 +159,19 @@ def run_swarm_join(args: argparse.Namespace) -> int:
     if args.coordinator_key is None:
         raise cli.UserError("--swarm needs --coordinator-key (the coordinator prints it) or --join-file")
     args.model, args.dtype = args.model or "tiny", args.dtype or "fp32"
+    model = cli.model_spec(args)
     if not args.slowdown >= 1:
         raise cli.UserError(f"--slowdown must be at least 1, got {args.slowdown:g}")
     cli.log_to_stdout()
     try:
         config = SwarmPeerConfig(
             swarm=args.swarm, name=args.name, home=_home(args.home, args.name), coordinator_key=args.coordinator_key.lower(),
-            worker=_replace_slowdown(cli._worker_config(args), args.slowdown), initial_peers=tuple(args.initial_peers),
-            model=args.model, dtype=args.dtype,
+            worker=_replace_slowdown(cli._worker_config(args, model), args.slowdown), initial_peers=tuple(args.initial_peers),
+            model=model, dtype=args.dtype,
             listen=cli._host_port(args.listen) if args.listen else ("127.0.0.1", 0), announce_host=args.announce_host,
             dht_maddrs=(args.dht_listen,), dht_announce=tuple(args.dht_announce), heartbeat_s=args.heartbeat, probe_targets=args.probe_targets, steps=args.steps,
             data=str(args.data) if args.data else None, threads=args.threads, emulation=cli.emulation(args),
+            save=args.save, save_every=args.save_every,
         )
         from hetpeer.protocol.records import NAME_RE
 
@@ -179,7 +184,7 @@ def run_swarm_join(args: argparse.Namespace) -> int:
     try:
         peer.start()
         peer.run()
-    except (ControlError, CorpusError) as error:
+    except (ControlError, CorpusError, ModelConfigError, CheckpointError) as error:  # its data, its model folder
         raise cli.UserError(str(error)) from None
     except KeyboardInterrupt:
         cli._say("interrupted: leaving the swarm")
@@ -206,11 +211,16 @@ def _take_join_file(args: argparse.Namespace, cli) -> None:
         info = JoinInfo.load(path)
     except SchemaError as error:
         raise cli.UserError(f"bad join file: {error}") from None
+    model = cli.model_spec(args).name if args.model is not None else None
     for flag, given, wanted in (("--swarm", args.swarm, info.swarm), ("--coordinator-key", args.coordinator_key, info.coordinator_key),
-                                ("--model", args.model, info.model), ("--dtype", args.dtype, info.dtype)):
+                                ("--model", model, info.model), ("--dtype", args.dtype, info.dtype)):
         if given is not None and given.lower() != wanted:
             raise cli.UserError(f"{flag} {given} disagrees with the join file {path}, which says {wanted}")
-    args.swarm, args.coordinator_key, args.model, args.dtype = info.swarm, info.coordinator_key, info.model, info.dtype
+    if args.model is None and info.model not in PRESETS:
+        raise cli.UserError(f"the swarm of {path} trains model {info.model} from a model folder: give --model with that "
+                            "folder (and --seq-len if the coordinator was given one)")
+    args.swarm, args.coordinator_key, args.dtype = info.swarm, info.coordinator_key, info.dtype
+    args.model = args.model or info.model
     args.initial_peers = list(dict.fromkeys([*args.initial_peers, *info.initial_peers]))
 
 
@@ -228,7 +238,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
     try:
         config = CoordinatorConfig(
             swarm=args.swarm, home=_home(args.home, f"coordinator-{args.swarm}"), initial_peers=tuple(args.initial_peers),
-            dht_maddrs=(args.host_maddr,), dht_announce=tuple(args.announce_maddr), api_listen=None if args.api == "off" else args.api, model=args.model,
+            dht_maddrs=(args.host_maddr,), dht_announce=tuple(args.announce_maddr), api_listen=None if args.api == "off" else args.api, model=cli.model_spec(args),
             batch=args.batch, micro_batch=args.micro_batch, dtype=args.dtype, heartbeat_s=args.heartbeat,
             replan_interval_s=args.replan_interval, min_peers=args.min_peers, gain=args.gain,
             time_budget_s=args.time_budget, stages=args.stages, group_size=args.group_size, seed=args.seed,

@@ -26,7 +26,7 @@ from hetpeer.protocol.control import ControlPlane, key_digest
 from hetpeer.protocol.join import JoinInfo
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.records import TTL_HEARTBEATS, PeerRecord
-from hetpeer.protocol.workload import Workload, preset
+from hetpeer.protocol.workload import PRESETS, ModelSpec, Workload
 
 log = logging.getLogger("hetpeer.coordinator")
 
@@ -39,7 +39,7 @@ class CoordinatorConfig:
     dht_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
     dht_announce: tuple[str, ...] = ()  # DHT multiaddrs peers should dial, when they differ from dht_maddrs
     api_listen: str | None = "127.0.0.1:0"  # None: no gRPC API
-    model: str = "tiny"
+    model: ModelSpec = PRESETS["tiny"]  # a preset, or a model folder's spec (`workload.load_model`)
     batch: int = 16
     micro_batch: int = 2
     dtype: str = "fp32"
@@ -57,7 +57,7 @@ class CoordinatorConfig:
     join_file: Path | None = None  # where to write what peers need to join (`hetpeer join --join-file`)
 
     def __post_init__(self) -> None:
-        Workload(preset(self.model), batch=self.batch, micro_batch=self.micro_batch, dtype=self.dtype)
+        self.workload  # a ValueError naming what does not fit
         if not self.heartbeat_s > 0 or not self.replan_interval_s > 0 or not self.time_budget_s > 0:
             raise ValueError("heartbeat, re-plan interval and time budget must be positive")
         if self.steps is not None and self.steps < 1:
@@ -67,7 +67,7 @@ class CoordinatorConfig:
 
     @property
     def workload(self) -> Workload:
-        return Workload(preset(self.model), batch=self.batch, micro_batch=self.micro_batch, dtype=self.dtype)
+        return Workload(self.model, batch=self.batch, micro_batch=self.micro_batch, dtype=self.dtype)
 
 
 class Coordinator:
@@ -115,7 +115,7 @@ class Coordinator:
             self.report(f"API: {self.api.address} (hetpeer status --api {self.api.address})")
         if self.config.join_file is not None:
             c = self.config
-            JoinInfo(c.swarm, self.key, self.control.dialable_maddrs(), c.model, c.dtype).write(c.join_file)
+            JoinInfo(c.swarm, self.key, self.control.dialable_maddrs(), c.model.name, c.dtype).write(c.join_file)
             self.report(f"join file: {c.join_file} (hetpeer join --join-file {c.join_file})")
         return self
 
@@ -152,8 +152,8 @@ class Coordinator:
             self._log_once(item.signer, f"dropped a peer record signed by {item.signer}: {item.reason}")
         ours = {}
         for d, record in records.items():
-            if (record.model, record.dtype) != (config.model, config.dtype):
-                self._log_once(d, f"ignored {d}: it trains {record.model} in {record.dtype}, this swarm {config.model} in {config.dtype}")
+            if (record.model, record.dtype) != (config.model.name, config.dtype):
+                self._log_once(d, f"ignored {d}: it trains {record.model} in {record.dtype}, this swarm {config.model.name} in {config.dtype}")
             else:
                 ours[d] = record
         live = {d: r for d, r in ours.items() if r.state != "leaving"}

@@ -45,10 +45,10 @@ from hetpeer.protocol.control import ControlPlane, key_digest
 from hetpeer.protocol.frame import FrameHeader
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.records import TTL_HEARTBEATS, PeerRecord, device_id
-from hetpeer.protocol.workload import ModelSpec, Workload, preset
+from hetpeer.protocol.workload import PRESETS, ModelSpec, Workload
 
 log = logging.getLogger("hetpeer.peer")
-RUNNING_KINDS = ("activation", "gradient", "labels", "params", "allreduce")  # frames that belong to a plan
+RUNNING_KINDS = ("activation", "gradient", "labels", "params", "allreduce", "tied")  # frames that belong to a plan
 RATE_STEPS = 10  # the tokens/s a peer announces is its rate over this many steps
 FUTURE_EPOCHS = 2  # frames of plans this much newer than the newest this peer has read are kept for it
 REPROFILE_S = 60.0  # a peer not training times its device again this often
@@ -62,7 +62,7 @@ class SwarmPeerConfig:
     coordinator_key: str  # SHA-256 (hex) of the coordinator's public key: plans under other keys are ignored
     worker: WorkerConfig
     initial_peers: tuple[str, ...] = ()
-    model: str = "tiny"
+    model: ModelSpec = PRESETS["tiny"]  # a preset, or a model folder's spec (its weights: worker.weights)
     dtype: str = "fp32"
     micro_batch: int = 2  # of the compute probe
     listen: tuple[str, int] = ("127.0.0.1", 0)  # direct TCP for tensors
@@ -78,6 +78,8 @@ class SwarmPeerConfig:
     threads: int | None = None
     emulation: Emulation = Emulation()  # slow or far links emulated on a fast network (tests, demos, testbeds)
     probe_s: float = 1.0  # seconds of the compute probe
+    save: Path | None = None  # folder for this peer's stage checkpoints (DEVICE.safetensors)
+    save_every: int | None = None  # steps between checkpoints (and when it leaves); None: only when it leaves
 
     def __post_init__(self) -> None:
         if len(self.coordinator_key) != 64 or not all(c in "0123456789abcdef" for c in self.coordinator_key):
@@ -86,7 +88,6 @@ class SwarmPeerConfig:
             raise ValueError(f"heartbeat must be positive and probing every >= 1 heartbeats: {self.heartbeat_s}, {self.probe_every}")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"steps must be at least 1, got {self.steps}")
-        preset(self.model)  # a ValueError naming the known presets
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,7 +184,7 @@ def fetching(plan: Plan, records: Mapping[str, PeerRecord], device: str) -> bool
 class SwarmPeer:
     def __init__(self, config: SwarmPeerConfig, report: Callable[[str], None]) -> None:
         self.config, self.report = config, report
-        self.spec = preset(config.model)
+        self.spec = config.model
         self.control = ControlPlane(
             config.swarm, config.home / "peer.key", config.initial_peers, config.dht_maddrs, config.dht_announce,
             identity_path=config.home / "dht.key", remember_path=config.home / "known_dht.json",
@@ -236,7 +237,7 @@ class SwarmPeer:
         self.machine = self._profile()
         self.report(
             f"machine: {self.machine.device_name}, {self.machine.tflops * 1e3:.2f} GFLOPS achieved in {config.dtype} on "
-            f"{config.model} blocks" + (f" (slowed {config.worker.slowdown:g}x)" if config.worker.slowdown != 1 else "")
+            f"{config.model.name} blocks" + (f" (slowed {config.worker.slowdown:g}x)" if config.worker.slowdown != 1 else "")
             + f", {self.machine.memory_bytes / 2**30:.1f} GiB free"
         )
         self._set(state="waiting")
@@ -247,8 +248,11 @@ class SwarmPeer:
         return self
 
     def shutdown(self) -> None:
-        """Announce that this peer leaves, stop the threads, close the transport and the DHT node."""
+        """Announce that this peer leaves (with its stage saved, under --save), stop the threads, close the
+        transport and the DHT node."""
         self.stopping.set()
+        if self.config.save is not None and self.worker is not None:
+            self.report(f"saved {self.worker.save(self.config.save)} at step {self.worker.step}")
         self.plan_hint.set()  # wakes the control thread
         if self.transport is not None:
             self.transport.inbox.interrupt("leaving")
@@ -343,6 +347,8 @@ class SwarmPeer:
             stage, lane = worker.plan.position(self.device_id)
             self.report(f"e{worker.plan.epoch} stage {stage + 1} lane {lane + 1}  "
                         + format_step(result, seconds, config.steps or 0).replace("/0 ", " "))
+            if config.save is not None and config.save_every and worker.step % config.save_every == 0:
+                self.report(f"saved {worker.save(config.save)} at step {worker.step}")
 
     def _due(self) -> Plan | None:
         """The pending plan if it takes effect now."""
@@ -412,7 +418,7 @@ class SwarmPeer:
         """Put the stage's parameters and optimizer state in `worker`: the old worker's when it held the
         same layers, else what the old one held of them and the rest downloaded from the peers that announce
         them; how, in words."""
-        how = "fresh weights"
+        how = f"the model folder's weights ({worker.loaded_bytes / 2**20:.1f} MiB read)" if worker.loaded_bytes else "fresh weights"
         overlaps = old is not None and old.layers[0] < layers[1] and layers[0] < old.layers[1]
         if old is not None and old.param_range == worker.param_range:
             with old.sync.lock:
@@ -432,7 +438,7 @@ class SwarmPeer:
                     if download.kept:
                         how += f", kept {download.kept / 2**20:.1f} MiB of its previous stage's"
                 except StateDownloadError as error:
-                    how = f"fresh weights ({error})"
+                    how = f"{how} ({error})"
         return how
 
     def _corpus_for(self, stage: int) -> Corpus | None:
@@ -474,11 +480,11 @@ class SwarmPeer:
                     self._refused.add((signer, plan.epoch))
                     self.report(f"ignored plan epoch {plan.epoch} signed by key {signer[:16]}..., not the coordinator's")
                 continue
-            if plan.model != self.config.model or plan.layers != self.spec.layers or plan.dtype != self.config.dtype:
+            if plan.model != self.spec.name or plan.layers != self.spec.layers or plan.dtype != self.config.dtype:
                 if ("model", plan.epoch) not in self._refused:
                     self._refused.add(("model", plan.epoch))
                     self.report(f"ignored plan epoch {plan.epoch}: it trains {plan.model} ({plan.layers} layers, "
-                                f"{plan.dtype}); this peer joined for {self.config.model} in {self.config.dtype}")
+                                f"{plan.dtype}); this peer joined for {self.spec.name} in {self.config.dtype}")
                 continue
             with self.lock:
                 newest = max((p.epoch for p in (self.running, self.pending) if p is not None), default=-1)
@@ -497,7 +503,7 @@ class SwarmPeer:
             links = self.links.current()
         return PeerRecord(
             device_id=self.device_id,
-            model=self.config.model,
+            model=self.spec.name,
             dtype=self.config.dtype,
             device_name=machine.device_name,
             tflops=machine.tflops,

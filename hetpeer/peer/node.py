@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import numpy
 import torch
 
 from hetpeer.peer.data.corpus import Corpus
@@ -44,7 +43,9 @@ class PeerSetup:
     data: str | None = None  # corpus folder; default: the Python standard library's sources
     threads: int | None = None  # torch intra-op threads
     rejoin: bool = False  # download the stage's state from the group first
-    save: Path | None = None  # folder to write the stage's parameters to at the end
+    save: Path | None = None  # folder to write the stage's checkpoint to (DEVICE.safetensors)
+    save_every: int | None = None  # steps between checkpoints (and at the end); None: at the end only
+    resume: Path | None = None  # folder of checkpoints to start from: this peer's own, DEVICE.safetensors
     emulation: Emulation = Emulation()  # slow or far links emulated on a fast network (tests, demos, testbeds)
 
     def __post_init__(self) -> None:
@@ -112,6 +113,11 @@ def run(setup: PeerSetup, report: Callable[[str], None]) -> list[StepResult]:
             f"on {setup.worker.device}, group of {len(worker.sync.members)} ({worker.sync.mode}"
             + (f", {setup.worker.sync.topology})" if worker.sync.mode == "gossip" else ")")
         )
+        if setup.resume is not None:
+            checkpoint = worker.restore(setup.resume / f"{setup.device_id}.safetensors")
+            report(f"resumed from {checkpoint.path}: step {checkpoint.step}, plan epoch {checkpoint.epoch}")
+        elif worker.loaded_bytes:
+            report(f"weights: {worker.loaded_bytes / 2**20:.1f} MiB of this stage's tensors read from {setup.worker.weights}")
         if setup.rejoin:
             download = worker.fetch_state()
             report(
@@ -124,13 +130,12 @@ def run(setup: PeerSetup, report: Callable[[str], None]) -> list[StepResult]:
             result = worker.train_step(last=i + 1 == setup.steps)
             results.append(result)
             report(format_step(result, time.perf_counter() - started, last_step))
+            if setup.save is not None and (i + 1 == setup.steps or (setup.save_every and worker.step % setup.save_every == 0)):
+                report(f"saved {worker.save(setup.save)} at step {worker.step}")
         report(f"routes: {', '.join(f'{d} over {link}' for d, link in sorted(transport.routes.items())) or 'none'}")
         report(format_memory(worker, peak_resident_bytes() - start_bytes))
         if worker.sync.left_out:
             report(f"left out of mixing: {', '.join(f'{d} {n}x' for d, n in sorted(worker.sync.left_out.items()))}")
-        if setup.save is not None:
-            setup.save.mkdir(parents=True, exist_ok=True)
-            numpy.save(setup.save / f"{setup.device_id}.npy", worker.flat.data.detach().cpu().numpy())
     return results
 
 

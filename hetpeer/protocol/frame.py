@@ -32,7 +32,7 @@ MAX_NDIM = 8
 MAX_SENDER_BYTES = 128
 
 # New kinds go at the end: a kind's code is its index here.
-KINDS = ("activation", "gradient", "labels", "params", "probe", "allreduce", "state_request", "state")
+KINDS = ("activation", "gradient", "labels", "params", "probe", "allreduce", "state_request", "state", "tied")
 DTYPES = {"fp32": 4, "fp16": 2, "bf16": 2, "int64": 8, "int32": 4, "uint8": 1}
 FLOAT_DTYPES = ("fp32", "fp16", "bf16")
 CODECS = ("raw", "fp16", "bf16", "int8")

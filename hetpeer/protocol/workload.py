@@ -1,25 +1,53 @@
-"""What is being trained: a GPT shape, the batch, and the numeric type; and what that costs per layer.
+"""What is being trained: a transformer's shape, the batch, and the numeric type; and what that costs.
 
-The planner and the peer runtime read the same presets, so that the plan's FLOPs and bytes describe
-the model the peers actually run. Counting conventions (per sequence of `seq_len` tokens, h = hidden):
+The planner and the peer runtime read the same `ModelSpec`, so that the plan's FLOPs and bytes describe
+the model the peers actually run. Three families share one set of counts:
 
-- a block has 12 h^2 + 13 h parameters (QKV and output projections, a 4h MLP, two LayerNorms);
-- its forward pass costs 24 h^2 + 4 seq h FLOPs per token (every weight once as a multiply-add, plus
-  QK^T and attention-times-V), backward twice that (Narayanan et al., SC 2021);
+- `gpt`: hetpeer's own byte-level GPT (the presets below), pre-norm LayerNorm blocks with a 4h GELU MLP,
+  learned or rotary positions, an untied head;
+- `gpt2`: GPT-2 as Hugging Face `transformers` defines it (`model_type: gpt2`): learned positions, a
+  GELU MLP of `n_inner` (4h by default), an output head tied to the token embedding;
+- `llama`: Llama as `transformers` defines it (`model_type: llama`): RMSNorm, rotary positions,
+  grouped-query attention (`num_key_value_heads`), a SwiGLU MLP of `intermediate_size`, a head tied or not.
+
+`ModelSpec.from_config` reads a `config.json` of the last two (pure: no `transformers` needed), or the one
+`hetpeer export` writes for the first.
+Counting conventions (per token unless said, h = hidden, a = heads, k = key/value heads, d = head size,
+f = the MLP's inner width; multiply-adds count 2 FLOPs):
+
+- a block's parameters are its projections (with their biases where the family has them) and norms
+  (LayerNorm: 2h, RMSNorm: h); `gpt` and `gpt2` with f = 4h have 12 h^2 + 13 h;
+- its forward pass costs 2 x (its projections' weights) + 4 seq a d FLOPs per token (QK^T and attention
+  times V), backward twice that (Narayanan et al., SC 2021); 24 h^2 + 4 seq h for `gpt`;
 - stage 0 also holds the token (and, with learned positions, position) embeddings; the last stage the
-  final LayerNorm and an untied output head of vocab x h, which costs 2 h vocab FLOPs per token;
-- a block keeps about 34 seq h bytes of 16-bit activations per sequence for its backward pass with
-  fused attention (Korthikanti et al., 2022, without the 5 a seq^2 term that fused attention removes);
+  final norm and the output head of vocab x h, which costs 2 h vocab FLOPs per token. A tied head is
+  one matrix in the model (`params` counts it once, as `transformers` does), but a stage that holds
+  the last layer keeps its own copy of it, tied by adding the two gradients (`stored_params`);
+- a block keeps 10 h + 4 a d + 4 k d + 4 f (6 f for SwiGLU) 16-bit values per token for its backward
+  pass with fused attention: 34 h for `gpt` (Korthikanti et al., 2022, without the 5 a seq^2 term that
+  fused attention removes);
 - training state is 16 bytes per parameter: 16-bit weights and gradients, fp32 master weights and two
   Adam moments (Rajbhandari et al., ZeRO, 2020); in fp32 it is the same 16 (weights, grads, two moments).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Mapping
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 STATE_BYTES_PER_PARAM = 16
+FAMILIES = ("gpt", "gpt2", "llama")
+HF_FAMILIES = {"gpt2": "gpt2", "llama": "llama"}  # config.json's model_type -> family
+LLAMA_ROPE_TYPES = ("default", "llama3")
+
+
+class ModelConfigError(ValueError):
+    """A model configuration (a config.json) that hetpeer cannot train, with what and where."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,40 +55,112 @@ class ModelSpec:
     name: str
     hidden: int
     heads: int
-    seq_len: int
+    seq_len: int  # tokens per training sequence
     vocab: int
     layers: int
     positions: str = "learned"  # or "rotary"
+    family: str = "gpt"  # gpt (hetpeer's own), gpt2 or llama (transformers' definitions)
+    kv_heads: int = 0  # key/value heads (grouped-query attention); 0: as many as heads
+    head_dim: int = 0  # 0: hidden / heads
+    inner: int = 0  # the MLP's inner width; 0: 4 x hidden
+    tied: bool = False  # the output head is the token embedding
+    max_positions: int = 0  # learned position table / context; 0: seq_len
+    norm_eps: float = 1e-5
+    rope_theta: float = 10_000.0
+    rope_scaling: tuple[tuple[str, float], ...] = ()  # llama3-style rotary scaling, (key, value) pairs
+    attention_bias: bool = True  # gpt and gpt2 always; llama's attention_bias
+    mlp_bias: bool = True  # gpt and gpt2 always; llama's mlp_bias
 
     def __post_init__(self) -> None:
         for attr in ("hidden", "heads", "seq_len", "vocab", "layers"):
             if getattr(self, attr) < 1:
                 raise ValueError(f"model {self.name}: {attr} must be at least 1, got {getattr(self, attr)}")
-        if self.hidden % self.heads:
+        for attr in ("kv_heads", "head_dim", "inner", "max_positions"):
+            if getattr(self, attr) < 0:
+                raise ValueError(f"model {self.name}: {attr} must not be negative, got {getattr(self, attr)}")
+        if self.family not in FAMILIES:
+            raise ValueError(f"model {self.name}: family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
+        if self.head_dim == 0 and self.hidden % self.heads:
             raise ValueError(f"model {self.name}: hidden {self.hidden} is not divisible by heads {self.heads}")
+        if self.heads % self.key_value_heads:
+            raise ValueError(f"model {self.name}: heads {self.heads} is not a multiple of key/value heads {self.key_value_heads}")
+        if self.tied and self.family == "gpt":
+            raise ValueError(f"model {self.name}: hetpeer's own GPT has an untied head")
         if self.positions not in ("learned", "rotary"):
             raise ValueError(f"model {self.name}: positions must be 'learned' or 'rotary', got {self.positions!r}")
+        if self.seq_len > self.context:
+            raise ValueError(f"model {self.name}: sequences of {self.seq_len} tokens exceed its context of {self.context}")
+        if not (self.norm_eps > 0 and self.rope_theta > 0):
+            raise ValueError(f"model {self.name}: norm_eps and rope_theta must be positive")
 
     def with_layers(self, layers: int) -> "ModelSpec":
         return replace(self, layers=layers)
 
     @property
+    def key_value_heads(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def mlp_inner(self) -> int:
+        return self.inner or 4 * self.hidden
+
+    @property
+    def context(self) -> int:
+        """The longest sequence the model takes: its position table (learned) or its configured context."""
+        return self.max_positions or self.seq_len
+
+    @property
+    def gated(self) -> bool:
+        """SwiGLU (gate and up projections) rather than one GELU projection."""
+        return self.family == "llama"
+
+    @property
+    def norm_params(self) -> int:
+        return self.hidden if self.family == "llama" else 2 * self.hidden  # RMSNorm: a gain; LayerNorm: and a bias
+
+    @property
+    def _projections(self) -> int:
+        """Weights of a block's matrices: attention (q, k, v, output) and the MLP."""
+        h, q, kv, f = self.hidden, self.heads * self.head_size, self.key_value_heads * self.head_size, self.mlp_inner
+        return h * (q + 2 * kv) + q * h + (3 if self.gated else 2) * h * f
+
+    @property
     def layer_params(self) -> int:
-        h = self.hidden
-        return 12 * h * h + 13 * h
+        h, q, kv, f = self.hidden, self.heads * self.head_size, self.key_value_heads * self.head_size, self.mlp_inner
+        biases = (q + 2 * kv + h if self.attention_bias else 0) + ((2 if self.gated else 1) * f + h if self.mlp_bias else 0)
+        return self._projections + biases + 2 * self.norm_params
 
     @property
     def embedding_params(self) -> int:
-        positions = self.seq_len * self.hidden if self.positions == "learned" else 0
+        positions = self.context * self.hidden if self.positions == "learned" else 0
         return self.vocab * self.hidden + positions
 
     @property
     def head_params(self) -> int:
-        return self.vocab * self.hidden + 2 * self.hidden
+        """The final norm and the output head as a last stage holds them (a tied head as its own copy)."""
+        return self.vocab * self.hidden + self.norm_params
+
+    @property
+    def stored_params(self) -> int:
+        """Parameters the stages hold between them: a tied head counted on the last stage too."""
+        return self.layers * self.layer_params + self.embedding_params + self.head_params
 
     @property
     def params(self) -> int:
-        return self.layers * self.layer_params + self.embedding_params + self.head_params
+        """Parameters of the model, a tied head counted once (as `transformers`' num_parameters())."""
+        return self.stored_params - (self.vocab * self.hidden if self.tied else 0)
+
+    def layer_fwd_flops_per_token(self) -> float:
+        return float(2 * self._projections + 4 * self.seq_len * self.heads * self.head_size)
+
+    def stored_activation_values_per_token(self) -> float:
+        """16-bit values a block keeps per token for its backward pass (see the module's docstring)."""
+        q, kv, f = self.heads * self.head_size, self.key_value_heads * self.head_size, self.mlp_inner
+        return float(10 * self.hidden + 4 * q + 4 * kv + (6 if self.gated else 4) * f)
 
     def param_range(self, layer_start: int, layer_end: int) -> tuple[int, int]:
         """[start, end) of a stage's parameters in the whole model's flat parameter vector: embeddings,
@@ -70,6 +170,144 @@ class ModelSpec:
         start = 0 if layer_start == 0 else self.embedding_params + layer_start * self.layer_params
         end = self.embedding_params + layer_end * self.layer_params + (self.head_params if layer_end == self.layers else 0)
         return start, end
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 of the architecture (every field but the name): peers that agree on it run the same model."""
+        fields = {k: v for k, v in asdict(self).items() if k != "name"}
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], source: str = "config.json", seq_len: int | None = None,
+                    layers: int | None = None) -> "ModelSpec":
+        """The spec of a `transformers` config (a parsed config.json) of the GPT-2 or Llama family, or of an
+        export of hetpeer's GPT; `seq_len` defaults to the one exported, else the model's context. Its name is
+        `<family>-<digest prefix>`, the same on every peer that has the same architecture (an export of a
+        preset's shape: the preset's name). A config this runtime cannot reproduce exactly is refused,
+        naming the key."""
+        if not isinstance(config, Mapping):
+            raise ModelConfigError(f"{source}: expected a JSON object, got {type(config).__name__}")
+        model_type = config.get("model_type")
+        if model_type == "hetpeer-gpt":
+            spec = _own_gpt(config, source, layers)
+            if seq_len is not None and seq_len != spec.seq_len:
+                raise ModelConfigError(f"{source}: hetpeer's GPT trains the sequence length it was made for, {spec.seq_len}")
+            return spec
+        if model_type not in HF_FAMILIES:
+            raise ModelConfigError(f"{source}: model_type {model_type!r} is not supported (supported: "
+                                   f"{', '.join(HF_FAMILIES)}, hetpeer-gpt)")
+        read = _ConfigReader(config, source)
+        if model_type == "gpt2":
+            context = read.integer("n_positions", 1024)
+            activation = read.text("activation_function", "gelu_new")
+            if activation not in ("gelu_new", "gelu_pytorch_tanh"):
+                raise ModelConfigError(f"{source}: activation_function {activation!r} is not supported (gelu_new)")
+            for key in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
+                if read.flag(key, False):
+                    raise ModelConfigError(f"{source}: {key} true is not supported")
+            if not read.flag("scale_attn_weights", True):
+                raise ModelConfigError(f"{source}: scale_attn_weights false is not supported")
+            spec = dict(hidden=read.integer("n_embd", 768), heads=read.integer("n_head", 12), layers=read.integer("n_layer", 12),
+                        vocab=read.integer("vocab_size", 50257), inner=read.integer("n_inner", 0, allow_none=True) or 4 * read.integer("n_embd", 768),
+                        max_positions=context, norm_eps=read.number("layer_norm_epsilon", 1e-5),
+                        tied=read.flag("tie_word_embeddings", True), positions="learned")
+        else:
+            context = read.integer("max_position_embeddings", 2048)
+            if read.text("hidden_act", "silu") != "silu":
+                raise ModelConfigError(f"{source}: hidden_act {config.get('hidden_act')!r} is not supported (silu)")
+            heads, hidden = read.integer("num_attention_heads", 32), read.integer("hidden_size", 4096)
+            # transformers 5 writes rope_parameters (theta, type and scaling in one); 4.x rope_theta and rope_scaling
+            rope = config.get("rope_parameters")
+            if rope is not None and not isinstance(rope, Mapping):
+                raise ModelConfigError(f"{source}: rope_parameters must be an object, got {rope!r}")
+            theta = _ConfigReader(rope, f"{source} rope_parameters") if rope is not None else read
+            spec = dict(hidden=hidden, heads=heads, layers=read.integer("num_hidden_layers", 32),
+                        vocab=read.integer("vocab_size", 32000), inner=read.integer("intermediate_size", 11008),
+                        kv_heads=read.integer("num_key_value_heads", heads, allow_none=True) or heads,
+                        head_dim=read.integer("head_dim", 0, allow_none=True) or (hidden // heads if heads else 0),
+                        max_positions=context, norm_eps=read.number("rms_norm_eps", 1e-6),
+                        rope_theta=theta.number("rope_theta", 10_000.0),
+                        rope_scaling=_rope_scaling(rope if rope is not None else config.get("rope_scaling"), source),
+                        attention_bias=read.flag("attention_bias", False), mlp_bias=read.flag("mlp_bias", False),
+                        tied=read.flag("tie_word_embeddings", False), positions="rotary")
+        if layers is not None:
+            spec["layers"] = layers
+        seq_len = seq_len or read.integer("hetpeer_seq_len", 0, allow_none=True) or context  # as exported
+        try:
+            anonymous = cls(name="-", family=HF_FAMILIES[model_type], seq_len=seq_len, **spec)
+        except ValueError as error:
+            raise ModelConfigError(f"{source}: {error.args[0].replace('model -: ', '')}") from None
+        return replace(anonymous, name=f"{anonymous.family}-{anonymous.digest[:12]}")
+
+
+def _own_gpt(config: Mapping[str, Any], source: str, layers: int | None) -> ModelSpec:
+    """hetpeer's own GPT from the config `hetpeer export` writes: named as the preset of its shape, if any."""
+    read = _ConfigReader(config, source)
+    shape = dict(hidden=read.integer("hidden", 0), heads=read.integer("heads", 0), seq_len=read.integer("seq_len", 0),
+                 vocab=read.integer("vocab", 0), layers=layers or read.integer("layers", 0),
+                 positions=read.text("positions", "learned"))
+    try:
+        anonymous = ModelSpec(name="-", **shape)
+    except ValueError as error:
+        raise ModelConfigError(f"{source}: {error.args[0].replace('model -: ', '')}") from None
+    for name, spec in PRESETS.items():
+        if replace(spec, name="-", layers=anonymous.layers) == anonymous:  # plans name a preset of any depth
+            return replace(spec, layers=anonymous.layers)
+    return replace(anonymous, name=f"gpt-{anonymous.digest[:12]}")
+
+
+class _ConfigReader:
+    """Typed reads of a config.json's keys, each error naming the key and the file."""
+
+    def __init__(self, config: Mapping[str, Any], source: str) -> None:
+        self.config, self.source = config, source
+
+    def integer(self, key: str, default: int, allow_none: bool = False) -> int:
+        value = self.config.get(key, default)
+        if value is None and allow_none:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ModelConfigError(f"{self.source}: {key} must be a non-negative integer, got {value!r}")
+        return value
+
+    def number(self, key: str, default: float) -> float:
+        value = self.config.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ModelConfigError(f"{self.source}: {key} must be a positive number, got {value!r}")
+        return float(value)
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self.config.get(key, default)
+        if not isinstance(value, bool):
+            raise ModelConfigError(f"{self.source}: {key} must be true or false, got {value!r}")
+        return value
+
+    def text(self, key: str, default: str) -> str:
+        value = self.config.get(key, default)
+        if not isinstance(value, str):
+            raise ModelConfigError(f"{self.source}: {key} must be a string, got {value!r}")
+        return value
+
+
+def _rope_scaling(value: Any, source: str) -> tuple[tuple[str, float], ...]:
+    """Llama's rope_scaling: none, or the llama3 kind (Llama 3.1 and later), as sorted (key, value) pairs."""
+    if value is None:
+        return ()
+    if not isinstance(value, Mapping):
+        raise ModelConfigError(f"{source}: rope_scaling must be an object or null, got {value!r}")
+    kind = value.get("rope_type", value.get("type", "default"))
+    if kind == "default":
+        return ()
+    if kind != "llama3":
+        raise ModelConfigError(f"{source}: rope_scaling of type {kind!r} is not supported ({', '.join(LLAMA_ROPE_TYPES)})")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    pairs = []
+    for key in keys:
+        number = value.get(key)
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or not number > 0:
+            raise ModelConfigError(f"{source}: rope_scaling.{key} must be a positive number, got {number!r}")
+        pairs.append((key, float(number)))
+    return tuple(pairs)
 
 
 PRESETS: dict[str, ModelSpec] = {
@@ -94,6 +332,34 @@ def preset(name: str, layers: int | None = None) -> ModelSpec:
             raise ValueError(f"layers must be at least 1, got {layers}")
         spec = spec.with_layers(layers)
     return spec
+
+
+def load_model(name_or_path: str, layers: int | None = None, seq_len: int | None = None) -> ModelSpec:
+    """A preset by name, or the spec of a model folder's config.json (GPT-2 or Llama); `layers` and
+    `seq_len` override the depth and the training sequence length."""
+    if name_or_path in PRESETS:
+        spec = preset(name_or_path, layers)
+        if seq_len is not None and seq_len != spec.seq_len:
+            raise ModelConfigError(f"model preset {name_or_path} trains sequences of {spec.seq_len} tokens; "
+                                   "a sequence length applies to model folders")
+        return spec
+    folder = Path(name_or_path)
+    if not folder.exists():
+        raise ModelConfigError(f"model {name_or_path!r} is neither a preset ({', '.join(PRESETS)}) nor a folder")
+    config = folder / "config.json" if folder.is_dir() else folder
+    try:
+        raw = json.loads(config.read_text())
+    except FileNotFoundError:
+        raise ModelConfigError(f"model folder {folder} has no config.json") from None
+    except OSError as error:
+        raise ModelConfigError(f"cannot read {config}: {error.strerror or error}") from None
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ModelConfigError(f"{config} is not valid JSON: {error}") from None
+    if layers is not None and layers < 1:
+        raise ModelConfigError(f"layers must be at least 1, got {layers}")
+    if seq_len is not None and seq_len < 1:
+        raise ModelConfigError(f"sequence length must be at least 1, got {seq_len}")
+    return ModelSpec.from_config(raw, str(config), seq_len=seq_len, layers=layers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,8 +387,7 @@ class Workload:
 
     @property
     def layer_fwd_flops_per_seq(self) -> float:
-        m = self.model
-        return float(m.seq_len * (24 * m.hidden**2 + 4 * m.seq_len * m.hidden))
+        return self.model.seq_len * self.model.layer_fwd_flops_per_token()
 
     @property
     def head_fwd_flops_per_seq(self) -> float:
@@ -136,7 +401,7 @@ class Workload:
 
     @property
     def stored_activation_bytes_per_layer_per_seq(self) -> float:
-        return float(34 * self.model.seq_len * self.model.hidden * self.dtype_bytes / 2)
+        return self.model.seq_len * self.model.stored_activation_values_per_token() * self.dtype_bytes / 2
 
     @property
     def logits_bytes_per_seq(self) -> float:

@@ -23,7 +23,7 @@ from processes import live_processes
 from hetpeer.logline import unstamp
 from hetpeer.peer.data.corpus import Corpus
 from hetpeer.peer.launch import free_port
-from hetpeer.peer.model.gpt import build_stage
+from hetpeer.peer.model import build_stage
 from hetpeer.protocol.addresses import AddressBook
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.workload import preset
@@ -217,3 +217,71 @@ def test_join_bad_input_is_one_line_and_exit_2(case, tmp_path, cli, keys):
     for word in words:
         assert word in lines[0], (word, lines[0])
     assert live_members(cli.groups[-1]) == []
+
+
+# -- a GPT-2 model folder --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def gpt2_folder(tmp_path) -> Path:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=32, n_head=4, n_layer=2, n_positions=32, vocab_size=256,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    folder = tmp_path / "tiny-gpt2"
+    transformers.GPT2LMHeadModel(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.slow
+def test_launch_trains_a_model_folder_across_two_stages(tmp_path, cli, gpt2_folder):
+    """`hetpeer plan --model FOLDER` then `hetpeer launch --model FOLDER`: each peer reads its stage's tensors,
+    the tied head's two copies train across the lane, the first loss is the folder's model's own."""
+    topology = write_json(tmp_path / "two.json", {"devices": [{"id": f"p{i}", "region": "r", "tflops": 1.0} for i in range(2)],
+                                                   "regions": {"r": {"latency_ms": 0.1, "bandwidth_gbps": 10}}})
+    planned = cli("plan", str(topology), "--model", str(gpt2_folder), "--batch", "4", "--micro-batch", "2", "--dtype", "fp32",
+                  "--stages", "2", "--group-size", "1", "--json", "--quiet")
+    assert planned.returncode == 0, planned.stderr
+    plan_path = write_json(tmp_path / "plan.json", json.loads(planned.stdout))
+    saved = tmp_path / "checkpoints"
+    done = cli("launch", str(plan_path), "--model", str(gpt2_folder), "--steps", "3", "--lr", "1e-2", "--out", str(tmp_path / "run"),
+               "--save", str(saved))
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [unstamp(line) for line in done.stdout.splitlines()]
+    assert sum(bool(re.match(r"\[p\d\] weights: 0\.\d MiB of this stage's tensors read from ", line)) for line in lines) == 2
+    losses = [float(m.group(1)) for line in lines if (m := re.match(r"\[p1\] step \d/3\s+loss (\d+\.\d+)", line))]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    # step 1 is the saved model's own loss on lane 0's batch (transformers computes it from the same weights)
+    from transformers import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(gpt2_folder).eval()
+    batch = Corpus.default().batch(lane=0, step=0, sequences=4, seq_len=32, seed=0)
+    with torch.no_grad():
+        logits = model(torch.from_numpy(batch.tokens)).logits
+    expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.from_numpy(batch.labels).flatten()).item()
+    assert losses[0] == pytest.approx(expected, abs=1e-4)
+
+    # the two stage checkpoints join into one model that transformers loads, trained 3 steps on from the folder's
+    exported = cli("export", str(saved), "--out", str(tmp_path / "trained"))
+    assert exported.returncode == 0, exported.stderr
+    assert re.match(r"exported gpt2-[0-9a-f]{12}: \d+ tensors from 2 checkpoint\(s\) \(steps 3\) to ", exported.stdout)
+    trained = GPT2LMHeadModel.from_pretrained(tmp_path / "trained").eval()
+    with torch.no_grad():
+        moved = [(a - b).abs().max().item() for a, b in zip(trained.parameters(), model.parameters())]
+    assert min(moved) > 0  # every tensor trained, none left at the folder's values
+    lonely = cli("export", str(saved / "p0.safetensors"), "--out", str(tmp_path / "half"), timeout_s=60)
+    assert lonely.returncode == 2 and lonely.stderr.startswith("hetpeer export: error: no checkpoint holds layer 1, the head")
+
+
+def test_launch_refuses_a_model_folder_plan_without_its_folder(tmp_path, cli, gpt2_folder):
+    plan = make_plan(lanes=1)
+    wire = plan.to_wire() | {"model": "gpt2-0123456789ab", "layers": 2}
+    wire["stages"] = [dict(wire["stages"][0], layer_end=1), dict(wire["stages"][1], layer_start=1, layer_end=2)]
+    plan_path = write_json(tmp_path / "plan.json", wire)
+    for extra, words in (([], ["gpt2-0123456789ab", "give --model"]),
+                         (["--model", str(gpt2_folder)], ["gpt2-0123456789ab", "another config"])):
+        done = cli("launch", str(plan_path), "--steps", "1", *extra, timeout_s=60)
+        assert done.returncode == 2, (done.stdout, done.stderr)
+        lines = done.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("hetpeer launch: error: "), done.stderr
+        assert all(word in lines[0] for word in words), lines[0]

@@ -102,6 +102,27 @@ def test_a_single_device_plan_prints(cost_model, tmp_path):
     assert "lane 0: d0" in done.stdout and "this plan" in done.stdout
 
 
+def test_a_model_folder_is_planned_with_its_own_counts(tmp_path):
+    """A Llama config.json (no weights needed to plan): the plan names the model by its architecture's digest,
+    and a model that does not fit one device is cut into stages."""
+    folder = tmp_path / "llama"
+    folder.mkdir()
+    config = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 32,
+              "num_key_value_heads": 8, "num_hidden_layers": 16, "max_position_embeddings": 2048, "vocab_size": 128256,
+              "tie_word_embeddings": True}
+    (folder / "config.json").write_text(json.dumps(config))
+    topology = topology_file(tmp_path, [device(i, memory_gb=16.0) for i in range(8)])
+    done = hetpeer("plan", str(topology), "--model", str(folder), "--seq-len", "1024", "--batch", "32", "--json", "--quiet",
+                   "--time-budget", "0.5")
+    assert done.returncode == 0, done.stderr
+    plan = Plan.from_wire(json.loads(done.stdout))
+    assert plan.model.startswith("llama-") and plan.layers == 16
+    assert len(plan.stages) > 1  # 1.2B parameters x 16 bytes of training state do not fit 16 GB
+    again = hetpeer("plan", str(topology), "--model", str(folder), "--seq-len", "1024", "--batch", "32", "--json", "--quiet",
+                    "--time-budget", "0.5")
+    assert json.loads(again.stdout)["model"] == plan.model
+
+
 def test_help_lists_the_options():
     done = hetpeer("plan", "--help")
     assert done.returncode == 0
@@ -123,6 +144,11 @@ def bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], list[str]]]:
     small_memory = topology_file(tmp_path, [device(i, memory_gb=0.5) for i in range(4)], "d.json")
     no_tflops = topology_file(tmp_path, [device(0), {"id": "d1", "region": "r"}], "e.json")
     world = ["--scenario", "world-wide"]
+    no_config = tmp_path / "no-config"
+    no_config.mkdir()
+    bert = tmp_path / "bert"
+    bert.mkdir()
+    (bert / "config.json").write_text(json.dumps({"model_type": "bert"}))
     return {
         "unparseable json": ([str(unparseable)], ["broken.json", "not valid JSON"]),
         "missing file": ([str(tmp_path / "absent.json")], ["absent.json", "No such file"]),
@@ -136,12 +162,17 @@ def bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], list[str]]]:
         "micro-batch larger than batch": ([*world, "--batch", "4", "--micro-batch", "8"], ["micro-batch 8", "batch 4"]),
         "zero stages": ([*world, "--stages", "0"], ["--stages", "'0'"]),
         "negative seed": ([*world, "--seed=-1", "--time-budget", "0.2"], ["seed", "-1"]),
+        "model folder without config": ([*world, "--model", str(no_config)], ["no-config", "has no config.json"]),
+        "unsupported model": ([*world, "--model", str(bert)], ["bert/config.json", "model_type 'bert'"]),
+        "unknown model": ([*world, "--model", "gpt9"], ["'gpt9'", "neither a preset"]),
+        "sequence longer than the model": ([*world, "--model", "tiny", "--seq-len", "99"], ["preset tiny", "64 tokens"]),
     }
 
 
 CASES = ["unparseable json", "missing file", "missing field", "negative tflops", "unknown region", "no shape fits",
          "nothing fits in memory", "dp bytes with time model", "time model without tflops",
-         "micro-batch larger than batch", "zero stages", "negative seed"]  # fmt: skip
+         "micro-batch larger than batch", "zero stages", "negative seed", "model folder without config",
+         "unsupported model", "unknown model", "sequence longer than the model"]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -45,6 +45,13 @@ CASES = {
         ["join", "--join-file", "other.json", "--swarm", "demo"], 2, ["--swarm demo", "disagrees", "other"]
     ),
     "join with a join file that names no peer id": (["join", "--join-file", "no-id.json"], 2, ["join.initial_peers[0]"]),
+    "join a swarm of a model folder without it": (
+        ["join", "--join-file", "folder-model.json"], 2, ["gpt2-0123456789ab", "give --model"]
+    ),
+    "join with another model folder": (
+        ["join", "--join-file", "folder-model.json", "--model", "gpt2"], 2, ["--model gpt2-", "disagrees", "gpt2-0123456789ab"]
+    ),
+    "coordinator of a folder without a config": (["coordinator", "--swarm", "demo", "--model", "."], 2, ["has no config.json"]),
     "status of an API nobody serves": (["status", "--api", "127.0.0.1:1", "--timeout", "1"], 1, ["127.0.0.1:1"]),
     "swarm with a slowdown that is no number": (["swarm", "--slowdowns", "1,x"], 2, ["--slowdowns", "'1,x'"]),
     "swarm with a zero bandwidth cap": (["swarm", "--bandwidth-caps", "0"], 2, ["bandwidth caps", "positive"]),
@@ -52,8 +59,8 @@ CASES = {
 }
 
 
-def join_file(swarm: str, peers: list[str]) -> str:
-    return json.dumps({"version": 1, "swarm": swarm, "coordinator_key": KEY, "initial_peers": peers, "model": "tiny", "dtype": "fp32"})
+def join_file(swarm: str, peers: list[str], model: str = "tiny") -> str:
+    return json.dumps({"version": 1, "swarm": swarm, "coordinator_key": KEY, "initial_peers": peers, "model": model, "dtype": "fp32"})
 
 
 # files a case's folder holds before it runs
@@ -61,6 +68,9 @@ FILES = {
     "join.json": "{nope",
     "other.json": join_file("other", ["/ip4/127.0.0.1/tcp/1/p2p/12D3KooWPeer"]),
     "no-id.json": join_file("demo", ["/ip4/127.0.0.1/tcp/1"]),
+    "folder-model.json": join_file("demo", ["/ip4/127.0.0.1/tcp/1/p2p/12D3KooWPeer"], model="gpt2-0123456789ab"),
+    "gpt2/config.json": json.dumps({"model_type": "gpt2", "n_embd": 32, "n_head": 4, "n_layer": 2, "n_positions": 32,
+                                    "vocab_size": 256}),
 }
 
 
@@ -80,6 +90,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]
     for i, (case, (args, _, _)) in enumerate(CASES.items()):
         folder = tmp_path_factory.mktemp(f"case{i}")
         for name, text in FILES.items():
+            (folder / name).parent.mkdir(exist_ok=True)
             (folder / name).write_text(text)
         command = [sys.executable, "-m", "hetpeer", *isolated(args, folder)]
         process = subprocess.Popen(

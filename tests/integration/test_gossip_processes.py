@@ -172,7 +172,13 @@ def head_tail_means(losses: list[float], k: int = 3) -> tuple[float, float]:
 
 def consensus_distance(save: Path) -> float:
     """Mean Euclidean distance of each peer's stage parameters to the group's mean."""
-    params = np.stack([np.load(save / f"{device}.npy") for device in DEVICES])
+    from hetpeer.peer.checkpoint import StageCheckpoint
+
+    def flat(device: str) -> np.ndarray:  # a stage's parameters, in one order for every peer (names sorted)
+        tensors = StageCheckpoint.read(save / f"{device}.safetensors").tensors()
+        return np.concatenate([tensors[n].numpy().ravel() for n in sorted(tensors) if not n.startswith("optimizer.")])
+
+    params = np.stack([flat(device) for device in DEVICES])
     return float(np.mean(np.linalg.norm(params - params.mean(axis=0), axis=1)))
 
 
@@ -224,7 +230,7 @@ def fresh_loss(lane: int, step: int) -> float:
     import torch
 
     from hetpeer.peer.data.corpus import Corpus
-    from hetpeer.peer.model.gpt import build_stage
+    from hetpeer.peer.model import build_stage
     from hetpeer.protocol.workload import preset
 
     spec, plan = preset("tiny"), make_plan("gossip")
@@ -312,4 +318,4 @@ def test_rejoin_without_a_live_group_member_fails_clearly(tmp_path, peers):
     error = alone.wait_for(rf"^hetpeer join: stopped: {VICTIM}: (.*)$", timeout_s=0).group(1)
     for word in ("no donor", "p0", "p1", "p2", "state"):
         assert word in error, (word, error)
-    assert not (group.save / f"{VICTIM}.npy").exists()
+    assert not (group.save / f"{VICTIM}.safetensors").exists()

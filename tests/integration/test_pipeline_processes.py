@@ -25,7 +25,7 @@ import torch
 from p2p_keys import make_keys
 from hetpeer.peer.data.corpus import Corpus
 from hetpeer.peer.launch import free_port
-from hetpeer.peer.model.gpt import build_stage
+from hetpeer.peer.model import build_stage
 from hetpeer.peer.pipeline.worker import StageWorker, WorkerConfig
 from hetpeer.peer.transport.codec import checksum, decode, encode
 from hetpeer.peer.transport.network import NetworkTransport, TcpLink

@@ -300,3 +300,23 @@ def test_a_device_that_moves_must_also_fit_the_state_it_downloads_staged_beside_
 
     assert fits(1.1 * whole, [[0], [1]]) and not fits(1.1 * whole, [[1], [0]])
     assert fits(1.1 * whole + 2 * LAYER_PARAMS * 16, [[1], [0]])  # the staged download is what it lacked
+
+
+def test_a_tied_head_adds_its_gradient_exchange_between_the_lane_ends():
+    """A tied model's two-stage lane pays latency + vocab x hidden x dtype bytes / bandwidth once a step (both
+    ways at once); one stage holds both copies and pays nothing; an untied model pays nothing."""
+    from hetpeer.protocol.workload import ModelSpec
+
+    latency_ms, gbps = 5.0, 0.1
+    gpt2 = {"model_type": "gpt2", "n_embd": H, "n_head": 4, "n_layer": 4, "n_positions": SEQ, "vocab_size": VOCAB}
+    costs = {}
+    for name, tie in (("tied", True), ("untied", False)):
+        spec = ModelSpec.from_config(gpt2 | {"tie_word_embeddings": tie})
+        problem = Problem.from_topology(topology([1e-3, 1e-3], latency_ms, gbps), Workload(spec, batch=4))
+        model = make_model(problem, PlannerConfig(stages=2, group_size=1), Shape(2, 1))
+        costs[name] = model.report(np.array([[0], [1]])).cost["total_s"]
+        one = make_model(problem, PlannerConfig(stages=1, group_size=1), Shape(1, 1)).report(np.array([[0]]))
+        costs[name + "-one"] = one.cost["total_s"]
+    exchange = latency_ms / 1e3 + VOCAB * H * 2 / (gbps * 1e9 / 8)
+    assert costs["tied"] - costs["untied"] == pytest.approx(exchange, rel=1e-9)
+    assert costs["tied-one"] == pytest.approx(costs["untied-one"], rel=1e-12)

@@ -14,7 +14,7 @@ import torch
 
 from in_threads import results
 from hetpeer.peer.data.corpus import Corpus
-from hetpeer.peer.model.gpt import build_stage
+from hetpeer.peer.model import build_stage
 from hetpeer.peer.gossip.adam import AdamConfig
 from hetpeer.peer.pipeline.worker import StageWorker, WorkerConfig
 from hetpeer.peer.transport import MemoryHub, MemoryTransport, TransportTimeout

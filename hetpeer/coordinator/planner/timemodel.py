@@ -15,7 +15,9 @@ For a grid (rows = stages in order, columns = lanes), with M micro-batches per l
   bottleneck: a stage's compute, a link's occupancy (latency is no resource: micro-batches in flight
   share it), or, once there are more micro-batches than stages, a round trip per S of them (1F1B holds
   at most S - s in flight on stage s). Against an event simulation of the runtime's schedule this is
-  exact for M = 1 and within a few percent on average (`tests/unit/test_timemodel.py`);
+  exact for M = 1 and within a few percent on average (`tests/unit/test_timemodel.py`); a model with a
+  tied head adds the exchange of that matrix's gradient between the lane's two ends (both ways at
+  once, after the backward pass) when they are different devices;
 - a group syncs its stage's parameters either by ring all-reduce after the step,
       2 (m - 1) (max ring latency + stage bytes / (m min ring bandwidth)),
   or by gossip (decentralized Adam, one-peer exponential graph: round r pairs lane l with lane
@@ -88,6 +90,7 @@ class TimeCost:
         self.layer_s = 3 * mb * w.layer_fwd_flops_per_seq / flops_per_s  # (n,)
         self.head_s = 3 * mb * w.head_fwd_flops_per_seq / flops_per_s  # (n,)
         self.hop_bytes = mb * w.boundary_bytes_per_seq
+        self.tied_bytes = model.vocab * model.hidden * w.dtype_bytes if model.tied else 0.0
         # Flat copies: gathering pairs by one flat index is about twice as fast as 2-D indexing.
         self._latency_flat = problem.latency_s.ravel()
         self._seconds_per_byte_flat = (1 / problem.bandwidth_bytes_per_s).ravel()
@@ -169,7 +172,11 @@ class TimeCost:
             round_trip, period = t.sum(-1), t.max(-1)
         if M > stages:
             period = np.maximum(period, round_trip / stages)
-        return round_trip + (M - 1) * period, t
+        lane = round_trip + (M - 1) * period
+        if stages > 1 and self.tied_bytes:
+            there, back = self._pairs(cols[..., 0], cols[..., -1]), self._pairs(cols[..., -1], cols[..., 0])
+            lane = lane + np.maximum(there[0] + self.tied_bytes * there[1], back[0] + self.tied_bytes * back[1])
+        return lane, t
 
     def _groups(self, rows: np.ndarray, stage_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(all-reduce seconds (...), each gossip round's seconds before overlap (..., rounds)) for groups

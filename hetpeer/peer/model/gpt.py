@@ -186,25 +186,22 @@ class Stage(nn.Module):
         return hidden
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Next-token cross entropy averaged over every token, computed on fp32 logits."""
-        if logits.dim() != 3 or logits.shape[-1] != self._spec.vocab:
-            raise ValueError(f"logits must have shape (batch, seq, {self._spec.vocab}), got {tuple(logits.shape)}")
-        if labels.dtype != torch.long or labels.shape != logits.shape[:2]:
-            raise ValueError(
-                f"labels must be torch.int64 of shape {tuple(logits.shape[:2])}, "
-                f"got {labels.dtype} of shape {tuple(labels.shape)}"
-            )
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+        return token_loss(logits, labels, self._spec.vocab)
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Next-token cross entropy averaged over every token, computed on fp32 logits."""
+    if logits.dim() != 3 or logits.shape[-1] != vocab:
+        raise ValueError(f"logits must have shape (batch, seq, {vocab}), got {tuple(logits.shape)}")
+    if labels.dtype != torch.long or labels.shape != logits.shape[:2]:
+        raise ValueError(
+            f"labels must be torch.int64 of shape {tuple(logits.shape[:2])}, "
+            f"got {labels.dtype} of shape {tuple(labels.shape)}"
+        )
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
 
 def _generator(seed: int, part: int, index: int = 0) -> torch.Generator:
     state = np.random.SeedSequence([seed, part, index]).generate_state(1, np.uint64)[0]
     return torch.Generator(device="cpu").manual_seed(int(state))
 
-
-def build_stage(
-    spec: ModelSpec, layer_start: int, layer_end: int, seed: int = 0, device: str | torch.device = "cpu"
-) -> Stage:
-    """The stage of `spec` holding layers [layer_start, layer_end), initialised from `seed` on the CPU
-    (the same values whatever the cut) and moved to `device`."""
-    return Stage(spec, layer_start, layer_end, seed=seed).to(device)

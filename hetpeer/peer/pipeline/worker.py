@@ -9,6 +9,11 @@ accumulated gradient is that of the mean loss over the lane's batch.
 The worker tells its transport what it accepts (`accept`): from the previous peer of its lane,
 activations and labels; from the next, gradients; each of the shape, dtype, epoch and step the plan
 implies. Every receive has the configured deadline, so a dead neighbour raises `TransportTimeout`.
+
+A model with a tied output head (GPT-2, some Llamas) keeps the head as a copy of the token embedding on
+the stage that holds the last layer; after the backward pass the two ends of each lane exchange the two
+gradients (`tied` frames) and both add them, so the copies take the same steps (on one stage the two
+are added in place).
 """
 
 from __future__ import annotations
@@ -17,24 +22,27 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 
+from hetpeer.peer.checkpoint import StageCheckpoint, load_stage, save_stage
 from hetpeer.peer.data.corpus import Corpus
 from hetpeer.peer.gossip.adam import AdamConfig
 from hetpeer.peer.gossip.flat import FlatParams
 from hetpeer.peer.gossip.group import GroupSync, SyncConfig, SyncReport
 from hetpeer.peer.gossip.state import Download, StateServer, fetch_state
 from hetpeer.peer.measure import Slowdown
-from hetpeer.peer.model.gpt import build_stage
+from hetpeer.peer.model import build_stage
+from hetpeer.peer.model.folder import ModelFolder
 from hetpeer.peer.pipeline.schedule import FORWARD, one_f_one_b
 from hetpeer.peer.transport.base import Transport
 from hetpeer.peer.transport.inbox import Late, TransportTimeout
 from hetpeer.peer.transport.codec import TORCH_DTYPES
 from hetpeer.protocol.frame import CODECS, FrameHeader
 from hetpeer.protocol.plan import Plan
-from hetpeer.protocol.workload import preset
+from hetpeer.protocol.workload import PRESETS, ModelSpec, preset
 
 COMPUTE_DTYPES = ("fp32", "bf16")
 log = logging.getLogger("hetpeer.peer")
@@ -49,6 +57,8 @@ class WorkerConfig:
     timeout_s: float = 60.0  # deadline for every frame of the lane this peer waits for
     codec: str = "raw"  # how activations and gradients travel: raw, fp16, bf16 or int8
     slowdown: float = 1.0  # emulate a slower accelerator: compute takes this many times as long
+    model: ModelSpec | None = None  # a model read from a folder (plans name presets, or such a model's name)
+    weights: str | None = None  # the model folder to read this peer's stage from (its safetensors), if any
 
     def __post_init__(self) -> None:
         if self.codec not in CODECS:
@@ -88,14 +98,20 @@ class StageWorker:
         self.plan, self.device_id, self.transport, self.config = plan, device_id, transport, config
         self.stage, self.lane = plan.position(device_id)
         stage_plan = plan.stages[self.stage]
-        self.spec = preset(plan.model, plan.layers)
+        self.spec = model_for(plan, config.model)
         lane = plan.lanes[self.lane]
         self.previous = lane[self.stage - 1] if self.stage > 0 else None
         self.next = lane[self.stage + 1] if self.stage + 1 < len(lane) else None
         if self.previous is None and corpus is None:
             raise ValueError(f"{device_id} holds stage 0 and needs a corpus to read")
         self.corpus = corpus
-        self.model = build_stage(self.spec, stage_plan.layer_start, stage_plan.layer_end, config.seed, config.device)
+        self.model = build_stage(self.spec, stage_plan.layer_start, stage_plan.layer_end, config.seed)
+        self.loaded_bytes = 0
+        if config.weights is not None:
+            folder = ModelFolder.open(config.weights, self.spec)
+            if folder.has_weights:
+                self.loaded_bytes = folder.load_into(self.model)
+        self.model.to(config.device)
         self.flat = FlatParams(self.model)
         self.sync = GroupSync(plan, device_id, transport, self.flat, config.adam, config.sync)
         self.layers = (stage_plan.layer_start, stage_plan.layer_end)
@@ -120,6 +136,8 @@ class StageWorker:
             return self.sync.accept(header)
         if header.kind in ("state_request", "state"):
             return self.server.accept(header)
+        if header.kind == "tied":
+            return self._accept_tied(header)
         if header.sender == self.previous:
             allowed = ("activation", "labels")
         elif header.sender == self.next:
@@ -186,6 +204,7 @@ class StageWorker:
                     self._send("gradient", self.previous, inputs.grad, micro)
         tick = time.perf_counter()
         self.transport.flush(timeout, to=[p for p in (self.previous, self.next) if p is not None])
+        self._tie_gradients(step)
         wait_s += time.perf_counter() - tick
         sequences = self.plan.lane_batch
         return StepResult(
@@ -228,6 +247,65 @@ class StageWorker:
         self.sync.sent = None
         return download
 
+    # -- checkpoints ------------------------------------------------------------------------------
+    def save(self, folder: Path) -> Path:
+        """Write this stage (weights, Adam moments, the step to train next) to folder/DEVICE.safetensors, atomically."""
+        with self.sync.lock:
+            return save_stage(folder / f"{self.device_id}.safetensors", self.model, self.sync.state.tensors(), spec=self.spec,
+                              layers=self.layers, step=self.step, epoch=self.plan.epoch, adam_step=self.sync.state.step)
+
+    def restore(self, path: Path) -> StageCheckpoint:
+        """Take this stage's weights, moments and step from a checkpoint of exactly this stage of this model."""
+        checkpoint = StageCheckpoint.read(path)
+        with self.sync.lock:
+            load_stage(checkpoint, self.model, self.sync.state.tensors(), self.spec, self.layers)
+            self.sync.state.step = checkpoint.adam_step
+        self.step = self.sync.step = checkpoint.step
+        self.sync.sent = None
+        return checkpoint
+
+    # -- a tied head ------------------------------------------------------------------------------
+    def _tied_peer(self) -> tuple[torch.nn.Parameter | None, str | None]:
+        """(this stage's copy of a tied matrix, the lane end holding the other copy); (None, None) when this
+        stage holds neither or both."""
+        if not self.spec.tied:
+            return None, None
+        embedding, head = self.model.tied_parameters()
+        lane = self.plan.lanes[self.lane]
+        if embedding is not None and head is None:
+            return embedding, lane[-1]
+        if head is not None and embedding is None:
+            return head, lane[0]
+        return None, None
+
+    def _accept_tied(self, header: FrameHeader) -> str | None:
+        mine, other = self._tied_peer()
+        if mine is None or header.sender != other:
+            return f"tied gradients are not expected from {header.sender}"
+        if header.epoch != self.plan.epoch:
+            return Late(f"plan epoch {header.epoch}, this peer runs epoch {self.plan.epoch}")
+        if not self.step <= header.step <= self.step + 1 or header.micro != 0:
+            return f"tied gradient of step {header.step} (micro {header.micro}) is not for step {self.step} or the next"
+        if header.shape != tuple(mine.shape) or header.dtype != "fp32":
+            return f"tied gradient is {header.dtype}{list(header.shape)}, expected fp32{list(mine.shape)}"
+        return None
+
+    def _tie_gradients(self, step: int) -> None:
+        """Add the two gradients of a tied embedding and head: in place on a stage that holds both, else
+        exchanged with the other end of the lane."""
+        if not self.spec.tied:
+            return
+        embedding, head = self.model.tied_parameters()
+        if embedding is not None and head is not None:
+            embedding.grad.add_(head.grad)
+            head.grad.copy_(embedding.grad)
+            return
+        mine, other = self._tied_peer()
+        if mine is None:
+            return
+        self.transport.send(other, "tied", mine.grad, step=step, micro=0, epoch=self.plan.epoch, codec=self.config.codec)
+        mine.grad.add_(self._recv("tied", other, step, 0).to(mine.grad.dtype))
+
     # -- helpers ----------------------------------------------------------------------------------
     def _lane_data(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         if self.previous is not None:
@@ -258,3 +336,15 @@ class StageWorker:
         if self.plan.dtype == "fp32":
             return contextlib.nullcontext()
         return torch.autocast(torch.device(self.config.device).type, dtype=self._dtype)
+
+
+def model_for(plan: Plan, given: ModelSpec | None) -> ModelSpec:
+    """The model `plan` trains: a preset it names, or `given` (read from a model folder) when the plan names
+    that model. A plan of a model this peer was not given is refused, saying which."""
+    if given is not None and given.name == plan.model and given.layers == plan.layers:
+        return given
+    if plan.model in PRESETS:  # at the plan's depth
+        return preset(plan.model, plan.layers)
+    have = f"model {given.name}" if given is not None else "no model folder"
+    raise ValueError(f"plan trains model {plan.model}, and this peer has {have}: give --model with the folder of "
+                     "that model (the same config.json, sequence length and layers)")
