@@ -68,7 +68,7 @@ def train(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     spec = preset(args.model)
-    corpus = Corpus.default(min_bytes=spec.seq_len + 1)
+    corpus = Corpus.default(min_tokens=spec.seq_len + 1)
     initial = wait_for(args.peers_file)
     dht = hivemind.DHT(initial_peers=initial, host_maddrs=[f"/ip4/0.0.0.0/tcp/{args.port}"],
                        announce_maddrs=[f"/ip4/{args.announce_ip}/tcp/{args.port}"], start=True)

@@ -208,7 +208,12 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     run = parser.add_argument_group("training")
     run.add_argument("--steps", type=_positive_int, metavar="N",
                      help="optimizer steps to run (default 20; with --swarm: until Ctrl+C, else leave at step N)")
-    run.add_argument("--data", type=Path, metavar="PATH", help="folder (or file) of text to train on (default: the Python standard library's sources)")
+    run.add_argument("--data", type=Path, metavar="PATH",
+                     help="what to train on: a folder or file of text, .jsonl (a \"text\" string a line) or .parquet (a \"text\" "
+                     "column) files (default: the Python standard library's sources)")
+    run.add_argument("--tokenizer", type=Path, metavar="PATH",
+                     help="a tokenizer.json (tokenizers) to turn text into tokens (default: the --model folder's "
+                     "tokenizer.json if it has one, else bytes)")
     run.add_argument("--device", default="cpu", metavar="DEVICE", help="torch device, e.g. cpu or cuda:0 (default cpu)")
     run.add_argument("--lr", type=_positive_float, default=3e-4, metavar="LR", help="AdamW learning rate (default 3e-4)")
     run.add_argument("--seed", type=_non_negative_int, default=0, metavar="N", help="seed of the initial weights and the data order (default 0)")
@@ -248,7 +253,9 @@ def _run_options(args: argparse.Namespace) -> list[str]:
               "--accumulate", str(args.accumulate), "--mix-deadline", repr(args.mix_deadline),
               "--sync-compress", args.sync_compress]
     if args.data is not None:
-        passed += ["--data", str(args.data)]
+        passed += ["--data", str(args.data.resolve())]
+    if args.tokenizer is not None:
+        passed += ["--tokenizer", str(args.tokenizer.resolve())]
     if args.model is not None:
         passed += ["--model", str(Path(args.model).resolve())] + (["--seq-len", str(args.seq_len)] if args.seq_len else [])
     if args.robust is not None:
@@ -284,6 +291,27 @@ def _worker_config(args: argparse.Namespace, model: ModelSpec | None = None):
         timeout_s=args.timeout,
         codec=args.compress,
     )
+
+
+def tokenizer_path(args: argparse.Namespace, spec: ModelSpec) -> str | None:
+    """`--tokenizer`, or the model folder's tokenizer.json; checked against the model's vocabulary now, before
+    a peer starts, so that a mismatch is one line rather than a peer that fails at its first batch."""
+    from hetpeer.peer.data.corpus import CorpusError, load_tokenizer
+
+    path = args.tokenizer
+    if path is None and args.model is not None and args.model not in PRESETS and (Path(args.model) / "tokenizer.json").is_file():
+        path = Path(args.model) / "tokenizer.json"
+    if path is None:
+        if spec.vocab < 256:
+            raise UserError(f"model {spec.name} has a vocabulary of {spec.vocab}, too small for bytes: give --tokenizer")
+        return None
+    try:
+        size = load_tokenizer(path).get_vocab_size()
+    except CorpusError as error:
+        raise UserError(str(error)) from None
+    if size > spec.vocab:
+        raise UserError(f"tokenizer {path} has {size} tokens, more than the vocabulary of model {spec.name} ({spec.vocab})")
+    return str(path)
 
 
 def _latency_map(text: str) -> dict[str, float]:
@@ -412,16 +440,20 @@ def run_join(args: argparse.Namespace) -> int:
         raise UserError(f"give --swarm NAME to join a swarm, or {', '.join(missing)} to run a peer of a fixed plan")
     log_to_stdout()
     try:
+        plan = _load_plan(args.plan)
+        given = model_spec(args) if args.model is not None else None
+        tokenizer = tokenizer_path(args, node.model_for(plan, given))
         setup = node.PeerSetup(
             device_id=args.device_id,
-            plan=_load_plan(args.plan),
+            plan=plan,
             book=AddressBook.load(args.peers),
-            worker=_worker_config(args, model_spec(args) if args.model is not None else None),
+            worker=_worker_config(args, given),
             steps=args.steps or DEFAULT_STEPS,
             links=args.link,
             listen=_host_port(args.listen) if args.listen else None,
             identity_path=args.identity,
             data=str(args.data) if args.data else None,
+            tokenizer=tokenizer,
             threads=args.threads,
             rejoin=args.rejoin,
             save=args.save,

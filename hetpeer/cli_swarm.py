@@ -170,8 +170,8 @@ def run_swarm_join(args: argparse.Namespace) -> int:
             model=model, dtype=args.dtype,
             listen=cli._host_port(args.listen) if args.listen else ("127.0.0.1", 0), announce_host=args.announce_host,
             dht_maddrs=(args.dht_listen,), dht_announce=tuple(args.dht_announce), heartbeat_s=args.heartbeat, probe_targets=args.probe_targets, steps=args.steps,
-            data=str(args.data) if args.data else None, threads=args.threads, emulation=cli.emulation(args),
-            save=args.save, save_every=args.save_every,
+            data=str(args.data) if args.data else None, tokenizer=cli.tokenizer_path(args, model), threads=args.threads,
+            emulation=cli.emulation(args), save=args.save, save_every=args.save_every,
         )
         from hetpeer.protocol.records import NAME_RE
 

@@ -33,7 +33,7 @@ import numpy
 import torch
 
 from hetpeer import __version__
-from hetpeer.peer.data.corpus import Corpus
+from hetpeer.peer.data.corpus import Corpus, open_corpus
 from hetpeer.peer.gossip.state import StateDownloadError, StateServer
 from hetpeer.peer.measure import LinkHistory, LinkProber, MachineProfile, describe_links, pick_targets, profile_machine
 from hetpeer.peer.node import format_step
@@ -75,6 +75,7 @@ class SwarmPeerConfig:
     probe_bytes: int = 2 << 20  # per peer probed: larger frames read a fast link's rate through timing noise
     steps: int | None = None  # leave once the swarm's step count reaches this
     data: str | None = None
+    tokenizer: str | None = None  # tokenizer.json (or a folder with one); default: bytes
     threads: int | None = None
     emulation: Emulation = Emulation()  # slow or far links emulated on a fast network (tests, demos, testbeds)
     probe_s: float = 1.0  # seconds of the compute probe
@@ -445,7 +446,7 @@ class SwarmPeer:
         if stage != 0:
             return None
         if self._corpus is None:
-            self._corpus = Corpus.from_folder(self.config.data) if self.config.data else Corpus.default()
+            self._corpus = open_corpus(self.config.data, self.config.tokenizer, self.spec.vocab, self.spec.seq_len)
         return self._corpus
 
     # -- control (its own thread) --------------------------------------------------------------------

@@ -14,9 +14,9 @@ from typing import Callable
 
 import torch
 
-from hetpeer.peer.data.corpus import Corpus
+from hetpeer.peer.data.corpus import open_corpus
 from hetpeer.peer.pipeline.schedule import in_flight
-from hetpeer.peer.pipeline.worker import StageWorker, StepResult, WorkerConfig
+from hetpeer.peer.pipeline.worker import StageWorker, StepResult, WorkerConfig, model_for
 from hetpeer.peer.probe import peak_resident_bytes, resident_bytes
 from hetpeer.peer.transport.network import Emulation, Link, NetworkTransport, P2PLink, TcpLink
 from hetpeer.protocol.addresses import LINK_CHOICES, AddressBook
@@ -40,7 +40,8 @@ class PeerSetup:
     links: str = "auto"  # auto: direct TCP, falling back to P2P
     listen: tuple[str, int] | None = None  # where to accept TCP; default: this peer's address in the book
     identity_path: str | None = None  # P2P private key; its peer id must be the book's
-    data: str | None = None  # corpus folder; default: the Python standard library's sources
+    data: str | None = None  # corpus folder or file; default: the Python standard library's sources
+    tokenizer: str | None = None  # tokenizer.json (or a folder with one); default: bytes
     threads: int | None = None  # torch intra-op threads
     rejoin: bool = False  # download the stage's state from the group first
     save: Path | None = None  # folder to write the stage's checkpoint to (DEVICE.safetensors)
@@ -100,7 +101,8 @@ def run(setup: PeerSetup, report: Callable[[str], None]) -> list[StepResult]:
     stage, lane = setup.plan.position(setup.device_id)
     corpus = None
     if stage == 0:
-        corpus = Corpus.from_folder(setup.data) if setup.data else Corpus.default()
+        spec = model_for(setup.plan, setup.worker.model)
+        corpus = open_corpus(setup.data, setup.tokenizer, spec.vocab, spec.seq_len)
         report(f"data: {corpus.description}")
     start_bytes = resident_bytes()
     results = []

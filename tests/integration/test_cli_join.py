@@ -226,11 +226,20 @@ def test_join_bad_input_is_one_line_and_exit_2(case, tmp_path, cli, keys):
 def gpt2_folder(tmp_path) -> Path:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_embd=32, n_head=4, n_layer=2, n_positions=32, vocab_size=256,
+    config = transformers.GPT2Config(n_embd=32, n_head=4, n_layer=2, n_positions=32, vocab_size=320,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     folder = tmp_path / "tiny-gpt2"
     transformers.GPT2LMHeadModel(config).save_pretrained(folder)
+    tokenizers = pytest.importorskip("tokenizers")  # a BPE tokenizer of 300 tokens, trained here, in the folder
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(DOCUMENTS, trainer)
+    tokenizer.save(str(folder / "tokenizer.json"))
     return folder
+
+
+DOCUMENTS = [f"def step_{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(200)]
 
 
 @pytest.mark.slow
@@ -244,18 +253,24 @@ def test_launch_trains_a_model_folder_across_two_stages(tmp_path, cli, gpt2_fold
     assert planned.returncode == 0, planned.stderr
     plan_path = write_json(tmp_path / "plan.json", json.loads(planned.stdout))
     saved = tmp_path / "checkpoints"
+    data = tmp_path / "code.jsonl"
+    data.write_text("".join(json.dumps({"text": text}) + "\n" for text in DOCUMENTS))
     done = cli("launch", str(plan_path), "--model", str(gpt2_folder), "--steps", "3", "--lr", "1e-2", "--out", str(tmp_path / "run"),
-               "--save", str(saved))
+               "--save", str(saved), "--data", str(data))
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [unstamp(line) for line in done.stdout.splitlines()]
     assert sum(bool(re.match(r"\[p\d\] weights: 0\.\d MiB of this stage's tensors read from ", line)) for line in lines) == 2
+    assert any(re.match(r"\[p0\] data: \d+ tokens \(vocabulary 300\) from 1 files under ", line) for line in lines), lines
     losses = [float(m.group(1)) for line in lines if (m := re.match(r"\[p1\] step \d/3\s+loss (\d+\.\d+)", line))]
     assert len(losses) == 3 and losses[-1] < losses[0]
     # step 1 is the saved model's own loss on lane 0's batch (transformers computes it from the same weights)
     from transformers import GPT2LMHeadModel
 
     model = GPT2LMHeadModel.from_pretrained(gpt2_folder).eval()
-    batch = Corpus.default().batch(lane=0, step=0, sequences=4, seq_len=32, seed=0)
+    from hetpeer.peer.data.corpus import load_tokenizer  # the folder's tokenizer, taken by default
+
+    corpus = Corpus.from_folder(data, tokenizer=load_tokenizer(gpt2_folder / "tokenizer.json"))
+    batch = corpus.batch(lane=0, step=0, sequences=4, seq_len=32, seed=0)
     with torch.no_grad():
         logits = model(torch.from_numpy(batch.tokens)).logits
     expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.from_numpy(batch.labels).flatten()).item()
@@ -284,4 +299,20 @@ def test_launch_refuses_a_model_folder_plan_without_its_folder(tmp_path, cli, gp
         assert done.returncode == 2, (done.stdout, done.stderr)
         lines = done.stderr.splitlines()
         assert len(lines) == 1 and lines[0].startswith("hetpeer launch: error: "), done.stderr
+        assert all(word in lines[0] for word in words), lines[0]
+
+
+def test_join_refuses_a_tokenizer_or_data_that_does_not_fit(tmp_path, cli, gpt2_folder):
+    plan_path = write_json(tmp_path / "plan.json", make_plan(lanes=1, batch=4).to_wire())
+    book = {"version": 1, "peers": {d: {"direct": f"127.0.0.1:{free_port()}"} for d in ("d0", "d1")}}
+    book_path = write_json(tmp_path / "book.json", book)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "fine"}\nnot json\n')
+    common = ["join", "--plan", str(plan_path), "--as", "d0", "--peers", str(book_path), "--link", "tcp", "--steps", "1"]
+    for extra, words in ((["--tokenizer", str(gpt2_folder / "tokenizer.json")], ["has 300 tokens", "model tiny (256)"]),
+                         (["--data", str(broken)], ["broken.jsonl:2", "not a JSON object"])):
+        done = cli(*common, *extra, timeout_s=60)
+        assert done.returncode == 2, (done.stdout, done.stderr)
+        lines = done.stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("hetpeer join: error: "), done.stderr
         assert all(word in lines[0] for word in words), lines[0]

@@ -1,6 +1,10 @@
-"""Byte corpus: real text with no download, and batches that replay exactly per (seed, lane, step)."""
+"""The corpus: real text with no download, documents from .jsonl and .parquet files, a tokenizer's ids, and
+batches that replay exactly per (seed, lane, step)."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -138,7 +142,7 @@ def test_folder_errors_name_the_path(tmp_path):
     short.mkdir()
     (short / "a.txt").write_text("tiny")
     with pytest.raises(CorpusError, match="short.*4 bytes.*65"):
-        Corpus.from_folder(short, min_bytes=65)
+        Corpus.from_folder(short, min_tokens=65)
     with pytest.raises(CorpusError, match="max_bytes"):
         Corpus.from_folder(short, max_bytes=1)
     assert issubclass(CorpusError, ValueError)
@@ -152,7 +156,7 @@ def test_folder_errors_name_the_path(tmp_path):
         ({"seed": -3}, "seed.*-3"),
         ({"sequences": 0}, "sequences.*0"),
         ({"seq_len": 0}, "seq_len.*0"),
-        ({"seq_len": 1000}, "seq_len 1000 needs 1001 bytes"),
+        ({"seq_len": 1000}, "seq_len 1000 needs 1001 tokens"),
     ],
 )
 def test_bad_batch_arguments(cyclic, kwargs, words):
@@ -164,5 +168,103 @@ def test_bad_batch_arguments(cyclic, kwargs, words):
 def test_corpus_rejects_arrays_that_are_not_bytes():
     with pytest.raises(CorpusError, match="int64"):
         Corpus(np.zeros(10, dtype=np.int64), "memory", 1)
-    with pytest.raises(CorpusError, match="1 bytes"):
+    with pytest.raises(CorpusError, match="holds 1 tokens"):
         Corpus(np.zeros(1, dtype=np.uint8), "memory", 1)
+
+
+# -- documents from .jsonl and .parquet files, and a tokenizer --------------------------------------------
+
+
+def bpe_tokenizer(tmp_path: Path, texts: list[str], vocab: int = 300) -> Path:
+    """A byte-level BPE tokenizer trained on the fly (nothing downloaded), saved as tokenizer.json."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=vocab, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(texts, trainer)
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path
+
+
+DOCS = ["def add(a, b):\n    return a + b\n", "The quick brown fox jumps over the lazy dog. " * 3, "ünïcödé text\n"]
+
+
+def write_parquet(path: Path, texts: list, column: str = "text", row_group_size: int = 2) -> None:
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({column: texts}), str(path), row_group_size=row_group_size)
+
+
+def test_jsonl_and_parquet_documents_in_sorted_order(tmp_path):
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(DOCS[:2])) + "\n")
+    write_parquet(tmp_path / "b.parquet", [DOCS[2], DOCS[0]])
+    (tmp_path / "c.txt").write_text(DOCS[1])
+    corpus = Corpus.from_folder(tmp_path)
+    assert corpus.tokens.tobytes() == "".join([DOCS[0], DOCS[1], DOCS[2], DOCS[0], DOCS[1]]).encode()
+    assert corpus.files == 3 and corpus.vocab == 256
+
+
+def test_a_tokenizer_turns_documents_into_its_ids(tmp_path):
+    path = bpe_tokenizer(tmp_path, DOCS * 20)
+    from hetpeer.peer.data.corpus import load_tokenizer
+
+    tokenizer = load_tokenizer(path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "d.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in DOCS * 10))
+    corpus = Corpus.from_folder(tmp_path / "data", tokenizer=tokenizer)
+    expected = [i for t in DOCS * 10 for i in tokenizer.encode(t, add_special_tokens=False).ids]
+    assert corpus.tokens.dtype == np.uint16 and corpus.tokens.tolist() == expected
+    assert corpus.vocab == tokenizer.get_vocab_size() and corpus.tokens.size < len("".join(DOCS * 10).encode())
+    assert f"tokens (vocabulary {corpus.vocab})" in corpus.description
+    first = corpus.batch(lane=0, step=3, sequences=2, seq_len=8)
+    np.testing.assert_array_equal(first.tokens, corpus.batch(lane=0, step=3, sequences=2, seq_len=8).tokens)
+    np.testing.assert_array_equal(first.labels[:, :-1], first.tokens[:, 1:])
+    assert first.tokens.dtype == np.int64 and int(first.tokens.max()) < corpus.vocab
+
+
+def test_reading_stops_at_max_bytes_without_opening_the_rest(tmp_path):
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": "x" * 100}) + "\n" for _ in range(10)))
+    (tmp_path / "b.parquet").write_bytes(b"never opened: not a parquet file")
+    corpus = Corpus.from_folder(tmp_path, max_bytes=250)
+    assert corpus.tokens.size == 300 and corpus.files == 1  # whole documents, up to the first past the limit
+
+
+@pytest.mark.parametrize(
+    "name, content, words",
+    [
+        ("bad.jsonl", '{"text": "ok"}\n{not json\n', ["bad.jsonl:2", "not a JSON object"]),
+        ("bad.jsonl", '{"text": "ok"}\n{"body": "no text"}\n', ["bad.jsonl:2", "no \"text\" string"]),
+        ("bad.jsonl", '["a list"]\n', ["bad.jsonl:1", "no \"text\" string"]),
+        ("bad.parquet", "this is not parquet", ["bad.parquet is not a Parquet file"]),
+    ],
+)
+def test_a_file_that_is_not_what_its_suffix_says_is_named(tmp_path, name, content, words):
+    (tmp_path / name).write_text(content)
+    with pytest.raises(CorpusError) as error:
+        Corpus.from_folder(tmp_path)
+    for word in words:
+        assert word in str(error.value)
+
+
+def test_parquet_without_a_text_column_is_named(tmp_path):
+    write_parquet(tmp_path / "d.parquet", ["a", "b"], column="content")
+    with pytest.raises(CorpusError, match=r"d.parquet has no \"text\" column \(columns: content\)"):
+        Corpus.from_folder(tmp_path)
+
+
+def test_a_tokenizer_that_does_not_fit_the_model_is_refused(tmp_path):
+    from hetpeer.peer.data.corpus import open_corpus
+
+    path = bpe_tokenizer(tmp_path, DOCS * 20, vocab=300)
+    (tmp_path / "t.txt").write_text("".join(DOCS) * 50)
+    with pytest.raises(CorpusError, match=r"has 300 tokens, more than the model's vocabulary of 256"):
+        open_corpus(str(tmp_path / "t.txt"), str(path), vocab=256, seq_len=8)
+    assert open_corpus(str(tmp_path / "t.txt"), str(path), vocab=512, seq_len=8).vocab == 300
+    (tmp_path / "junk.json").write_text("{}")
+    with pytest.raises(CorpusError, match="junk.json is not a tokenizer.json"):
+        open_corpus(None, str(tmp_path / "junk.json"), vocab=512, seq_len=8)
+    with pytest.raises(CorpusError, match="cannot hold bytes"):
+        open_corpus(None, None, vocab=100, seq_len=8)

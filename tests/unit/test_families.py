@@ -183,7 +183,7 @@ def tied_plan(stages: int, spec: ModelSpec) -> Plan:
 def train(plan: Plan, spec: ModelSpec, folder: Path, steps: int) -> dict[str, StageWorker]:
     from hetpeer.peer.data.corpus import Corpus
 
-    corpus = Corpus.default(min_bytes=spec.seq_len + 1)
+    corpus = Corpus.default(min_tokens=spec.seq_len + 1)
     hub = MemoryHub()
     config = WorkerConfig(model=spec, weights=str(folder), adam=AdamConfig(lr=1e-2))
     workers = {}

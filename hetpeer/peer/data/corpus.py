@@ -1,27 +1,33 @@
-"""Byte-level training data from local text: every lane reads its own reproducible batches.
+"""Training data from local files: every lane reads its own reproducible batches.
 
-Tokens are bytes (0..255), so a model needs no tokenizer and a corpus needs no download: a folder of
-text files, or by default the Python standard library's own sources, which every machine running a
-peer has. A batch is a set of random windows of the byte stream; its offsets come from a generator
-seeded by (seed, lane, step), so a restarted lane replays exactly the batches it would have read and
-different lanes read different data. Labels are the same windows shifted by one byte.
+Without a tokenizer, tokens are bytes (0..255), so a model needs no tokenizer and a corpus needs no
+download: a folder of text files, or by default the Python standard library's own sources, which every
+machine running a peer has. With a tokenizer (a `tokenizers` tokenizer.json), documents become its token
+ids. Documents come from text files, from `.jsonl` files (one JSON object a line, its `"text"` string)
+and from `.parquet` files (a `"text"` column, read one row group at a time). A batch is a set of
+random windows of the token stream; its offsets come from a generator seeded by (seed, lane, step), so a
+restarted lane replays exactly the batches it would have read and different lanes read different data.
+Labels are the same windows shifted by one token.
 
-Loading reads files in sorted path order until `max_bytes` and is linear in the bytes read; a batch of
-n sequences of length L costs O(n L).
+Loading reads files in sorted path order until `max_bytes` of text and is linear in what it reads (the
+rest of a large dataset is never opened); a batch of n sequences of length L costs O(n L).
 """
 
 from __future__ import annotations
 
 import codecs
+import json
 import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 
 DEFAULT_MAX_BYTES = 32 * 2**20
+TOKEN_DTYPES = (np.uint8, np.uint16, np.uint32)
+ENCODE_BATCH = 256  # documents a tokenizer encodes at once
 # Subtrees of the standard library that are not its own source: installed packages and test suites.
 _STDLIB_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests"})
 
@@ -47,20 +53,21 @@ class Batch(NamedTuple):
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Corpus:
-    """A read-only stream of byte tokens and where it came from."""
+    """A read-only stream of tokens and where it came from."""
 
-    tokens: np.ndarray  # uint8, 1-D
+    tokens: np.ndarray  # 1-D: uint8 bytes, or a tokenizer's ids as uint16 / uint32
     source: str
     files: int
+    vocab: int = 256  # the ids are below this: 256 bytes, or the tokenizer's vocabulary
 
     def __post_init__(self) -> None:
-        if self.tokens.dtype != np.uint8 or self.tokens.ndim != 1:
+        if self.tokens.dtype not in TOKEN_DTYPES or self.tokens.ndim != 1:
             raise CorpusError(
-                f"corpus tokens must be a 1-D uint8 array, got {self.tokens.dtype} of shape {self.tokens.shape}"
+                f"corpus tokens must be a 1-D uint8, uint16 or uint32 array, got {self.tokens.dtype} of shape {self.tokens.shape}"
             )
         if self.tokens.size < 2:
             raise CorpusError(
-                f"corpus from {self.source} holds {self.tokens.size} bytes; one token and its label need 2"
+                f"corpus from {self.source} holds {self.tokens.size} tokens; one token and its label need 2"
             )
         view = self.tokens.view()
         view.flags.writeable = False
@@ -72,13 +79,18 @@ class Corpus:
 
     @property
     def description(self) -> str:
-        return f"{self.size_bytes} bytes from {self.files} files under {self.source}"
+        unit = "bytes" if self.tokens.dtype == np.uint8 else f"tokens (vocabulary {self.vocab})"
+        return f"{self.tokens.size} {unit} from {self.files} files under {self.source}"
 
     @classmethod
-    def from_folder(cls, path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES, min_bytes: int = 2) -> "Corpus":
-        """Every UTF-8 text file under `path` (or `path` itself, if a file), folder by folder in sorted order,
-        skipping hidden entries, files with NUL bytes and files that are not UTF-8; at most `max_bytes`.
-        Pass `min_bytes = seq_len + 1` to fail here rather than at the first batch."""
+    def from_folder(cls, path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES, min_tokens: int = 2,
+                    tokenizer: Any = None) -> "Corpus":
+        """Every document under `path` (or in `path` itself, if a file), folder by folder in sorted order:
+        UTF-8 text files (hidden entries, files with NUL bytes and files that are not UTF-8 are skipped),
+        `.jsonl` and `.parquet` files (whose every record must hold a "text" string: a file that is not what
+        its suffix says is an error naming it); at most `max_bytes` of text. `tokenizer` (`load_tokenizer`)
+        turns each document into its ids; without one the tokens are its bytes. Pass `min_tokens = seq_len +
+        1` to fail here rather than at the first batch."""
         root = Path(path)
         if not root.exists():
             raise CorpusError(f"corpus path {str(root)!r} does not exist")
@@ -88,10 +100,10 @@ class Corpus:
             paths = _walk(root, keep_dir=_visible, keep_file=_visible)
         else:
             raise CorpusError(f"corpus path {str(root)!r} is neither a file nor a folder")
-        return cls._read(paths, str(root), max_bytes, min_bytes)
+        return cls._read(paths, str(root), max_bytes, min_tokens, tokenizer)
 
     @classmethod
-    def default(cls, max_bytes: int = DEFAULT_MAX_BYTES, min_bytes: int = 2) -> "Corpus":
+    def default(cls, max_bytes: int = DEFAULT_MAX_BYTES, min_tokens: int = 2, tokenizer: Any = None) -> "Corpus":
         """The `.py` sources of this interpreter's standard library, without site-packages and test suites."""
         root = Path(sysconfig.get_paths()["stdlib"])
         if not root.is_dir():
@@ -101,30 +113,39 @@ class Corpus:
             keep_dir=lambda name: name not in _STDLIB_SKIPPED_DIRS and not name.startswith((".", "__pycache__")),
             keep_file=lambda name: name.endswith(".py"),
         )
-        return cls._read(paths, str(root), max_bytes, min_bytes)
+        return cls._read(paths, str(root), max_bytes, min_tokens, tokenizer)
 
     @classmethod
-    def _read(cls, paths: Iterator[Path], source: str, max_bytes: int, min_bytes: int) -> "Corpus":
+    def _read(cls, paths: Iterator[Path], source: str, max_bytes: int, min_tokens: int, tokenizer: Any) -> "Corpus":
         if max_bytes < 2:
             raise CorpusError(f"max_bytes must be at least 2, got {max_bytes}")
-        if min_bytes > max_bytes:
-            raise CorpusError(f"min_bytes {min_bytes} is more than max_bytes {max_bytes}")
-        chunks: list[bytes] = []
-        total_bytes = 0
+        if tokenizer is None and min_tokens > max_bytes:
+            raise CorpusError(f"min_tokens {min_tokens} is more than max_bytes {max_bytes}")
+        documents: list[bytes] = []
+        files = total_bytes = 0
         for file in paths:
             if total_bytes >= max_bytes:
                 break
-            text = _read_text(file, max_bytes - total_bytes)
-            if text:
-                chunks.append(text)
+            found = False
+            for text in _documents(file, max_bytes - total_bytes):
+                documents.append(text)
                 total_bytes += len(text)
-        if not chunks:
+                found = True
+                if total_bytes >= max_bytes:
+                    break
+            files += found
+        if not documents:
             raise CorpusError(f"corpus path {source!r} holds no UTF-8 text files")
-        if total_bytes < max(min_bytes, 2):
+        if tokenizer is None:
+            tokens, vocab = np.frombuffer(b"".join(documents), dtype=np.uint8), 256
+        else:
+            tokens, vocab = _encode(tokenizer, documents), tokenizer.get_vocab_size()
+        if tokens.size < max(min_tokens, 2):
+            unit = "bytes of text" if tokenizer is None else "tokens"
             raise CorpusError(
-                f"corpus path {source!r} holds {total_bytes} bytes of text, fewer than the {max(min_bytes, 2)} needed"
+                f"corpus path {source!r} holds {tokens.size} {unit}, fewer than the {max(min_tokens, 2)} needed"
             )
-        return cls(np.frombuffer(b"".join(chunks), dtype=np.uint8), source, len(chunks))
+        return cls(tokens, source, files, vocab)
 
     def batch(self, lane: int, step: int, sequences: int, seq_len: int, seed: int = 0) -> Batch:
         """`sequences` windows of `seq_len` bytes at offsets drawn by default_rng([seed, lane, step]),
@@ -135,13 +156,104 @@ class Corpus:
                 raise CorpusError(f"{name} must be at least {least}, got {value}")
         if seq_len + 1 > self.size_bytes:
             raise CorpusError(
-                f"seq_len {seq_len} needs {seq_len + 1} bytes with its labels; "
+                f"seq_len {seq_len} needs {seq_len + 1} tokens with its labels; "
                 f"the corpus ({self.description}) has fewer"
             )
         rng = np.random.default_rng([seed, lane, step])
         offsets = rng.integers(0, self.size_bytes - seq_len, size=sequences)
         windows = np.lib.stride_tricks.sliding_window_view(self.tokens, seq_len + 1)[offsets].astype(np.int64)
         return Batch(windows[:, :-1], windows[:, 1:])
+
+
+def open_corpus(data: str | None, tokenizer: str | None, vocab: int, seq_len: int) -> Corpus:
+    """The corpus a peer trains on: `data` (default: the standard library's sources), tokenized by the
+    tokenizer.json at `tokenizer` (default: bytes), checked against the model's vocabulary."""
+    loaded = None
+    if tokenizer is not None:
+        loaded = load_tokenizer(tokenizer)
+        if loaded.get_vocab_size() > vocab:
+            raise CorpusError(f"tokenizer {tokenizer} has {loaded.get_vocab_size()} tokens, more than the model's "
+                              f"vocabulary of {vocab}")
+    elif vocab < 256:
+        raise CorpusError(f"the model's vocabulary of {vocab} cannot hold bytes: give a tokenizer (--tokenizer)")
+    if data:
+        return Corpus.from_folder(data, min_tokens=seq_len + 1, tokenizer=loaded)
+    return Corpus.default(min_tokens=seq_len + 1, tokenizer=loaded)
+
+
+def load_tokenizer(path: str | os.PathLike) -> Any:
+    """A `tokenizers` tokenizer from a tokenizer.json file (or a model folder holding one)."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise CorpusError("a tokenizer needs the tokenizers package: pip install hetpeer[hf]") from None
+    file = Path(path)
+    if file.is_dir():
+        file = file / "tokenizer.json"
+    if not file.is_file():
+        raise CorpusError(f"no tokenizer at {file}")
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as error:  # tokenizers raises its own Exception for a file it cannot parse
+        raise CorpusError(f"{file} is not a tokenizer.json ({error})") from None
+
+
+def _encode(tokenizer: Any, documents: list[bytes]) -> np.ndarray:
+    vocab = tokenizer.get_vocab_size()
+    dtype = np.uint16 if vocab <= 2**16 else np.uint32
+    parts = []
+    for i in range(0, len(documents), ENCODE_BATCH):
+        texts = [d.decode("utf-8", errors="replace") for d in documents[i : i + ENCODE_BATCH]]
+        parts += [np.asarray(e.ids, dtype=dtype) for e in tokenizer.encode_batch(texts, add_special_tokens=False)]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=dtype)
+
+
+def _documents(path: Path, limit_bytes: int) -> Iterator[bytes]:
+    """The documents of one file, as UTF-8 bytes, up to about `limit_bytes`: a text file is one document."""
+    if path.suffix == ".jsonl":
+        yield from _jsonl(path)
+    elif path.suffix == ".parquet":
+        yield from _parquet(path)
+    else:
+        text = _read_text(path, limit_bytes)
+        if text:
+            yield text
+
+
+def _jsonl(path: Path) -> Iterator[bytes]:
+    try:
+        with path.open("rb") as handle:
+            for number, line in enumerate(handle, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except (ValueError, UnicodeDecodeError):
+                    raise CorpusError(f"{path}:{number} is not a JSON object: a .jsonl file holds one a line") from None
+                text = record.get("text") if isinstance(record, dict) else None
+                if not isinstance(text, str):
+                    raise CorpusError(f"{path}:{number} has no \"text\" string")
+                yield text.encode("utf-8")
+    except OSError as error:
+        raise CorpusError(f"cannot read {path}: {error.strerror or error}") from None
+
+
+def _parquet(path: Path) -> Iterator[bytes]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise CorpusError(f"{path}: .parquet files need the pyarrow package: pip install hetpeer[hf]") from None
+    try:
+        table = pq.ParquetFile(str(path))
+    except Exception as error:  # pyarrow's ArrowInvalid for a file that is not Parquet
+        raise CorpusError(f"{path} is not a Parquet file ({error})") from None
+    if "text" not in table.schema_arrow.names:
+        raise CorpusError(f"{path} has no \"text\" column (columns: {', '.join(table.schema_arrow.names)})")
+    for group in range(table.num_row_groups):  # one row group in memory at a time
+        for text in table.read_row_group(group, columns=["text"]).column("text").to_pylist():
+            if not isinstance(text, str):
+                raise CorpusError(f"{path}: a \"text\" value is {type(text).__name__}, not a string")
+            yield text.encode("utf-8")
 
 
 def _visible(name: str) -> bool:
