@@ -12,6 +12,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -109,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
                         metavar="SECONDS", help="seconds to search (default 2)")
     search.add_argument("--random-samples", type=_positive_int, default=100,
                         metavar="N", help="random plans averaged for the baseline (default 100)")
+    add_eval_options(plan)
     plan.add_argument("--json", action="store_true", help="print the plan as the protocol's Plan object")
     plan.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     plan.set_defaults(run=run_plan)
@@ -189,6 +191,14 @@ def add_model_options(parser, default: str | None, default_text: str | None = No
                         f" ({default_text or f'default {default}'})")
     parser.add_argument("--seq-len", type=_positive_int, metavar="N",
                         help="tokens per training sequence, for a model folder (default: the model's context)")
+
+
+def add_eval_options(parser) -> None:
+    """--eval-every and --eval-batch: the validation the plans ask every lane for."""
+    parser.add_argument("--eval-every", type=_non_negative_int, default=0, metavar="N",
+                        help="every lane measures its loss on held-out data at every N-th step (default 0: never)")
+    parser.add_argument("--eval-batch", type=_positive_int, default=8, metavar="N",
+                        help="held-out sequences per lane for it (default 8)")
 
 
 def model_spec(args: argparse.Namespace, layers: int | None = None) -> ModelSpec:
@@ -416,7 +426,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(f"  done in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     if args.json:
-        print(json.dumps(solution.plan.to_wire(), indent=1))
+        plan = replace(solution.plan, eval_every=args.eval_every, eval_batch=args.eval_batch if args.eval_every else 0)
+        print(json.dumps(plan.to_wire(), indent=1))
         return 0
     model = make_model(problem, config, solution.shape)
     baselines = baseline_costs(problem, model, args.random_samples, np.random.default_rng(args.seed))

@@ -100,6 +100,7 @@ def add_commands(commands) -> None:
     coordinator.add_argument("--steps", type=cli._positive_int, metavar="N",
                              help="the swarm's last step: once the running plan reaches it, publish no new plan "
                              "(peers leave there with their own --steps; default: train on)")
+    cli.add_eval_options(coordinator)
     coordinator.add_argument("--join-file", type=Path, metavar="PATH",
                              help="write what peers need to join (swarm, key digest, DHT address, model, dtype) to PATH, "
                              "for `hetpeer join --join-file PATH`")
@@ -135,6 +136,9 @@ def add_commands(commands) -> None:
     swarm.add_argument("--lr", type=cli._positive_float, default=3e-3, metavar="LR", help="learning rate (default 3e-3)")
     swarm.add_argument("--seed", type=cli._non_negative_int, default=0, metavar="N", help="seed (default 0)")
     swarm.add_argument("--data", type=Path, metavar="PATH", help="text to train on (default: the Python standard library's sources)")
+    swarm.add_argument("--eval-every", type=cli._non_negative_int, default=25, metavar="N",
+                       help="every lane measures its loss on held-out data at every N-th step (default 25; 0: never)")
+    swarm.add_argument("--eval-batch", type=cli._positive_int, default=8, metavar="N", help="held-out sequences per lane for it (default 8)")
     swarm.add_argument("--verbose", action="store_true", help="show every process's output, not just the progress")
     swarm.set_defaults(run=run_swarm)
 
@@ -242,7 +246,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
             batch=args.batch, micro_batch=args.micro_batch, dtype=args.dtype, heartbeat_s=args.heartbeat,
             replan_interval_s=args.replan_interval, min_peers=args.min_peers, gain=args.gain,
             time_budget_s=args.time_budget, stages=args.stages, group_size=args.group_size, seed=args.seed,
-            steps=args.steps, join_file=args.join_file,
+            steps=args.steps, join_file=args.join_file, eval_every=args.eval_every, eval_batch=args.eval_batch,
         )
         coordinator = Coordinator(config, cli._say)  # checks the swarm name
     except ValueError as error:
@@ -290,6 +294,7 @@ def run_swarm(args: argparse.Namespace) -> int:
             slowdowns=parse_per_peer(args.slowdowns, args.peers, "--slowdowns"),
             bandwidth_caps=parse_per_peer(args.bandwidth_caps, args.peers, "--bandwidth-caps", none_value="none"),
             heartbeat_s=args.heartbeat, replan_interval_s=args.replan_interval, lr=args.lr, seed=args.seed, data=args.data,
+            coordinator_args=("--eval-every", str(args.eval_every), "--eval-batch", str(args.eval_batch)),
         )
     except ValueError as error:
         raise cli.UserError(str(error)) from None

@@ -51,6 +51,7 @@ class Progress:
     tokens_per_s: float  # sum over the lanes' last stages
     peers_by_state: Mapping[str, int]
     dropped: int
+    val_loss: float | None = None  # mean of the validation losses the same peers announce, when the plan asks for them
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ def progress(view: SwarmView) -> Progress:
     last = set(view.plan.stages[-1].devices) if view.plan is not None else set()
     heads = [r for r in counted if r.device_id in last]
     losses = [r.loss for r in heads if r.loss is not None]
+    val_losses = [r.val_loss for r in heads if r.val_loss is not None]
     return Progress(
         swarm=view.swarm,
         coordinator_key=view.coordinator_key,
@@ -83,6 +85,7 @@ def progress(view: SwarmView) -> Progress:
         tokens_per_s=float(sum(r.tokens_per_s for r in heads)),
         peers_by_state=dict(sorted(Counter(r.state for r in view.peers.values()).items())),
         dropped=view.dropped,
+        val_loss=sum(val_losses) / len(val_losses) if val_losses else None,
     )
 
 
@@ -165,6 +168,7 @@ class ApiServer:
             tokens_per_s=p.tokens_per_s,
             peers_by_state=dict(p.peers_by_state),
             dropped=p.dropped,
+            val_loss=p.val_loss,
         )
 
 
@@ -187,6 +191,7 @@ def _peer_to_pb(record: PeerRecord, age_s: float) -> swarm_pb2.Peer:
         layer_end=record.layers[1] if record.layers else None,
         step=record.step,
         loss=record.loss,
+        val_loss=record.val_loss,
         tokens_per_s=record.tokens_per_s,
         links=[
             swarm_pb2.Link(peer=peer, latency_s=m.latency_s, bandwidth_bytes_per_s=m.bandwidth_bytes_per_s)
@@ -208,8 +213,7 @@ def _peer_from_pb(pb: swarm_pb2.Peer) -> PeerStatus:
         raise SchemaError(f"{path}.state", f"must be one of {', '.join(STATES)}, got {pb.state!r}")
     numbers = [pb.tflops, pb.tokens_per_s, pb.time, pb.age_s]
     numbers += [x for link in pb.links for x in (link.latency_s, link.bandwidth_bytes_per_s)]
-    if pb.HasField("loss"):
-        numbers.append(pb.loss)
+    numbers += [getattr(pb, name) for name in ("loss", "val_loss") if pb.HasField(name)]
     if pb.HasField("achieved_tflops"):
         numbers.append(pb.achieved_tflops)
     if not all(math.isfinite(x) for x in numbers):
@@ -233,6 +237,7 @@ def _peer_from_pb(pb: swarm_pb2.Peer) -> PeerStatus:
         layers=(pb.layer_start, pb.layer_end) if pb.HasField("layer_start") else None,
         step=pb.step,
         loss=pb.loss if pb.HasField("loss") else None,
+        val_loss=pb.val_loss if pb.HasField("val_loss") else None,
         tokens_per_s=pb.tokens_per_s,
         links={link.peer: LinkMeasurement(link.latency_s, link.bandwidth_bytes_per_s) for link in pb.links},
         achieved_tflops=pb.achieved_tflops if pb.HasField("achieved_tflops") else None,
@@ -305,7 +310,8 @@ class ApiClient:
 
     def call_get_progress(self) -> Progress:
         reply = self._call(self._stub.GetProgress, swarm_pb2.GetProgressRequest())
-        if not math.isfinite(reply.tokens_per_s) or (reply.HasField("loss") and not math.isfinite(reply.loss)):
+        optional = [getattr(reply, name) for name in ("loss", "val_loss") if reply.HasField(name)]
+        if not all(math.isfinite(x) for x in [reply.tokens_per_s, *optional]):
             raise self._refuse("progress", "a number that is not finite")
         return Progress(
             swarm=reply.swarm,
@@ -316,6 +322,7 @@ class ApiClient:
             tokens_per_s=reply.tokens_per_s,
             peers_by_state=dict(sorted(reply.peers_by_state.items())),
             dropped=reply.dropped,
+            val_loss=reply.val_loss if reply.HasField("val_loss") else None,
         )
 
 
@@ -338,6 +345,8 @@ def render_status(
 ) -> str:
     """A few lines for a terminal: the swarm's figures, one row per peer, the plan in short."""
     loss = f"{progress.loss:.4f}" if progress.loss is not None else "-"
+    if progress.val_loss is not None:
+        loss += f"  val {progress.val_loss:.4f}"
     states = ", ".join(f"{n} {state}" for state, n in progress.peers_by_state.items()) or "none"
     lines = [
         f"swarm {progress.swarm}  coordinator {progress.coordinator_key[:16]}",
@@ -384,6 +393,7 @@ def status_json(
         "epoch": progress.epoch,
         "step": progress.step,
         "loss": progress.loss,
+        "val_loss": progress.val_loss,
         "tokens_per_s": progress.tokens_per_s,
         "peers_by_state": dict(progress.peers_by_state),
         "dropped": progress.dropped,

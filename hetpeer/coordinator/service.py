@@ -55,6 +55,8 @@ class CoordinatorConfig:
     plan_ttl_s: float = 3600.0  # the plan stays in the DHT this long after its last (re)publication
     steps: int | None = None  # the swarm's last step: no new plan once the running one reaches it
     join_file: Path | None = None  # where to write what peers need to join (`hetpeer join --join-file`)
+    eval_every: int = 0  # plans ask every lane for its validation loss at the steps divisible by this (0: never)
+    eval_batch: int = 8  # held-out sequences per lane for it
 
     def __post_init__(self) -> None:
         self.workload  # a ValueError naming what does not fit
@@ -62,6 +64,8 @@ class CoordinatorConfig:
             raise ValueError("heartbeat, re-plan interval and time budget must be positive")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"steps must be at least 1, got {self.steps}")
+        if self.eval_every < 0 or self.eval_batch < 1:
+            raise ValueError(f"eval_every must be >= 0 and eval_batch >= 1, got {self.eval_every}, {self.eval_batch}")
         if self.min_peers < 1 or not 0 <= self.gain < 1:
             raise ValueError(f"min_peers must be >= 1 and gain in [0, 1), got {self.min_peers}, {self.gain}")
 
@@ -232,6 +236,7 @@ class Coordinator:
         plan = replace(
             solution.plan, epoch=(current.epoch + 1) if current is not None else 1, start_step=step,
             estimated_links=tuple(p for p in estimated if p[0] in solution.plan.devices and p[1] in solution.plan.devices),
+            eval_every=config.eval_every, eval_batch=config.eval_batch if config.eval_every else 0,
         )
         lost = policy.orphaned_layers(live, plan.layers) if self.reached > 0 else []
         if lost:

@@ -100,6 +100,7 @@ class Status:
     layers: tuple[int, int] | None = None
     step: int = 0
     loss: float | None = None
+    val_loss: float | None = None  # its lane's latest validation loss (last stage)
     tokens_per_s: float = 0.0
     achieved_tflops: float | None = None  # of its training steps: the stage's FLOPs over the median compute time
 
@@ -342,8 +343,9 @@ class SwarmPeer:
             recent.append((result.tokens, seconds))
             computed.append(result.compute_s)
             loss = result.loss if result.loss is not None else self.status.loss
+            val_loss = result.val_loss if result.val_loss is not None else self.status.val_loss
             # the rate over the last few steps: one step's swings with the machine's load
-            self._set(step=worker.step, loss=loss, tokens_per_s=sum(t for t, _ in recent) / sum(s for _, s in recent),
+            self._set(step=worker.step, loss=loss, val_loss=val_loss, tokens_per_s=sum(t for t, _ in recent) / sum(s for _, s in recent),
                       achieved_tflops=stage_flops(worker.plan, self.device_id, self.spec) / statistics.median(computed) / 1e12)
             stage, lane = worker.plan.position(self.device_id)
             self.report(f"e{worker.plan.epoch} stage {stage + 1} lane {lane + 1}  "
@@ -516,6 +518,7 @@ class SwarmPeer:
             layers=status.layers,
             step=status.step,
             loss=status.loss,
+            val_loss=status.val_loss,
             tokens_per_s=status.tokens_per_s,
             achieved_tflops=status.achieved_tflops,
             links=links,

@@ -174,7 +174,8 @@ def format_step(result: StepResult, seconds: float, last_step: int) -> str:
         sync = f", sync {result.sync.wait_s:.2f}"
         if result.sync.left_out:
             sync += f" without {', '.join(result.sync.left_out)}"
+    val = f"  val {result.val_loss:.4f}" if result.val_loss is not None else ""
     return (
         f"step {result.step + 1}/{last_step}  {loss}  {result.tokens / seconds:,.0f} tok/s  "
-        f"{seconds:.2f} s (compute {result.compute_s:.2f}, wait {result.wait_s:.2f}{sync})"
+        f"{seconds:.2f} s (compute {result.compute_s:.2f}, wait {result.wait_s:.2f}{sync}){val}"
     )

@@ -9,7 +9,8 @@ A plan is what the coordinator publishes and what `hetpeer plan --json` prints. 
      "lanes": [[device id per stage], ...],          # lanes[l][s] == stages[s].devices[l]
      "standby": [device id, ...],
      "cost": {"total_s": float, ...},                 # predicted seconds, by component
-     "estimated_links": [[device id, device id], ...]}  # optional: pairs never measured, whose figures were estimated
+     "estimated_links": [[device id, device id], ...],  # optional: pairs never measured, whose figures were estimated
+     "eval_every": int, "eval_batch": int}             # optional: validation every N steps, sequences per lane
 
 `from_wire` checks every invariant a peer relies on, so a plan that parses is a plan a peer can run.
 """
@@ -65,6 +66,8 @@ class Plan:
     epoch: int = 0
     start_step: int = 0
     estimated_links: tuple[tuple[str, str], ...] = ()  # device pairs the planner had no measurement of
+    eval_every: int = 0  # every lane measures the validation loss at the steps divisible by this (0: never)
+    eval_batch: int = 0  # held-out sequences each lane measures it on
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
@@ -102,6 +105,15 @@ class Plan:
         raise KeyError(f"device {device!r} holds no stage in plan epoch {self.epoch}")
 
     @property
+    def eval_sizes(self) -> tuple[int, ...]:
+        """Sequences in each of a lane's validation micro-batches (micro-batch numbers after the training ones)."""
+        full, rest = divmod(self.eval_batch, self.micro_batch)
+        return (self.micro_batch,) * full + ((rest,) if rest else ())
+
+    def evaluates(self, step: int) -> bool:
+        return self.eval_every > 0 and step % self.eval_every == 0
+
+    @property
     def total_s(self) -> float:
         return self.cost.get("total_s", math.nan)
 
@@ -131,6 +143,7 @@ class Plan:
             "standby": list(self.standby),
             "cost": dict(self.cost),
             **({"estimated_links": [list(pair) for pair in self.estimated_links]} if self.estimated_links else {}),
+            **({"eval_every": self.eval_every, "eval_batch": self.eval_batch} if self.eval_every else {}),
         }
 
     @staticmethod
@@ -139,7 +152,7 @@ class Plan:
         no_extra_fields(
             root,
             {"version", "epoch", "start_step", "cost_model", "model", "layers", "batch", "micro_batch",
-             "micro_batches", "dtype", "stages", "lanes", "standby", "cost", "estimated_links"},
+             "micro_batches", "dtype", "stages", "lanes", "standby", "cost", "estimated_links", "eval_every", "eval_batch"},
             "plan",
         )
         version = need_int(field(root, "version", "plan"), "plan.version")
@@ -184,6 +197,8 @@ class Plan:
             epoch=need_int(field(root, "epoch", "plan"), "plan.epoch", minimum=0),
             start_step=need_int(field(root, "start_step", "plan"), "plan.start_step", minimum=0),
             estimated_links=_pairs(root.get("estimated_links", []), "plan.estimated_links"),
+            eval_every=need_int(root.get("eval_every", 0), "plan.eval_every", minimum=0),
+            eval_batch=need_int(root.get("eval_batch", 0), "plan.eval_batch", minimum=0),
             version=version,
         )
         if "lanes" in root:
@@ -246,6 +261,9 @@ def _check(plan: Plan) -> None:
         if device in seen:
             raise SchemaError("plan.standby", f"device {device!r} appears more than once in the plan")
         seen.add(device)
+    if (plan.eval_every > 0) != (plan.eval_batch > 0) or plan.eval_every < 0 or plan.eval_batch < 0:
+        raise SchemaError("plan.eval_batch", f"validation needs both eval_every and eval_batch positive (or both 0), got "
+                                             f"{plan.eval_every} and {plan.eval_batch}")
     for key, value in plan.cost.items():
         if not math.isfinite(value) or value < 0:
             raise SchemaError(f"plan.cost.{key}", f"must be a finite, non-negative number of seconds, got {value!r}")

@@ -114,6 +114,7 @@ class PeerSchema(_Strict):
     layers: Optional[List[pydantic.StrictInt]]
     step: pydantic.StrictInt
     loss: Optional[pydantic.StrictFloat]
+    val_loss: Optional[pydantic.StrictFloat] = None
     tokens_per_s: pydantic.StrictFloat
     links: LinksSchema
     time: pydantic.StrictFloat
@@ -154,6 +155,7 @@ class PeerRecord:
     layers: tuple[int, int] | None = None  # [start, end) of the layers it holds
     step: int = 0
     loss: float | None = None
+    val_loss: float | None = None  # its lane's latest validation loss (last stage), once the plan asked for one
     tokens_per_s: float = 0.0
     links: Dict[str, LinkMeasurement] = dataclass_field(default_factory=dict)
     achieved_tflops: float | None = None  # what its training steps achieve (FLOPs over compute time), once it trains
@@ -181,6 +183,7 @@ class PeerRecord:
             "layers": list(self.layers) if self.layers is not None else None,
             "step": self.step,
             "loss": float(self.loss) if self.loss is not None else None,
+            "val_loss": float(self.val_loss) if self.val_loss is not None else None,
             "tokens_per_s": float(self.tokens_per_s),
             "links": {
                 "peers": sorted(self.links),
@@ -219,8 +222,9 @@ class PeerRecord:
         for name_, value, least in (("memory_bytes", parsed.memory_bytes, 0), ("step", parsed.step, 0), ("epoch", parsed.epoch, -1)):
             if value < least:
                 raise SchemaError(f"peer.{name_}", f"must be at least {least}, got {value}")
-        if parsed.loss is not None and not math.isfinite(parsed.loss):
-            raise SchemaError("peer.loss", f"must be finite, got {parsed.loss!r}")
+        for name_, value in (("loss", parsed.loss), ("val_loss", parsed.val_loss)):
+            if value is not None and not math.isfinite(value):
+                raise SchemaError(f"peer.{name_}", f"must be finite, got {value!r}")
         if parsed.time < now - max_age_s:
             raise SchemaError("peer.time", f"announced {now - parsed.time:.1f} s ago, older than {max_age_s:g} s (stale)")
         if parsed.time > now + max_age_s:  # clocks differ a little; more than the whole window is a lie
@@ -266,6 +270,7 @@ class PeerRecord:
             layers=layers,
             step=parsed.step,
             loss=parsed.loss,
+            val_loss=parsed.val_loss,
             tokens_per_s=parsed.tokens_per_s,
             links=links,
             achieved_tflops=parsed.achieved_tflops,

@@ -73,6 +73,7 @@ class Sample:
     loss: float
     tokens_per_s: float | None
     epoch: int
+    val_loss: float | None = None  # the mean of the lanes' validation losses at this step, where the plan asked
 
 
 class LaneStep(NamedTuple):
@@ -84,10 +85,12 @@ class LaneStep(NamedTuple):
     step: int  # index (from 0) of the step completed
     loss: float
     tokens_per_s: float  # the lane's rate over that step
+    val_loss: float | None = None  # its validation loss, on the steps the plan asks for one
 
 
 # a step line of a lane's last stage (the others print "loss -"): epoch, lane (from 1), step (from 1), loss, tok/s
 STEP_RE = re.compile(r"^e(\d+) stage \d+ lane (\d+)\s+step (\d+)\S*\s+loss ([\d.]+)\s+([\d,.]+) tok/s")
+VAL_RE = re.compile(r"\)\s+val ([\d.]+)\s*$")  # the validation loss closes a step line
 
 
 def lane_step(line: str, time_s: float) -> LaneStep | None:
@@ -96,7 +99,9 @@ def lane_step(line: str, time_s: float) -> LaneStep | None:
     if found is None:
         return None
     epoch, lane, step, loss, rate = found.groups()
-    return LaneStep(time_s, int(epoch), int(lane) - 1, int(step) - 1, float(loss), float(rate.replace(",", "")))
+    val = VAL_RE.search(line)
+    return LaneStep(time_s, int(epoch), int(lane) - 1, int(step) - 1, float(loss), float(rate.replace(",", "")),
+                    float(val.group(1)) if val else None)
 
 
 def samples_from_lanes(points: Sequence[LaneStep]) -> list[Sample]:
@@ -113,7 +118,9 @@ def samples_from_lanes(points: Sequence[LaneStep]) -> list[Sample]:
         done = by_step[step]
         epoch = max(p.epoch for p in done)
         rate = sum(p.tokens_per_s for p in done) / len(done) * len(lanes[epoch])
-        samples.append(Sample(min(p.time_s for p in done), step, sum(p.loss for p in done) / len(done), rate, epoch))
+        vals = [p.val_loss for p in done if p.val_loss is not None]
+        samples.append(Sample(min(p.time_s for p in done), step, sum(p.loss for p in done) / len(done), rate, epoch,
+                              sum(vals) / len(vals) if vals else None))
     return samples
 
 
@@ -214,8 +221,12 @@ def loss_png(report: RunReport) -> bytes:
         times, steps_at = [s.time_s for s in samples], [float(s.step) for s in samples]
         markers += [(float(np.interp(e.time_s, times, steps_at)), e.text) for e in report.events
                     if not e.text.startswith("plan ")]  # fmt: skip  # plan switches are marked already
-    loss = chart_pixels([("loss", steps, [s.loss for s in samples])], 800, 380,
-                        title=f"{report.model}: training loss", x_label="step", y_label="loss", markers=markers)
+    series = [("loss", steps, [s.loss for s in samples])]
+    validated = [s for s in samples if s.val_loss is not None]
+    if validated:
+        series.append(("validation", [s.step for s in validated], [s.val_loss for s in validated]))
+    loss = chart_pixels(series, 800, 380, title=f"{report.model}: training loss", x_label="step", y_label="loss",
+                        markers=markers)
     rate = chart_pixels(
         [("tokens/s", steps, [math.nan if s.tokens_per_s is None else s.tokens_per_s for s in samples])],
         800, 260, title="throughput", x_label="step", y_label="tokens/s", markers=markers,
@@ -226,6 +237,7 @@ def loss_png(report: RunReport) -> bytes:
 def format_markdown(report: RunReport, png_name: str = "loss.png") -> str:
     """The human summary: setup, plans with predicted vs measured step time, throughput, loss, events."""
     finite_losses = [s.loss for s in sorted(report.samples, key=lambda s: s.step) if _finite(s.loss)]
+    vals = [s.val_loss for s in sorted(report.samples, key=lambda s: s.step) if s.val_loss is not None]
     lines = [
         f"# hetpeer swarm run: {report.swarm}", "",
         f"- model: {report.model}",
@@ -233,6 +245,7 @@ def format_markdown(report: RunReport, png_name: str = "loss.png") -> str:
         f"- throughput: {_num(report.tokens_per_s, '.0f')} tokens/s (median over samples)",
         f"- loss: first {_num(finite_losses[0] if finite_losses else None, '.4f')}, "
         f"last {_num(finite_losses[-1] if finite_losses else None, '.4f')}",
+        *([f"- validation loss: first {vals[0]:.4f}, last {vals[-1]:.4f} ({len(vals)} measurements)"] if vals else []),
         "", "## Peers", "",
         "| peer | device | slowdown | bandwidth cap (Mbit/s) | TFLOPS |", "|---|---|---|---|---|",
     ]  # fmt: skip

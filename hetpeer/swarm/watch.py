@@ -21,6 +21,8 @@ class StalledError(RuntimeError):
 def describe(progress: Progress, target: float) -> str:
     """One status line: step (of `target`, when finite), loss, throughput, plan and peers by state."""
     loss = f"{progress.loss:.4f}" if progress.loss is not None else "-"
+    if progress.val_loss is not None:
+        loss += f" (val {progress.val_loss:.4f})"
     of = f"/{target:g}" if math.isfinite(target) else ""
     plan = f"plan epoch {progress.epoch}" if progress.epoch >= 0 else "no plan yet"
     peers = ", ".join(f"{n} {s}" for s, n in sorted(progress.peers_by_state.items())) or "none yet"

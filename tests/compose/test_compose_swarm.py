@@ -90,7 +90,8 @@ def test_a_killed_peer_is_planned_around_and_rejoins_with_its_groups_state(swarm
     back = wait_for(lambda: (p := swarm.client.call_get_plan()[0]) and victim in p.devices and p, "a plan with it back", 300,
                     explain=lambda: coordinator_log(swarm))
     wait_for(lambda: any(re.match(rf"e{back.epoch} stage", line) for line in log_lines(swarm, service_of(victim))),
-             "it to train again", 300)
+             "it to train again", 300, explain=lambda: "its log ends:\n" + "\n".join(log_lines(swarm, service_of(victim))[-30:])
+             + "\n" + coordinator_log(swarm))
     assert any(re.search(r"downloaded [\d.]+ MiB of state in \d+ chunk\(s\) from", line) for line in log_lines(swarm, service_of(victim)))
 
 
@@ -108,7 +109,8 @@ def test_a_peer_cut_off_the_network_is_dropped_and_comes_back(swarm):
     back = wait_for(lambda: (p := swarm.client.call_get_plan()[0]) and victim in p.devices and p, "a plan with it back", 300,
                     explain=lambda: coordinator_log(swarm))
     wait_for(lambda: any(re.match(rf"e{back.epoch} stage", line) for line in log_lines(swarm, service_of(victim))),
-             "it to train again", 300)
+             "it to train again", 300, explain=lambda: "its log ends:\n" + "\n".join(log_lines(swarm, service_of(victim))[-30:])
+             + "\n" + coordinator_log(swarm))
 
 
 def test_the_peers_train_on_without_the_coordinator_and_a_restarted_one_carries_on(swarm):

@@ -117,6 +117,19 @@ def test_progress_mean_loss_over_those_that_announce_one():
     assert (p.loss, p.tokens_per_s) == (2.0, 350.0)
 
 
+def test_progress_mean_validation_loss_of_the_last_stage(serve):
+    peers = make_peers()
+    peers["c"] = record("c", layers=(4, 6), step=105, loss=2.0, val_loss=2.5, tokens_per_s=300.0)
+    peers["e"] = record("e", state="standby", layers=(4, 6), val_loss=9.0)  # on standby: not counted
+    v = view(make_plan(), peers)
+    assert progress(v).val_loss == 2.5 and progress(view(make_plan())).val_loss is None
+    server = serve(lambda: v)
+    with ApiClient(server.address) as client:
+        figures, listed = client.call_get_progress(), {p.record.device_id: p for p in client.call_list_peers()}
+    assert figures == progress(v) and listed["c"].record.val_loss == 2.5
+    assert "loss 2.5000  val 2.5000" in render_status(make_plan(), list(listed.values()), figures)
+
+
 def test_progress_counts_the_last_step_of_peers_that_left_under_the_plan():
     peers = make_peers()
     peers["c"] = record("c", state="leaving", layers=(4, 6), step=200, loss=1.0, tokens_per_s=300.0)

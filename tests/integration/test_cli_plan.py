@@ -123,6 +123,17 @@ def test_a_model_folder_is_planned_with_its_own_counts(tmp_path):
     assert json.loads(again.stdout)["model"] == plan.model
 
 
+def test_a_plan_can_ask_for_validation(tmp_path):
+    topology = topology_file(tmp_path, [device(i) for i in range(2)])
+    done = hetpeer("plan", str(topology), "--model", "tiny", "--batch", "8", "--eval-every", "10", "--eval-batch", "3",
+                   "--json", "--quiet", "--time-budget", "0.3")
+    assert done.returncode == 0, done.stderr
+    plan = Plan.from_wire(json.loads(done.stdout))
+    assert (plan.eval_every, plan.eval_batch) == (10, 3)
+    plain = hetpeer("plan", str(topology), "--model", "tiny", "--batch", "8", "--json", "--quiet", "--time-budget", "0.3")
+    assert "eval_every" not in json.loads(plain.stdout)
+
+
 def test_help_lists_the_options():
     done = hetpeer("plan", "--help")
     assert done.returncode == 0

@@ -268,3 +268,19 @@ def test_a_tokenizer_that_does_not_fit_the_model_is_refused(tmp_path):
         open_corpus(None, str(tmp_path / "junk.json"), vocab=512, seq_len=8)
     with pytest.raises(CorpusError, match="cannot hold bytes"):
         open_corpus(None, None, vocab=100, seq_len=8)
+
+
+def test_held_out_windows_never_meet_training_windows():
+    """Token i is i, so a window's first token is its offset: training windows end before the held-out last
+    hundredth, validation windows lie inside it and are the same each time (and for every lane)."""
+    corpus = Corpus(np.arange(20_000, dtype=np.uint32), "positions", 1, vocab=20_000)
+    assert corpus.train_end == 19_800
+    seq = 16
+    firsts = np.concatenate([corpus.batch(lane, step, 32, seq).tokens[:, 0] for lane in range(4) for step in range(100)])
+    assert firsts.max() + seq < corpus.train_end  # its label too: the last token a training window reads
+    held = corpus.validation_batch(64, seq)
+    assert held.tokens[:, 0].min() >= corpus.train_end and held.labels[:, -1].max() < 20_000
+    np.testing.assert_array_equal(held.tokens, corpus.validation_batch(64, seq).tokens)
+    assert not np.array_equal(held.tokens, corpus.validation_batch(64, seq, seed=1).tokens)
+    with pytest.raises(CorpusError, match="validation needs 201 held-out tokens a sequence"):
+        corpus.validation_batch(1, 200)

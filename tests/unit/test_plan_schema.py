@@ -43,6 +43,14 @@ def test_round_trip_and_derived_views():
     assert [s.layers for s in plan.stages] == [4, 2]
 
 
+def test_validation_settings_round_trip():
+    raw = wire() | {"eval_every": 50, "eval_batch": 3}
+    plan = Plan.from_wire(raw)
+    assert plan.to_wire() == raw
+    assert plan.eval_sizes == (1, 1, 1) and plan.evaluates(100) and not plan.evaluates(101)
+    assert not Plan.from_wire(wire()).evaluates(0)  # none unless asked
+
+
 def test_lanes_may_be_left_out():
     raw = wire()
     del raw["lanes"]
@@ -77,6 +85,8 @@ BAD = [
     ("bool as int", lambda r: r.update(batch=True), "plan.batch"),
     ("unknown dtype", lambda r: r.update(dtype="fp8"), "plan.dtype"),
     ("micro-batch above the batch", lambda r: r.update(micro_batch=r["batch"] + 1), "plan.micro_batch"),
+    ("validation without a batch", lambda r: r.update(eval_every=10), "plan.eval_batch"),
+    ("negative validation interval", lambda r: r.update(eval_every=-1, eval_batch=2), "plan.eval_every"),
 ]
 
 

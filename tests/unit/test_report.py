@@ -11,7 +11,7 @@ import pytest
 
 from hetpeer.swarm.png import chart_pixels, encode_png, format_tick, line_chart, nice_ticks
 from hetpeer.swarm.report import (
-    Event, LaneStep, PeerInfo, PlanUse, RunReport, Sample, samples_from_lanes, summarize, write_report,
+    Event, LaneStep, PeerInfo, PlanUse, RunReport, Sample, lane_step, samples_from_lanes, summarize, write_report,
 )
 
 
@@ -195,3 +195,13 @@ def test_samples_from_lanes_average_the_lanes_of_each_step():
         (7, 9.0, 2.0, 500.0, 2),
     ]
     assert samples_from_lanes([]) == []
+
+
+def test_validation_losses_are_read_from_step_lines_and_averaged():
+    line = "e2 stage 2 lane 1  step 25/200  loss 2.9875  4,551 tok/s  0.11 s (compute 0.05, wait 0.06, sync 0.01)  val 3.1250"
+    point = lane_step(line, 4.0)
+    assert (point.step, point.loss, point.val_loss) == (24, 2.9875, 3.125)
+    assert lane_step(line.rsplit("  val", 1)[0], 4.0).val_loss is None
+    other = LaneStep(4.1, 2, 1, 24, 3.0, 4000.0, 3.25)
+    sample = samples_from_lanes([point, other])[0]
+    assert sample.val_loss == pytest.approx(3.1875) and sample.loss == pytest.approx(2.99375)

@@ -368,3 +368,27 @@ def test_a_download_enters_at_the_donors_step_or_where_the_plan_says(corpus):
     download = entering.fetch_state(["s0l0"], timeout_s=10, enter_at=7)
     assert download.step == 30 and entering.step == entering.sync.step == 7  # a peer entering a plan: at its start
     assert torch.equal(entering.flat.data, donor.flat.data)
+
+
+def test_validation_runs_forward_only_through_the_pipeline_at_the_plans_steps(corpus):
+    """eval_every 2, 3 held-out sequences in micro-batches of 2 and 1: the last stage reports, at steps 0 and 2,
+    the whole model's loss on the held-out batch; nobody sends a gradient for it."""
+    from dataclasses import replace
+
+    plan = replace(make_plan(2, lane_batch=4), eval_every=2, eval_batch=3)
+    assert plan.eval_sizes == (2, 1)
+    pipeline = Pipeline(plan, corpus)
+    reports = [pipeline.run(lambda worker: worker.train_step()) for _ in range(3)]
+    last = pipeline.last()
+    assert [r[last].val_loss is not None for r in reports] == [True, False, True]
+    assert all(r[d].val_loss is None for r in reports for d in plan.devices if d != last)
+    model = build_stage(SPEC, 0, SPEC.layers)
+    held_out = corpus.validation_batch(3, SEQ)
+    with torch.no_grad():
+        expected = model.loss(model(torch.from_numpy(held_out.tokens)), torch.from_numpy(held_out.labels)).item()
+    assert reports[0][last].val_loss == pytest.approx(expected, rel=1e-5)  # before any update: the initial model
+    assert reports[2][last].val_loss != reports[0][last].val_loss  # trained two steps since
+    micros = {(h.kind, h.micro) for _, h, _ in pipeline.frames if h.step in (0, 2) and h.kind in ("activation", "gradient")}
+    assert ("activation", 2) in micros and ("activation", 3) in micros
+    assert not any(kind == "gradient" and micro >= 2 for kind, micro in micros)
+

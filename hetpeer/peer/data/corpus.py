@@ -7,7 +7,9 @@ ids. Documents come from text files, from `.jsonl` files (one JSON object a line
 and from `.parquet` files (a `"text"` column, read one row group at a time). A batch is a set of
 random windows of the token stream; its offsets come from a generator seeded by (seed, lane, step), so a
 restarted lane replays exactly the batches it would have read and different lanes read different data.
-Labels are the same windows shifted by one token.
+Labels are the same windows shifted by one token. The last hundredth of the stream is held out: training
+windows never reach into it, and validation windows (`validation_batch`, the same ones every time and
+for every lane, so that validation losses compare across lanes, plans and runs) lie wholly inside it.
 
 Loading reads files in sorted path order until `max_bytes` of text and is linear in what it reads (the
 rest of a large dataset is never opened); a batch of n sequences of length L costs O(n L).
@@ -27,6 +29,7 @@ import numpy as np
 
 DEFAULT_MAX_BYTES = 32 * 2**20
 TOKEN_DTYPES = (np.uint8, np.uint16, np.uint32)
+VALIDATION_SHARE = 0.01  # the end of the token stream held out for validation
 ENCODE_BATCH = 256  # documents a tokenizer encodes at once
 # Subtrees of the standard library that are not its own source: installed packages and test suites.
 _STDLIB_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests"})
@@ -76,6 +79,11 @@ class Corpus:
     @property
     def size_bytes(self) -> int:
         return int(self.tokens.size)
+
+    @property
+    def train_end(self) -> int:
+        """Training windows lie in tokens [0, train_end); the rest is held out."""
+        return self.size_bytes - int(self.size_bytes * VALIDATION_SHARE)
 
     @property
     def description(self) -> str:
@@ -159,8 +167,24 @@ class Corpus:
                 f"seq_len {seq_len} needs {seq_len + 1} tokens with its labels; "
                 f"the corpus ({self.description}) has fewer"
             )
+        if seq_len + 1 > self.train_end:
+            raise CorpusError(f"seq_len {seq_len} needs {seq_len + 1} tokens; the corpus's training part has {self.train_end}")
         rng = np.random.default_rng([seed, lane, step])
-        offsets = rng.integers(0, self.size_bytes - seq_len, size=sequences)
+        return self._windows(rng.integers(0, self.train_end - seq_len, size=sequences), seq_len)
+
+    def validation_batch(self, sequences: int, seq_len: int, seed: int = 0) -> Batch:
+        """`sequences` windows of the held-out part, the same every time (offsets drawn by
+        default_rng([seed, 0, 0, 1]), a stream no training batch uses)."""
+        held_out = self.size_bytes - self.train_end
+        if seq_len + 1 > held_out:
+            raise CorpusError(f"validation needs {seq_len + 1} held-out tokens a sequence; the corpus ({self.description}) "
+                              f"holds out {held_out}: give more data")
+        if seed < 0 or sequences < 1:
+            raise CorpusError(f"seed must be at least 0 and sequences at least 1, got {seed}, {sequences}")
+        rng = np.random.default_rng([seed, 0, 0, 1])
+        return self._windows(rng.integers(self.train_end, self.size_bytes - seq_len, size=sequences), seq_len)
+
+    def _windows(self, offsets: np.ndarray, seq_len: int) -> Batch:
         windows = np.lib.stride_tricks.sliding_window_view(self.tokens, seq_len + 1)[offsets].astype(np.int64)
         return Batch(windows[:, :-1], windows[:, 1:])
 

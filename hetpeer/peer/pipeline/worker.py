@@ -78,6 +78,7 @@ class StepResult:
     compute_s: float  # forward and backward
     wait_s: float  # blocked on lane neighbours
     sync: SyncReport | None = None  # the group's averaging, once the step is applied
+    val_loss: float | None = None  # the lane's loss on its held-out batch, at the plan's validation steps (last stage)
 
 
 class StageWorker:
@@ -150,9 +151,13 @@ class StageWorker:
             return Late(f"plan epoch {header.epoch}, this peer runs epoch {self.plan.epoch}")
         if not self.step <= header.step <= self.step + 1:
             return f"step {header.step} is not {self.step} or the next"
-        if header.micro >= len(self.sizes):
-            return f"micro-batch {header.micro} of {len(self.sizes)}"
-        rows = (self.sizes[header.micro], self.spec.seq_len)
+        if header.micro < len(self.sizes):
+            rows = (self.sizes[header.micro], self.spec.seq_len)
+        else:  # a validation micro-batch: forward only, at the plan's validation steps
+            extra = header.micro - len(self.sizes)
+            if header.kind == "gradient" or not self.plan.evaluates(header.step) or extra >= len(self.plan.eval_sizes):
+                return f"micro-batch {header.micro} of {len(self.sizes)}"
+            rows = (self.plan.eval_sizes[extra], self.spec.seq_len)
         shape, dtype = (rows, "int64") if header.kind == "labels" else ((*rows, self.spec.hidden), self.plan.dtype)
         if header.shape != shape or header.dtype != dtype:
             return f"{header.kind} is {header.dtype}{list(header.shape)}, expected {dtype}{list(shape)}"
@@ -164,11 +169,11 @@ class StageWorker:
         self.sync.begin(self.step)  # x(step) starts travelling to the group while the gradient is computed
         self.flat.zero_grad()
         step, timeout = self.step, self.config.timeout_s
+        started = time.perf_counter()
+        val_loss, wait_s = self._validate(step) if self.plan.evaluates(step) else (None, 0.0)
         data = self._lane_data(step)
         held: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
         loss_sum = torch.zeros((), device=self.config.device)
-        wait_s = 0.0
-        started = time.perf_counter()
         for op, micro in self.schedule:
             if op == FORWARD:
                 tick = time.perf_counter()
@@ -214,6 +219,7 @@ class StageWorker:
             tokens=sequences * self.spec.seq_len,
             compute_s=time.perf_counter() - started - wait_s,
             wait_s=wait_s,
+            val_loss=val_loss,
         )
 
     def apply(self, last: bool = False) -> SyncReport:
@@ -246,6 +252,34 @@ class StageWorker:
         self.step = self.sync.step = download.step if enter_at is None else enter_at
         self.sync.sent = None
         return download
+
+    def _validate(self, step: int) -> tuple[float | None, float]:
+        """Forward the lane's held-out batch through the pipeline, no gradients (micro-batch numbers after the
+        training ones); (its mean loss on the last stage, else None; seconds waiting on neighbours)."""
+        sizes, first, wait_s = self.plan.eval_sizes, len(self.sizes), 0.0
+        data = None
+        if self.previous is None:
+            batch = self.corpus.validation_batch(self.plan.eval_batch, self.spec.seq_len, seed=self.config.seed)
+            data = [(torch.from_numpy(p.tokens).to(self.config.device), torch.from_numpy(p.labels).to(self.config.device))
+                    for p in batch.split(sizes)]
+        total = torch.zeros((), device=self.config.device)
+        with torch.no_grad():
+            for e, size in enumerate(sizes):
+                micro = first + e
+                if data is not None:
+                    x, labels = data[e]
+                else:
+                    tick = time.perf_counter()
+                    x, labels = self._recv("activation", self.previous, step, micro), self._recv("labels", self.previous, step, micro)
+                    wait_s += time.perf_counter() - tick
+                with self._autocast(), self.slowdown.of(("forward", size)):
+                    y = self.model(x)
+                if self.next is not None:
+                    self._send("activation", self.next, y.to(self._dtype), micro)
+                    self._send("labels", self.next, labels, micro)
+                else:
+                    total += self.model.loss(y, labels) * (size / self.plan.eval_batch)
+        return (float(total) if self.next is None else None), wait_s
 
     # -- checkpoints ------------------------------------------------------------------------------
     def save(self, folder: Path) -> Path:
