@@ -267,7 +267,8 @@ def _run_options(args: argparse.Namespace) -> list[str]:
     if args.tokenizer is not None:
         passed += ["--tokenizer", str(args.tokenizer.resolve())]
     if args.model is not None:
-        passed += ["--model", str(Path(args.model).resolve())] + (["--seq-len", str(args.seq_len)] if args.seq_len else [])
+        model = args.model if args.model in PRESETS else str(Path(args.model).resolve())  # the peers' own working folder
+        passed += ["--model", model] + (["--seq-len", str(args.seq_len)] if args.seq_len else [])
     if args.robust is not None:
         passed += ["--robust", repr(args.robust)]
     if args.save is not None:
