@@ -136,6 +136,9 @@ def add_commands(commands) -> None:
     swarm.add_argument("--lr", type=cli._positive_float, default=3e-3, metavar="LR", help="learning rate (default 3e-3)")
     swarm.add_argument("--seed", type=cli._non_negative_int, default=0, metavar="N", help="seed (default 0)")
     swarm.add_argument("--data", type=Path, metavar="PATH", help="text to train on (default: the Python standard library's sources)")
+    swarm.add_argument("--save", type=Path, metavar="DIR",
+                       help="peers save their stage checkpoints to DIR when they leave; run again with the same --out and "
+                       "--save to resume the swarm from them")
     swarm.add_argument("--eval-every", type=cli._non_negative_int, default=25, metavar="N",
                        help="every lane measures its loss on held-out data at every N-th step (default 25; 0: never)")
     swarm.add_argument("--eval-batch", type=cli._positive_int, default=8, metavar="N", help="held-out sequences per lane for it (default 8)")
@@ -294,7 +297,7 @@ def run_swarm(args: argparse.Namespace) -> int:
             slowdowns=parse_per_peer(args.slowdowns, args.peers, "--slowdowns"),
             bandwidth_caps=parse_per_peer(args.bandwidth_caps, args.peers, "--bandwidth-caps", none_value="none"),
             heartbeat_s=args.heartbeat, replan_interval_s=args.replan_interval, lr=args.lr, seed=args.seed, data=args.data,
-            coordinator_args=("--eval-every", str(args.eval_every), "--eval-batch", str(args.eval_batch)),
+            save=args.save.resolve() if args.save else None, coordinator_args=("--eval-every", str(args.eval_every), "--eval-batch", str(args.eval_batch)),
         )
     except ValueError as error:
         raise cli.UserError(str(error)) from None

@@ -372,7 +372,7 @@ def render_status(
         lines.append(
             f"plan epoch {plan.epoch} from step {plan.start_step}{published}: {len(plan.stages)} stage(s) x "
             f"{plan.group_size} lane(s), {plan.model} {plan.dtype}, batch {plan.batch} in {plan.micro_batches} "
-            f"micro-batches of {plan.micro_batch}, predicted {plan.total_s:.3f} s/step ({plan.cost_model})"
+            f"micro-batches of {plan.micro_batch}, predicted {plan.predicted} ({plan.cost_model})"
         )
         for s in plan.stages:
             lines.append(f"  stage {s.index} layers [{s.layer_start},{s.layer_end}) {s.sync}: {' '.join(s.devices)}")

@@ -226,6 +226,43 @@ def start_step(
     return furthest + min(MAX_LEAD_STEPS, 2 + math.ceil(LEAD_HEARTBEATS * heartbeat_s / step_s))
 
 
+@dataclass(frozen=True, slots=True)
+class Resumption:
+    """A swarm's shape rebuilt from the stage checkpoints its peers announce: stages (start, end, devices in
+    lane order), the step to resume at, and the peers left out."""
+
+    stages: tuple[tuple[int, int, tuple[str, ...]], ...]
+    step: int
+    standby: tuple[str, ...]
+
+
+def resume_from_checkpoints(records: Mapping[str, PeerRecord], layers: int) -> Resumption | str:
+    """When no live peer holds any layers but some announce checkpoints: stages that tile [0, layers) from the
+    checkpoints' ranges (at each boundary the range with the most holders, then the longest), as many lanes
+    as the thinnest stage has holders (those at the highest step first), resuming at the highest step they
+    hold. A layer no checkpoint covers is the answer in words, naming it. O(peers log peers)."""
+    held = {d: r.checkpoint for d, r in records.items() if r.checkpoint is not None and r.state != "leaving"}
+    by_range: dict[tuple[int, int], list[str]] = {}
+    for device, (start, end, step) in sorted(held.items(), key=lambda item: (-item[1][2], item[0])):
+        by_range.setdefault((start, end), []).append(device)
+    stages, at = [], 0
+    while at < layers:
+        options = [r for r in by_range if r[0] == at and r[1] <= layers]
+        if not options:
+            ahead = min((r[0] for r in by_range if r[0] > at), default=layers)
+            have = ", ".join(f"{d} layers {c[0]}-{c[1] - 1} (step {c[2]})" for d, c in sorted(held.items())) or "none"
+            return f"no live peer holds a checkpoint of layers {at}-{min(ahead, layers) - 1}: start the peers that do, " \
+                   f"or their --save folders elsewhere to train afresh (checkpoints announced: {have})"
+        pick = max(options, key=lambda r: (len(by_range[r]), r[1]))
+        stages.append(pick)
+        at = pick[1]
+    lanes = min(len(by_range[r]) for r in stages)
+    chosen = tuple((start, end, tuple(by_range[(start, end)][:lanes])) for start, end in stages)
+    used = {d for _, _, devices in chosen for d in devices}
+    step = max(held[d][2] for d in used)
+    return Resumption(chosen, step, tuple(sorted(d for d in records if d not in used)))
+
+
 def orphaned_layers(records: Mapping[str, PeerRecord], layers: int) -> list[tuple[int, int]]:
     """The ranges [start, end) of the model's `layers` that no peer announces holding (leaving peers do
     not count: they take their copy with them). A plan starts these from fresh weights."""

@@ -24,7 +24,7 @@ from hetpeer.coordinator.api import ApiServer, SwarmView
 from hetpeer.coordinator.planner import PlannerConfig, PlanningError, solve
 from hetpeer.protocol.control import ControlPlane, key_digest
 from hetpeer.protocol.join import JoinInfo
-from hetpeer.protocol.plan import Plan
+from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.records import TTL_HEARTBEATS, PeerRecord
 from hetpeer.protocol.workload import PRESETS, ModelSpec, Workload
 
@@ -209,6 +209,9 @@ class Coordinator:
         if len(live) < 1:
             self._log_once("none", f"cannot re-plan ({decision.reason}): no peer is announcing")
             return
+        if any(r.checkpoint for r in live.values()) and not any(r.layers for r in live.values()):
+            self._resume(live)  # a swarm starting again after every peer stopped: its checkpoints are the model
+            return
         self.report(f"solving: {decision.reason}")
         usable = current if current is not None and not decision.broken else None
         problem, estimated = policy.build_problem(live, config.workload, current)
@@ -246,6 +249,27 @@ class Coordinator:
         if self._publish(plan, f"{why}; searched {searched_s:.1f} s"):
             self.considered.clear()
 
+    def _resume(self, live: dict[str, PeerRecord]) -> None:
+        """Publish the plan the live peers' stage checkpoints make, from the step they were saved at; while a
+        layer is in no checkpoint, say which and wait (peers that hold it may still be starting)."""
+        config, current = self.config, self.plan
+        found = policy.resume_from_checkpoints(live, config.model.layers)
+        if isinstance(found, str):
+            self._log_once(f"resume {found}", found)
+            return
+        lanes = len(found.stages[0][2])
+        lane_batch = -(-config.batch // lanes)
+        micro_batch = min(config.micro_batch, lane_batch)
+        plan = Plan(
+            cost_model="time", model=config.model.name, layers=config.model.layers, batch=config.batch,
+            micro_batch=micro_batch, micro_batches=-(-lane_batch // micro_batch), dtype=config.dtype,
+            stages=tuple(StagePlan(i, start, end, devices, "gossip" if lanes > 1 else "none")
+                         for i, (start, end, devices) in enumerate(found.stages)),
+            standby=found.standby, epoch=(current.epoch + 1) if current is not None else 1, start_step=found.step,
+            eval_every=config.eval_every, eval_batch=config.eval_batch if config.eval_every else 0,
+        )
+        self._publish(plan, f"resumed from the peers' checkpoints at step {found.step}")
+
     def _publish(self, plan: Plan, why: str) -> bool:
         if not self.control.publish_plan(plan, ttl_s=self.config.plan_ttl_s):
             self.report(f"could not store plan epoch {plan.epoch} in the DHT; trying again next round")
@@ -257,7 +281,7 @@ class Coordinator:
             shape = f"{len(plan.stages)} stage(s) x {plan.group_size} lane(s)"
             self.report(
                 f"published plan epoch {plan.epoch} from step {plan.start_step}: {shape}, predicted "
-                f"{plan.total_s:.3f} s/step, standby {', '.join(plan.standby) or 'none'} ({why})"
+                f"{plan.predicted}, standby {', '.join(plan.standby) or 'none'} ({why})"
             )
             for s, stage in enumerate(plan.stages):
                 self.report(f"  stage {s + 1} layers {stage.layer_start}-{stage.layer_end - 1} ({stage.sync}): {', '.join(stage.devices)}")

@@ -33,6 +33,7 @@ import numpy
 import torch
 
 from hetpeer import __version__
+from hetpeer.peer.checkpoint import CheckpointError, StageCheckpoint
 from hetpeer.peer.data.corpus import Corpus, open_corpus
 from hetpeer.peer.gossip.state import StateDownloadError, StateServer
 from hetpeer.peer.measure import LinkHistory, LinkProber, MachineProfile, describe_links, pick_targets, profile_machine
@@ -210,6 +211,7 @@ class SwarmPeer:
         self._corpus: Corpus | None = None
         self._refused: set[tuple[str, int]] = set()
         self._entering_until: float | None = None  # a peer that entered a plan from outside waits for its neighbours until then
+        self.checkpoint: StageCheckpoint | None = None  # its own stage checkpoint, offered until a plan uses it
         self._profiled_at = 0.0
         self._rng = numpy.random.default_rng()
 
@@ -236,6 +238,7 @@ class SwarmPeer:
             f"{self.transport.address().direct[1]}, DHT on {', '.join(self.control.visible_maddrs())}"
         )
         self.report(f"trusting plans signed by coordinator key {config.coordinator_key[:16]}...")
+        self.checkpoint = self._own_checkpoint()
         self.machine = self._profile()
         self.report(
             f"machine: {self.machine.device_name}, {self.machine.tflops * 1e3:.2f} GFLOPS achieved in {config.dtype} on "
@@ -401,6 +404,23 @@ class SwarmPeer:
             f"{layers[0]}-{layers[1] - 1}), lane {lane + 1}/{plan.group_size}, group with {group}; {how}"
         )
 
+    def _own_checkpoint(self) -> StageCheckpoint | None:
+        """This peer's checkpoint in --save, of this model: announced, so that a swarm starting again after
+        every peer stopped resumes from it."""
+        if self.config.save is None or not (path := self.config.save / f"{self.device_id}.safetensors").exists():
+            return None
+        try:
+            checkpoint = StageCheckpoint.read(path)
+        except CheckpointError as error:
+            self.report(f"ignored its checkpoint: {error}")
+            return None
+        if checkpoint.spec.digest != self.spec.digest:
+            self.report(f"ignored its checkpoint {path}: it is of model {checkpoint.spec.name}, this peer trains {self.spec.name}")
+            return None
+        self.report(f"holds a checkpoint of layers {checkpoint.layers[0]}-{checkpoint.layers[1] - 1} at step {checkpoint.step} "
+                    f"({path}): offered to resume the swarm from")
+        return checkpoint
+
     def _release_previous(self) -> None:
         """Let go of the stage held before the running plan once no member of that plan can still want to
         download it: a peer would otherwise hold two stages' state (a memory-bound peer has room for one).
@@ -418,12 +438,17 @@ class SwarmPeer:
                      previous.layers[0], previous.layers[1] - 1)
 
     def _fill(self, worker: StageWorker, old: StageWorker | None, layers: tuple[int, int], epoch: int) -> str:
-        """Put the stage's parameters and optimizer state in `worker`: the old worker's when it held the
-        same layers, else what the old one held of them and the rest downloaded from the peers that announce
-        them; how, in words."""
+        """Put the stage's parameters and optimizer state in `worker`: its own checkpoint of exactly this stage
+        (a swarm resuming after every peer stopped), the old worker's when it held the same layers, else what
+        the old one held of them and the rest downloaded from the peers that announce them; how, in words."""
         how = f"the model folder's weights ({worker.loaded_bytes / 2**20:.1f} MiB read)" if worker.loaded_bytes else "fresh weights"
         overlaps = old is not None and old.layers[0] < layers[1] and layers[0] < old.layers[1]
-        if old is not None and old.param_range == worker.param_range:
+        if old is None and self.checkpoint is not None and self.checkpoint.layers == layers:
+            checkpoint, self.checkpoint = self.checkpoint, None
+            worker.restore(checkpoint.path)
+            worker.step = worker.sync.step = worker.plan.start_step  # the plan resumes at the newest checkpoint's step
+            how = f"resumed from its checkpoint (step {checkpoint.step}, plan epoch {checkpoint.epoch})"
+        elif old is not None and old.param_range == worker.param_range:
             with old.sync.lock:
                 for mine, theirs in zip(worker.sync.state_tensors(), old.sync.state_tensors()):
                     mine.copy_(theirs)
@@ -519,6 +544,7 @@ class SwarmPeer:
             step=status.step,
             loss=status.loss,
             val_loss=status.val_loss,
+            checkpoint=(*self.checkpoint.layers, self.checkpoint.step) if self.checkpoint is not None else None,
             tokens_per_s=status.tokens_per_s,
             achieved_tflops=status.achieved_tflops,
             links=links,

@@ -117,6 +117,11 @@ class Plan:
     def total_s(self) -> float:
         return self.cost.get("total_s", math.nan)
 
+    @property
+    def predicted(self) -> str:
+        """The predicted step time in words (a plan rebuilt from checkpoints has none)."""
+        return f"{self.total_s:.3f} s/step" if math.isfinite(self.total_s) else "no prediction"
+
     def to_wire(self) -> dict[str, Any]:
         return {
             "version": self.version,

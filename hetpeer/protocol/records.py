@@ -115,6 +115,7 @@ class PeerSchema(_Strict):
     step: pydantic.StrictInt
     loss: Optional[pydantic.StrictFloat]
     val_loss: Optional[pydantic.StrictFloat] = None
+    checkpoint: Optional[List[pydantic.StrictInt]] = None
     tokens_per_s: pydantic.StrictFloat
     links: LinksSchema
     time: pydantic.StrictFloat
@@ -156,6 +157,7 @@ class PeerRecord:
     step: int = 0
     loss: float | None = None
     val_loss: float | None = None  # its lane's latest validation loss (last stage), once the plan asked for one
+    checkpoint: tuple[int, int, int] | None = None  # (start, end, step) of the stage checkpoint it can resume from
     tokens_per_s: float = 0.0
     links: Dict[str, LinkMeasurement] = dataclass_field(default_factory=dict)
     achieved_tflops: float | None = None  # what its training steps achieve (FLOPs over compute time), once it trains
@@ -184,6 +186,7 @@ class PeerRecord:
             "step": self.step,
             "loss": float(self.loss) if self.loss is not None else None,
             "val_loss": float(self.val_loss) if self.val_loss is not None else None,
+            "checkpoint": list(self.checkpoint) if self.checkpoint is not None else None,
             "tokens_per_s": float(self.tokens_per_s),
             "links": {
                 "peers": sorted(self.links),
@@ -234,6 +237,12 @@ class PeerRecord:
             if len(parsed.layers) != 2 or not 0 <= parsed.layers[0] < parsed.layers[1]:
                 raise SchemaError("peer.layers", f"must be [start, end) with 0 <= start < end, got {parsed.layers}")
             layers = (parsed.layers[0], parsed.layers[1])
+        checkpoint = None
+        if parsed.checkpoint is not None:
+            if len(parsed.checkpoint) != 3 or not 0 <= parsed.checkpoint[0] < parsed.checkpoint[1] or parsed.checkpoint[2] < 0:
+                raise SchemaError("peer.checkpoint", f"must be [start, end, step] with 0 <= start < end and step >= 0, "
+                                                     f"got {parsed.checkpoint}")
+            checkpoint = (parsed.checkpoint[0], parsed.checkpoint[1], parsed.checkpoint[2])
         measured = parsed.links
         count = len(measured.peers)
         if count > MAX_LINKS:
@@ -271,6 +280,7 @@ class PeerRecord:
             step=parsed.step,
             loss=parsed.loss,
             val_loss=parsed.val_loss,
+            checkpoint=checkpoint,
             tokens_per_s=parsed.tokens_per_s,
             links=links,
             achieved_tflops=parsed.achieved_tflops,

@@ -57,6 +57,7 @@ class SwarmConfig:
     lr: float = 3e-3
     seed: int = 0
     data: Path | None = None
+    save: Path | None = None  # the peers' stage checkpoints: saved when they leave, resumed from when started again
     stall_s: float = 120.0  # give up when the swarm's step has not moved for this long
     coordinator_args: tuple[str, ...] = ()  # more `hetpeer coordinator` options, e.g. ("--stages", "2")
 
@@ -156,6 +157,8 @@ class LocalSwarm:
     # -- processes ----------------------------------------------------------------------------------
     def start(self) -> "LocalSwarm":
         self.config.out.mkdir(parents=True, exist_ok=True)
+        for stale in self.config.out.glob("*/known_dht.json"):  # a run in the same folder before: its DHT is gone
+            stale.unlink()
         self.start_coordinator()
         for i in range(self.config.peers):
             self.start_peer(i)
@@ -192,6 +195,8 @@ class LocalSwarm:
         ]
         if c.cap(i) is not None:
             command += ["--bandwidth-cap", repr(c.cap(i))]
+        if c.save is not None:
+            command += ["--save", str(c.save)]
         if c.data is not None:
             command += ["--data", str(c.data)]
         process = Process(f"peer{i}", command, c.out / f"peer{i}.log", self._on_line)
@@ -274,7 +279,7 @@ class LocalSwarm:
                 plan.standby, predicted_step_s=plan.total_s,
             )
             self.event(f"plan epoch {plan.epoch}: {len(plan.stages)} stage(s) x {plan.group_size} lane(s) "
-                       f"from step {plan.start_step}, predicted {plan.total_s:.3f} s/step")
+                       f"from step {plan.start_step}, predicted {plan.predicted}")
 
         def on_progress(progress) -> None:
             if len(self.measured) < len(self.device_ids):

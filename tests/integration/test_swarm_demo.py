@@ -86,3 +86,27 @@ def test_ctrl_c_stops_every_process_and_still_writes_the_report(tmp_path):
     report = RunReport.from_json((out / "report.json").read_text())
     assert report.samples and report.plans
     assert processes_using(out) == []
+
+
+def test_a_swarm_started_again_resumes_from_its_checkpoints(tmp_path):
+    """Every peer saves its stage when it leaves (--save); started again in the same folder, the peers offer
+    their checkpoints, the coordinator's first plan resumes at their step, and the loss goes on from there."""
+    out, saved = tmp_path / "run", tmp_path / "checkpoints"
+    stdout, stderr = finish(start(out, "--steps", "30", "--save", str(saved), "--eval-every", "0"))
+    assert "Traceback" not in stdout + stderr, stdout + stderr
+    first = RunReport.from_json((out / "report.json").read_text())
+    end_loss = [s.loss for s in sorted(first.samples, key=lambda s: s.step) if math.isfinite(s.loss)][-5:]
+    assert sorted(p.name for p in saved.iterdir())  # the members' checkpoints
+    stdout, stderr = finish(start(out, "--steps", "40", "--save", str(saved), "--eval-every", "0"))
+    assert "Traceback" not in stdout + stderr, stdout + stderr
+    coordinator = (out / "coordinator.log").read_text()
+    assert "resumed from the peers' checkpoints at step 30" in coordinator
+    resumed = [unstamp(line) for i in range(3) for line in (out / f"peer{i}.log").read_text().splitlines()
+               if "resumed from its checkpoint (step 30" in line]
+    assert resumed, stdout
+    second = RunReport.from_json((out / "report.json").read_text())
+    later = sorted((s for s in second.samples if s.step >= 30 and math.isfinite(s.loss)), key=lambda s: s.step)
+    assert later and later[-1].step + 1 >= 40
+    # the untrained model's loss is about 5.5; the resumed swarm starts near where the first run ended
+    assert later[0].loss < sum(end_loss) / len(end_loss) + 1.0 < 5.0
+    assert processes_using(out) == []

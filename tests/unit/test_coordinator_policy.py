@@ -436,3 +436,35 @@ def test_a_malformed_estimated_link_is_refused(bad, where):
         Plan.from_wire(wire)
     assert error.value.path == where
     assert str(error.value).startswith(where)
+
+
+# -- resuming from the peers' checkpoints ------------------------------------------------------------------
+
+
+def fresh(device: str, checkpoint=None, **changes) -> PeerRecord:
+    """A peer just started again: it holds no layers yet, only (maybe) a checkpoint."""
+    return record(device, **{"state": "waiting", "epoch": -1, "step": 0, "checkpoint": checkpoint, **changes})
+
+
+def test_checkpoints_make_the_plan_a_swarm_resumes_with():
+    peers = {"a": fresh("a", (0, 2, 40)), "b": fresh("b", (2, 4, 40)), "c": fresh("c", (0, 2, 38)),
+             "d": fresh("d", (2, 4, 40)), "e": fresh("e", (0, 2, 40)), "f": fresh("f")}
+    found = policy.resume_from_checkpoints(peers, 4)
+    # two lanes: the thinner stage has two holders; of layers 0-1 the two at the highest step
+    assert found.stages == ((0, 2, ("a", "e")), (2, 4, ("b", "d")))
+    assert found.step == 40 and found.standby == ("c", "f")
+
+
+def test_layers_no_checkpoint_holds_are_named():
+    peers = {"a": fresh("a", (0, 1, 10)), "b": fresh("b", (2, 4, 10)), "c": fresh("c", (0, 1, 10), state="leaving")}
+    found = policy.resume_from_checkpoints(peers, 4)
+    assert isinstance(found, str)
+    assert "no live peer holds a checkpoint of layers 1-1" in found and "a layers 0-0 (step 10)" in found
+    assert "c layers" not in found  # a leaving peer takes its checkpoint with it
+    assert "layers 0-3" in policy.resume_from_checkpoints({"x": fresh("x")}, 4)
+
+
+def test_a_longer_range_wins_a_tie_and_ranges_past_the_model_are_ignored():
+    peers = {"a": fresh("a", (0, 4, 7)), "b": fresh("b", (0, 2, 7)), "c": fresh("c", (0, 6, 9))}
+    found = policy.resume_from_checkpoints(peers, 4)
+    assert found.stages == ((0, 4, ("a",)),) and found.step == 7 and found.standby == ("b", "c")

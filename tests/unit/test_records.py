@@ -201,6 +201,17 @@ def test_bad_layers_are_refused(layers):
     refused(wire(layers=layers), "peer.layers")
 
 
+@pytest.mark.parametrize("checkpoint", [[3, 3, 0], [0, 2], [0, 2, -1], [-1, 2, 5], [0, 2, 5, 1]])
+def test_bad_checkpoints_are_refused(checkpoint):
+    refused(wire(checkpoint=checkpoint), "peer.checkpoint")
+
+
+def test_a_checkpoint_and_a_validation_loss_survive_the_wire():
+    sent = record(checkpoint=(0, 4, 250), val_loss=2.5)
+    assert sent.to_wire()["checkpoint"] == [0, 4, 250]
+    assert parse(sent.to_wire()) == sent
+
+
 def test_another_protocol_version_is_refused():
     error = refused(wire(version=PROTOCOL_VERSION + 1), "peer.version")
     assert f"protocol {PROTOCOL_VERSION + 1}" in str(error)
