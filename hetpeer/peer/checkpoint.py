@@ -110,7 +110,8 @@ def load_stage(checkpoint: StageCheckpoint, model: torch.nn.Module, optimizer: t
                layers: tuple[int, int]) -> None:
     """Fill a stage (its parameters and optimizer tensors, in place) from a checkpoint of exactly that stage."""
     if checkpoint.spec.digest != spec.digest:
-        raise CheckpointError(f"{checkpoint.path} is a checkpoint of model {checkpoint.spec.name}, this peer trains {spec.name}")
+        raise CheckpointError(f"{checkpoint.path} is a checkpoint of model {_described(checkpoint.spec)}, this peer trains "
+                              f"{_described(spec)}")
     if checkpoint.layers != layers:
         raise CheckpointError(f"{checkpoint.path} holds layers {checkpoint.layers[0]}-{checkpoint.layers[1] - 1}, "
                               f"this peer's stage is {layers[0]}-{layers[1] - 1}")
@@ -125,6 +126,10 @@ def load_stage(checkpoint: StageCheckpoint, model: torch.nn.Module, optimizer: t
             if tensor.shape != target.shape or not torch.isfinite(tensor).all():
                 raise CheckpointError(f"{checkpoint.path}: {name} is {list(tensor.shape)} or not finite, expected {list(target.shape)}")
             target.copy_(tensor.to(target.device, target.dtype))
+
+
+def _described(spec: ModelSpec) -> str:
+    return f"{spec.name} ({spec.layers} layers, architecture {spec.digest[:12]})"
 
 
 def part_of(name: str, layers: int) -> int:

@@ -11,6 +11,7 @@ matrix-multiply rate, the usual quick probe, for comparison.
 from __future__ import annotations
 
 import contextlib
+import math
 import resource
 import statistics
 import sys
@@ -25,6 +26,8 @@ from hetpeer.protocol.workload import ModelSpec, Workload
 
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # what the stage worker computes in
+TIMING_S = 0.005  # a timing lasts at least this long, however short one call is
+MAX_CALLS_PER_TIMING = 1000
 
 
 def block_tflops(
@@ -68,18 +71,24 @@ def matmul_tflops(size: int = 1024, device: str = "cpu", seconds: float = 1.0) -
 
 
 def _time_per_call(run, device: str, seconds: float, best: bool = False) -> float:
-    """The median (or with `best` the shortest) time of one call, over at least 3 calls and about
+    """The median (or with `best` the shortest) time of one call, over at least 3 timings and about
     `seconds`. Not the mean: a burst of other work on the machine (another process starting, a peer's
-    DHT node) slows a few calls, and should not decide the figure."""
+    DHT node) slows a few calls, and should not decide the figure. A timing runs enough calls to last
+    `TIMING_S` (judged from the warm-up call) and synchronizes the device once, at its end: an
+    accelerator queues the calls' kernels, and a synchronization after every call would time launch gaps
+    and an empty queue instead of the work."""
+    started = time.perf_counter()
     run()  # warm up
     _sync(device)
+    calls = max(1, min(MAX_CALLS_PER_TIMING, math.ceil(TIMING_S / max(time.perf_counter() - started, 1e-9))))
     times: list[float] = []
     started = time.perf_counter()
     while len(times) < 3 or time.perf_counter() - started < seconds:
-        call_started = time.perf_counter()
-        run()
+        timing_started = time.perf_counter()
+        for _ in range(calls):
+            run()
         _sync(device)
-        times.append(time.perf_counter() - call_started)
+        times.append((time.perf_counter() - timing_started) / calls)
     return min(times) if best else statistics.median(times)
 
 

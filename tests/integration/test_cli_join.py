@@ -316,3 +316,21 @@ def test_join_refuses_a_tokenizer_or_data_that_does_not_fit(tmp_path, cli, gpt2_
         lines = done.stderr.splitlines()
         assert len(lines) == 1 and lines[0].startswith("hetpeer join: error: "), done.stderr
         assert all(word in lines[0] for word in words), lines[0]
+
+
+def test_join_refuses_to_resume_from_a_checkpoint_of_another_model(tmp_path, cli):
+    from hetpeer.peer.checkpoint import save_stage
+
+    other = preset("tiny", layers=6)
+    stage = build_stage(other, 0, 3)
+    moments = tuple(torch.zeros(sum(p.numel() for p in stage.parameters())) for _ in range(3))
+    save_stage(tmp_path / "saved" / "d0.safetensors", stage, moments, spec=other, layers=(0, 3), step=5, epoch=1, adam_step=5)
+    plan_path = write_json(tmp_path / "plan.json", make_plan(lanes=1, batch=4).to_wire())
+    book = {"version": 1, "peers": {d: {"direct": f"127.0.0.1:{free_port()}"} for d in ("d0", "d1")}}
+    done = cli("join", "--plan", str(plan_path), "--as", "d0", "--peers", str(write_json(tmp_path / "book.json", book)),
+               "--link", "tcp", "--steps", "1", "--resume", str(tmp_path / "saved"), timeout_s=60)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hetpeer join: error: "), done.stderr
+    assert "is a checkpoint of model tiny (6 layers" in lines[0] and "this peer trains tiny (4 layers" in lines[0], lines[0]
+    assert live_members(cli.groups[-1]) == []

@@ -2,7 +2,7 @@
 
 `encode` runs in the sender's compute thread. With `copy=False` and a raw codec it returns a view of
 the tensor's own memory (the sender must not change the tensor until the frame has left); otherwise the
-payload is a copy. `decode` checks what arrived (checksum, size, finiteness) before anyone uses it.
+payload is a copy. A tensor on an accelerator is encoded there and copied out through pinned memory. `decode` checks what arrived (checksum, size, finiteness) before anyone uses it.
 """
 
 from __future__ import annotations
@@ -39,22 +39,34 @@ def wire_codec(tensor: torch.Tensor, codec: str) -> str:
 def encode(tensor: torch.Tensor, codec: str, copy: bool = True) -> tuple[str, memoryview]:
     """The tensor's wire dtype and its payload in `wire_codec(tensor, codec)`."""
     dtype, codec = wire_dtype(tensor), wire_codec(tensor, codec)
-    data = tensor.detach().to("cpu").contiguous()
+    data = tensor.detach()  # squeezed where it lies (an accelerator's copy carries the smaller form), then brought over
     if codec == "raw":
-        return dtype, _bytes(data.clone() if copy and data.data_ptr() == tensor.data_ptr() else data)
+        host = _host(data)
+        return dtype, _bytes(host.clone() if copy and host.data_ptr() == tensor.data_ptr() else host)
     if codec == "fp16":
         half = data.to(torch.float16)
         if not all_finite(half):  # saturate finite values past fp16's range: as inf they would be refused
             limit = torch.finfo(torch.float16).max
             half = torch.where(data.isinf(), data, data.clamp(-limit, limit)).to(torch.float16)
-        return dtype, _bytes(half)
+        return dtype, _bytes(_host(half))
     if codec == "bf16":
-        return dtype, _bytes(data.to(torch.bfloat16))
+        return dtype, _bytes(_host(data.to(torch.bfloat16)))
     numel = data.numel()
     blocks = torch.nn.functional.pad(data.float().reshape(-1), (0, -numel % INT8_BLOCK)).view(-1, INT8_BLOCK)
     scales = blocks.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
     values = torch.round(blocks / scales[:, None]).clamp_(-127, 127).to(torch.int8).reshape(-1)[:numel]
-    return dtype, memoryview(bytes(_bytes(scales)) + bytes(_bytes(values)))
+    return dtype, memoryview(bytes(_bytes(_host(scales))) + bytes(_bytes(_host(values))))
+
+
+def _host(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in host memory, contiguous. From an accelerator it comes through page-locked (pinned) memory,
+    which the copy engine fills at the bus's rate, where pageable memory is staged through a bounce buffer."""
+    if tensor.device.type == "cpu":
+        return tensor.contiguous()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    torch.cuda.current_stream(tensor.device).synchronize()  # the bytes are read right after
+    return host
 
 
 class PayloadCheck:
