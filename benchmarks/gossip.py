@@ -42,7 +42,8 @@ from hetpeer.peer.launch import free_port
 from hetpeer.peer.model import build_stage
 from hetpeer.peer.pipeline.worker import StageWorker, WorkerConfig
 from hetpeer.peer.transport import MemoryHub, MemoryTransport
-from hetpeer.peer.transport.network import Emulation, NetworkTransport, TcpLink
+from hetpeer.peer.transport.links import TcpLink
+from hetpeer.peer.transport.network import Emulation, NetworkTransport
 from hetpeer.protocol.addresses import AddressBook, PeerAddress
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.workload import preset

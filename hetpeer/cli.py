@@ -52,6 +52,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a non-negative number, got {text!r}")
+    return value
+
+
 def _int_at_least(minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
@@ -251,7 +261,8 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--sync-compress", choices=CODECS, default="raw",
                        help="how parameters travel: raw (default), fp16, bf16 or int8")
     group.add_argument("--robust", type=_positive_float, metavar="CLIP",
-                       help="robust mixing: clip each neighbour's difference at CLIP x the typical distance")
+                       help="robust mixing: clip each neighbour's difference at CLIP x the typical distance, and leave "
+                       "out (and report to the coordinator) a neighbour far past that round after round (2 is a start)")
     group.add_argument("--no-overlap", action="store_true",
                        help="send parameters after the gradient instead of during it (to measure what overlap hides)")
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import threading
@@ -39,6 +40,9 @@ def add_join_swarm_options(join: argparse.ArgumentParser) -> None:
     swarm.add_argument("--coordinator-key", metavar="HEX",
                        help="SHA-256 of the coordinator's public key (`hetpeer coordinator` prints it); "
                        "plans signed by any other key are ignored")
+    swarm.add_argument("--token", metavar="TOKEN",
+                       help="a join token from the swarm's organizer (`hetpeer invite`), for a coordinator run with "
+                       "--admission token")
     swarm.add_argument("--name", default="peer", metavar="NAME",
                        help="readable part of this peer's id, NAME-<key fingerprint> (a-z, 0-9, _; default peer)")
     swarm.add_argument("--home", type=Path, metavar="DIR",
@@ -81,7 +85,10 @@ def add_commands(commands) -> None:
     coordinator.add_argument("--announce-maddr", nargs="+", default=[], metavar="MADDR",
                              help="DHT multiaddrs peers should dial, when they differ from --host-maddr (NAT, containers)")
     coordinator.add_argument("--api", default="127.0.0.1:0", metavar="HOST:PORT",
-                             help="where to serve the gRPC API (default 127.0.0.1 on a free port; 'off' for none)")
+                             help="where to serve the read-only gRPC API (default 127.0.0.1 on a free port; 'off' for none)")
+    coordinator.add_argument("--tls-cert", type=Path, metavar="FILE",
+                             help="serve the API over TLS with this PEM certificate (give --tls-key with it)")
+    coordinator.add_argument("--tls-key", type=Path, metavar="FILE", help="the --tls-cert certificate's PEM private key, unencrypted")
     cli.add_model_options(coordinator, default="tiny")
     coordinator.add_argument("--batch", type=cli._positive_int, default=16, metavar="N", help="global batch in sequences (default 16)")
     coordinator.add_argument("--micro-batch", type=cli._positive_int, default=2, metavar="N", help="micro-batch in sequences (default 2)")
@@ -101,6 +108,13 @@ def add_commands(commands) -> None:
                              help="the swarm's last step: once the running plan reaches it, publish no new plan "
                              "(peers leave there with their own --steps; default: train on)")
     cli.add_eval_options(coordinator)
+    coordinator.add_argument("--admission", nargs="+", default=["open"], metavar="MODE",
+                             help="who may be planned: 'open' (every peer with a valid record; the default), "
+                             "'allowlist FILE' (the device ids or key fingerprints FILE lists, one a line; read again when "
+                             "it changes) or 'token' (peers that give a join token of this coordinator: `hetpeer invite`)")
+    coordinator.add_argument("--ban-period", type=cli._non_negative_float, default=300.0, metavar="SECONDS",
+                             help="leave a peer that most of its group reports as misbehaving out of plans this long, "
+                             "doubled on each repeat (default 300; 0: no bans)")
     coordinator.add_argument("--join-file", type=Path, metavar="PATH",
                              help="write what peers need to join (swarm, key digest, DHT address, model, dtype) to PATH, "
                              "for `hetpeer join --join-file PATH`")
@@ -112,9 +126,25 @@ def add_commands(commands) -> None:
         "swarm's progress.",
     )
     status.add_argument("--api", required=True, metavar="HOST:PORT", help="the coordinator's API address (it prints it)")
+    status.add_argument("--tls-ca", type=Path, metavar="FILE",
+                        help="connect with TLS, trusting the PEM certificate(s) in FILE: the coordinator's own "
+                        "(self-signed) certificate, or the CA that signed it")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
     status.add_argument("--timeout", type=cli._positive_float, default=5.0, metavar="SECONDS", help="give up after this long (default 5)")
     status.set_defaults(run=run_status)
+
+    invite = commands.add_parser(
+        "invite", help="mint a join token for a swarm whose coordinator runs with --admission token",
+        description="Print a join token signed by the coordinator's key (kept in its --home). A peer joins with "
+        "`hetpeer join --swarm ... --token TOKEN`; the coordinator plans it while the token has not expired. Anyone "
+        "holding the token can use it: hand it out as you would a password, and bind it to a peer name with --name.",
+    )
+    invite.add_argument("--swarm", required=True, metavar="NAME", help="the swarm's name")
+    invite.add_argument("--home", type=Path, metavar="DIR", help="the coordinator's --home (default ~/.hetpeer/coordinator-NAME)")
+    invite.add_argument("--expires", default="7d", metavar="DURATION",
+                        help="how long the token admits its holder: a number with s, m, h or d (default 7d)")
+    invite.add_argument("--name", metavar="PEER", help="admit only a peer of this --name (default: any name)")
+    invite.set_defaults(run=run_invite)
 
     swarm = commands.add_parser(
         "swarm", help="run a whole swarm on this machine (the demo)",
@@ -178,7 +208,7 @@ def run_swarm_join(args: argparse.Namespace) -> int:
             listen=cli._host_port(args.listen) if args.listen else ("127.0.0.1", 0), announce_host=args.announce_host,
             dht_maddrs=(args.dht_listen,), dht_announce=tuple(args.dht_announce), heartbeat_s=args.heartbeat, probe_targets=args.probe_targets, steps=args.steps,
             data=str(args.data) if args.data else None, tokenizer=cli.tokenizer_path(args, model), threads=args.threads,
-            emulation=cli.emulation(args), save=args.save, save_every=args.save_every,
+            emulation=cli.emulation(args), save=args.save, save_every=args.save_every, token=args.token,
         )
         from hetpeer.protocol.records import NAME_RE
 
@@ -239,17 +269,21 @@ def run_coordinator(args: argparse.Namespace) -> int:
     cli = _cli()
     from hetpeer.coordinator.api import ApiError
     from hetpeer.coordinator.service import Coordinator, CoordinatorConfig
+    from hetpeer.protocol.admission import AdmissionError
     from hetpeer.protocol.control import ControlError
 
     cli.log_to_stdout()
+    api_tls = _api_tls(args)
     try:
         config = CoordinatorConfig(
             swarm=args.swarm, home=_home(args.home, f"coordinator-{args.swarm}"), initial_peers=tuple(args.initial_peers),
-            dht_maddrs=(args.host_maddr,), dht_announce=tuple(args.announce_maddr), api_listen=None if args.api == "off" else args.api, model=cli.model_spec(args),
+            dht_maddrs=(args.host_maddr,), dht_announce=tuple(args.announce_maddr), api_listen=None if args.api == "off" else args.api,
+            api_tls=api_tls, model=cli.model_spec(args),
             batch=args.batch, micro_batch=args.micro_batch, dtype=args.dtype, heartbeat_s=args.heartbeat,
             replan_interval_s=args.replan_interval, min_peers=args.min_peers, gain=args.gain,
             time_budget_s=args.time_budget, stages=args.stages, group_size=args.group_size, seed=args.seed,
             steps=args.steps, join_file=args.join_file, eval_every=args.eval_every, eval_batch=args.eval_batch,
+            **_admission(args.admission), ban_period_s=args.ban_period,
         )
         coordinator = Coordinator(config, cli._say)  # checks the swarm name
     except ValueError as error:
@@ -258,7 +292,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
     try:
         coordinator.start()
         coordinator.run()
-    except (ControlError, ApiError) as error:
+    except (ControlError, ApiError, AdmissionError) as error:
         raise cli.UserError(str(error)) from None
     except KeyboardInterrupt:
         cli._say("interrupted: the peers go on with the plan they have")
@@ -267,14 +301,82 @@ def run_coordinator(args: argparse.Namespace) -> int:
     return 0
 
 
+DURATION_UNITS_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def run_invite(args: argparse.Namespace) -> int:
+    cli = _cli()
+    from hetpeer.protocol.admission import mint_token
+    from hetpeer.protocol.control import ControlError, load_or_create_key
+
+    text = args.expires.strip()
+    try:
+        seconds = float(text[:-1]) * DURATION_UNITS_S[text[-1]]
+    except (KeyError, ValueError, IndexError):
+        raise cli.UserError(f"--expires must be a number with s, m, h or d (like 12h), got {args.expires!r}") from None
+    if not 0 < seconds < 10 * 365 * 86400:
+        raise cli.UserError(f"--expires must be more than nothing and under ten years, got {args.expires!r}")
+    key_path = _home(args.home, f"coordinator-{args.swarm}") / "coordinator.key"
+    if not key_path.exists():  # never make a key here: a token signed by a new key admits no one
+        raise cli.UserError(f"no coordinator key at {key_path}: give the coordinator's --home (it is made when "
+                            "`hetpeer coordinator` first starts)")
+    try:
+        token = mint_token(load_or_create_key(key_path), args.swarm, time.time() + seconds, args.name)
+    except (ControlError, ValueError) as error:
+        raise cli.UserError(str(error)) from None
+    expires = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(time.time() + seconds))
+    print(f"join token for swarm {args.swarm}" + (f", peer name {args.name}" if args.name else "") + f", until {expires}:",
+          file=sys.stderr)
+    print(token)
+    return 0
+
+
+def _admission(words: list[str]) -> dict:
+    """CoordinatorConfig's admission fields from `--admission MODE [FILE]`."""
+    mode, rest = words[0], words[1:]
+    if mode == "allowlist" and len(rest) == 1:
+        return {"admission": mode, "allowlist": Path(rest[0])}
+    if mode in ("open", "token") and not rest:
+        return {"admission": mode}
+    raise _cli().UserError(f"--admission takes 'open', 'allowlist FILE' or 'token', got {' '.join(words)!r}")
+
+
+def _api_tls(args: argparse.Namespace):
+    """The coordinator API's `ServerTls` from --tls-cert and --tls-key (both or neither), checked; a warning
+    when the API is served beyond this host without it."""
+    cli = _cli()
+    from hetpeer.coordinator.api import ApiTlsError, ServerTls
+
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise cli.UserError("give --tls-cert and --tls-key together (the API's certificate and its key), or neither")
+    if args.tls_cert is None:
+        host = args.api.rsplit(":", 1)[0].strip("[]")
+        if args.api != "off" and host not in ("localhost", "127.0.0.1", "::1"):
+            cli._say(f"warning: the API on {args.api} is served without TLS: anyone who reaches it reads the swarm's "
+                     "plan and peers, unencrypted (give --tls-cert and --tls-key)")
+        return None
+    if args.api == "off":
+        raise cli.UserError("--tls-cert and --tls-key secure the API: leave them out with --api off")
+    try:
+        return ServerTls.load(args.tls_cert, args.tls_key)
+    except ApiTlsError as error:
+        raise cli.UserError(str(error)) from None
+
+
 def run_status(args: argparse.Namespace) -> int:
-    from hetpeer.coordinator.api import ApiClient, ApiError, render_status, status_json
+    cli = _cli()
+    # before grpc loads: its own log lines (a failed TLS handshake, say) would follow the one line of error
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    from hetpeer.coordinator.api import ApiClient, ApiError, ApiTlsError, ClientTls, render_status, status_json
 
     try:
-        with ApiClient(args.api, timeout_s=args.timeout) as client:
+        tls = ClientTls.load(args.tls_ca) if args.tls_ca is not None else None
+        with ApiClient(args.api, timeout_s=args.timeout, tls=tls) as client:
             plan, plan_time = client.call_get_plan()
             peers = client.call_list_peers()
             progress = client.call_get_progress()
+    except ApiTlsError as error:  # the flags do not fit the server or the files: the user's to fix
+        raise cli.UserError(str(error)) from None
     except ApiError as error:
         print(f"hetpeer status: {error}", file=sys.stderr)
         return 1

@@ -3,18 +3,29 @@
 `ApiServer` serves whatever `get_view()` returns (the coordinator's latest read of the DHT); it holds
 no state of its own. `ApiClient` is what `hetpeer status --api HOST:PORT` uses; it parses every reply
 as strictly as a peer parses a DHT record, and turns every failure into one `ApiError` line.
+
+The API is read-only and binds 127.0.0.1 unless told otherwise. Given a certificate and its key
+(`ServerTls`) it serves TLS only; a client then trusts the certificate it is given (`ClientTls`, often
+the server's own self-signed one). Both check their files when they load them, so a certificate that
+does not parse or a key that is not the certificate's is one clear `ApiTlsError`, not a failed bind.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 from collections import Counter
 from concurrent import futures
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import grpc
+from google.protobuf.message import DecodeError
+from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
 
 from hetpeer import logline
 from hetpeer.protocol import swarm_pb2, swarm_pb2_grpc
@@ -26,6 +37,74 @@ from hetpeer.protocol.wire import SchemaError
 
 class ApiError(RuntimeError):
     """The API could not be served or reached, or it answered something that does not parse."""
+
+
+class ApiTlsError(ApiError):
+    """TLS set up wrong at either end: files that do not read, parse or match, or a client and a server
+    that do not agree (one speaks TLS, the other not; a certificate the client does not trust)."""
+
+
+def _read(path: Path, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as error:
+        raise ApiTlsError(f"cannot read the {what} {path}: {error.strerror or error}") from None
+
+
+def _certificate(pem: bytes, path: Path, what: str) -> x509.Certificate:
+    """The file's first certificate (the server's own, or the CA to trust), valid now."""
+    try:
+        certificate = x509.load_pem_x509_certificates(pem)[0]
+    except ValueError:
+        raise ApiTlsError(f"the {what} {path} holds no PEM certificate") from None
+    now = datetime.datetime.now(datetime.timezone.utc)
+    if not certificate.not_valid_before_utc <= now <= certificate.not_valid_after_utc:
+        raise ApiTlsError(
+            f"the {what} {path} is valid from {certificate.not_valid_before_utc:%Y-%m-%d %H:%M} to "
+            f"{certificate.not_valid_after_utc:%Y-%m-%d %H:%M} UTC, not now"
+        )
+    return certificate
+
+
+def _public_der(key: Any) -> bytes:
+    return key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerTls:
+    """The API's certificate (PEM, the server's first, then any chain) and its private key (PEM, unencrypted)."""
+
+    cert_pem: bytes
+    key_pem: bytes
+
+    @classmethod
+    def load(cls, cert_path: Path, key_path: Path) -> "ServerTls":
+        """Read and check them: ApiTlsError naming the file that does not read or parse, is out of its
+        validity, or does not match the other."""
+        cert_pem, key_pem = _read(cert_path, "TLS certificate"), _read(key_path, "TLS key")
+        certificate = _certificate(cert_pem, cert_path, "TLS certificate")
+        try:
+            key = serialization.load_pem_private_key(key_pem, password=None)
+        except TypeError:
+            raise ApiTlsError(f"the TLS key {key_path} is encrypted: give it without a passphrase") from None
+        except (ValueError, UnsupportedAlgorithm):
+            raise ApiTlsError(f"the TLS key {key_path} holds no PEM private key") from None
+        if _public_der(key.public_key()) != _public_der(certificate.public_key()):
+            raise ApiTlsError(f"the TLS key {key_path} is not the key of the certificate {cert_path}")
+        return cls(cert_pem, key_pem)
+
+
+@dataclass(frozen=True, slots=True)
+class ClientTls:
+    """The certificates (PEM) a client trusts: the server's own self-signed one, or the CA that signed it."""
+
+    ca_pem: bytes
+
+    @classmethod
+    def load(cls, ca_path: Path) -> "ClientTls":
+        ca_pem = _read(ca_path, "TLS CA certificate")
+        _certificate(ca_pem, ca_path, "TLS CA certificate")
+        return cls(ca_pem)
 
 
 @dataclass(frozen=True)
@@ -89,18 +168,37 @@ def progress(view: SwarmView) -> Progress:
     )
 
 
-class _Servicer(swarm_pb2_grpc.CoordinatorServicer):
-    def __init__(self, api: "ApiServer") -> None:
-        self.GetPlan = api.rpc_get_plan
-        self.ListPeers = api.rpc_list_peers
-        self.GetProgress = api.rpc_get_progress
+def _handlers(api: "ApiServer") -> grpc.GenericRpcHandler:
+    """The service's methods, each parsing its own request: grpcio (1.85) keeps memory for every request its
+    own deserializer refuses (about 17 KB each, grpc/grpc#36908), so anyone reaching the port could grow the
+    coordinator without end. Parsed here, a malformed request is answered INVALID_ARGUMENT and forgotten."""
+
+    def method(handler: Callable, request_type: Any, reply_type: Any) -> grpc.RpcMethodHandler:
+        def parse_and_call(raw: bytes, context: Any) -> Any:
+            try:
+                request = request_type.FromString(raw)
+            except DecodeError:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"not a {request_type.DESCRIPTOR.name}")
+            return handler(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(parse_and_call, request_deserializer=None,
+                                                   response_serializer=reply_type.SerializeToString)
+
+    return grpc.method_handlers_generic_handler("hetpeer.Coordinator", {
+        "GetPlan": method(api.rpc_get_plan, swarm_pb2.GetPlanRequest, swarm_pb2.GetPlanReply),
+        "ListPeers": method(api.rpc_list_peers, swarm_pb2.ListPeersRequest, swarm_pb2.ListPeersReply),
+        "GetProgress": method(api.rpc_get_progress, swarm_pb2.GetProgressRequest, swarm_pb2.GetProgressReply),
+    })
 
 
 class ApiServer:
-    def __init__(self, get_view: Callable[[], SwarmView], listen: str = "127.0.0.1:0", workers: int = 4) -> None:
+    def __init__(
+        self, get_view: Callable[[], SwarmView], listen: str = "127.0.0.1:0", workers: int = 4, tls: ServerTls | None = None
+    ) -> None:
         self.get_view = get_view
         self.listen = listen
         self.workers = workers
+        self.tls = tls
         self._server: grpc.Server | None = None
         self._port: int | None = None
 
@@ -109,9 +207,13 @@ class ApiServer:
             raise ApiError("the coordinator API is already started")
         # No SO_REUSEPORT: a second coordinator on the same port must fail, not share its clients.
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=self.workers), options=[("grpc.so_reuseport", 0)])
-        swarm_pb2_grpc.add_CoordinatorServicer_to_server(_Servicer(self), server)
+        server.add_generic_rpc_handlers((_handlers(self),))
         try:
-            port = server.add_insecure_port(self.listen)
+            if self.tls is None:
+                port = server.add_insecure_port(self.listen)
+            else:
+                credentials = grpc.ssl_server_credentials([(self.tls.key_pem, self.tls.cert_pem)])
+                port = server.add_secure_port(self.listen, credentials)
         except RuntimeError:  # grpcio raises on a failed bind; older releases returned 0
             port = 0
         if not port:
@@ -249,10 +351,16 @@ def _peer_from_pb(pb: swarm_pb2.Peer) -> PeerStatus:
 
 
 class ApiClient:
-    def __init__(self, address: str, timeout_s: float = 5.0) -> None:
+    """A client of the API at `address`; over TLS, trusting `tls.ca_pem`, when given `tls`."""
+
+    def __init__(self, address: str, timeout_s: float = 5.0, tls: ClientTls | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(address)
+        self.tls = tls
+        if tls is None:
+            self._channel = grpc.insecure_channel(address)
+        else:
+            self._channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=tls.ca_pem))
         self._stub = swarm_pb2_grpc.CoordinatorStub(self._channel)
 
     def __enter__(self) -> "ApiClient":
@@ -268,9 +376,36 @@ class ApiClient:
         try:
             return method(request, timeout=self.timeout_s)
         except grpc.RpcError as error:
-            raise ApiError(self._explain(error)) from None
+            mismatch = self._tls_mismatch(error)
+            raise mismatch if mismatch is not None else ApiError(self._explain(error)) from None
         except ValueError as error:  # grpc refuses some malformed targets before dialling
             raise ApiError(f"cannot reach the coordinator API at {self.address}: {error}") from None
+
+    def _tls_mismatch(self, error: grpc.RpcError) -> ApiTlsError | None:
+        """The failure as the TLS disagreement it shows, or None. grpc tells only in the text of its details."""
+        if not hasattr(error, "code") or error.code() != grpc.StatusCode.UNAVAILABLE:
+            return None
+        details = " ".join(str(error.details() if hasattr(error, "details") else error).split())
+        at, lower = f"the coordinator API at {self.address}", details.lower()
+        if self.tls is None:
+            # a TLS server closes a connection that does not open with a TLS handshake
+            if "socket closed" in lower or "connection reset" in lower:
+                return ApiTlsError(f"{at} closed the connection unanswered: does it serve TLS? Then give --tls-ca with "
+                                   "its certificate")
+            return None
+        if "wrong_version_number" in lower or "wrong version number" in lower:
+            return ApiTlsError(f"{at} does not speak TLS: leave out --tls-ca")
+        if "certificate_verify_failed" in lower:
+            reason = lower.rsplit("certificate_verify_failed", 1)[1].strip(" :").removesuffix(": ok").strip(" :")
+            return ApiTlsError(
+                f"{at} presented a certificate the --tls-ca certificates do not vouch for ({reason or 'verify failed'})"
+            )
+        if "hostname verification" in lower or "not in peer certificate" in lower:
+            host = self.address.rsplit(":", 1)[0]
+            return ApiTlsError(f"{at} presented a certificate that does not name {host}: dial a name or address it lists")
+        if "handshake" in lower:
+            return ApiTlsError(f"{at}: the TLS handshake failed: {details}")
+        return None
 
     def _explain(self, error: grpc.RpcError) -> str:
         code = error.code() if hasattr(error, "code") else None

@@ -19,9 +19,10 @@ from typing import Callable
 
 import numpy as np
 
-from hetpeer.coordinator import policy
-from hetpeer.coordinator.api import ApiServer, SwarmView
+from hetpeer.coordinator import gate, policy
+from hetpeer.coordinator.api import ApiServer, ServerTls, SwarmView
 from hetpeer.coordinator.planner import PlannerConfig, PlanningError, solve
+from hetpeer.protocol.admission import AdmissionError, Allowlist
 from hetpeer.protocol.control import ControlPlane, key_digest
 from hetpeer.protocol.join import JoinInfo
 from hetpeer.protocol.plan import Plan, StagePlan
@@ -39,6 +40,7 @@ class CoordinatorConfig:
     dht_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
     dht_announce: tuple[str, ...] = ()  # DHT multiaddrs peers should dial, when they differ from dht_maddrs
     api_listen: str | None = "127.0.0.1:0"  # None: no gRPC API
+    api_tls: ServerTls | None = None  # the API's certificate and key: serve it over TLS
     model: ModelSpec = PRESETS["tiny"]  # a preset, or a model folder's spec (`workload.load_model`)
     batch: int = 16
     micro_batch: int = 2
@@ -57,9 +59,17 @@ class CoordinatorConfig:
     join_file: Path | None = None  # where to write what peers need to join (`hetpeer join --join-file`)
     eval_every: int = 0  # plans ask every lane for its validation loss at the steps divisible by this (0: never)
     eval_batch: int = 8  # held-out sequences per lane for it
+    admission: str = "open"  # who may be planned: open, allowlist (of `allowlist`) or token (`hetpeer invite`)
+    allowlist: Path | None = None  # read again whenever it changes
+    ban_period_s: float = 300.0  # the first ban of a peer its group reports; doubles on each repeat; 0: no bans
 
     def __post_init__(self) -> None:
         self.workload  # a ValueError naming what does not fit
+        if self.admission not in gate.ADMISSIONS or (self.admission == "allowlist") != (self.allowlist is not None):
+            raise ValueError(f"admission must be one of {', '.join(gate.ADMISSIONS)}, with an allow-list file exactly "
+                             f"for 'allowlist'; got {self.admission!r} and {self.allowlist}")
+        if not self.ban_period_s >= 0:
+            raise ValueError(f"ban period must be a non-negative number of seconds, got {self.ban_period_s}")
         if not self.heartbeat_s > 0 or not self.replan_interval_s > 0 or not self.time_budget_s > 0:
             raise ValueError("heartbeat, re-plan interval and time budget must be positive")
         if self.steps is not None and self.steps < 1:
@@ -99,6 +109,10 @@ class Coordinator:
         self.last_publish = 0.0
         self._logged: set[tuple[str, str]] = set()
         self._rng = np.random.default_rng(config.seed)
+        self.admission = gate.Admission()
+        self._allowlist_mtime: float | None = None
+        self.bans: dict[str, gate.Ban] = {}  # kept while the coordinator runs; a restart forgives
+        self.refused: dict[str, str] = {}  # peers left out of plans this round, and why
 
     @property
     def key(self) -> str:
@@ -106,15 +120,20 @@ class Coordinator:
 
     # -- life cycle ---------------------------------------------------------------------------------
     def start(self) -> "Coordinator":
+        self._read_allowlist()  # before anything starts: a bad file is an error naming its line
         self.control.start()
+        if self.config.admission == "token":
+            self.admission = gate.Admission("token", coordinator_key=self.control.public_key, swarm=self.config.swarm)
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner")
         if self.config.api_listen is not None:
-            self.api = ApiServer(lambda: self.view, self.config.api_listen)
+            self.api = ApiServer(lambda: self.view, self.config.api_listen, tls=self.config.api_tls)
             self.api.start()
         self.view = replace(self.view, coordinator_key=self.key)
         self.last_solve = self.control.now()  # a (re)started coordinator waits a full interval before a periodic re-solve
         self.report(f"coordinator of swarm {self.config.swarm}; its key (give peers --coordinator-key): {self.key}")
         self.report(f"DHT: {' '.join(self.control.visible_maddrs())}")
+        self.report(f"admission: {self._admission_words()}; bans "
+                    + (f"of {self.config.ban_period_s:g} s on a group's report" if self.config.ban_period_s else "off"))
         if self.api is not None:
             self.report(f"API: {self.api.address} (hetpeer status --api {self.api.address})")
         if self.config.join_file is not None:
@@ -167,6 +186,7 @@ class Coordinator:
             del self.first_seen[d]
         self.considered &= set(live)  # one that left and came back is a newcomer again
         self._read_running_plan()
+        live = self._gate(live, now)
         self.view = SwarmView(config.swarm, self.key, self.plan, self.plan_time, ours, len(dropped), now)
         if self.plan is not None:
             self.reached = max(self.reached, policy.furthest_step(self.plan, ours))
@@ -188,6 +208,51 @@ class Coordinator:
             self._solve_and_publish(decision, live, ours)
         elif self.plan is not None and now - self.last_publish > config.plan_ttl_s / 3:
             self._publish(self.plan, "kept alive")
+
+    def _gate(self, live: dict[str, PeerRecord], now: float) -> dict[str, PeerRecord]:
+        """The live peers the planner may use: admitted and not banned (bans judged from the records first)."""
+        self._read_allowlist()
+        self.bans, news = gate.judge(self.plan, live, self.bans, now, self.config.ban_period_s)
+        for line in news:
+            self.report(line)
+        kept, self.refused = gate.plannable(live, self.admission, self.bans, now)
+        for device, why in self.refused.items():
+            if device not in self.bans or self.bans[device].until <= now:  # a ban was said when it began
+                self._log_once(device, f"left {device} out of plans: {why}")
+        return kept
+
+    def _read_allowlist(self) -> None:
+        """(Re)read the allow-list when its file changed; a file that no longer parses keeps the last good list."""
+        path = self.config.allowlist
+        if path is None:
+            return
+        try:
+            mtime = path.stat().st_mtime
+        except OSError as error:
+            if self._allowlist_mtime is None:
+                raise AdmissionError(f"cannot read allow-list {path}: {error.strerror}") from None
+            self._log_once("allowlist", f"cannot read allow-list {path} ({error.strerror}): keeping the last one read")
+            return
+        if mtime == self._allowlist_mtime:
+            return
+        try:
+            allowlist = Allowlist.read(path)
+        except AdmissionError as error:
+            if self._allowlist_mtime is None:
+                raise
+            self._log_once("allowlist", f"{error}: keeping the last allow-list read")
+            return
+        first = self._allowlist_mtime is None
+        self.admission, self._allowlist_mtime = gate.Admission("allowlist", allowlist=allowlist), mtime
+        if not first:
+            self.report(f"read allow-list {path} again: {self._admission_words()}")
+
+    def _admission_words(self) -> str:
+        admission = self.admission
+        if admission.mode == "allowlist":
+            return (f"peers on allow-list {self.config.allowlist} ({len(admission.allowlist.devices)} device id(s), "
+                    f"{len(admission.allowlist.fingerprints)} key fingerprint(s))")
+        return "peers with a join token of this coordinator (hetpeer invite)" if admission.mode == "token" else "open to every peer"
 
     def _read_running_plan(self) -> None:
         plans, dropped = self.control.read_plans()

@@ -38,14 +38,16 @@ from hetpeer.peer.data.corpus import Corpus, open_corpus
 from hetpeer.peer.gossip.state import StateDownloadError, StateServer
 from hetpeer.peer.measure import LinkHistory, LinkProber, MachineProfile, describe_links, pick_targets, profile_machine
 from hetpeer.peer.node import format_step
-from hetpeer.peer.pipeline.worker import StageWorker, WorkerConfig
+from hetpeer.peer.pipeline.worker import STALE_STEPS, StageWorker, WorkerConfig
+from hetpeer.peer.suspects import Suspicion
 from hetpeer.peer.transport.inbox import Interrupted, Late, PeerUnreachable, TransportError, TransportTimeout
-from hetpeer.peer.transport.network import Emulation, NetworkTransport, TcpLink
+from hetpeer.peer.transport.links import LinkIdentity, TcpLink
+from hetpeer.peer.transport.network import Emulation, NetworkTransport
 from hetpeer.protocol.addresses import AddressBook
 from hetpeer.protocol.control import ControlPlane, key_digest
 from hetpeer.protocol.frame import FrameHeader
 from hetpeer.protocol.plan import Plan
-from hetpeer.protocol.records import TTL_HEARTBEATS, PeerRecord, device_id
+from hetpeer.protocol.records import DEVICE_RE, TTL_HEARTBEATS, PeerRecord, device_id
 from hetpeer.protocol.workload import PRESETS, ModelSpec, Workload
 
 log = logging.getLogger("hetpeer.peer")
@@ -82,6 +84,7 @@ class SwarmPeerConfig:
     probe_s: float = 1.0  # seconds of the compute probe
     save: Path | None = None  # folder for this peer's stage checkpoints (DEVICE.safetensors)
     save_every: int | None = None  # steps between checkpoints (and when it leaves); None: only when it leaves
+    token: str | None = None  # a join token from the swarm's organizer (`hetpeer invite`), for swarms that need one
 
     def __post_init__(self) -> None:
         if len(self.coordinator_key) != 64 or not all(c in "0123456789abcdef" for c in self.coordinator_key):
@@ -214,6 +217,8 @@ class SwarmPeer:
         self.checkpoint: StageCheckpoint | None = None  # its own stage checkpoint, offered until a plan uses it
         self._profiled_at = 0.0
         self._rng = numpy.random.default_rng()
+        self.suspicion = Suspicion()
+        self.suspects: tuple[str, ...] = ()  # what this peer reports, as of its last record
 
     # -- life cycle ---------------------------------------------------------------------------------
     def start(self) -> "SwarmPeer":
@@ -224,7 +229,8 @@ class SwarmPeer:
         self.device_id = device_id(config.name, self.control.public_key)
         host, port = config.listen
         self.transport = NetworkTransport(
-            self.device_id, AddressBook({}), [TcpLink(host, port, advertise_host=config.announce_host)],
+            self.device_id, AddressBook({}),
+            [TcpLink(host, port, advertise_host=config.announce_host, identity=LinkIdentity(self.device_id, self.control.private_key))],
             connect_timeout_s=min(10.0, config.worker.timeout_s), emulation=config.emulation,
         )
         self.transport.start()
@@ -267,7 +273,7 @@ class SwarmPeer:
             self._set(state="leaving")
             try:
                 # as long-lived as any record: the coordinator reads its last step after this peer is gone
-                self.control.announce(self._record(), ttl_s=TTL_HEARTBEATS * self.config.heartbeat_s)
+                self.control.announce(self._record(), ttl_s=TTL_HEARTBEATS * self.config.heartbeat_s, timeout_s=10.0)
             except Exception as error:  # leaving must not fail on a DHT hiccup
                 log.info("%s: could not announce leaving: %s", self.device_id, error)
         if self.transport is not None:
@@ -439,28 +445,34 @@ class SwarmPeer:
 
     def _fill(self, worker: StageWorker, old: StageWorker | None, layers: tuple[int, int], epoch: int) -> str:
         """Put the stage's parameters and optimizer state in `worker`: its own checkpoint of exactly this stage
-        (a swarm resuming after every peer stopped), the old worker's when it held the same layers, else what
-        the old one held of them and the rest downloaded from the peers that announce them; how, in words."""
+        (a swarm resuming after every peer stopped), the old worker's when it held the same layers lately, else
+        what the old one held of them (unless that copy is `STALE_STEPS` behind the plan: a peer back from
+        standby) and the rest downloaded from the peers that announce them; how, in words."""
         how = f"the model folder's weights ({worker.loaded_bytes / 2**20:.1f} MiB read)" if worker.loaded_bytes else "fresh weights"
-        overlaps = old is not None and old.layers[0] < layers[1] and layers[0] < old.layers[1]
+        stale = old is not None and worker.plan.start_step - old.step >= STALE_STEPS  # a standby copy, say
+        overlaps = old is not None and old.layers[0] < layers[1] and layers[0] < old.layers[1] and not stale
         if old is None and self.checkpoint is not None and self.checkpoint.layers == layers:
             checkpoint, self.checkpoint = self.checkpoint, None
             worker.restore(checkpoint.path)
             worker.step = worker.sync.step = worker.plan.start_step  # the plan resumes at the newest checkpoint's step
             how = f"resumed from its checkpoint (step {checkpoint.step}, plan epoch {checkpoint.epoch})"
-        elif old is not None and old.param_range == worker.param_range:
+        elif old is not None and old.param_range == worker.param_range and (not stale or not self._donors(layers)):
             with old.sync.lock:
                 for mine, theirs in zip(worker.sync.state_tensors(), old.sync.state_tensors()):
                     mine.copy_(theirs)
                 worker.sync.state.step = old.sync.state.step
             how = "kept its weights"
-        else:
-            with self.lock:
-                donors = donors_for(self.records, layers, self.device_id)
+        else:  # a stage it did not hold, or held so long ago (on standby, say) that its copy is stale
+            donors = self._donors(layers)
             if donors or overlaps:
                 self._set(state="fetching", epoch=epoch, layers=layers)
                 try:
-                    download = worker.fetch_state(donors, enter_at=worker.plan.start_step)
+                    try:
+                        download = worker.fetch_state(donors, enter_at=worker.plan.start_step, keep_own=not stale)
+                    except StateDownloadError:
+                        if not stale:
+                            raise
+                        download = worker.fetch_state(donors, enter_at=worker.plan.start_step)  # stale beats fresh
                     how = (f"downloaded {download.bytes / 2**20:.1f} MiB of state in {download.chunks} chunk(s) from "
                            f"{', '.join(download.donors) or 'no one'} in {download.seconds:.2f} s")
                     if download.kept:
@@ -468,6 +480,10 @@ class SwarmPeer:
                 except StateDownloadError as error:
                     how = f"{how} ({error})"
         return how
+
+    def _donors(self, layers: tuple[int, int]) -> list[str]:
+        with self.lock:
+            return donors_for(self.records, layers, self.device_id)
 
     def _corpus_for(self, stage: int) -> Corpus | None:
         if stage != 0:
@@ -529,6 +545,7 @@ class SwarmPeer:
         status, machine = self.status, self.machine
         with self.lock:
             links = self.links.current()
+        self._suspect()
         return PeerRecord(
             device_id=self.device_id,
             model=self.spec.name,
@@ -549,8 +566,22 @@ class SwarmPeer:
             achieved_tflops=status.achieved_tflops,
             links=links,
             dht=self.control.dialable_maddrs(),
+            token=self.config.token,
+            suspects=self.suspects,
             software=f"hetpeer {__version__}",
         )
+
+    def _suspect(self) -> None:
+        """Update the peers this peer reports (`suspects.py`); say so when one is reported first."""
+        worker = self.worker
+        streaks = worker.sync.outliers(worker.sync.step) if worker is not None else {}
+        misbehaving = {d: n for d, n in self.transport.inbox.misbehaving.items() if DEVICE_RE.match(d) and d != self.device_id}
+        suspects = self.suspicion.update(misbehaving, streaks, time.monotonic())
+        for device in set(suspects) - set(self.suspects):
+            clipped = streaks.get(device, 0)
+            self.report(f"reports {device} as misbehaving: " + (f"its parameters far past the clipping bound {clipped} rounds in a row"
+                        if clipped else f"{self.transport.inbox.misbehaving[device]} frame(s) refused so far"))
+        self.suspects = suspects
 
     def _set(self, **changes) -> None:
         with self.lock:

@@ -17,6 +17,10 @@ frame's size and round trip, and no more beside than the prober had on its way o
 whose receiver could not time it (the P2P path delivers a frame whole; a frame that came in one burst)
 counts by its round trip beyond the fastest ping.
 
+A peer answers any one prober within `ProbeLimits` (probe frames and their bytes, per second and at
+once): far above what a measurement a round needs, far below what would let one peer keep another's
+link or receiving loop busy.
+
 A probe id (the frame's `step` field) is unique in the process, so probes of several peers at once never
 mix. Each measurement is bounded in bytes (`budget_bytes`) and in time (`budget_s`): a small pilot frame
 first estimates the link, and the main data frames are sized to what the link carries in `FRAME_S` (and
@@ -46,12 +50,13 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy
 import torch
 
 from hetpeer.peer.probe import block_tflops
+from hetpeer.peer.ratelimit import Rate, TokenBuckets, in_bytes, refusal
 from hetpeer.peer.transport.base import Transport
 from hetpeer.peer.transport.inbox import Late, PeerUnreachable, TransportError
 from hetpeer.protocol.frame import FrameHeader
@@ -210,16 +215,42 @@ def cgroup_free_bytes(root: Path = Path("/sys/fs/cgroup")) -> int | None:
     return None
 
 
+@dataclass(frozen=True, slots=True)
+class ProbeLimits:
+    """What one peer may make this one answer. A measurement sends `pings` + 1 + `DATA_SAMPLES` probe
+    frames (7 by default) carrying at most (1 + `DATA_SAMPLES`) x `max_probe_bytes` (the most this peer
+    takes in a frame), and a peer measures each target once a round, every `probe_every` heartbeats (10 s
+    by default). So the defaults allow nine measurements back to back and two a second, sustained: 16
+    frames a second, 64 at once; and the bytes of one of the largest measurements a second, four at once."""
+
+    frames: Rate = Rate(per_s=16.0, burst=64.0)
+    measurements_per_s: float = 1.0
+    burst_measurements: float = 4.0
+
+    def __post_init__(self) -> None:
+        if not (0 < self.measurements_per_s < math.inf and 0 < self.burst_measurements < math.inf):
+            raise ValueError(f"probe limits need positive, finite measurements, got {self}")
+
+    def bytes_rate(self, max_probe_bytes: int) -> Rate:
+        largest = (1 + DATA_SAMPLES) * max_probe_bytes
+        return Rate(self.measurements_per_s * largest, self.burst_measurements * largest)
+
+
 class LinkProber:
-    """Answers other peers' probes and measures links to them, over `transport`.
+    """Answers other peers' probes (within `limits` per sender) and measures links to them, over `transport`.
 
     Probe frames are served on the transport thread (an inbox handler): requests are answered at once,
     replies wake the `measure` waiting for them. `accept` is the frame policy for kind "probe"."""
 
-    def __init__(self, transport: Transport, device_id: str, max_probe_bytes: int = 1 << 20) -> None:
+    def __init__(
+        self, transport: Transport, device_id: str, max_probe_bytes: int = 1 << 20, limits: ProbeLimits = ProbeLimits(),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if max_probe_bytes < 4:
             raise ValueError(f"max_probe_bytes must allow one float32 (4 bytes), got {max_probe_bytes}")
         self.transport, self.device_id, self.max_probe_bytes = transport, device_id, max_probe_bytes
+        self.frames = TokenBuckets(limits.frames, clock)  # probe requests per sender
+        self.received = TokenBuckets(limits.bytes_rate(max_probe_bytes), clock)  # their payload bytes per sender
         self._replies: dict[tuple[str, int, int], torch.Tensor | None] = {}  # (peer, probe id, micro) awaited
         self._arrived = threading.Condition()
 
@@ -250,7 +281,15 @@ class LinkProber:
                     issued = header.step < _peek_probe_id()
                 # a reply after its probe gave up is no one's fault; one to a probe never sent is
                 return Late("reply after its probe gave up") if issued else "reply to a probe never sent"
-        return None
+            return None
+        frames, received = self.frames.rate, self.received.rate
+        refused = refusal(self.frames.take(header.sender),
+                          f"over {frames.burst:.0f} probes at once or {frames.per_s:.3g} a second from {header.sender}")
+        if refused is None:
+            refused = refusal(self.received.take(header.sender, header.payload_bytes),
+                              f"over {in_bytes(received.burst)} of probes at once or {in_bytes(received.per_s)}/s "
+                              f"from {header.sender}")
+        return refused
 
     def measure(self, peer: str, budget_bytes: int = 1 << 20, budget_s: float = 2.0, pings: int = 3) -> LinkMeasurement:
         """Latency and bandwidth from this peer to `peer`, spending at most `budget_bytes` of probe data

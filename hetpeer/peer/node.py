@@ -18,7 +18,8 @@ from hetpeer.peer.data.corpus import open_corpus
 from hetpeer.peer.pipeline.schedule import in_flight
 from hetpeer.peer.pipeline.worker import StageWorker, StepResult, WorkerConfig, model_for
 from hetpeer.peer.probe import peak_resident_bytes, resident_bytes
-from hetpeer.peer.transport.network import Emulation, Link, NetworkTransport, P2PLink, TcpLink
+from hetpeer.peer.transport.links import Link, P2PLink, TcpLink
+from hetpeer.peer.transport.network import Emulation, NetworkTransport
 from hetpeer.protocol.addresses import LINK_CHOICES, AddressBook
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.workload import STATE_BYTES_PER_PARAM, Workload

@@ -107,6 +107,7 @@ def peer_maddrs(raw: Any, path: str) -> tuple[str, ...]:
 def _host_port(raw: Any, path: str) -> tuple[str, int]:
     text = need_str(raw, path)
     host, sep, port = text.rpartition(":")
+    host = host.strip("[]")  # [IPv6]:PORT
     if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
         raise SchemaError(path, f"must be HOST:PORT with a port in 1..65535, got {text!r}")
-    return host.strip("[]"), int(port)
+    return host, int(port)

@@ -15,6 +15,7 @@ no other node for `ISOLATED_ROUNDS` rounds.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import logging
@@ -269,8 +270,16 @@ class ControlPlane:
         return get_dht_time()
 
     # -- writes -------------------------------------------------------------------------------------
-    def announce(self, record: PeerRecord, ttl_s: float) -> bool:
-        return bool(self.dht.store(peers_key(self.swarm), record.to_wire(), self.now() + ttl_s, subkey=self.owner, beam_size=BEAM))
+    def announce(self, record: PeerRecord, ttl_s: float, timeout_s: float | None = None) -> bool:
+        """Store this participant's record; with `timeout_s`, give up (False) after that long: a DHT process
+        that died (Ctrl+C reaches it too) would otherwise hold a peer that is leaving forever."""
+        stored = self.dht.store(peers_key(self.swarm), record.to_wire(), self.now() + ttl_s, subkey=self.owner,
+                                beam_size=BEAM, return_future=True)
+        try:
+            return bool(stored.result(timeout_s))
+        except concurrent.futures.TimeoutError:
+            stored.cancel()
+            return False
 
     def publish_plan(self, plan: Plan, ttl_s: float) -> bool:
         now = self.now()

@@ -5,7 +5,7 @@ A frame is a prefix, a header and a payload:
     prefix   b"HPF1" + uint32 header length (little-endian)
     header   uint8 version, kind, dtype, codec, ndim; uint32 epoch; uint64 step; uint32 micro-batch;
              uint64 payload bytes; uint64 XXH3-64 checksum of the payload; ndim x uint32 shape;
-             uint8 sender length + the sender's device id in UTF-8
+             uint8 sender length + the sender's device id in UTF-8; zero bytes up to a multiple of 64
     payload  the tensor's bytes in the codec's layout (see `payload_bytes`)
 
 `dtype` and `shape` describe the tensor the receiver rebuilds; `codec` how it was squeezed on the wire:
@@ -14,7 +14,10 @@ block of 64 consecutive elements, then one signed byte per element). The payload
 dtype, shape and codec, so a receiver knows before reading a byte of payload whether a frame is
 well-formed and within its size limit. The checksum is XXH3-64 rather than CRC-32: it runs at about
 18 GB/s against CRC-32's 3.5 GB/s on this project's CI machine, so checking costs a few percent of a
-loopback transfer instead of most of it.
+loopback transfer instead of most of it. The zero padding starts every payload at a multiple of 64
+bytes in the stream: a receiver copying from the kernel into its (page-aligned) buffer then copies
+aligned memory, which on this project's CI machine moved 64 MB 1.3 to 1.6x faster than a payload at an
+odd offset (a header's length depends on the sender's device id).
 """
 
 from __future__ import annotations
@@ -24,12 +27,13 @@ import struct
 from dataclasses import dataclass
 
 MAGIC = b"HPF1"
-FRAME_VERSION = 1
+FRAME_VERSION = 2  # 2: the header is padded so the payload starts aligned
 PREFIX = struct.Struct("<4sI")
 _FIXED = struct.Struct("<BBBBBIQIQQ")
 MAX_HEADER_BYTES = 512
 MAX_NDIM = 8
 MAX_SENDER_BYTES = 128
+ALIGN = 64  # prefix and header together are padded to a multiple of this
 
 # New kinds go at the end: a kind's code is its index here.
 KINDS = ("activation", "gradient", "labels", "params", "probe", "allreduce", "state_request", "state", "tied")
@@ -74,7 +78,13 @@ class FrameHeader:
         sender = self.sender.encode("utf-8")
         if not sender or len(sender) > MAX_SENDER_BYTES:
             raise FrameError(f"sender id must be 1 to {MAX_SENDER_BYTES} bytes, got {len(sender)}")
+        if not self.sender.isprintable():  # it goes into log lines: no line breaks or control characters
+            raise FrameError(f"sender id {self.sender!r} has unprintable characters")
         expected = payload_bytes(self.dtype, self.shape, self.codec)
+        if expected >= 2**64:  # the header's payload field is a uint64
+            raise FrameError(
+                f"{self.dtype}{list(self.shape)} in codec {self.codec} is {expected} bytes, more than a frame can carry"
+            )
         if self.payload_bytes == -1:
             object.__setattr__(self, "payload_bytes", expected)
         elif self.payload_bytes != expected:
@@ -107,6 +117,7 @@ class FrameHeader:
             + bytes([len(sender)])
             + sender
         )
+        body += bytes(-(PREFIX.size + len(body)) % ALIGN)
         return PREFIX.pack(MAGIC, len(body)) + body
 
 
@@ -147,11 +158,11 @@ def decode_header(body: bytes) -> FrameHeader:
     if len(body) < shape_end + 1:
         raise FrameError("header ends inside the shape")
     shape = struct.unpack_from(f"<{ndim}I", body, offset)
-    sender_len = body[shape_end]
-    if len(body) != shape_end + 1 + sender_len:
-        raise FrameError(f"header of {len(body)} bytes does not end after the sender ({shape_end + 1 + sender_len})")
+    sender_end = shape_end + 1 + body[shape_end]
+    if not sender_end <= len(body) < sender_end + ALIGN or any(body[sender_end:]):
+        raise FrameError(f"header of {len(body)} bytes does not end after the sender ({sender_end}) and its zero padding")
     try:
-        sender = body[shape_end + 1 :].decode("utf-8")
+        sender = body[shape_end + 1 : sender_end].decode("utf-8")
     except UnicodeDecodeError:
         raise FrameError("sender id is not UTF-8") from None
     return FrameHeader(

@@ -184,7 +184,12 @@ class Plan:
         for key, value in need_mapping(field(root, "cost", "plan"), "plan.cost").items():
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise SchemaError(f"plan.cost.{key}", f"must be a number, got {value!r}")
-            cost[key] = float(value)
+            try:
+                cost[key] = float(value)
+            except OverflowError:  # an integer past a float's range
+                raise SchemaError(
+                    f"plan.cost.{key}", f"must be a finite number of seconds, got an integer of {value.bit_length()} bits"
+                ) from None
         plan = Plan(
             cost_model=need_str(field(root, "cost_model", "plan"), "plan.cost_model"),
             model=need_str(field(root, "model", "plan"), "plan.model"),

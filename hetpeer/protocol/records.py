@@ -28,7 +28,9 @@ from hetpeer.protocol.addresses import PeerAddress, peer_maddrs
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.wire import SchemaError
 
-PROTOCOL_VERSION = 2  # 2: records carry the DHT multiaddrs of their writer and what its training achieves
+# 2: records carry the DHT multiaddrs of their writer and what its training achieves
+# 3: direct links are authenticated and frames padded; records carry an admission token and the peers suspected
+PROTOCOL_VERSION = 3
 OWNER_RE = re.compile(rb"\[owner:(.+)\]\Z", re.DOTALL)  # \Z, not $: $ also matches before a final newline
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9_]{0,23}\Z")
 STATES = ("probing", "waiting", "fetching", "training", "standby", "leaving")
@@ -36,6 +38,9 @@ MAX_LINKS = 64  # measurements one record carries; a peer probes a handful of ot
 MAX_DHT_MADDRS = 8
 MAX_MADDR_CHARS = 256
 MAX_PLAN_BYTES = 1 << 20
+MAX_SUSPECTS = 16  # peers one record may report as misbehaving
+MAX_TOKEN_CHARS = 1024
+DEVICE_RE = re.compile(r"[a-z0-9][a-z0-9_]{0,23}-[0-9a-f]{12}\Z")
 TTL_HEARTBEATS = 5  # a peer record expires after this many heartbeats without a new one (loaded machines miss some)
 
 
@@ -119,6 +124,8 @@ class PeerSchema(_Strict):
     tokens_per_s: pydantic.StrictFloat
     links: LinksSchema
     time: pydantic.StrictFloat
+    token: Optional[pydantic.StrictStr] = None
+    suspects: List[pydantic.StrictStr] = []
 
 
 class PlanSchema(_Strict):
@@ -162,6 +169,8 @@ class PeerRecord:
     links: Dict[str, LinkMeasurement] = dataclass_field(default_factory=dict)
     achieved_tflops: float | None = None  # what its training steps achieve (FLOPs over compute time), once it trains
     dht: tuple[str, ...] = ()  # where its DHT node listens (/p2p/<id> included): others bootstrap through it
+    token: str | None = None  # the admission token it joined with (`hetpeer invite`), for swarms that need one
+    suspects: tuple[str, ...] = ()  # peers it saw misbehave lately: frames refused, parameters clipped round after round
     software: str = ""
     version: int = PROTOCOL_VERSION
 
@@ -194,11 +203,14 @@ class PeerRecord:
                 "bandwidth_bytes_per_s": [float(self.links[p].bandwidth_bytes_per_s) for p in sorted(self.links)],
             },
             "time": float(self.time),
+            "token": self.token,
+            "suspects": list(self.suspects),
         }
 
     @staticmethod
     def from_wire(raw: Any, signer: bytes, now: float, max_age_s: float) -> "PeerRecord":
         """Parse an announcement written under `signer`'s key; SchemaError names what is wrong."""
+        _an_object(raw, "peer")
         try:
             parsed = PeerSchema.parse_obj(raw)
         except pydantic.ValidationError as error:
@@ -262,6 +274,13 @@ class PeerRecord:
         if len(parsed.dht) > MAX_DHT_MADDRS or any(len(m) > MAX_MADDR_CHARS for m in parsed.dht):
             raise SchemaError("peer.dht", f"at most {MAX_DHT_MADDRS} multiaddrs of at most {MAX_MADDR_CHARS} characters")
         dht = peer_maddrs(parsed.dht, "peer.dht")
+        if parsed.token is not None and not 0 < len(parsed.token) <= MAX_TOKEN_CHARS:
+            raise SchemaError("peer.token", f"must be 1 to {MAX_TOKEN_CHARS} characters, got {len(parsed.token)}")
+        if len(parsed.suspects) > MAX_SUSPECTS or len(set(parsed.suspects)) != len(parsed.suspects):
+            raise SchemaError("peer.suspects", f"at most {MAX_SUSPECTS} different peers, got {len(parsed.suspects)}")
+        for i, suspect in enumerate(parsed.suspects):
+            if not DEVICE_RE.match(suspect) or suspect == parsed.device_id:
+                raise SchemaError(f"peer.suspects[{i}]", f"must be another peer's device id, got {suspect[:64]!r}")
         address = PeerAddress.from_wire(
             {"p2p": parsed.p2p, **({"direct": parsed.direct} if parsed.direct is not None else {})}, "peer.address"
         )
@@ -285,9 +304,18 @@ class PeerRecord:
             links=links,
             achieved_tflops=parsed.achieved_tflops,
             dht=dht,
+            token=parsed.token,
+            suspects=tuple(parsed.suspects),
             software=parsed.software,
             version=parsed.version,
         )
+
+
+def _an_object(raw: Any, what: str) -> None:
+    """SchemaError unless `raw` is a dict with string keys: pydantic's parse_obj would take a list of pairs for
+    one, and fail on other keys with a TypeError."""
+    if not isinstance(raw, dict) or not all(isinstance(key, str) for key in raw):
+        raise SchemaError(what, f"must be an object with string keys, got {type(raw).__name__}")
 
 
 def plan_to_wire(plan: Plan, time: float) -> dict[str, Any]:
@@ -296,6 +324,7 @@ def plan_to_wire(plan: Plan, time: float) -> dict[str, Any]:
 
 def plan_from_wire(raw: Any) -> tuple[Plan, float]:
     """(plan, publication time) from a plan record; SchemaError names what is wrong."""
+    _an_object(raw, "plan_record")
     try:
         parsed = PlanSchema.parse_obj(raw)
     except pydantic.ValidationError as error:

@@ -16,6 +16,7 @@ override region values. Bandwidth is in Gbit/s (1e9 bit/s), latency in milliseco
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Collection, Mapping
 
@@ -200,8 +201,14 @@ def _links(raw: Any, path: str, known: set[str], kind: str) -> dict[tuple[str, s
     for (a, b), forward in given.items():
         backward = given.get((b, a), forward)
         table[(a, b)] = Link(
-            latency_ms=(forward.latency_ms + backward.latency_ms) / 2,
-            bandwidth_gbps=(forward.bandwidth_gbps + backward.bandwidth_gbps) / 2,
+            latency_ms=_mean(forward.latency_ms, backward.latency_ms),
+            bandwidth_gbps=_mean(forward.bandwidth_gbps, backward.bandwidth_gbps),
         )
         table[(b, a)] = table[(a, b)]
     return table
+
+
+def _mean(x: float, y: float) -> float:
+    """The mean of two finite numbers, finite even where their sum is not (values near 1.8e308)."""
+    total = x + y
+    return total / 2 if math.isfinite(total) else x / 2 + y / 2

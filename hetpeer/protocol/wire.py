@@ -15,7 +15,8 @@ class SchemaError(ValueError):
     """A wire value that does not match its schema; `path` says where, the message says why."""
 
     def __init__(self, path: str, message: str) -> None:
-        super().__init__(f"{path}: {message}")
+        # a path holds keys from the document: escaped, so that a key cannot break or forge a log line
+        super().__init__(f"{path if path.isprintable() else repr(path)[1:-1]}: {message}")
         self.path = path
 
 
@@ -52,7 +53,11 @@ def need_int(value: Any, path: str, *, minimum: int | None = None) -> int:
 
 def need_number(value: Any, path: str, *, positive: bool = False) -> float:
     """A finite real number; with `positive` it must be > 0, otherwise >= 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    try:
+        finite = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    except OverflowError:  # an integer past a float's range
+        finite = False
+    if not finite:
         raise SchemaError(path, f"must be a finite number, got {_show(value)}")
     if positive and value <= 0:
         raise SchemaError(path, f"must be positive, got {_show(value)}")
@@ -68,6 +73,6 @@ def field(record: Mapping[str, Any], name: str, path: str) -> Any:
 
 
 def no_extra_fields(record: Mapping[str, Any], allowed: set[str], path: str) -> None:
-    extra = sorted(set(record) - allowed)
+    extra = sorted(set(record) - allowed, key=str)  # keys need not be strings (msgpack), nor of one type
     if extra:
         raise SchemaError(f"{path}.{extra[0]}", f"is not a known field (known: {', '.join(sorted(allowed))})")

@@ -60,6 +60,7 @@ class SwarmConfig:
     save: Path | None = None  # the peers' stage checkpoints: saved when they leave, resumed from when started again
     stall_s: float = 120.0  # give up when the swarm's step has not moved for this long
     coordinator_args: tuple[str, ...] = ()  # more `hetpeer coordinator` options, e.g. ("--stages", "2")
+    peer_args: tuple[str, ...] = ()  # more `hetpeer join` options for every peer, e.g. ("--robust", "2")
 
     def __post_init__(self) -> None:
         if self.peers < 1 or self.steps < 1:
@@ -98,7 +99,7 @@ class Process:
         return self
 
     def _relay(self) -> None:
-        with open(self.log_path, "a") as log:
+        with open(self.log_path, "a") as log, self.popen.stdout:  # the pipe closes with the output: no file left open
             for line in self.popen.stdout:
                 log.write(line)
                 log.flush()
@@ -185,6 +186,17 @@ class LocalSwarm:
 
     def start_peer(self, i: int) -> None:
         c = self.config
+        process = Process(f"peer{i}", self.peer_command(i), c.out / f"peer{i}.log", self._on_line)
+        if i < len(self.peers):
+            self.peers[i] = process
+        else:
+            self.peers.append(process)
+        self.peer_maddrs.pop(i, None)
+        process.start()
+
+    def peer_command(self, i: int) -> list[str]:
+        """The command line of peer `i`: `hetpeer join` into this swarm, with its slowdown, cap and options."""
+        c = self.config
         threads = max(1, (os.cpu_count() or 1) // max(1, c.peers))
         command = [
             sys.executable, "-m", "hetpeer", "join", "--swarm", c.swarm, "--name", f"peer{i}",
@@ -199,13 +211,7 @@ class LocalSwarm:
             command += ["--save", str(c.save)]
         if c.data is not None:
             command += ["--data", str(c.data)]
-        process = Process(f"peer{i}", command, c.out / f"peer{i}.log", self._on_line)
-        if i < len(self.peers):
-            self.peers[i] = process
-        else:
-            self.peers.append(process)
-        self.peer_maddrs.pop(i, None)
-        process.start()
+        return command + list(c.peer_args)
 
     def kill_peer(self, i: int) -> None:
         self.peers[i].kill()

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from hetpeer.peer.measure import LinkProber
-from hetpeer.peer.transport.network import Emulation, NetworkTransport, TcpLink
+from hetpeer.peer.transport.links import TcpLink
+from hetpeer.peer.transport.network import Emulation, NetworkTransport
 from hetpeer.protocol.addresses import AddressBook
 
 CAP_BYTES_PER_S = 40e6 / 8  # 40 Mbit/s

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from hetpeer.peer.transport import PeerUnreachable
-from hetpeer.peer.transport.network import NetworkTransport, TcpLink
+from hetpeer.peer.transport.links import TcpLink
+from hetpeer.peer.transport.network import NetworkTransport
 from hetpeer.protocol.addresses import AddressBook
 
 

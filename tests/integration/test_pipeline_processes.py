@@ -28,7 +28,8 @@ from hetpeer.peer.launch import free_port
 from hetpeer.peer.model import build_stage
 from hetpeer.peer.pipeline.worker import StageWorker, WorkerConfig
 from hetpeer.peer.transport.codec import checksum, decode, encode
-from hetpeer.peer.transport.network import NetworkTransport, TcpLink
+from hetpeer.peer.transport.links import TcpLink
+from hetpeer.peer.transport.network import NetworkTransport
 from hetpeer.protocol.addresses import AddressBook, PeerAddress
 from hetpeer.protocol.frame import PREFIX, FrameHeader, decode_header, header_length
 from hetpeer.protocol.plan import Plan, StagePlan

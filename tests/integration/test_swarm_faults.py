@@ -14,6 +14,7 @@ import time
 from dataclasses import replace
 
 import pytest
+import torch
 
 from hetpeer.coordinator.api import ApiClient, ApiError
 from hetpeer.logline import unstamp
@@ -96,6 +97,10 @@ def test_strangers_are_refused_with_a_reason_and_nothing_else_changes(swarm, tmp
         with socket.create_connection((host, port), timeout=5) as sock:
             sock.sendall(os.urandom(4096))
             time.sleep(0.2)
+        # a process that knows the plan sends activations, gradients and parameters in a member's name: without the
+        # member's key it cannot prove the name, and proving its own, every frame naming the member is refused
+        member = next(d for d in plan.devices if d != victim)
+        impersonate(stranger, victim, member, genuine.address, plan)
 
         stranger_key = key_digest(stranger.public_key)[:16]
         wait_for(lambda: f"signed by another key ({stranger_key}" in log_of(swarm, "coordinator"), "the coordinator to log the plan")
@@ -104,7 +109,11 @@ def test_strangers_are_refused_with_a_reason_and_nothing_else_changes(swarm, tmp
         assert "not bound to the key that signed it" in log_of(swarm, "coordinator")
         wait_for(lambda: all(f"ignored plan epoch 999 signed by key {stranger_key}" in log_of(swarm, f"peer{i}") for i in range(4)),
                  "every peer to ignore the stranger's plan")
-        wait_for(lambda: any("garbage on the stream" in log_of(swarm, f"peer{i}") for i in range(4)), "the garbage to be refused")
+        victim_log = f"peer{next(i for i, d in swarm.device_ids.items() if d == victim)}"
+        wait_for(lambda: "link handshake failed" in log_of(swarm, victim_log), "the garbage to be refused")
+        wait_for(lambda: "not bound to the key it presented" in log_of(swarm, victim_log), "the forged proof to be refused")
+        wait_for(lambda: f"claims to be '{member}' on a stream from 'stranger-{stranger.fingerprint}'"
+                 in log_of(swarm, victim_log), "frames in the member's name to be refused")
         before = client.call_get_progress()
         wait_for(lambda: client.call_get_progress().step >= before.step + 3, "training to go on")
         after_plan, _ = client.call_get_plan()
@@ -113,6 +122,31 @@ def test_strangers_are_refused_with_a_reason_and_nothing_else_changes(swarm, tmp
         assert statuses[victim].state == "training"
     finally:
         stranger.shutdown()
+
+
+def impersonate(stranger: ControlPlane, victim: str, member: str, address, plan) -> None:
+    """Send `victim` every kind of frame a member sends, in `member`'s name: first over a link that claims
+    `member`'s device id with the stranger's key, then over one that proves the stranger's own id."""
+    from hetpeer.peer.transport.inbox import PeerUnreachable
+    from hetpeer.peer.transport.links import LinkIdentity, TcpLink
+    from hetpeer.peer.transport.network import NetworkTransport
+    from hetpeer.protocol.addresses import AddressBook
+    from hetpeer.protocol.records import device_id
+
+    own = device_id("stranger", stranger.public_key)
+    for claimed in (member, own):
+        identity = LinkIdentity(claimed, stranger.private_key)
+        transport = NetworkTransport(claimed, AddressBook({victim: address}), [TcpLink("127.0.0.1", 0, identity=identity)],
+                                     connect_timeout_s=2.0)
+        original = transport._send
+        transport._send = lambda to, header, payload: original(to, replace(header, sender=member), payload)
+        with transport:
+            try:
+                for kind in ("activation", "gradient", "params", "state_request", "probe"):
+                    transport.send(victim, kind, torch.ones(8), step=0, epoch=plan.epoch)
+                transport.flush(10)
+            except PeerUnreachable:
+                pass  # the victim closed the connection, as it should
 
 
 def test_a_killed_peer_is_replanned_around_and_rejoins_with_its_groups_state(swarm):

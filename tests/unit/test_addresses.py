@@ -84,6 +84,7 @@ BAD = [
     ("no port", lambda: _peer({"direct": "10.0.0.1"}), "addresses.peers.x.direct"),
     ("empty port", lambda: _peer({"direct": "10.0.0.1:"}), "addresses.peers.x.direct"),
     ("no host", lambda: _peer({"direct": ":7000"}), "addresses.peers.x.direct"),
+    ("no host inside brackets", lambda: _peer({"direct": "[]:7000"}), "addresses.peers.x.direct"),  # found by fuzzing
     ("port 0", lambda: _peer({"direct": "10.0.0.1:0"}), "addresses.peers.x.direct"),
     ("port 70000", lambda: _peer({"direct": "10.0.0.1:70000"}), "addresses.peers.x.direct"),
     ("port 65536", lambda: _peer({"direct": "10.0.0.1:65536"}), "addresses.peers.x.direct"),

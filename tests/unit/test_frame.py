@@ -4,6 +4,7 @@ what is wrong, and the codecs rebuild tensors exactly (raw) or within their stat
 from __future__ import annotations
 
 import itertools
+import struct
 
 import pytest
 import torch
@@ -123,6 +124,13 @@ def test_headers_out_of_range_are_refused_on_construction(overrides, message):
         _header(**overrides)
 
 
+@pytest.mark.parametrize("sender", ["a", "peer-a", "bob-0123456789ab", "x" * MAX_SENDER_BYTES])
+def test_payloads_start_aligned_in_the_stream(sender):
+    header = _header(sender=sender)
+    assert len(header.encode()) % 64 == 0
+    assert decode_header(header.encode()[PREFIX.size:]) == header
+
+
 def test_prefix_errors():
     body = _body(_header())
     with pytest.raises(FrameError, match="not a hetpeer frame"):
@@ -144,7 +152,7 @@ def _with_sender_bytes(body: bytes, sender: bytes) -> bytes:
 def _cases() -> list[tuple[str, bytes, str]]:
     body = _body(_header())  # fp32 [2, 3] raw from "peer-a"
     return [
-        ("wrong version", _patched(body, version=2), "frame version 2 is not 1"),
+        ("wrong version", _patched(body, version=1), "frame version 1 is not 2"),
         ("unknown kind code", _patched(body, kind=len(KINDS)),
          f"unknown kind, dtype or codec code \\({len(KINDS)}, 0, 0\\)"),
         ("unknown dtype code", _patched(body, dtype=len(DTYPES)), f"\\(0, {len(DTYPES)}, 0\\)"),
@@ -153,8 +161,9 @@ def _cases() -> list[tuple[str, bytes, str]]:
         ("shorter than the fixed part", body[: FIXED.size], f"header of {FIXED.size} bytes is too short"),
         ("empty", b"", "header of 0 bytes is too short"),
         ("ends inside the shape", _patched(body, ndim=7)[: FIXED.size + 10], "header ends inside the shape"),
-        ("ends inside the sender", body[:-1], "does not end after the sender"),
-        ("trailing bytes", body + b"\0", "does not end after the sender"),
+        ("ends inside the sender", _with_sender_bytes(body, b"peer-a")[:-1], "does not end after the sender"),
+        ("padding of a whole block", body + bytes(64), "does not end after the sender"),
+        ("padding not zero", body[:-1] + b"\1", "does not end after the sender"),
         ("non-UTF-8 sender", _with_sender_bytes(body, b"peer\xff"), "sender id is not UTF-8"),
         ("empty sender", _with_sender_bytes(body, b""), "sender id must be 1 to 128 bytes, got 0"),
         ("sender too long", _with_sender_bytes(body, b"x" * (MAX_SENDER_BYTES + 1)), "got 129"),
@@ -387,3 +396,56 @@ def test_fp16_frames_saturate_values_past_its_range_instead_of_poisoning_them():
     received = decode(header, bytearray(payload))
     limit = torch.finfo(torch.float16).max
     assert torch.equal(received, torch.tensor([[limit, -limit, 3.0, limit]]))
+
+
+# -- found by fuzzing (tests/unit/test_fuzz.py) ---------------------------------------------------------------
+
+
+def _int8_payload(scale: float, value: int) -> bytes:
+    """An int8 frame's payload for 64 elements: one block scale, then `value` and 63 zeros."""
+    return struct.pack("<f", scale) + bytes([value & 0xFF]) + bytes(63)
+
+
+@pytest.mark.parametrize(
+    "dtype, codec, payload",
+    [
+        ("fp32", "int8", _int8_payload(3e38, 127)),  # finite scale x 127 overflows float32
+        ("fp16", "int8", _int8_payload(1000.0, 127)),  # 127000 is past fp16's 65504
+        ("bf16", "int8", _int8_payload(3e38, -127)),
+    ],
+)
+def test_int8_frames_that_overflow_once_scaled_are_refused(dtype, codec, payload):
+    header = FrameHeader(kind="params", dtype=dtype, shape=(64,), sender="a", step=1, codec=codec, checksum=checksum(payload))
+    with pytest.raises(FrameError, match=f"overflows {dtype} once decoded from codec int8"):
+        decode(header, bytearray(payload))
+
+
+def test_bf16_frames_of_fp16_tensors_past_its_range_are_refused():
+    payload = torch.tensor([1.0, 1e30], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    header = FrameHeader(kind="params", dtype="fp16", shape=(2,), sender="a", step=1, codec="bf16", checksum=checksum(payload))
+    with pytest.raises(FrameError, match="overflows fp16 once decoded from codec bf16"):
+        decode(header, bytearray(payload))
+    fine = torch.tensor([1.0, -60000.0], dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
+    header = FrameHeader(kind="params", dtype="fp16", shape=(2,), sender="a", step=1, codec="bf16", checksum=checksum(fine))
+    assert decode(header, bytearray(fine)).tolist() == [1.0, -59904.0]  # bf16's rounding of -60000
+
+
+def test_an_empty_tensor_whose_strides_would_overflow_is_refused():
+    header = FrameHeader(kind="params", dtype="fp32", shape=(0, 2**31, 2**31, 2**31), sender="a", step=1, checksum=checksum(b""))
+    assert header.payload_bytes == 0
+    with pytest.raises(FrameError, match="cannot be built"):
+        decode(header, bytearray())
+
+
+def test_a_header_whose_payload_would_not_fit_the_payload_field_is_refused():
+    with pytest.raises(FrameError, match="more than a frame can carry"):
+        _header(shape=(2**32 - 1,) * 3)
+
+
+@pytest.mark.parametrize("sender", ["peer\nERROR forged", "peer\x1b[31m", "tab\there"])
+def test_senders_that_would_break_a_log_line_are_refused(sender):
+    with pytest.raises(FrameError, match="unprintable"):
+        _header(sender=sender)
+    body = _with_sender_bytes(_body(_header()), sender.encode())
+    with pytest.raises(FrameError, match="unprintable"):
+        decode_header(body)

@@ -532,3 +532,35 @@ def test_compressed_parameters_still_converge_and_travel_compressed(codec):
         finals[name] = x
     difference = np.linalg.norm(finals[codec] - finals["raw"]) / np.linalg.norm(finals["raw"])
     assert 0 < difference < 0.02  # the codec rounded something, and not much
+
+
+def test_a_poisoner_heard_in_the_first_round_cannot_set_the_clipping_scale():
+    rng = np.random.default_rng(5)
+    group = Group(4, config=SyncConfig(topology="one-peer-exp", deadline_s=10, clip=2.0), x0=np.ones((4, 10)))
+    group.syncs["p3"].flat.data.mul_(100.0)  # before any round: the first parameters p0 hears are poisoned
+    before = group.syncs["p0"].flat.data.clone()
+    ok(group.step(0))
+    receiver = group.syncs["p0"]
+    own_step = receiver.adam.lr * 10 ** 0.5  # the scale a peer starts from: an Adam step of lr on every coordinate
+    assert receiver.typical_distance <= 1.5 * own_step
+    assert float((receiver.flat.data - before).norm()) < 3 * own_step  # p3 was clipped, not half-way mixed in
+    del rng
+
+
+def test_outliers_are_neighbours_clipped_while_another_passes():
+    group = Group(4, config=SyncConfig(topology="one-peer-exp", deadline_s=10, clip=2.0), x0=np.ones((4, 10)))
+    group.syncs["p3"].flat.data.mul_(100.0)
+    for t in range(8):
+        group.syncs["p3"].flat.data.copy_(torch.full((10,), 100.0))  # it keeps sending the poison
+        ok(group.step(t))
+    p0 = group.syncs["p0"]
+    assert p0.outliers(p0.step) == {"p3": p0.clip_streaks["p3"]} and p0.clip_streaks["p3"] >= 3
+    p2 = group.syncs["p2"]  # one-peer-exp over 4 peers: p2 hears p1 and p0, never p3
+    assert p2.outliers(p2.step) == {}
+    t = next(t for t in range(8, 16) if mixing_matrix("one-peer-exp", 4, t)[0, 3] > 0)  # a round p0 hears only p3
+    for earlier in range(8, t):
+        ok(group.step(earlier))
+    group.syncs["p3"].flat.data.copy_(torch.full((10,), 100.0))
+    before = p0.flat.data.clone()
+    assert ok(group.step(t))["p0"].clipped == 1
+    assert torch.equal(p0.flat.data, before), "an outlier is left out of the mix, not clipped into it"

@@ -1,21 +1,26 @@
 """State download by whole-model parameter ranges, in one process over MemoryTransport: chunk c from holder
 c mod D, one range assembled from donors holding different ranges, gaps, dead and lying donors, what a
-donor refuses to serve, and which holdings a peer keeps serving."""
+donor refuses to serve, which holdings a peer keeps serving, and how much one sender may ask of it."""
 
 from __future__ import annotations
 
 import logging
 import re
+import time
 
 import pytest
 import torch
 
 from hetpeer.peer.gossip.flat import FlatParams
 from hetpeer.peer.gossip.group import GroupSync, SyncConfig
-from hetpeer.peer.gossip.state import DESCRIBE, HOLDINGS, MAX_CHUNK_ELEMS, StateDownloadError, StateServer, fetch_state
+from hetpeer.peer.gossip.state import (
+    DESCRIBE, HOLDINGS, MAX_CHUNK_ELEMS, StateDownloadError, StateLimits, StateServer, fetch_state,
+)
 from hetpeer.peer.transport import MemoryHub, MemoryTransport
+from hetpeer.peer.transport.inbox import Late
 from hetpeer.protocol.frame import FrameHeader
 from test_gossip_group import NO_DECAY, one_group_plan
+from test_ratelimit import Clock
 
 MODEL = 12  # parameters of the whole model; peers hold slices of it
 CHUNK = 3  # values a chunk
@@ -30,7 +35,8 @@ class Swarm:
     `requests[d]`: the state requests as they reach d, (micro, [k, start, length]); `frames`: every frame
     delivered, (receiver, header, accepted)."""
 
-    def __init__(self, holdings: list[tuple[int, int]], joiner: tuple[int, int] = (0, 10), distinct: bool = True):
+    def __init__(self, holdings: list[tuple[int, int]], joiner: tuple[int, int] = (0, 10), distinct: bool = True,
+                 limits: StateLimits = StateLimits(), clock=time.monotonic):
         self.ranges = [joiner, *holdings]
         self.devices = tuple(f"p{i}" for i in range(len(self.ranges)))
         self.hub = MemoryHub()
@@ -45,7 +51,7 @@ class Swarm:
             transport.start()
             sync = self.sync(device, transport, start, end, zeros=i == 0)
             sync.state.step, sync.step = (0, 0) if i == 0 else (40 + i, 50 + i)
-            server = StateServer(transport, device, known=lambda d: d in self.devices)
+            server = StateServer(transport, device, known=lambda d: d in self.devices, limits=limits, clock=clock)
             server.hold(sync, start, end)
             transport.set_policy(lambda h, s=sync, v=server: v.accept(h) if h.kind in ("state_request", "state") else s.accept(h))
             transport.deliver = self._recording(device, transport.deliver)
@@ -375,3 +381,93 @@ def test_a_released_holding_is_no_longer_served():
     assert [h.sync for h in donor.holdings] == [second]
     with pytest.raises(StateDownloadError, match=re.escape("no donor (p1) described its state of parameters [0, 10)")):
         swarm.fetch(["p1"], timeout_s=0.2)
+
+
+# -- how much one sender may ask ------------------------------------------------------------------------------
+
+
+def test_the_default_limits_scale_with_the_holding_and_cover_any_small_model():
+    swarm = Swarm([(0, 10)])
+    requests, served = swarm.servers["p1"].requests.rate, swarm.servers["p1"].served.rate
+    assert (requests.burst, served.burst) == (1024, 256 << 20)  # the floors: this stage is tiny
+    big = StateLimits().rates([])  # nothing held: the floors too
+    assert big == (requests, served)
+    assert StateLimits(min_requests=1, min_bytes=1).rates(swarm.servers["p1"].holdings)[1].burst == 2 * TENSORS * 10 * 4
+    for bad in (dict(copies=0.5), dict(refill_s=0.0), dict(min_requests=0), dict(min_bytes=0)):
+        with pytest.raises(ValueError, match="state limits"):
+            StateLimits(**bad)
+
+
+def test_a_joiner_downloads_two_whole_copies_at_once_and_a_third_once_the_allowance_refills():
+    """Without floors, a donor serves one sender two copies of what it holds at once (their requests and
+    their bytes), refuses a third as late, and serves it once its clock has moved on."""
+    clock = Clock()
+    swarm = Swarm([(0, 10)], limits=StateLimits(min_requests=1, min_bytes=1), clock=clock)
+    donor = swarm.transports["p1"].inbox
+    for _ in range(2):
+        swarm.fetch(["p1"], timeout_s=2.0)
+        assert torch.equal(swarm.state(), swarm.state("p1"))
+    assert donor.late == 0 and not donor.misbehaving
+    with pytest.raises(StateDownloadError, match=re.escape("no donor (p1) sent state tensor 0 [0, 3)")):
+        swarm.fetch(["p1"], timeout_s=0.2)
+    assert donor.late > 0 and not donor.misbehaving  # an overshoot, not a flood: not counted against p0
+    clock.now += 2 * StateLimits().copies * StateLimits().refill_s  # refilled, its debt too
+    swarm.fetch(["p1"], timeout_s=2.0)
+    assert torch.equal(swarm.state(), swarm.state("p1")) and not donor.misbehaving
+
+
+def asker(swarm: Swarm) -> MemoryTransport:
+    """p0's transport, taking whatever state it is sent (the tests count the answers)."""
+    transport = swarm.transports["p0"]
+    transport.set_policy(lambda header: None)
+    return transport
+
+
+def answers(swarm: Swarm) -> int:
+    return sum(1 for d, h, accepted in swarm.frames if d == "p0" and h.kind == "state" and accepted)
+
+
+def test_a_flood_of_state_requests_is_refused_late_then_counted_and_served_again_after_a_while():
+    clock = Clock()
+    swarm = Swarm([(0, 10)], clock=clock)
+    server, inbox, p0 = swarm.servers["p1"], swarm.transports["p1"].inbox, asker(swarm)
+    burst = int(server.requests.rate.burst)
+    for i in range(2 * burst + 10):
+        p0.send("p1", "state_request", torch.tensor([DESCRIBE, 0, 10]), step=7, micro=i)
+    assert answers(swarm) == burst  # the burst is served; the rest is not
+    assert inbox.late == burst  # up to a burst past the limit: no one's fault
+    assert inbox.misbehaving == {"p0": 10}  # beyond: a flood, counted
+    assert "over 1024 state requests at once or 51.2 a second from p0" in inbox.rejections[-1][1]
+    clock.now += 5.0
+    p0.send("p1", "state_request", torch.tensor([DESCRIBE, 0, 10]), step=8)
+    assert answers(swarm) == burst  # still in debt
+    clock.now += (1 - server.requests.available("p0")) / server.requests.rate.per_s
+    p0.send("p1", "state_request", torch.tensor([DESCRIBE, 0, 10]), step=9)
+    assert answers(swarm) == burst + 1
+
+
+def test_bytes_served_to_one_sender_are_limited_apart_from_its_requests():
+    clock = Clock()
+    swarm = Swarm([(0, 10)], limits=StateLimits(min_bytes=1), clock=clock)  # 320 bytes at once: two copies of 160
+    server, inbox, p0 = swarm.servers["p1"], swarm.transports["p1"].inbox, asker(swarm)
+    assert server.served.rate.burst == 320
+    for i in range(60):
+        p0.send("p1", "state_request", torch.tensor([0, 0, 3]), step=7, micro=i)  # 12 bytes each
+    assert answers(swarm) == 26  # 312 bytes
+    assert inbox.late == 27 and inbox.misbehaving == {"p0": 60 - 26 - 27}
+    assert "state request for tensor 0 [0, 3) over 320 B at once or 16 B/s served to p0" in inbox.rejections[-1][1]
+    assert server.served.available("p2") == 320  # no one else was charged
+    clock.now += 1000.0
+    p0.send("p1", "state_request", torch.tensor([0, 0, 3]), step=8)
+    assert answers(swarm) == 27
+
+
+def test_a_late_refusal_is_late_and_a_flood_is_not():
+    server = Swarm([(0, 10)] * 2, clock=Clock()).servers["p0"]
+    request = FrameHeader(sender="p1", kind="state_request", dtype="int64", shape=(3,), step=7)
+    burst = int(server.requests.rate.burst)
+    reasons = [server.accept(request) for _ in range(2 * burst + 1)]
+    assert reasons[:burst] == [None] * burst
+    assert all(isinstance(r, Late) for r in reasons[burst:2 * burst])
+    assert reasons[-1] is not None and not isinstance(reasons[-1], Late)
+    assert server.accept(FrameHeader(sender="p2", kind="state_request", dtype="int64", shape=(3,), step=7)) is None

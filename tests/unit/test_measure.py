@@ -24,6 +24,7 @@ from hetpeer.peer.measure import (
     LinkProber,
     MachineProfile,
     ProbeError,
+    ProbeLimits,
     Slowdown,
     Transfer,
     cgroup_free_bytes,
@@ -33,11 +34,13 @@ from hetpeer.peer.measure import (
     profile_machine,
 )
 from hetpeer.peer.probe import _time_per_call
+from hetpeer.peer.ratelimit import Rate
 from hetpeer.peer.transport import MemoryHub, MemoryTransport
 from hetpeer.peer.transport.inbox import Late
 from hetpeer.protocol.frame import FrameHeader
 from hetpeer.protocol.records import MAX_LINKS, LinkMeasurement
 from hetpeer.protocol.workload import preset
+from test_ratelimit import Clock
 
 WORK_S = 0.05
 REAL_SLEEP = time.sleep  # the work inside a block sleeps with this; `sleeps` records only what Slowdown adds
@@ -386,6 +389,58 @@ def test_an_unsolicited_reply_is_refused_and_counted_but_a_late_one_is_not(swarm
     assert a.transport.inbox.misbehaving["b"] == 1
     assert a.transport.inbox.late == 1
     assert a._replies == {}
+
+
+def limited(swarm, limits: ProbeLimits = ProbeLimits()) -> tuple[LinkProber, Clock]:
+    """b again, answering probes within `limits` on a clock that moves only when the test moves it."""
+    _, probers = swarm
+    old = probers["b"]
+    old.uninstall()
+    clock = Clock()
+    b = probers["b"] = LinkProber(old.transport, "b", max_probe_bytes=old.max_probe_bytes, limits=limits, clock=clock)
+    b.transport.set_policy(b.accept)
+    b.install()
+    return b, clock
+
+
+def test_the_default_limits_let_a_peer_measure_four_times_back_to_back(swarm):
+    b, _ = limited(swarm)
+    a = swarm[1]["a"]
+    for _ in range(4):  # the largest measurements b takes, with time standing still
+        assert_sane(a.measure("b", budget_bytes=1 << 20, budget_s=2.0), 2.0, 0.0)
+    assert b.transport.inbox.late == 0 and not b.transport.inbox.misbehaving
+    assert b.received.rate.burst == 4 * 4 * (256 << 10) and b.frames.rate == Rate(16.0, 64.0)
+
+
+def test_probes_past_the_limit_are_refused_late_then_counted_and_answered_again_after_a_while(swarm):
+    b, clock = limited(swarm, ProbeLimits(frames=Rate(per_s=2.0, burst=4.0)))
+    reasons = [b.accept(header(PING, sender="a")) for _ in range(9)]
+    assert reasons[:4] == [None] * 4
+    assert all(isinstance(r, Late) for r in reasons[4:8])  # up to a burst past: no one's fault
+    assert reasons[8] == "over 4 probes at once or 2 a second from a"  # a flood: counted
+    assert b.accept(header(PING, sender="c")) is None  # every sender has its own allowance
+    assert b.accept(header(PONG, sender="a", step=10**12)) == "reply to a probe never sent"  # replies are not charged
+    clock.now += (1 - b.frames.available("a")) / 2.0
+    assert b.accept(header(PING, sender="a")) is None
+    # over the transport, the inbox counts them: a probes b with time standing still
+    a = swarm[1]["a"]
+    with pytest.raises(ProbeError, match="b did not answer"):
+        a.measure("b", budget_bytes=64, budget_s=0.3)
+    assert b.transport.inbox.late + sum(b.transport.inbox.misbehaving.values()) > 0
+
+
+def test_probe_bytes_are_limited_apart_from_probe_frames(swarm):
+    b, clock = limited(swarm, ProbeLimits(measurements_per_s=0.5, burst_measurements=1.0))  # 1 MiB at once, 512 KiB/s
+    frame = header(DATA, (256 << 10) // 4, sender="a")  # 256 KiB
+    assert [b.accept(frame) for _ in range(4)] == [None] * 4
+    refused = b.accept(frame)
+    assert isinstance(refused, Late) and refused == "over 1 MiB of probes at once or 512 KiB/s from a"
+    clock.now += 0.5  # 256 KiB back: the refused frame's, charged all the same
+    assert b.accept(frame) is not None
+    clock.now += 1.0
+    assert b.accept(frame) is None
+    with pytest.raises(ValueError, match="probe limits"):
+        ProbeLimits(measurements_per_s=0.0)
 
 
 def test_a_wrong_reply_does_not_complete_a_probe(swarm):

@@ -79,6 +79,7 @@ BAD = [
     ("unknown cost model", lambda r: r.update(cost_model="flops"), "plan.cost_model"),
     ("negative cost", lambda r: r["cost"].update(total_s=-1.0), "plan.cost.total_s"),
     ("cost as string", lambda r: r["cost"].update(total_s="1.5"), "plan.cost.total_s"),
+    ("cost past a float's range", lambda r: r["cost"].update(total_s=10**400), "plan.cost.total_s"),  # found by fuzzing
     ("no stages", lambda r: r.update(stages=[], lanes=[]), "plan.stages"),
     ("unknown field", lambda r: r.update(owner="me"), "plan.owner"),
     ("missing field", lambda r: r.pop("epoch"), "plan.epoch"),

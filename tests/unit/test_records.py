@@ -319,7 +319,9 @@ def test_a_plan_record_of_the_wrong_shape_is_refused():
         (dict(raw, plan=json.loads(raw["plan"])), "plan_record.plan"),  # an object, not JSON text
         (dict(raw, signer="me"), "plan_record.signer"),
         ({"plan": raw["plan"]}, "plan_record.time"),
-        (None, "plan_record.__root__"),
+        (None, "plan_record"),
+        ({0: None}, "plan_record"),  # pydantic alone would raise TypeError on a key that is not a string
+        ([["plan", raw["plan"]], ["time", NOW]], "plan_record"),  # and take a list of pairs for an object
     ]
     for bad, path in cases:
         with pytest.raises(SchemaError) as caught:

@@ -142,6 +142,10 @@ BAD = [
     ("number as string", _edit(["devices", 0, "memory_gb"], "16"), "topology.devices[0].memory_gb", "number"),
     ("bool as number", _edit(["default_link", "latency_ms"], True), "topology.default_link.latency_ms", "number"),
     ("nan", _edit(["devices", 3, "tflops"], float("nan")), "topology.devices[3].tflops", "finite"),
+    # found by fuzzing: these raised OverflowError and TypeError
+    ("integer past a float's range", _edit(["regions", "a", "latency_ms"], 10**400), "topology.regions.a.latency_ms",
+     "finite"),
+    ("field names of two types", {**base(), 1: "x", "colour": "blue"}, "topology.1", "not a known field"),
     ("unknown region", _edit(["devices", 4, "region"], "mars"), "topology.devices[4].region", "mars"),
     ("duplicate id", _edit(["devices", 3, "id"], "a0"), "topology.devices[3].id", "a0"),
     ("empty id", _edit(["devices", 0, "id"], ""), "topology.devices[0].id", "non-empty"),
@@ -201,3 +205,23 @@ def test_link_matrices_give_every_pair_what_link_gives():
     assert topology.link(d["a1"], d["b1"]) == topology.link(d["b1"], d["a1"]) == Link(20.0, 3.0)
     assert topology.link(d["c0"], d["a0"]) == Link(7.0, 3.0)
     assert topology.link(d["c0"], d["b0"]) == Link(200.0, 0.5)
+
+
+def test_links_near_the_largest_float_average_to_finite_values():
+    # found by fuzzing: (a + b) / 2 overflowed to inf for a link given once (or both ways) past 9e307
+    raw = base()
+    raw["links"] = [{"a": "a0", "b": "c0", "latency_ms": 1.5e308, "bandwidth_gbps": 1.7e308},
+                    {"a": "c0", "b": "a0", "latency_ms": 1.7e308, "bandwidth_gbps": 1.7e308}]
+    raw["region_links"][0]["bandwidth_gbps"] = 1.7e308
+    topology = Topology.from_wire(raw)
+    d = devices(topology)
+    assert topology.link(d["a0"], d["c0"]) == topology.link(d["c0"], d["a0"]) == Link(1.6e308, 1.7e308)
+    assert topology.link(d["a0"], d["b0"]).bandwidth_gbps == 1.7e308
+    assert all(np.isfinite(matrix).all() for matrix in topology.link_matrices())
+
+
+def test_a_field_name_that_would_break_a_log_line_is_escaped_in_the_message():
+    with pytest.raises(SchemaError) as caught:
+        Topology.from_wire(_edit(["colour\nERROR forged line"], "blue"))
+    assert caught.value.path == "topology.colour\nERROR forged line"
+    assert "\n" not in str(caught.value) and str(caught.value).startswith("topology.colour\\nERROR forged line: ")

@@ -392,3 +392,25 @@ def test_validation_runs_forward_only_through_the_pipeline_at_the_plans_steps(co
     assert ("activation", 2) in micros and ("activation", 3) in micros
     assert not any(kind == "gradient" and micro >= 2 for kind, micro in micros)
 
+
+
+def test_a_peer_far_behind_its_group_downloads_the_groups_state_instead_of_mixing_its_own(corpus):
+    """A peer stopped for a while (cut off, its machine asleep) comes back `STALE_STEPS` or more behind: it
+    takes the group's parameters and step, where mixing its stale ones would drag the group back (and robust
+    mixing would take them for poison)."""
+    from dataclasses import replace as replaced
+
+    from hetpeer.peer.gossip.group import SyncConfig
+    from hetpeer.peer.pipeline.worker import STALE_STEPS
+
+    base = make_plan(1, lanes=2)
+    plan = replaced(base, stages=(replaced(base.stages[0], sync="gossip"),))
+    config = WorkerConfig(sync=SyncConfig(deadline_s=0.05), timeout_s=10.0)
+    pipeline = Pipeline(plan, corpus, config)
+    ahead, behind = pipeline.workers["s0l0"], pipeline.workers["s0l1"]
+    for _ in range(STALE_STEPS + 4):  # s0l1 is stopped: s0l0 trains on, leaving it out after each deadline
+        ahead.train_step()
+    assert behind.step == 0
+    behind.train_step()
+    assert behind.step == ahead.step, "it entered at the group's step"
+    assert torch.equal(behind.sync.flat.data, ahead.sync.flat.data), "with the group's parameters, not its own"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -43,6 +44,8 @@ log = logging.getLogger("hetpeer.gossip")
 DISTANCE_MEMORY = 0.9  # weight of the past in the running typical distance of robust mixing
 SCALE_GROWTH = 0.5  # an observation counts for at most 1.5x the typical distance: +5% a round at most
 SUSPECT_WAIT_S = 0.05
+OUTLIER_ROUNDS = 3  # rounds in a row a neighbour is far past the clipping bound, while another passes, before it is left out
+OUTLIER_FACTOR = 2.0  # "far": this many times the bound; an honest neighbour drifting a little past it is only clipped
 # Peers of a group run at their own pace: one waits only for its neighbours of the round, so a sender
 # may be a few steps ahead of a receiver that waited on someone else. Frames that far ahead are kept.
 AHEAD_STEPS = 4
@@ -95,6 +98,8 @@ class GroupSync:
         self.ahead: int | None = None  # the furthest step a group member has been seen at
         self.typical_distance: float | None = None
         self.left_out = collections.Counter()
+        self.clip_streaks: collections.Counter[str] = collections.Counter()  # rounds in a row a neighbour was far past the bound
+        self.unclipped: dict[str, int] = {}  # the last step each neighbour came within OUTLIER_FACTOR x the bound
         self.suspects: set[str] = set()
         self.set_plan(plan)
 
@@ -151,7 +156,7 @@ class GroupSync:
             received, left_out = self._receive_params(step, incoming, time.monotonic() + self.config.deadline_s)
         wait_s = time.perf_counter() - started
         with self.lock:
-            clipped = self._mix(w[self.index], received) if self.mode == "gossip" else 0
+            clipped = self._mix(w[self.index], received, step) if self.mode == "gossip" else 0
             adam_update(self.flat.data, self.flat.grad, self.state, self.adam, self.flat.decay_ranges)
         for device in left_out:
             self.left_out[device] += 1
@@ -197,33 +202,58 @@ class GroupSync:
             received[j] = torch.cat(parts).to(device)
         return received, left_out
 
-    def _mix(self, weights: np.ndarray, received: dict[int, torch.Tensor]) -> int:
-        """x_i <- x_i + sum_j w_ij / (w_ii + sum w_ij) * clip(x_j - x_i), over the neighbours received."""
+    def outliers(self, step: int, rounds: int = 8) -> dict[str, int]:
+        """Neighbours far past the clipping bound in every round they were mixed lately (how many), while another
+        neighbour came nearer in the last `rounds` steps: far for what they send, not because this peer's scale is off."""
+        return {
+            device: streak for device, streak in list(self.clip_streaks.items())
+            if any(other != device and at >= step - rounds for other, at in list(self.unclipped.items()))
+        }
+
+    def _mix(self, weights: np.ndarray, received: dict[int, torch.Tensor], step: int = 0) -> int:
+        """x_i <- x_i + sum_j w_ij / (w_ii + sum w_ij) * clip(x_j - x_i), over the neighbours received; with
+        clipping, an outlier (`OUTLIER_FACTOR` times past the bound `OUTLIER_ROUNDS` rounds in a row while another
+        neighbour came nearer) is left out until it comes nearer. How many neighbours were clipped or left out."""
         if not received:
             return 0
         x = self.flat.data
-        total = weights[self.index] + sum(weights[j] for j in received)
+        limit = None
+        if self.config.clip is not None:
+            if not self.typical_distance:
+                # the scale starts from this peer's own step (Adam moves each coordinate by about lr), never from what a
+                # neighbour sends: a poisoner heard first would otherwise set it, and every difference would pass under it
+                self.typical_distance = self.adam.lr * math.sqrt(x.numel())
+            limit = self.config.clip * self.typical_distance
         differences = {j: x_j - x for j, x_j in received.items()}
         norms = {j: float(d.norm()) for j, d in differences.items()}
-        clipped = 0
-        limit = None
-        if self.config.clip is not None and self.typical_distance:  # 0 until the peers have drifted apart
-            limit = self.config.clip * self.typical_distance
+        outliers = {m for m, streak in self.outliers(step).items() if streak >= OUTLIER_ROUNDS}
+        scales, left_out = {}, set()
+        for j in differences:
+            member = self.members[j]
+            if limit is None or norms[j] <= OUTLIER_FACTOR * limit:
+                scales[j] = 1.0 if limit is None or norms[j] <= limit else limit / norms[j]
+                self.clip_streaks.pop(member, None)
+                self.unclipped[member] = step
+                continue
+            self.clip_streaks[member] += 1
+            if member in outliers:
+                left_out.add(j)  # what it sends is not mixed, nor does it feed the scale, until it comes near again
+            else:
+                scales[j] = limit / norms[j]
+        total = weights[self.index] + sum(weights[j] for j in scales)
         mix = torch.zeros_like(x)
-        for j, difference in differences.items():
-            scale = 1.0
-            if limit is not None and norms[j] > limit:
-                scale, clipped = limit / norms[j], clipped + 1
-            mix.add_(difference, alpha=float(weights[j] / total) * scale)
+        for j, scale in scales.items():
+            mix.add_(differences[j], alpha=float(weights[j] / total) * scale)
         x.add_(mix)
-        # what feeds the running scale is capped too, so a steady poisoner can raise it only slowly
-        cap = min(limit, (1 + SCALE_GROWTH) * self.typical_distance) if limit is not None else None
-        kept = [min(n, cap) if cap is not None else n for n in norms.values()]
-        typical = float(np.median(kept))
-        self.typical_distance = typical if not self.typical_distance else (  # the first spread seeds it
-            DISTANCE_MEMORY * self.typical_distance + (1 - DISTANCE_MEMORY) * typical
-        )
-        return clipped
+        kept = [norms[j] for j in scales]
+        if kept:
+            # what feeds the running scale is capped too, so a steady poisoner can raise it only slowly
+            cap = min(limit, (1 + SCALE_GROWTH) * self.typical_distance) if limit is not None else None
+            typical = float(np.median([min(n, cap) if cap is not None else n for n in kept]))
+            self.typical_distance = typical if not self.typical_distance else (  # without clipping, the first spread seeds it
+                DISTANCE_MEMORY * self.typical_distance + (1 - DISTANCE_MEMORY) * typical
+            )
+        return len(left_out) + sum(scale < 1.0 for scale in scales.values())
 
     # -- all-reduce -------------------------------------------------------------------------------
     def _ring_allreduce(self, step: int) -> None:

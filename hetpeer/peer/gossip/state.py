@@ -18,12 +18,21 @@ lets a chunk pass the deadline is given up on: every chunk it still owes goes to
 once, so a donor that dies midway costs one deadline, not one per chunk. Donors answer from their live state under a
 short lock, so serving never waits for averaging. Nothing lands in the asker's state until every chunk
 has arrived and passed the frame checks (shape, dtype, finite values).
+
+A donor limits what one sender may ask of it (`StateLimits`): requests, counted as they arrive (before
+their payload is read), and bytes served, per second and at once. A joiner asks each donor for at most
+one copy of what the donor holds (its share of the range, every chunk at once, plus one description)
+once per plan change, so the limits scale with the donor's holdings: two whole copies at once, one more
+every ten seconds, and never less than a floor that covers any small model outright. A legitimate
+joiner never meets them; a peer that asks for the same state over and over is refused, and counted as
+misbehaving once it is more than a burst past its limit (`ratelimit.refusal`).
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -32,6 +41,7 @@ from typing import Callable, Sequence
 import torch
 
 from hetpeer.peer.gossip.group import GroupSync
+from hetpeer.peer.ratelimit import Rate, TokenBuckets, in_bytes, refusal
 from hetpeer.peer.transport.base import Transport
 from hetpeer.peer.transport.inbox import PeerUnreachable, TransportError, TransportTimeout
 from hetpeer.protocol.frame import FrameHeader
@@ -64,16 +74,55 @@ class Holding:
     start: int  # whole-model coordinates of the stage's parameters
     end: int
 
+    @property
+    def state_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.sync.state_tensors())
+
+    @property
+    def chunks(self) -> int:
+        """Chunk requests a joiner asking for all of it sends: each tensor in chunks, plus a cut or two
+        where other donors' ranges end."""
+        per_tensor = math.ceil((self.end - self.start) / min(self.sync.chunk_elems, MAX_CHUNK_ELEMS)) + 2
+        return len(self.sync.state_tensors()) * per_tensor
+
+
+@dataclass(frozen=True, slots=True)
+class StateLimits:
+    """What one sender may ask of a donor: `copies` whole copies of what the donor holds at once (its
+    requests and its bytes), one more every `refill_s` seconds, and never less than `min_requests`
+    requests and `min_bytes` bytes at once (refilled at the same pace)."""
+
+    copies: float = 2.0
+    refill_s: float = 10.0
+    min_requests: int = 1024
+    min_bytes: int = 256 << 20
+
+    def __post_init__(self) -> None:
+        if not (self.copies >= 1 and 0 < self.refill_s < math.inf and self.min_requests >= 1 and self.min_bytes >= 1):
+            raise ValueError(f"state limits need copies >= 1, a positive refill_s and positive floors, got {self}")
+
+    def rates(self, holdings: Sequence[Holding]) -> tuple[Rate, Rate]:
+        """(requests, bytes) a sender may ask of a donor holding `holdings`."""
+        requests = max(self.min_requests, self.copies * (sum(h.chunks for h in holdings) + 1))  # + 1: its description
+        served = max(self.min_bytes, self.copies * sum(h.state_bytes for h in holdings))
+        refill_s = self.copies * self.refill_s  # from empty to full
+        return Rate(requests / refill_s, requests), Rate(served / refill_s, served)
+
 
 class StateServer:
-    """One per transport: serves state requests from this peer's holdings, and keeps the chunks this
-    peer has asked for, so that the frames it accepts are exactly those."""
+    """One per transport: serves state requests from this peer's holdings, within `limits` per sender,
+    and keeps the chunks this peer has asked for, so that the frames it accepts are exactly those."""
 
-    def __init__(self, transport: Transport, device_id: str, known: Callable[[str], bool]) -> None:
-        self.transport, self.device_id, self.known = transport, device_id, known
+    def __init__(
+        self, transport: Transport, device_id: str, known: Callable[[str], bool], limits: StateLimits = StateLimits(),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.transport, self.device_id, self.known, self.limits = transport, device_id, known, limits
         self.holdings: list[Holding] = []  # newest first
         self.expected: dict[tuple[int, int], tuple[str, tuple[int, ...], str]] = {}  # (request, chunk) -> donor, shape, dtype
         self.lock = threading.Lock()
+        requests, served = limits.rates([])
+        self.requests, self.served = TokenBuckets(requests, clock), TokenBuckets(served, clock)  # per sender
         transport.inbox.handlers["state_request"] = self.serve
 
     def hold(self, sync: GroupSync, start: int, end: int) -> None:
@@ -81,6 +130,7 @@ class StateServer:
             raise ValueError(f"range [{start}, {end}) is not the {sync.flat.size} parameters of {self.device_id}'s stage")
         with self.lock:
             self.holdings = [Holding(sync, start, end)] + [h for h in self.holdings if h.sync is not sync][: HOLDINGS - 1]
+            self.requests.rate, self.served.rate = self.limits.rates(self.holdings)
 
     def own(self, sync: GroupSync, start: int, end: int) -> Holding | None:
         """The newest stage this peer holds besides `sync` that overlaps [start, end)."""
@@ -91,13 +141,18 @@ class StateServer:
         """Stop serving `sync`'s state (a stage this peer no longer holds)."""
         with self.lock:
             self.holdings = [h for h in self.holdings if h.sync is not sync]
+            self.requests.rate, self.served.rate = self.limits.rates(self.holdings)
 
     def accept(self, header: FrameHeader) -> str | None:
         """The policy for `state_request` and `state` frames."""
         if header.kind == "state_request":
             if not self.known(header.sender):
                 return f"{header.sender} is not a known peer of the swarm"
-            return None if header.shape == (3,) and header.dtype == "int64" else "a state request is three int64"
+            if header.shape != (3,) or header.dtype != "int64":
+                return "a state request is three int64"
+            rate = self.requests.rate
+            return refusal(self.requests.take(header.sender), f"over {rate.burst:.0f} state requests at once or "
+                                                              f"{rate.per_s:.3g} a second from {header.sender}")
         with self.lock:
             expected = self.expected.get((header.step, header.micro))
         if expected is None or expected[0] != header.sender:
@@ -125,9 +180,18 @@ class StateServer:
                     header.sender, f"state request for tensor {k} [{start}, {start + length}), which this peer does not hold"
                 )
                 return
+            tensor, rate = holding.sync.state_tensors()[k], self.served.rate
+            refused = refusal(
+                self.served.take(header.sender, length * tensor.element_size()),
+                f"state request for tensor {k} [{start}, {start + length}) over {in_bytes(rate.burst)} at once or "
+                f"{in_bytes(rate.per_s)}/s served to {header.sender}",
+            )
+            if refused is not None:
+                self.transport.inbox.reject(header.sender, refused)
+                return
             with holding.sync.lock:
                 offset = start - holding.start
-                answer = holding.sync.state_tensors()[k][offset : offset + length].detach().to("cpu", copy=True)
+                answer = tensor[offset : offset + length].detach().to("cpu", copy=True)
         try:
             self.transport.send(header.sender, "state", answer, step=header.step, micro=header.micro, epoch=header.epoch)
         except PeerUnreachable as error:
@@ -144,13 +208,14 @@ class StateServer:
 
 
 def fetch_state(
-    server: StateServer, sync: GroupSync, start: int, end: int, donors: Sequence[str], timeout_s: float
+    server: StateServer, sync: GroupSync, start: int, end: int, donors: Sequence[str], timeout_s: float,
+    keep_own: bool = True,
 ) -> Download:
     """Fill `sync` (this peer's stage, whole-model range [start, end)) from the stage this peer held
-    before, where it overlaps, and from `donors` for the rest."""
+    before, where it overlaps (unless not `keep_own`: that copy is stale), and from `donors` for the rest."""
     me = server.device_id
     donors = tuple(d for d in dict.fromkeys(donors) if d != me)
-    own = server.own(sync, start, end)
+    own = server.own(sync, start, end) if keep_own else None
     if own is not None and len(own.sync.state_tensors()) != len(sync.state_tensors()):
         own = None  # another optimizer's state (a window more or less): not this one's to take
     if not donors and own is None:

@@ -32,7 +32,7 @@ from hetpeer.peer.data.corpus import Corpus
 from hetpeer.peer.gossip.adam import AdamConfig
 from hetpeer.peer.gossip.flat import FlatParams
 from hetpeer.peer.gossip.group import GroupSync, SyncConfig, SyncReport
-from hetpeer.peer.gossip.state import Download, StateServer, fetch_state
+from hetpeer.peer.gossip.state import Download, StateDownloadError, StateServer, fetch_state
 from hetpeer.peer.measure import Slowdown
 from hetpeer.peer.model import build_stage
 from hetpeer.peer.model.folder import ModelFolder
@@ -45,6 +45,9 @@ from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.workload import PRESETS, ModelSpec, preset
 
 COMPUTE_DTYPES = ("fp32", "bf16")
+# A peer this many steps behind its group (stopped, cut off) downloads the group's state rather than mix in
+# parameters that old: robust mixing would take them for poison, and plain mixing would drag the group back.
+STALE_STEPS = 16
 log = logging.getLogger("hetpeer.peer")
 
 
@@ -228,9 +231,17 @@ class StageWorker:
         report = self.sync.finish(self.step)
         self.step += 1
         if self.sync.ahead is not None and self.sync.ahead > self.step and len(self.plan.stages) == 1:
-            # the group is further on (this peer was slow, or just joined): skip to where it is
-            log.info("%s: group is at step %d, skipping from %d", self.device_id, self.sync.ahead, self.step)
-            self.step = self.sync.ahead
+            # the group is further on (this peer was slow, or just joined): skip to where it is, with its state
+            # when this peer's is stale
+            behind, self.step = self.sync.ahead - self.step, self.sync.ahead
+            how = "skipping"
+            if behind >= STALE_STEPS:
+                try:
+                    download = self.fetch_state(keep_own=False)
+                    how = f"downloaded its state ({download.bytes / 2**20:.1f} MiB from {', '.join(download.donors)})"
+                except StateDownloadError as error:
+                    how = f"skipping with its own state ({error})"
+            log.info("%s: group is %d step(s) ahead, at step %d: %s", self.device_id, behind, self.step, how)
         self.sync.ahead = None
         self.transport.inbox.discard_before(self.step)
         if not last:
@@ -242,13 +253,16 @@ class StageWorker:
         return replace(result, sync=self.apply(last))
 
     def fetch_state(
-        self, donors: Sequence[str] | None = None, timeout_s: float | None = None, enter_at: int | None = None
+        self, donors: Sequence[str] | None = None, timeout_s: float | None = None, enter_at: int | None = None,
+        keep_own: bool = True,
     ) -> Download:
         """Download this stage's parameters and optimizer state from `donors` (default: the rest of the
-        group), and enter at `enter_at` (default: the step they are at). A peer that enters a new plan
-        stays at the plan's start step throughout, so its neighbours' first frames are never "ahead"."""
+        group), and enter at `enter_at` (default: the step they are at); what a stage this peer held before
+        has of them is kept unless not `keep_own`. A peer that enters a new plan stays at the plan's start
+        step throughout, so its neighbours' first frames are never "ahead"."""
         donors = [d for d in (self.sync.members if donors is None else donors) if d != self.device_id]
-        download = fetch_state(self.server, self.sync, *self.param_range, donors, timeout_s or self.config.timeout_s)
+        download = fetch_state(self.server, self.sync, *self.param_range, donors, timeout_s or self.config.timeout_s,
+                               keep_own)
         self.step = self.sync.step = download.step if enter_at is None else enter_at
         self.sync.sent = None
         return download

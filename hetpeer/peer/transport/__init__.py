@@ -2,11 +2,13 @@
 
 from hetpeer.peer.transport.base import Transport
 from hetpeer.peer.transport.inbox import Interrupted, PeerUnreachable, TransportError, TransportTimeout
+from hetpeer.peer.transport.links import LinkIdentity, P2PLink, TcpLink
 from hetpeer.peer.transport.memory import MemoryHub, MemoryTransport
-from hetpeer.peer.transport.network import NetworkTransport, P2PLink, TcpLink
+from hetpeer.peer.transport.network import NetworkTransport
 
 __all__ = [
     "Interrupted",
+    "LinkIdentity",
     "MemoryHub",
     "MemoryTransport",
     "NetworkTransport",

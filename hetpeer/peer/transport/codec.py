@@ -122,17 +122,30 @@ def decode(header: FrameHeader, payload: memoryview | bytearray, check: PayloadC
     check.verify(header.checksum)
     dtype = TORCH_DTYPES[header.dtype]
     if header.numel == 0:
-        return torch.empty(header.shape, dtype=dtype)
+        try:
+            return torch.empty(header.shape, dtype=dtype)
+        except RuntimeError as error:  # a 0 beside dimensions whose strides overflow int64
+            raise FrameError(f"empty tensor of shape {list(header.shape)} cannot be built: {error}") from None
     raw = torch.frombuffer(payload, dtype=torch.uint8)
     if header.codec == "raw":
         return raw.view(dtype).reshape(header.shape)
     if header.codec in ("fp16", "bf16"):
-        return raw.view(TORCH_DTYPES[header.codec]).reshape(header.shape).to(dtype)
+        tensor = raw.view(TORCH_DTYPES[header.codec]).reshape(header.shape).to(dtype)
+        if (header.codec, header.dtype) == ("bf16", "fp16"):  # bf16 reaches 3.4e38, fp16 only 65504
+            _check_range(tensor, header)
+        return tensor
     blocks = -(-header.numel // INT8_BLOCK)
     scales = raw[: blocks * 4].view(torch.float32)
     values = torch.nn.functional.pad(raw[blocks * 4 :].view(torch.int8).float(), (0, -header.numel % INT8_BLOCK))
     flat = (values.view(blocks, INT8_BLOCK) * scales[:, None]).reshape(-1)[: header.numel]
-    return flat.reshape(header.shape).to(dtype)
+    tensor = flat.reshape(header.shape).to(dtype)
+    _check_range(tensor, header)  # finite scales times up to 127 can still overflow, in float32 or in dtype
+    return tensor
+
+
+def _check_range(tensor: torch.Tensor, header: FrameHeader) -> None:
+    if not all_finite(tensor):
+        raise FrameError(f"tensor overflows {header.dtype} once decoded from codec {header.codec}")
 
 
 def all_finite(tensor: torch.Tensor) -> bool:

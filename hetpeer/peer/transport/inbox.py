@@ -74,6 +74,7 @@ class Inbox:
         self.misbehaving: collections.Counter[str] = collections.Counter()
         self.rejections: collections.deque[tuple[str, str]] = collections.deque(maxlen=256)
         self.late = 0  # frames dropped because they came after their step was done
+        self.unauthenticated = 0  # connections closed before a frame because they did not prove their sender
         self.received: collections.Counter[str] = collections.Counter()  # payload bytes arrived per sender, probes aside
         self.arrivals: dict[str, Arrival] = {}  # per sender, its last probe frame off a stream, for the probe handler
         self.handlers: dict[str, Callable[[FrameHeader, torch.Tensor], None]] = {}  # kinds served, not stored
@@ -119,10 +120,19 @@ class Inbox:
             self.reject(header.sender, f"duplicate {header.kind} for step {header.step} micro {header.micro}")
         return not duplicate
 
-    def refuse(self, header: FrameHeader, reason: str, consequence: str = "") -> None:
-        """`reject` a screened frame, naming it; a `Late` reason stays late."""
+    def refuse(self, header: FrameHeader, reason: str, consequence: str = "", blame: str | None = None) -> None:
+        """`reject` a screened frame, naming it, against `blame` (the device its link proved; else the sender
+        it claims): a frame sent in another's name counts against the one who sent it. A `Late` reason stays late."""
         text = f"{header.kind} step {header.step} micro {header.micro}: {reason}{consequence}"
-        self.reject(header.sender, Late(text) if isinstance(reason, Late) else text)
+        self.reject(blame or header.sender, Late(text) if isinstance(reason, Late) else text)
+
+    def refuse_connection(self, remote: str, reason: str) -> None:
+        """A connection closed before it carried a frame: it did not prove which peer it comes from. Counted
+        apart from `misbehaving`: the device it claimed may be an honest one that someone impersonates."""
+        self.unauthenticated += 1
+        self.rejections.append((remote, reason))
+        if self.unauthenticated <= 10 or self.unauthenticated % 100 == 0:  # a stranger can open connections fast
+            log.warning("%s refused connection %d from %s: %s", self.device, self.unauthenticated, remote, reason)
 
     def reject(self, sender: str, reason: str) -> None:
         if isinstance(reason, Late):

@@ -1,267 +1,33 @@
-"""The networked transport: one asyncio loop thread per peer moves frames over the links it has.
+"""The networked transport: one asyncio loop thread per peer moves frames over the links it has (`links.py`).
 
 Links are tried in order for each destination, so `[TcpLink(), P2PLink()]` means: use the direct TCP
 path when the peer is reachable at its direct address, fall back to hivemind P2P (which works behind
 NAT through relays) when it is not. Frames to one destination leave in the order they were sent, from
 a queue of their own, so compute never waits for the network; `flush` waits for the queues.
-
-The direct path reads payloads straight into their final buffer (`sock_recv_into`): on loopback it
-runs at most of a raw socket's speed, where P2P streams copy through the daemon.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import fcntl
 import logging
 import math
-import socket
-import struct
-import termios
 import threading
 import time
-from abc import ABC, abstractmethod
 from dataclasses import dataclass, field as dataclass_field
-from pathlib import Path
-from typing import Awaitable, Callable, Iterable, Mapping, Sequence
-
-import numpy
+from typing import Awaitable, Iterable, Mapping, Sequence
 
 from hetpeer.peer.transport.base import DEFAULT_MAX_FRAME_BYTES, Transport
 from hetpeer.peer.transport.codec import PayloadCheck
 from hetpeer.peer.transport.inbox import Arrival, PeerUnreachable, TransportError, TransportTimeout
+from hetpeer.peer.transport.links import Link, Progress, Stream, spawn
 from hetpeer.protocol.addresses import AddressBook, PeerAddress
 from hetpeer.protocol.frame import PREFIX, FrameError, FrameHeader, decode_header, header_length
 
 log = logging.getLogger("hetpeer.transport")
-P2P_PROTOCOL = "/hetpeer/frames/1"
-SOCKET_BUFFER_BYTES = 4 << 20
 MAX_EMULATED_LATENCY_S = 10.0
 DRAIN_LIMIT_BYTES = 1 << 20  # a refused frame's payload up to this size is read past; beyond, the stream is closed
 EMULATED_CHUNK_S = 0.01  # an emulated rate paces a frame in pieces of about this long, as a link delivers it
-
-
-class Stream(ABC):
-    remote: str  # for logs
-    authenticated: str | None  # the device at the other end, when the link proves it
-
-    @abstractmethod
-    async def read_exactly(self, n: int, progress: Progress | None = None) -> memoryview | bytearray:
-        """Exactly n bytes in a writable buffer, or ConnectionError when the stream ends first;
-        `progress(buffer, end)` hears of the bytes as they arrive."""
-
-    @abstractmethod
-    async def write(self, parts: Sequence[bytes]) -> None: ...
-
-    @abstractmethod
-    def close(self) -> None: ...
-
-    def unsent_bytes(self) -> int:
-        """Bytes written but not yet across (as far as this end can tell)."""
-        return 0
-
-    def unread_bytes(self) -> int:
-        """Bytes arrived but not yet read (as far as this end can tell)."""
-        return 0
-
-
-Serve = Callable[[Stream], Awaitable[None]]
-Progress = Callable[[memoryview, int], None]
-Identify = Callable[[str], "str | None"]
-
-
-class Link(ABC):
-    name: str
-    errors: tuple[type[BaseException], ...]  # what `open` raises when the peer is not reachable this way
-
-    @abstractmethod
-    async def start(self, device: str, identify: Identify, serve: Serve) -> None:
-        """Listen; `identify` maps an authenticated P2P peer id to a device id (None: a stranger)."""
-
-    @abstractmethod
-    def address(self) -> PeerAddress:
-        """How others reach this peer over this link (valid after start)."""
-
-    @abstractmethod
-    def reaches(self, address: PeerAddress) -> bool: ...
-
-    @abstractmethod
-    async def open(self, address: PeerAddress) -> Stream: ...
-
-    @abstractmethod
-    async def shutdown(self) -> None: ...
-
-
-class _SocketStream(Stream):
-    def __init__(self, sock: socket.socket, remote: str) -> None:
-        self.sock, self.remote, self.authenticated = sock, remote, None
-        sock.setblocking(False)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
-            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
-
-    async def read_exactly(self, n: int, progress: Progress | None = None) -> memoryview:
-        loop = asyncio.get_running_loop()
-        buffer = numpy.empty(n, numpy.uint8)  # not zero-filled, unlike bytearray: 64 MB costs no memset
-        view, got = memoryview(buffer), 0
-        while got < n:
-            chunk = await loop.sock_recv_into(self.sock, view[got:])
-            if chunk == 0:
-                raise ConnectionError(f"{self.remote} closed the connection")
-            got += chunk
-            if progress is not None:
-                progress(view, got)
-        return view
-
-    async def write(self, parts: Sequence[bytes]) -> None:
-        loop = asyncio.get_running_loop()
-        for part in parts:
-            await loop.sock_sendall(self.sock, part)
-
-    def unsent_bytes(self) -> int:
-        try:  # the kernel's send queue: bytes not yet acknowledged by the other end
-            return struct.unpack("i", fcntl.ioctl(self.sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
-        except OSError:
-            return 0
-
-    def unread_bytes(self) -> int:
-        try:  # the kernel's receive queue
-            return struct.unpack("i", fcntl.ioctl(self.sock.fileno(), termios.FIONREAD, b"\0" * 4))[0]
-        except OSError:
-            return 0
-
-    def close(self) -> None:
-        self.sock.close()
-
-
-class TcpLink(Link):
-    """The direct path: plain TCP to the peer's announced host and port."""
-
-    name = "tcp"
-    errors = (OSError, asyncio.TimeoutError)
-
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None) -> None:
-        self.host, self.port, self.advertise_host = host, port, advertise_host
-        self._listener: socket.socket | None = None
-        self._accepting: asyncio.Task | None = None
-
-    async def start(self, device: str, identify: Identify, serve: Serve) -> None:
-        listener = socket.create_server((self.host, self.port), reuse_port=False)
-        listener.setblocking(False)
-        self._listener, self.port = listener, listener.getsockname()[1]
-        self._accepting = asyncio.create_task(self._accept(serve), name=f"{device}-tcp-accept")
-
-    async def _accept(self, serve: Serve) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            sock, peer = await loop.sock_accept(self._listener)
-            _spawn(serve(_SocketStream(sock, f"tcp {peer[0]}:{peer[1]}")), "tcp-serve")
-
-    def address(self) -> PeerAddress:
-        return PeerAddress(direct=(self.advertise_host or self.host, self.port))
-
-    def reaches(self, address: PeerAddress) -> bool:
-        return address.direct is not None
-
-    async def open(self, address: PeerAddress) -> Stream:
-        host, port = address.direct
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        try:
-            await asyncio.get_running_loop().sock_connect(sock, (host, port))
-        except BaseException:
-            sock.close()
-            raise
-        return _SocketStream(sock, f"tcp {host}:{port}")
-
-    async def shutdown(self) -> None:
-        if self._accepting is not None:
-            self._accepting.cancel()
-        if self._listener is not None:
-            self._listener.close()
-
-
-class _P2PStream(Stream):
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, remote: str, device: str | None):
-        self.reader, self.writer, self.remote, self.authenticated = reader, writer, remote, device
-
-    async def read_exactly(self, n: int, progress: Progress | None = None) -> bytearray:
-        try:
-            data = bytearray(await self.reader.readexactly(n))  # writable, as the tensor built on it must be
-        except asyncio.IncompleteReadError:
-            raise ConnectionError(f"{self.remote} closed the stream") from None
-        if progress is not None and n:
-            progress(memoryview(data), n)
-        return data
-
-    async def write(self, parts: Sequence[bytes]) -> None:
-        for part in parts:
-            self.writer.write(part)
-        await self.writer.drain()
-
-    def unsent_bytes(self) -> int:
-        return self.writer.transport.get_write_buffer_size()  # what the daemon holds is out of sight
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-class P2PLink(Link):
-    """hivemind P2P streams: libp2p with NAT traversal and relays; the remote peer id is authenticated."""
-
-    name = "p2p"
-
-    def __init__(self, identity_path: str | None = None, host_maddrs: Sequence[str] = ("/ip4/127.0.0.1/tcp/0",)):
-        from hivemind.p2p import P2PDaemonError
-        from hivemind.p2p.p2p_daemon_bindings.utils import ControlFailure
-
-        self.errors = (OSError, asyncio.TimeoutError, P2PDaemonError, ControlFailure)
-        self.identity_path, self.host_maddrs = identity_path, tuple(host_maddrs)
-        self.p2p = None
-        self._maddrs: tuple[str, ...] = ()
-
-    async def start(self, device: str, identify: Identify, serve: Serve) -> None:
-        from hivemind.p2p import P2P
-
-        self.p2p = await P2P.create(host_maddrs=self.host_maddrs, identity_path=self.identity_path)
-        self._maddrs = tuple(str(m) for m in await self.p2p.get_visible_maddrs())
-
-        async def handle(info, reader, writer) -> None:
-            peer_id = info.peer_id.to_base58()
-            sender = identify(peer_id)
-            stream = _P2PStream(reader, writer, f"p2p {peer_id}", sender)
-            if sender is None:
-                log.warning("%s refused a P2P stream from %s: not in the address book", device, peer_id)
-                stream.close()
-                return
-            await serve(stream)
-
-        await self.p2p.add_binary_stream_handler(P2P_PROTOCOL, handle)
-
-    def address(self) -> PeerAddress:
-        return PeerAddress(p2p=self._maddrs)
-
-    def reaches(self, address: PeerAddress) -> bool:
-        return bool(address.p2p)
-
-    async def open(self, address: PeerAddress) -> Stream:
-        from hivemind.p2p import PeerID
-        from hivemind.utils.multiaddr import Multiaddr
-
-        peer_id = PeerID.from_base58(address.p2p_peer_id)
-        # the daemon only dials peers it has addresses for; hivemind itself connects the same way
-        await self.p2p._client.connect(peer_id, [Multiaddr(m.rsplit("/p2p/", 1)[0]) for m in address.p2p])
-        _, reader, writer = await self.p2p.call_binary_stream_handler(peer_id, P2P_PROTOCOL)
-        return _P2PStream(reader, writer, f"p2p {address.p2p_peer_id}", None)
-
-    async def shutdown(self) -> None:
-        if self.p2p is None:
-            return
-        sockets = [self.p2p.daemon_listen_maddr, self.p2p._client_listen_maddr]
-        await self.p2p.shutdown()
-        for maddr in sockets:  # p2pd leaves its unix sockets behind
-            Path(str(maddr).removeprefix("/unix")).unlink(missing_ok=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,7 +102,8 @@ class NetworkTransport(Transport):
 
     async def _start_links(self) -> None:
         for link in self.links:
-            await link.start(self.device, lambda peer_id: self.book.device_of_p2p_id(peer_id), self._serve)
+            await link.start(self.device, lambda peer_id: self.book.device_of_p2p_id(peer_id), self._serve,
+                             self.inbox.refuse_connection)
 
     def address(self) -> PeerAddress:
         """This peer's entry for the address book: every link's address together."""
@@ -384,7 +151,7 @@ class NetworkTransport(Transport):
     def _enqueue(self, key: tuple[str, str], parts: tuple[bytes, memoryview, float]) -> None:
         if key not in self._queues:
             self._queues[key] = asyncio.Queue()
-            self._pumps[key] = _spawn(self._pump(*key, self._queues[key]), f"{self.device}->{key[0]} ({key[1]})")
+            self._pumps[key] = spawn(self._pump(*key, self._queues[key]), f"{self.device}->{key[0]} ({key[1]})")
         self._queues[key].put_nowait(parts)
 
     async def _pump(self, to: str, channel: str, queue: asyncio.Queue) -> None:
@@ -462,7 +229,7 @@ class NetworkTransport(Transport):
                 if not link.reaches(address):
                     continue
                 try:
-                    stream = await asyncio.wait_for(link.open(address), max(0.1, deadline - time.monotonic()))
+                    stream = await asyncio.wait_for(link.open(to, address), max(0.1, deadline - time.monotonic()))
                 except link.errors as error:
                     tried[link.name] = str(error) or type(error).__name__
                     continue
@@ -478,7 +245,9 @@ class NetworkTransport(Transport):
             await asyncio.sleep(0.1)  # the peer may still be starting
 
     def flush(self, timeout_s: float, to: Iterable[str] | None = None) -> None:
-        destinations = {d for d, _ in self._queues} if to is None else set(to)
+        wanted = None if to is None else set(to)
+        # the loop thread decides which queues to wait for: frames sent just before were queued there first
+        destinations = self._call(self._destinations(wanted), timeout_s)
         try:
             self._call(self._drain(destinations), timeout_s)
         except TimeoutError:
@@ -487,6 +256,9 @@ class NetworkTransport(Transport):
             ) from None
         for destination in sorted(destinations & set(self._failures)):
             raise PeerUnreachable(self._failures.pop(destination))
+
+    async def _destinations(self, wanted: set[str] | None) -> set[str]:
+        return {d for d, _ in self._queues} | set(self._failures) if wanted is None else wanted
 
     async def _drain(self, destinations: set[str]) -> None:
         for (to, _), queue in list(self._queues.items()):
@@ -508,11 +280,11 @@ class NetworkTransport(Transport):
                 oversize = header.payload_bytes > inbox.max_frame_bytes
                 if oversize or (reason is not None and header.payload_bytes > DRAIN_LIMIT_BYTES):
                     # never read past the limit, nor a large payload we will drop: close, the sender reconnects
-                    inbox.refuse(header, reason or "over the frame limit", "; connection closed")
+                    inbox.refuse(header, reason or "over the frame limit", "; connection closed", stream.authenticated)
                     return
                 if reason is not None:
                     await stream.read_exactly(header.payload_bytes)
-                    inbox.refuse(header, reason)
+                    inbox.refuse(header, reason, blame=stream.authenticated)
                     continue
                 check = PayloadCheck(header)
                 if header.kind != "probe":
@@ -535,24 +307,6 @@ class NetworkTransport(Transport):
             for sender in incoming:
                 self._incoming[sender].discard(stream)
             stream.close()
-
-
-_tasks: set[asyncio.Task] = set()
-
-
-def _spawn(coroutine: Awaitable, name: str) -> asyncio.Task:
-    """A background task that is kept referenced and whose unexpected end is logged."""
-    task = asyncio.ensure_future(coroutine)
-    task.set_name(name)
-    _tasks.add(task)
-
-    def done(task: asyncio.Task) -> None:
-        _tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("task %s failed", name, exc_info=task.exception())
-
-    task.add_done_callback(done)
-    return task
 
 
 class _Arriving:

@@ -1,0 +1,73 @@
+"""A poisoning peer in a real swarm (a coordinator and four `hetpeer join` processes on 127.0.0.1, one
+stage, robust mixing): its group leaves it out of mixing and reports it, the coordinator bans it, and the
+others train on without it."""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from hetpeer.logline import unstamp
+from hetpeer.peer.launch import free_port
+from hetpeer.swarm.launcher import LocalSwarm, SwarmConfig
+
+pytestmark = pytest.mark.slow
+POISON_PEER = Path(__file__).parents[2] / "benchmarks" / "poison_peer.py"
+TIMEOUT_S = 180.0
+
+
+class PoisonedSwarm(LocalSwarm):
+    def peer_command(self, i: int) -> list[str]:
+        command = super().peer_command(i)
+        if i == 3:  # `python -m hetpeer join ...` becomes `python poison_peer.py scale join ...`
+            command[1:3] = [str(POISON_PEER), "scale"]
+        return command
+
+
+def log(swarm: LocalSwarm, name: str) -> str:
+    return "\n".join(map(unstamp, (swarm.config.out / f"{name}.log").read_text(errors="replace").splitlines()))
+
+
+def wait_for(condition, what: str) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {TIMEOUT_S:g} s waiting for {what}"
+        time.sleep(0.5)
+
+
+def test_a_poisoner_is_left_out_reported_banned_and_the_group_trains_on(tmp_path):
+    config = SwarmConfig(
+        out=tmp_path, peers=4, steps=100_000, batch=64, heartbeat_s=1.0, replan_interval_s=3600, mix_deadline_s=2.0,
+        time_budget_s=1.0, coordinator_args=("--stages", "1"), peer_args=("--robust", "2"),
+    )
+    swarm = PoisonedSwarm(config, lambda line: None, free_port())
+    try:
+        swarm.start()
+        wait_for(lambda: "banned peer3-" in log(swarm, "coordinator"), "the coordinator to ban the poisoner")
+        coordinator = log(swarm, "coordinator")
+        first = re.search(r"published plan epoch 1 .*", coordinator).group(0)
+        assert "1 stage(s) x 4 lane(s)" in first, f"the poisoner must be in the group for the test to mean anything: {first}"
+        ban = re.search(r"banned (peer3-\S+) for 300 s \(ban 1\): reported by (\d) of the 3 other members", coordinator)
+        assert ban and int(ban.group(2)) >= 2
+        poisoner = ban.group(1)
+        reporters = [i for i in range(3) if f"reports {poisoner} as misbehaving" in log(swarm, f"peer{i}")]
+        assert len(reporters) >= 2
+        wait_for(lambda: "published plan epoch" in log(swarm, "coordinator").split(f"banned {poisoner}")[1], "a plan after the ban")
+        after = log(swarm, "coordinator").split(f"banned {poisoner}")[1]
+        epoch = int(re.search(r"published plan epoch (\d+)", after).group(1))
+        assert poisoner not in re.search(r"published plan epoch \d+ .*\n((?:  stage .*\n?)+)", after).group(1)
+
+        def trained_after_ban() -> list[float]:
+            return [float(loss) for i in range(3) for e, loss in
+                    re.findall(r"^e(\d+) stage \d+ lane \d+ +step \S+ +loss (\S+)", log(swarm, f"peer{i}"), re.M)
+                    if int(e) >= epoch and loss != "-"]
+
+        wait_for(lambda: len(trained_after_ban()) >= 10, "the honest peers to train ten lane-steps without it")
+        losses = trained_after_ban()
+        assert all(math.isfinite(loss) and loss < 6.0 for loss in losses), losses  # 5.5 is a uniform guess
+    finally:
+        swarm.shutdown()
