@@ -244,7 +244,9 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--threads", type=_positive_int, metavar="N", help="torch threads per peer (default: torch's)")
     run.add_argument("--save", type=Path, metavar="DIR",
                      help="write each peer's stage checkpoint (weights, Adam moments, step, plan epoch) to DIR/DEVICE.safetensors "
-                     "at the end and every --save-every steps, atomically; `hetpeer export` joins them into one model")
+                     "at the end (a swarm peer: when it leaves) and every --save-every steps, atomically; a swarm peer "
+                     "started again offers it, and loads it when no live peer holds its layers; `hetpeer export` joins "
+                     "them into one model")
     run.add_argument("--save-every", type=_positive_int, metavar="N", help="steps between checkpoints (default: only at the end)")
     run.add_argument("--bandwidth-cap", type=_positive_float, metavar="MBIT",
                      help="emulate slow links: each peer sends at most MBIT Mbit/s to each other peer")

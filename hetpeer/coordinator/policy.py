@@ -238,24 +238,38 @@ class Resumption:
 
 def resume_from_checkpoints(records: Mapping[str, PeerRecord], layers: int) -> Resumption | str:
     """When no live peer holds any layers but some announce checkpoints: stages that tile [0, layers) from the
-    checkpoints' ranges (at each boundary the range with the most holders, then the longest), as many lanes
-    as the thinnest stage has holders (those at the highest step first), resuming at the highest step they
-    hold. A layer no checkpoint covers is the answer in words, naming it. O(peers log peers)."""
+    checkpoints' ranges, chosen to make the thinnest stage's holders the most (then the fewest stages), as
+    many lanes as that stage has holders (those at the highest step first), resuming at the highest step
+    they hold. A layer no tiling covers is the answer in words, naming it. O(ranges x layers) plus a sort."""
     held = {d: r.checkpoint for d, r in records.items() if r.checkpoint is not None and r.state != "leaving"}
     by_range: dict[tuple[int, int], list[str]] = {}
     for device, (start, end, step) in sorted(held.items(), key=lambda item: (-item[1][2], item[0])):
-        by_range.setdefault((start, end), []).append(device)
+        if end <= layers:
+            by_range.setdefault((start, end), []).append(device)
+    # best[at]: (holders of the thinnest stage, -stages) of the best tiling of [at, layers), and its first range
+    best: dict[int, tuple[tuple[float, int], tuple[int, int] | None]] = {layers: ((math.inf, 0), None)}
+    for at in sorted({start for start, _ in by_range}, reverse=True):
+        tilings = [((min(len(by_range[r]), best[r[1]][0][0]), best[r[1]][0][1] - 1), r)
+                   for r in by_range if r[0] == at and r[1] in best]
+        if tilings:
+            best[at] = max(tilings)
+    if 0 not in best:
+        reached, frontier = {0}, [0]  # where chains of ranges from layer 0 get to: the gap starts at the furthest
+        while frontier:
+            at = frontier.pop()
+            for start, end in by_range:
+                if start == at and end not in reached:
+                    reached.add(end)
+                    frontier.append(end)
+        at = max(reached)
+        ahead = min((start for start, _ in by_range if start > at), default=layers)
+        have = ", ".join(f"{d} layers {c[0]}-{c[1] - 1} (step {c[2]})" for d, c in sorted(held.items())) or "none"
+        return f"no live peer holds a checkpoint of layers {at}-{ahead - 1}: start the peers that do, " \
+               f"or their --save folders elsewhere to train afresh (checkpoints announced: {have})"
     stages, at = [], 0
     while at < layers:
-        options = [r for r in by_range if r[0] == at and r[1] <= layers]
-        if not options:
-            ahead = min((r[0] for r in by_range if r[0] > at), default=layers)
-            have = ", ".join(f"{d} layers {c[0]}-{c[1] - 1} (step {c[2]})" for d, c in sorted(held.items())) or "none"
-            return f"no live peer holds a checkpoint of layers {at}-{min(ahead, layers) - 1}: start the peers that do, " \
-                   f"or their --save folders elsewhere to train afresh (checkpoints announced: {have})"
-        pick = max(options, key=lambda r: (len(by_range[r]), r[1]))
-        stages.append(pick)
-        at = pick[1]
+        stages.append(best[at][1])
+        at = stages[-1][1]
     lanes = min(len(by_range[r]) for r in stages)
     chosen = tuple((start, end, tuple(by_range[(start, end)][:lanes])) for start, end in stages)
     used = {d for _, _, devices in chosen for d in devices}

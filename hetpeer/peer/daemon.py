@@ -451,7 +451,8 @@ class SwarmPeer:
         how = f"the model folder's weights ({worker.loaded_bytes / 2**20:.1f} MiB read)" if worker.loaded_bytes else "fresh weights"
         stale = old is not None and worker.plan.start_step - old.step >= STALE_STEPS  # a standby copy, say
         overlaps = old is not None and old.layers[0] < layers[1] and layers[0] < old.layers[1] and not stale
-        if old is None and self.checkpoint is not None and self.checkpoint.layers == layers:
+        if old is None and self.checkpoint is not None and self.checkpoint.layers == layers and not self._donors(layers):
+            # a swarm resuming: no live peer holds these layers. In a running swarm its group's state is newer.
             checkpoint, self.checkpoint = self.checkpoint, None
             worker.restore(checkpoint.path)
             worker.step = worker.sync.step = worker.plan.start_step  # the plan resumes at the newest checkpoint's step
@@ -561,7 +562,7 @@ class SwarmPeer:
             step=status.step,
             loss=status.loss,
             val_loss=status.val_loss,
-            checkpoint=(*self.checkpoint.layers, self.checkpoint.step) if self.checkpoint is not None else None,
+            checkpoint=(*checkpoint.layers, checkpoint.step) if (checkpoint := self.checkpoint) is not None else None,
             tokens_per_s=status.tokens_per_s,
             achieved_tflops=status.achieved_tflops,
             links=links,

@@ -74,11 +74,14 @@ def _time_per_call(run, device: str, seconds: float, best: bool = False) -> floa
     """The median (or with `best` the shortest) time of one call, over at least 3 timings and about
     `seconds`. Not the mean: a burst of other work on the machine (another process starting, a peer's
     DHT node) slows a few calls, and should not decide the figure. A timing runs enough calls to last
-    `TIMING_S` (judged from the warm-up call) and synchronizes the device once, at its end: an
+    `TIMING_S` (judged from a call after the warm-up: a first call pays for set-up, kernel loading on an
+    accelerator) and synchronizes the device once, at its end: an
     accelerator queues the calls' kernels, and a synchronization after every call would time launch gaps
     and an empty queue instead of the work."""
-    started = time.perf_counter()
     run()  # warm up
+    _sync(device)
+    started = time.perf_counter()
+    run()
     _sync(device)
     calls = max(1, min(MAX_CALLS_PER_TIMING, math.ceil(TIMING_S / max(time.perf_counter() - started, 1e-9))))
     times: list[float] = []

@@ -1,12 +1,11 @@
 """Which peers this peer reports as misbehaving (`PeerRecord.suspects`), from what it saw itself.
 
 Two signs, both of a peer whose link proved who it is: frames refused (wrong shape, step, epoch, checksum,
-not finite: `Inbox.misbehaving`), at least `REFUSALS` within `WINDOW_S`; and parameters far past robust
-mixing's clipping bound in `CLIPPED_ROUNDS` rounds in a row in which that neighbour was mixed, while another
-neighbour came nearer (`GroupSync.outliers`: robust mixing then leaves it out). A plan switch can make an
-honest peer's frames refused a few times, and an honest neighbour can drift past the bound once in a
-while; a poisoner is far past it every round. A peer stays reported for `WINDOW_S` after its last sign, so the reports
-of a group meet in the coordinator's reading of the records.
+not finite: `Inbox.misbehaving`), at least `REFUSALS` within `WINDOW_S`; and being a neighbour robust mixing
+leaves out (`GroupSync.outliers`: far past the clipping bound round after round, while another neighbour came
+nearer). A plan switch can make an honest peer's frames refused a few times, and an honest neighbour can
+drift past the bound once in a while; a poisoner is far past it every round. A peer stays reported for
+`WINDOW_S` after its last sign, so the reports of a group meet in the coordinator's reading of the records.
 """
 
 from __future__ import annotations
@@ -14,11 +13,9 @@ from __future__ import annotations
 import collections
 from typing import Mapping
 
-from hetpeer.peer.gossip.group import OUTLIER_ROUNDS
 from hetpeer.protocol.records import MAX_SUSPECTS
 
 REFUSALS = 10
-CLIPPED_ROUNDS = OUTLIER_ROUNDS  # the rounds after which robust mixing leaves a neighbour out: then it is reported
 WINDOW_S = 30.0
 
 
@@ -28,8 +25,10 @@ class Suspicion:
         self._refused: dict[str, collections.deque[float]] = collections.defaultdict(collections.deque)
         self._clipped_at: dict[str, float] = {}
 
-    def update(self, misbehaving: Mapping[str, int], clip_streaks: Mapping[str, int], now: float) -> tuple[str, ...]:
-        """The peers to report at `now` (seconds, any monotonic clock), the most offending first, at most MAX_SUSPECTS."""
+    def update(self, misbehaving: Mapping[str, int], outliers: Mapping[str, int], now: float) -> tuple[str, ...]:
+        """The peers to report at `now` (seconds, any monotonic clock), given the refusals counted so far per peer
+        and the neighbours robust mixing leaves out now (`GroupSync.outliers`); the most offending first, at
+        most MAX_SUSPECTS."""
         for device, count in misbehaving.items():
             new = count - self._counted.get(device, 0)
             self._counted[device] = count
@@ -37,9 +36,8 @@ class Suspicion:
             times.extend([now] * min(new, REFUSALS))
             while len(times) > REFUSALS:
                 times.popleft()
-        for device, streak in clip_streaks.items():
-            if streak >= CLIPPED_ROUNDS:
-                self._clipped_at[device] = now
+        for device in outliers:
+            self._clipped_at[device] = now
         found = {}
         for device, times in list(self._refused.items()):
             while times and times[0] < now - WINDOW_S:
@@ -50,7 +48,7 @@ class Suspicion:
                 del self._refused[device]
         for device, at in list(self._clipped_at.items()):
             if at >= now - WINDOW_S:
-                found[device] = max(found.get(device, 0), CLIPPED_ROUNDS)
+                found[device] = max(found.get(device, 0), 1)
             else:
                 del self._clipped_at[device]
         return tuple(sorted(found, key=lambda d: (-found[d], -self._counted.get(d, 0), d))[:MAX_SUSPECTS])

@@ -22,7 +22,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from hetpeer.protocol.records import fingerprint
+from hetpeer.protocol.records import bound, fingerprint
 
 MAGIC = b"HPA1"
 NONCE_BYTES = 32
@@ -38,8 +38,13 @@ class HandshakeError(ValueError):
     """A handshake message that does not parse, or a proof that does not hold."""
 
 
-def challenge() -> bytes:
-    return MAGIC + os.urandom(NONCE_BYTES)
+def nonce() -> bytes:
+    return os.urandom(NONCE_BYTES)
+
+
+def challenge(fresh: bytes) -> bytes:
+    """The listener's first message: the magic and its nonce."""
+    return MAGIC + fresh
 
 
 def nonce_of(message: bytes) -> bytes:
@@ -69,10 +74,10 @@ class Proof:
     def body_bytes(lengths: bytes) -> int:
         """How many bytes follow the lengths; HandshakeError when a length is over its bound."""
         device, key, signature = LENGTHS.unpack(lengths)
-        for what, got, bound in (("device id", device, MAX_DEVICE_BYTES), ("public key", key, MAX_KEY_BYTES),
-                                 ("signature", signature, MAX_SIGNATURE_BYTES)):
-            if not 0 < got <= bound:
-                raise HandshakeError(f"link proof declares a {what} of {got} bytes (1 to {bound} allowed)")
+        for what, got, most in (("device id", device, MAX_DEVICE_BYTES), ("public key", key, MAX_KEY_BYTES),
+                                ("signature", signature, MAX_SIGNATURE_BYTES)):
+            if not 0 < got <= most:
+                raise HandshakeError(f"link proof declares a {what} of {got} bytes (1 to {most} allowed)")
         return device + key + signature
 
     @classmethod
@@ -101,8 +106,7 @@ def check(proof: Proof, role: str, nonce: bytes, verifier: str, expected: str | 
 
     if expected is not None and proof.device != expected:
         raise HandshakeError(f"the peer at this address is {proof.device!r}, not {expected!r}")
-    _, dash, bound = proof.device.rpartition("-")
-    if not dash or bound != fingerprint(proof.public_key):
+    if not bound(proof.device, proof.public_key):
         raise HandshakeError(f"device id {proof.device!r} is not bound to the key it presented (fingerprint "
                              f"{fingerprint(proof.public_key)})")
     try:

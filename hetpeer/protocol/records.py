@@ -64,6 +64,12 @@ def device_id(name: str, public_key: bytes) -> str:
     return f"{name}-{fingerprint(public_key)}"
 
 
+def bound(device: str, public_key: bytes) -> bool:
+    """Whether `device` is a device id of `public_key`'s holder: a valid name and that key's fingerprint."""
+    name, dash, print_ = device.rpartition("-")
+    return bool(dash) and NAME_RE.match(name) is not None and print_ == fingerprint(public_key)
+
+
 def owner_key(subkey: Any) -> bytes:
     """The public key in an owner marker subkey; SchemaError when the subkey is not one."""
     match = OWNER_RE.match(subkey) if isinstance(subkey, bytes) else None
@@ -220,8 +226,7 @@ class PeerRecord:
             raise SchemaError("peer", "needed type conversions to match the schema")
         if parsed.version != PROTOCOL_VERSION:
             raise SchemaError("peer.version", f"protocol {parsed.version}, this side speaks {PROTOCOL_VERSION}")
-        name, _, print_ = parsed.device_id.rpartition("-")
-        if not NAME_RE.match(name) or print_ != fingerprint(signer):
+        if not bound(parsed.device_id, signer):
             raise SchemaError(
                 "peer.device_id", f"{parsed.device_id!r} is not bound to the key that signed it (fingerprint {fingerprint(signer)})"
             )

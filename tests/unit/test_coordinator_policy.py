@@ -468,3 +468,10 @@ def test_a_longer_range_wins_a_tie_and_ranges_past_the_model_are_ignored():
     peers = {"a": fresh("a", (0, 4, 7)), "b": fresh("b", (0, 2, 7)), "c": fresh("c", (0, 6, 9))}
     found = policy.resume_from_checkpoints(peers, 4)
     assert found.stages == ((0, 4, ("a",)),) and found.step == 7 and found.standby == ("b", "c")
+
+
+def test_a_tiling_the_most_held_range_does_not_start_is_still_found():
+    """Layers 0-1 have the most holders, but nothing starts at layer 2; layer 0 alone and then 1-3 tile the model."""
+    peers = {"a": fresh("a", (0, 2, 5)), "b": fresh("b", (0, 2, 5)), "c": fresh("c", (0, 1, 5)), "d": fresh("d", (1, 4, 5))}
+    found = policy.resume_from_checkpoints(peers, 4)
+    assert found.stages == ((0, 1, ("c",)), (1, 4, ("d",))) and found.standby == ("a", "b")

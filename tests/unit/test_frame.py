@@ -449,3 +449,14 @@ def test_senders_that_would_break_a_log_line_are_refused(sender):
     body = _with_sender_bytes(_body(_header()), sender.encode())
     with pytest.raises(FrameError, match="unprintable"):
         decode_header(body)
+
+
+def test_an_fp16_tensor_at_its_range_travels_in_bf16_and_is_not_refused():
+    """bf16 rounds fp16's largest values (65504) up past fp16's range; the sender saturates them first, so an
+    honest frame is never refused as overflowing (and its sender never counted as misbehaving)."""
+    tensor = torch.tensor([65504.0, -65504.0, 1.0, 60000.0], dtype=torch.float16)
+    dtype, payload = encode(tensor, "bf16")
+    header = FrameHeader(kind="activation", dtype=dtype, shape=(4,), sender="a", step=0, codec="bf16",
+                         checksum=checksum(payload))
+    decoded = decode(header, payload)
+    assert decoded.dtype == torch.float16 and decoded.tolist() == [65280.0, -65280.0, 1.0, 59904.0]

@@ -6,13 +6,13 @@ import pytest
 from hivemind.utils.crypto import RSAPrivateKey
 
 from hetpeer.protocol.handshake import (
-    LENGTHS, MAX_DEVICE_BYTES, MAX_KEY_BYTES, HandshakeError, Proof, challenge, check, nonce_of, prove,
+    LENGTHS, MAX_DEVICE_BYTES, MAX_KEY_BYTES, HandshakeError, Proof, check, nonce, nonce_of, prove,
 )
 from hetpeer.protocol.records import device_id
 
 KEY = RSAPrivateKey()
 ME = device_id("alice", KEY.get_public_key().to_bytes())
-NONCE = nonce_of(challenge())
+NONCE = nonce()
 
 
 def roundtrip(proof: Proof) -> Proof:
@@ -27,7 +27,7 @@ def test_a_proof_survives_the_wire_and_checks():
 
 @pytest.mark.parametrize("role, nonce, verifier, match", [
     ("listener", NONCE, "bob-000000000000", "does not verify"),  # the other direction
-    ("dialer", nonce_of(challenge()), "bob-000000000000", "does not verify"),  # another connection
+    ("dialer", nonce(), "bob-000000000000", "does not verify"),  # another connection
     ("dialer", NONCE, "carol-000000000000", "does not verify"),  # replayed to another peer
 ])
 def test_a_proof_holds_for_nothing_else(role, nonce, verifier, match):

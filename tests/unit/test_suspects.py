@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hetpeer.peer.suspects import CLIPPED_ROUNDS, REFUSALS, WINDOW_S, Suspicion
+from hetpeer.peer.suspects import REFUSALS, WINDOW_S, Suspicion
 
 P, Q = "p-000000000001", "q-000000000002"
 
@@ -21,10 +21,10 @@ def test_refusals_spread_over_longer_than_the_window_are_not_reported():
         assert seen.update({P: i}, {}, i * WINDOW_S / 2) == ()
 
 
-def test_a_neighbour_clipped_round_after_round_is_reported_until_it_stops():
+def test_a_neighbour_left_out_of_mixing_is_reported_until_it_stops():
     seen = Suspicion()
-    assert seen.update({}, {Q: CLIPPED_ROUNDS - 1}, 0.0) == ()
-    assert seen.update({}, {Q: CLIPPED_ROUNDS}, 1.0) == (Q,)
+    assert seen.update({}, {}, 0.0) == ()
+    assert seen.update({}, {Q: 3}, 1.0) == (Q,)
     assert seen.update({}, {}, 5.0) == (Q,)
     assert seen.update({}, {}, 2.0 + WINDOW_S) == ()
 

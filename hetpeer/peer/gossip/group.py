@@ -203,11 +203,13 @@ class GroupSync:
         return received, left_out
 
     def outliers(self, step: int, rounds: int = 8) -> dict[str, int]:
-        """Neighbours far past the clipping bound in every round they were mixed lately (how many), while another
-        neighbour came nearer in the last `rounds` steps: far for what they send, not because this peer's scale is off."""
+        """The neighbours robust mixing leaves out (and how many rounds in a row they were far): far past the
+        clipping bound in the last `OUTLIER_ROUNDS` or more rounds they were mixed, while another neighbour came
+        nearer in the last `rounds` steps: far for what they send, not because this peer's scale is off."""
         return {
             device: streak for device, streak in list(self.clip_streaks.items())
-            if any(other != device and at >= step - rounds for other, at in list(self.unclipped.items()))
+            if streak >= OUTLIER_ROUNDS
+            and any(other != device and at >= step - rounds for other, at in list(self.unclipped.items()))
         }
 
     def _mix(self, weights: np.ndarray, received: dict[int, torch.Tensor], step: int = 0) -> int:
@@ -226,7 +228,7 @@ class GroupSync:
             limit = self.config.clip * self.typical_distance
         differences = {j: x_j - x for j, x_j in received.items()}
         norms = {j: float(d.norm()) for j, d in differences.items()}
-        outliers = {m for m, streak in self.outliers(step).items() if streak >= OUTLIER_ROUNDS}
+        outliers = self.outliers(step)
         scales, left_out = {}, set()
         for j in differences:
             member = self.members[j]

@@ -21,6 +21,7 @@ TORCH_DTYPES = {
     "uint8": torch.uint8,
 }
 WIRE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
+FP16_IN_BF16 = 65280.0  # the largest bf16 value that is finite in fp16
 
 
 def wire_dtype(tensor: torch.Tensor) -> str:
@@ -50,6 +51,8 @@ def encode(tensor: torch.Tensor, codec: str, copy: bool = True) -> tuple[str, me
             half = torch.where(data.isinf(), data, data.clamp(-limit, limit)).to(torch.float16)
         return dtype, _bytes(_host(half))
     if codec == "bf16":
+        if data.dtype == torch.float16:  # fp16's largest values round up past its range in bf16: the receiver would refuse them
+            data = torch.where(data.isinf(), data, data.clamp(-FP16_IN_BF16, FP16_IN_BF16))
         return dtype, _bytes(_host(data.to(torch.bfloat16)))
     numel = data.numel()
     blocks = torch.nn.functional.pad(data.float().reshape(-1), (0, -numel % INT8_BLOCK)).view(-1, INT8_BLOCK)

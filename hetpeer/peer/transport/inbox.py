@@ -45,7 +45,8 @@ class Interrupted(TransportError):
 
 
 class Late(str):
-    """A refusal that is no one's fault: a frame for a step this peer has left behind. Not counted."""
+    """A refusal that is no one's fault: a frame for a step this peer has left behind, a plan it does not run
+    (yet), or a request a little past a rate limit. Not counted against the sender."""
 
 
 @dataclass(frozen=True, slots=True)

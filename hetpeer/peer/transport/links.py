@@ -25,7 +25,7 @@ import numpy
 
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.handshake import (
-    CHALLENGE_BYTES, LENGTHS, NONCE_BYTES, HandshakeError, Proof, challenge, check, nonce_of, prove,
+    CHALLENGE_BYTES, LENGTHS, NONCE_BYTES, HandshakeError, Proof, challenge, check, nonce, nonce_of, prove,
 )
 
 log = logging.getLogger("hetpeer.transport")
@@ -174,11 +174,11 @@ class TcpLink(Link):
         identity = self.identity
 
         async def exchange() -> str:
-            mine = challenge()
-            await stream.write([mine])
+            mine = nonce()
+            await stream.write([challenge(mine)])
             proof = await _read_proof(stream)
             theirs = bytes(await stream.read_exactly(NONCE_BYTES))
-            device = check(proof, "dialer", nonce_of(mine), identity.device)
+            device = check(proof, "dialer", mine, identity.device)
             await stream.write([prove(identity.private_key, "listener", theirs, identity.device, device).encode()])
             return device
 
@@ -197,7 +197,7 @@ class TcpLink(Link):
 
         async def exchange() -> str:
             theirs = nonce_of(bytes(await stream.read_exactly(CHALLENGE_BYTES)))
-            mine = nonce_of(challenge())
+            mine = nonce()
             await stream.write([prove(identity.private_key, "dialer", theirs, identity.device, to).encode(), mine])
             return check(await _read_proof(stream), "listener", mine, identity.device, expected=to)
 
