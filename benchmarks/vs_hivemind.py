@@ -26,8 +26,9 @@ slowed (`--slowdown` for the fast site, twice that for the slow one) with the sa
     `--memory-gb`: hivemind's peers hold the whole model with its optimizer state; hetpeer's hold a stage.
 
 Output folder: the two compose projects with every container's log, `loss_vs_time.png`,
-`loss_vs_tokens.png` and `result.json`. `--json` prints one JSON object as the last line: `hetpeer` and
-`hivemind`, each with `tokens_per_s` and `loss_at_equal_time`, and `memory` for case (b).
+`loss_vs_tokens.png` (matplotlib: `pip install 'hetpeer[plots]'`) and `result.json`. `--json` prints one
+JSON object as the last line: `hetpeer` and `hivemind`, each with `tokens_per_s` and `loss_at_equal_time`,
+and `memory` for case (b).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from hetpeer.coordinator.api import ApiClient, ApiError
 from hetpeer.peer.launch import free_port
 from hetpeer.protocol.topology import Topology
 from hetpeer.protocol.workload import preset
-from hetpeer.swarm.png import line_chart
+from hetpeer.swarm.plots import available, charts_png
 from hetpeer.swarm.report import samples_from_lanes
 from hetpeer.testbed.compose import Compose, ComposeError, check_docker, free_subnet, image_exists, run
 from hetpeer.testbed.project import (
@@ -302,8 +303,8 @@ def curve(points: list[tuple[float, float, float]], x: int, bins: int = 40) -> t
 def plots(out: Path, outcomes: list[Outcome], duration_s: float) -> None:
     for x, name, label in ((0, "loss_vs_time.png", "seconds since the first step"), (1, "loss_vs_tokens.png", "tokens trained")):
         series = [(o.system, *curve(o.within(duration_s), x)) for o in outcomes]
-        (out / name).write_bytes(line_chart(series, title="training loss, hetpeer and hivemind on the same testbed",
-                                            x_label=label, y_label="loss"))
+        (out / name).write_bytes(charts_png([{"series": series, "title": "training loss, hetpeer and hivemind on the same "
+                                              "testbed", "x_label": label, "y_label": "loss"}]))
 
 
 # -- main ------------------------------------------------------------------------------------------
@@ -334,6 +335,8 @@ def main() -> int:
         parser.error(f"--slowdown must be a number >= 1, not {args.slowdown!r}")
     if args.batch < 1 or args.local_batch < 1:
         parser.error("--batch and --local-batch must be at least 1")
+    if not available():
+        parser.error("the loss pictures need matplotlib: pip install 'hetpeer[plots]'")
     try:
         check_docker()
         if not image_exists(args.image):

@@ -72,8 +72,8 @@ def add_commands(commands) -> None:
         description="Read the peers' announcements from the swarm's DHT, plan with the `time` cost model, and "
         "publish signed plans: the first once --min-peers have settled, a new one at once when a peer of the "
         "running plan disappears, and otherwise every --replan-interval seconds if it predicts a step "
-        "--gain faster (moving weights included). Serves the swarm's state over gRPC (--api). Prints the key "
-        "peers must trust and the DHT address they join through.",
+        "--gain faster (moving weights included). Serves the swarm's state over gRPC (--api) and, with --http, as a "
+        "web dashboard with Prometheus metrics. Prints the key peers must trust and the DHT address they join through.",
     )
     coordinator.add_argument("--swarm", required=True, metavar="NAME", help="the swarm's name")
     coordinator.add_argument("--home", type=Path, metavar="DIR",
@@ -86,8 +86,11 @@ def add_commands(commands) -> None:
                              help="DHT multiaddrs peers should dial, when they differ from --host-maddr (NAT, containers)")
     coordinator.add_argument("--api", default="127.0.0.1:0", metavar="HOST:PORT",
                              help="where to serve the read-only gRPC API (default 127.0.0.1 on a free port; 'off' for none)")
+    coordinator.add_argument("--http", metavar="[HOST:]PORT",
+                             help="serve the web dashboard (plan, charts, events, peers; JSON under /api/) and Prometheus "
+                             "/metrics here (host default 127.0.0.1; port 0: a free one; default: no dashboard)")
     coordinator.add_argument("--tls-cert", type=Path, metavar="FILE",
-                             help="serve the API over TLS with this PEM certificate (give --tls-key with it)")
+                             help="serve the API (and the dashboard) over TLS with this PEM certificate (give --tls-key with it)")
     coordinator.add_argument("--tls-key", type=Path, metavar="FILE", help="the --tls-cert certificate's PEM private key, unencrypted")
     cli.add_model_options(coordinator, default="tiny")
     coordinator.add_argument("--batch", type=cli._positive_int, default=16, metavar="N", help="global batch in sequences (default 16)")
@@ -123,13 +126,16 @@ def add_commands(commands) -> None:
     status = commands.add_parser(
         "status", help="show a swarm's plan, peers and progress",
         description="Ask a coordinator's gRPC API for the running plan, the peers with what they measured, and the "
-        "swarm's progress.",
+        "swarm's progress, and show them as a table (--watch: redrawn until Ctrl+C) or JSON.",
     )
     status.add_argument("--api", required=True, metavar="HOST:PORT", help="the coordinator's API address (it prints it)")
     status.add_argument("--tls-ca", type=Path, metavar="FILE",
                         help="connect with TLS, trusting the PEM certificate(s) in FILE: the coordinator's own "
                         "(self-signed) certificate, or the CA that signed it")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    status.add_argument("--watch", type=cli._positive_float, nargs="?", const=2.0, metavar="SECONDS",
+                        help="redraw the table every SECONDS (default 2) until Ctrl+C; a coordinator that stops "
+                        "answering is waited for")
     status.add_argument("--timeout", type=cli._positive_float, default=5.0, metavar="SECONDS", help="give up after this long (default 5)")
     status.set_defaults(run=run_status)
 
@@ -149,9 +155,10 @@ def add_commands(commands) -> None:
     swarm = commands.add_parser(
         "swarm", help="run a whole swarm on this machine (the demo)",
         description="Start a coordinator and --peers peers on this machine as separate processes, train the tiny "
-        "GPT on the default corpus for --steps steps with live progress, stop every process, and write a run "
-        "report (report.md, report.json, loss.png) to --out. Peers can be made unequal (--slowdowns, "
-        "--bandwidth-caps), so the planner has something to solve.",
+        "GPT on the default corpus for --steps steps with live progress (open the coordinator's dashboard "
+        "in a browser meanwhile), stop every process, and write a run report to --out: report.md, report.json, "
+        "report.html (the dashboard's page, self-contained), dashboard.png (with Chromium) and loss.png (with "
+        "matplotlib). Peers can be made unequal (--slowdowns, --bandwidth-caps), so the planner has something to solve.",
     )
     swarm.add_argument("--peers", type=cli._positive_int, default=8, metavar="N", help="peers to start (default 8)")
     swarm.add_argument("--steps", type=cli._positive_int, default=200, metavar="N", help="steps to train (default 200)")
@@ -269,16 +276,18 @@ def run_coordinator(args: argparse.Namespace) -> int:
     cli = _cli()
     from hetpeer.coordinator.api import ApiError
     from hetpeer.coordinator.service import Coordinator, CoordinatorConfig
+    from hetpeer.coordinator.web import DashboardError
     from hetpeer.protocol.admission import AdmissionError
     from hetpeer.protocol.control import ControlError
 
     cli.log_to_stdout()
     api_tls = _api_tls(args)
+    http = _http_listen(args.http, api_tls is not None)
     try:
         config = CoordinatorConfig(
             swarm=args.swarm, home=_home(args.home, f"coordinator-{args.swarm}"), initial_peers=tuple(args.initial_peers),
             dht_maddrs=(args.host_maddr,), dht_announce=tuple(args.announce_maddr), api_listen=None if args.api == "off" else args.api,
-            api_tls=api_tls, model=cli.model_spec(args),
+            api_tls=api_tls, http_listen=http, model=cli.model_spec(args),
             batch=args.batch, micro_batch=args.micro_batch, dtype=args.dtype, heartbeat_s=args.heartbeat,
             replan_interval_s=args.replan_interval, min_peers=args.min_peers, gain=args.gain,
             time_budget_s=args.time_budget, stages=args.stages, group_size=args.group_size, seed=args.seed,
@@ -292,7 +301,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
     try:
         coordinator.start()
         coordinator.run()
-    except (ControlError, ApiError, AdmissionError) as error:
+    except (ControlError, ApiError, AdmissionError, DashboardError) as error:
         raise cli.UserError(str(error)) from None
     except KeyboardInterrupt:
         cli._say("interrupted: the peers go on with the plan they have")
@@ -341,6 +350,26 @@ def _admission(words: list[str]) -> dict:
     raise _cli().UserError(f"--admission takes 'open', 'allowlist FILE' or 'token', got {' '.join(words)!r}")
 
 
+def _http_listen(text: str | None, tls: bool) -> str | None:
+    """`--http [HOST:]PORT` as HOST:PORT (host 127.0.0.1 when left out); a warning when served beyond this host
+    without TLS."""
+    if text is None:
+        return None
+    host, _, port = text.rpartition(":")
+    if not port.isdigit() or not 0 <= int(port) < 65536:
+        raise _cli().UserError(f"--http takes [HOST:]PORT with a port from 0 to 65535, got {text!r}")
+    listen = f"{host or '127.0.0.1'}:{int(port)}"
+    if not tls:
+        _warn_unencrypted("dashboard", listen)
+    return listen
+
+
+def _warn_unencrypted(what: str, listen: str) -> None:
+    if listen.rsplit(":", 1)[0].strip("[]") not in ("localhost", "127.0.0.1", "::1"):
+        _cli()._say(f"warning: the {what} on {listen} is served without TLS: anyone who reaches it reads the swarm's "
+                    "plan and peers, unencrypted (give --tls-cert and --tls-key)")
+
+
 def _api_tls(args: argparse.Namespace):
     """The coordinator API's `ServerTls` from --tls-cert and --tls-key (both or neither), checked; a warning
     when the API is served beyond this host without it."""
@@ -350,13 +379,12 @@ def _api_tls(args: argparse.Namespace):
     if (args.tls_cert is None) != (args.tls_key is None):
         raise cli.UserError("give --tls-cert and --tls-key together (the API's certificate and its key), or neither")
     if args.tls_cert is None:
-        host = args.api.rsplit(":", 1)[0].strip("[]")
-        if args.api != "off" and host not in ("localhost", "127.0.0.1", "::1"):
-            cli._say(f"warning: the API on {args.api} is served without TLS: anyone who reaches it reads the swarm's "
-                     "plan and peers, unencrypted (give --tls-cert and --tls-key)")
+        if args.api != "off":
+            _warn_unencrypted("API", args.api)
         return None
-    if args.api == "off":
-        raise cli.UserError("--tls-cert and --tls-key secure the API: leave them out with --api off")
+    if args.api == "off" and args.http is None:
+        raise cli.UserError("--tls-cert and --tls-key secure the API and the dashboard: leave them out with --api off "
+                            "and no --http")
     try:
         return ServerTls.load(args.tls_cert, args.tls_key)
     except ApiTlsError as error:
@@ -367,14 +395,21 @@ def run_status(args: argparse.Namespace) -> int:
     cli = _cli()
     # before grpc loads: its own log lines (a failed TLS handshake, say) would follow the one line of error
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-    from hetpeer.coordinator.api import ApiClient, ApiError, ApiTlsError, ClientTls, render_status, status_json
+    from hetpeer.coordinator.api import ApiClient, ApiError, ApiTlsError, ClientTls
+    from hetpeer.coordinator.console import status_json, status_view
 
+    if args.watch is not None and args.json:
+        raise cli.UserError("--watch redraws the table: leave out --json (or --watch, for one JSON document)")
     try:
         tls = ClientTls.load(args.tls_ca) if args.tls_ca is not None else None
         with ApiClient(args.api, timeout_s=args.timeout, tls=tls) as client:
-            plan, plan_time = client.call_get_plan()
-            peers = client.call_list_peers()
-            progress = client.call_get_progress()
+            def read():  # in `status_view`'s order
+                plan, plan_time = client.call_get_plan()
+                return plan, client.call_list_peers(), client.call_get_progress(), plan_time
+
+            plan, peers, progress, plan_time = read()
+            if args.watch is not None:
+                return _watch(read, (plan, peers, progress, plan_time), args.watch, status_view)
     except ApiTlsError as error:  # the flags do not fit the server or the files: the user's to fix
         raise cli.UserError(str(error)) from None
     except ApiError as error:
@@ -383,8 +418,49 @@ def run_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status_json(plan, peers, progress, plan_time), indent=1))
     else:
-        print(render_status(plan, peers, progress, plan_time))
+        _console().print(status_view(plan, peers, progress, plan_time))
     return 0
+
+
+def _console():
+    """A terminal's own width; a pipe's lines whole (wide), without colour."""
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=200, color_system=None)
+
+
+def _watch(read, first, every_s: float, status_view) -> int:
+    """Redraw the status every `every_s` seconds until Ctrl+C; a failed read keeps the last one, marked. A
+    terminal's table is redrawn in place; a pipe gets each one after the last, a blank line between."""
+    from rich.live import Live
+
+    from hetpeer.coordinator.api import ApiError, ApiTlsError
+
+    console = _console()
+    last, read_at, problem = first, time.strftime("%H:%M:%S"), None
+
+    def refresh() -> None:
+        nonlocal last, read_at, problem
+        time.sleep(every_s)
+        try:
+            last, read_at, problem = read(), time.strftime("%H:%M:%S"), None
+        except ApiTlsError:
+            raise
+        except ApiError as error:
+            problem = f"{error}: showing what it said at {read_at}; retrying"
+
+    try:
+        if not console.is_terminal:
+            while True:
+                console.print(status_view(*last, problem=problem), "")
+                sys.stdout.flush()
+                refresh()
+        with Live(status_view(*last), console=console, auto_refresh=False) as live:
+            while True:
+                refresh()
+                live.update(status_view(*last, problem=problem), refresh=True)
+    except KeyboardInterrupt:
+        return 0
 
 
 def run_swarm(args: argparse.Namespace) -> int:
@@ -414,11 +490,13 @@ def run_swarm(args: argparse.Namespace) -> int:
                 print(line, flush=True)
 
     print(f"a swarm of {config.peers} peers and a coordinator on this machine; logs and report in {out}", flush=True)
-    swarm = LocalSwarm(config, echo, free_port())
+    swarm = LocalSwarm(config, echo, free_port(), http_port=free_port())
     cli.stop_on_sigterm()
     try:
         swarm.start()
+        print(f"dashboard: {swarm.dashboard_url} (open it while the swarm trains)", flush=True)
         report = swarm.run(status=lambda line: echo(logline.relabel(line, "swarm")))
+        _screenshot(swarm.dashboard_url, out / "dashboard.png")
     except SwarmError as error:
         print(f"hetpeer swarm: {error}", file=sys.stderr)
         return 1
@@ -428,6 +506,24 @@ def run_swarm(args: argparse.Namespace) -> int:
     finally:
         swarm.shutdown()
     files = write_report(report, out)
-    print(f"report: {files['md']} (loss curve {files['png']})", flush=True)
+    extra = ", ".join(str(files[kind]) for kind in ("html", "png") if kind in files)
+    print(f"report: {files['md']} ({extra})", flush=True)
+    if "png" not in files:
+        print("  (pip install 'hetpeer[plots]' for loss.png, drawn with matplotlib)", flush=True)
     return 0
+
+
+def _screenshot(url: str, path: Path) -> None:
+    """A picture of the dashboard at the end of the run, where Chromium is installed."""
+    from hetpeer.swarm.browser import BrowserError, find_chromium, screenshot
+
+    if find_chromium() is None:
+        print("no Chromium on this machine: no dashboard screenshot (the report has the same charts)", flush=True)
+        return
+    try:
+        screenshot(url + "?once", path)
+    except BrowserError as error:
+        print(f"no dashboard screenshot: {error}", flush=True)
+        return
+    print(f"dashboard screenshot: {path}", flush=True)
 

@@ -51,6 +51,8 @@ def add_command(commands) -> None:
     testbed.add_argument("--subnet", metavar="CIDR", help="the containers' network (default: a free /24 of 10.213.0.0/16)")
     testbed.add_argument("--api-port", type=cli._positive_int, default=50051, metavar="PORT",
                          help="the coordinator's API on 127.0.0.1 (default 50051)")
+    testbed.add_argument("--http-port", type=cli._positive_int, default=8080, metavar="PORT",
+                         help="the coordinator's dashboard on 127.0.0.1 (default 8080)")
     testbed.add_argument("--model", choices=sorted(PRESETS), default="tiny", help="model preset (default tiny)")
     testbed.add_argument("--batch", type=cli._positive_int, default=16, metavar="N", help="global batch in sequences (default 16)")
     testbed.add_argument("--micro-batch", type=cli._positive_int, default=2, metavar="N", help="micro-batch (default 2)")
@@ -79,7 +81,7 @@ def run_testbed(args: argparse.Namespace) -> int:
     try:
         config = TestbedConfig(
             topology=topology, out=out, scale=args.scale, slowdown=args.slowdown, emulate_latency=not args.no_latency,
-            image=args.image, project=args.project, api_port=args.api_port, model=args.model, batch=args.batch,
+            image=args.image, project=args.project, api_port=args.api_port, http_port=args.http_port, model=args.model, batch=args.batch,
             micro_batch=args.micro_batch, dtype=args.dtype, heartbeat_s=args.heartbeat, steps=args.steps,
         )
         config = replace(config, subnet=args.subnet or free_subnet())
@@ -100,7 +102,7 @@ def run_testbed(args: argparse.Namespace) -> int:
     cli.stop_on_sigterm()  # `kill`, a CI's timeout: the containers are removed as after Ctrl+C
     try:
         bed.start()
-        print(f"watch it: hetpeer status --api {bed.api_address}", flush=True)
+        print(f"watch it: hetpeer status --api {bed.api_address}, or http://127.0.0.1:{config.http_port}/", flush=True)
         bed.run(status=lambda line: echo(logline.relabel(line, "testbed")))
         ended = 0
     except ComposeError as error:

@@ -1,8 +1,9 @@
 """The coordinator's gRPC API for organizers' tools: the plan, the peers and the swarm's progress.
 
 `ApiServer` serves whatever `get_view()` returns (the coordinator's latest read of the DHT); it holds
-no state of its own. `ApiClient` is what `hetpeer status --api HOST:PORT` uses; it parses every reply
-as strictly as a peer parses a DHT record, and turns every failure into one `ApiError` line.
+no state of its own. `ApiClient` is what `hetpeer status --api HOST:PORT` uses (`console.py` draws what
+it reads); it parses every reply as strictly as a peer parses a DHT record, and turns every failure into
+one `ApiError` line.
 
 The API is read-only and binds 127.0.0.1 unless told otherwise. Given a certificate and its key
 (`ServerTls`) it serves TLS only; a client then trusts the certificate it is given (`ClientTls`, often
@@ -19,7 +20,7 @@ from collections import Counter
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -27,7 +28,6 @@ from cryptography import x509
 from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 
-from hetpeer import logline
 from hetpeer.protocol import swarm_pb2, swarm_pb2_grpc
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan
@@ -459,80 +459,3 @@ class ApiClient:
             dropped=reply.dropped,
             val_loss=reply.val_loss if reply.HasField("val_loss") else None,
         )
-
-
-def _place(plan: Plan | None, record: PeerRecord) -> str:
-    if plan is not None:
-        if record.device_id in plan.standby:
-            return "standby"
-        try:
-            stage, lane = plan.position(record.device_id)
-        except KeyError:
-            pass
-        else:
-            s = plan.stages[stage]
-            return f"s{stage}/l{lane} [{s.layer_start},{s.layer_end})"
-    return f"[{record.layers[0]},{record.layers[1]})" if record.layers else "-"
-
-
-def render_status(
-    plan: Plan | None, peers: Sequence[PeerStatus], progress: Progress, plan_time: float | None = None
-) -> str:
-    """A few lines for a terminal: the swarm's figures, one row per peer, the plan in short."""
-    loss = f"{progress.loss:.4f}" if progress.loss is not None else "-"
-    if progress.val_loss is not None:
-        loss += f"  val {progress.val_loss:.4f}"
-    states = ", ".join(f"{n} {state}" for state, n in progress.peers_by_state.items()) or "none"
-    lines = [
-        f"swarm {progress.swarm}  coordinator {progress.coordinator_key[:16]}",
-        f"epoch {progress.epoch}  step {progress.step}  loss {loss}  tokens/s {progress.tokens_per_s:.1f}",
-        f"peers {sum(progress.peers_by_state.values())} ({states}), {progress.dropped} records dropped",
-        "",
-    ]
-    rows = [("peer", "state", "stage", "step", "loss", "tok/s", "TFLOPS", "achieved", "device", "age s")]
-    for p in sorted(peers, key=lambda p: p.record.device_id):
-        r = p.record
-        rows.append((
-            r.device_id, r.state, _place(plan, r), str(r.step), f"{r.loss:.4f}" if r.loss is not None else "-",
-            f"{r.tokens_per_s:.1f}", f"{r.tflops:.3g}", f"{r.achieved_tflops:.3g}" if r.achieved_tflops else "-",
-            r.device_name, f"{p.age_s:.0f}",
-        ))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
-    lines.append("")
-    if plan is None:
-        lines.append("no plan yet")
-    else:
-        published = f", published {logline.at(plan_time)}" if plan_time is not None else ""
-        lines.append(
-            f"plan epoch {plan.epoch} from step {plan.start_step}{published}: {len(plan.stages)} stage(s) x "
-            f"{plan.group_size} lane(s), {plan.model} {plan.dtype}, batch {plan.batch} in {plan.micro_batches} "
-            f"micro-batches of {plan.micro_batch}, predicted {plan.predicted} ({plan.cost_model})"
-        )
-        for s in plan.stages:
-            lines.append(f"  stage {s.index} layers [{s.layer_start},{s.layer_end}) {s.sync}: {' '.join(s.devices)}")
-        for i, lane in enumerate(plan.lanes):
-            lines.append(f"  lane {i}: {' -> '.join(lane)}")
-        if plan.standby:
-            lines.append(f"  standby: {' '.join(plan.standby)}")
-    return "\n".join(lines)
-
-
-def status_json(
-    plan: Plan | None, peers: Sequence[PeerStatus], progress: Progress, plan_time: float | None = None
-) -> dict:
-    """What `hetpeer status --json` prints: the progress figures, every peer's record and age, the plan."""
-    return {
-        "swarm": progress.swarm,
-        "coordinator_key": progress.coordinator_key,
-        "epoch": progress.epoch,
-        "step": progress.step,
-        "loss": progress.loss,
-        "val_loss": progress.val_loss,
-        "tokens_per_s": progress.tokens_per_s,
-        "peers_by_state": dict(progress.peers_by_state),
-        "dropped": progress.dropped,
-        "peers": [{**p.record.to_wire(), "age_s": p.age_s} for p in sorted(peers, key=lambda p: p.record.device_id)],
-        "plan": plan.to_wire() if plan is not None else None,
-        "plan_time": plan_time,
-    }

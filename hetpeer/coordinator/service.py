@@ -20,7 +20,10 @@ from typing import Callable
 import numpy as np
 
 from hetpeer.coordinator import gate, policy
-from hetpeer.coordinator.api import ApiServer, ServerTls, SwarmView
+from hetpeer.coordinator.api import ApiServer, ServerTls, SwarmView, progress
+from hetpeer.coordinator.board import Board
+from hetpeer.coordinator.history import History
+from hetpeer.coordinator.web import DashboardServer
 from hetpeer.coordinator.planner import PlannerConfig, PlanningError, solve
 from hetpeer.protocol.admission import AdmissionError, Allowlist
 from hetpeer.protocol.control import ControlPlane, key_digest
@@ -40,7 +43,8 @@ class CoordinatorConfig:
     dht_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
     dht_announce: tuple[str, ...] = ()  # DHT multiaddrs peers should dial, when they differ from dht_maddrs
     api_listen: str | None = "127.0.0.1:0"  # None: no gRPC API
-    api_tls: ServerTls | None = None  # the API's certificate and key: serve it over TLS
+    api_tls: ServerTls | None = None  # the API's certificate and key: serve it (and the dashboard) over TLS
+    http_listen: str | None = None  # where to serve the web dashboard and /metrics; None: nowhere
     model: ModelSpec = PRESETS["tiny"]  # a preset, or a model folder's spec (`workload.load_model`)
     batch: int = 16
     micro_batch: int = 2
@@ -95,6 +99,9 @@ class Coordinator:
             cost_model="time", stages=config.stages, group_size=config.group_size, time_budget_s=config.time_budget_s
         )
         self.api: ApiServer | None = None
+        self.dashboard: DashboardServer | None = None
+        self.history = History()
+        self.board: Board | None = None  # what the dashboard shows: taken at the end of each round
         self.executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.stopping = threading.Event()
         self.view = SwarmView(config.swarm, "", None, None, {}, 0, 0.0)
@@ -128,6 +135,8 @@ class Coordinator:
         if self.config.api_listen is not None:
             self.api = ApiServer(lambda: self.view, self.config.api_listen, tls=self.config.api_tls)
             self.api.start()
+        if self.config.http_listen is not None:
+            self.dashboard = DashboardServer(lambda: self.board, self.config.http_listen, tls=self.config.api_tls).start()
         self.view = replace(self.view, coordinator_key=self.key)
         self.last_solve = self.control.now()  # a (re)started coordinator waits a full interval before a periodic re-solve
         self.report(f"coordinator of swarm {self.config.swarm}; its key (give peers --coordinator-key): {self.key}")
@@ -136,6 +145,9 @@ class Coordinator:
                     + (f"of {self.config.ban_period_s:g} s on a group's report" if self.config.ban_period_s else "off"))
         if self.api is not None:
             self.report(f"API: {self.api.address} (hetpeer status --api {self.api.address})")
+        if self.dashboard is not None:
+            self.report(f"dashboard: {self.dashboard.url} (Prometheus: {self.dashboard.url}metrics)")
+        self.history.event(self.control.now(), "coordinator", "coordinator started")
         if self.config.join_file is not None:
             c = self.config
             JoinInfo(c.swarm, self.key, self.control.dialable_maddrs(), c.model.name, c.dtype).write(c.join_file)
@@ -146,6 +158,8 @@ class Coordinator:
         self.stopping.set()
         if self.api is not None:
             self.api.shutdown()
+        if self.dashboard is not None:
+            self.dashboard.shutdown()
         if self.executor is not None:
             self.executor.shutdown(wait=False, cancel_futures=True)
         self.control.shutdown()
@@ -164,13 +178,29 @@ class Coordinator:
 
     # -- one round: fetch, decide, act --------------------------------------------------------------
     def tick(self) -> None:
+        try:
+            self._round()
+        finally:
+            self._take_board()
+
+    def _take_board(self) -> None:
+        """The round as the dashboard shows it: the view, the history so far, who is left out and why."""
+        view = self.view
+        figures = progress(view)
+        self.history.observe(view.now, view.peers, view.plan, view.plan_time, figures.step, figures.loss,
+                             figures.val_loss, figures.tokens_per_s)
+        self.board = Board(view, self.history.snapshot(), dict(self.refused), dict(self.bans), self._admission_words())
+        if self.dashboard is not None:
+            self.dashboard.prepare(self.board)
+
+    def _round(self) -> None:
         config = self.config
         now = self.control.now()
         records, dropped = self.control.read_peers(max_age_s=(TTL_HEARTBEATS + 1) * config.heartbeat_s)
         self.control.remember(r.dht for r in sorted(records.values(), key=lambda r: -r.time))  # a restart finds them
         healed = self.control.heal()  # after a partition: find the swarm again
         if healed is not None:
-            self.report(healed)
+            self._event("coordinator", healed)
         for item in dropped:
             self._log_once(item.signer, f"dropped a peer record signed by {item.signer}: {item.reason}")
         ours = {}
@@ -192,7 +222,7 @@ class Coordinator:
             self.reached = max(self.reached, policy.furthest_step(self.plan, ours))
         if self.finished or (config.steps is not None and self.reached >= config.steps):
             self.finished = True  # for good: the peers leave now, and those left on standby are not a swarm to train
-            self._log_once("done", f"the swarm reached step {config.steps}: no more plans")
+            self._log_once("done", f"the swarm reached step {config.steps}: no more plans", kind="coordinator")
             return
         decision = policy.decide(
             self.plan, live, self.first_seen, now, self.last_solve, min_peers=config.min_peers,
@@ -214,11 +244,11 @@ class Coordinator:
         self._read_allowlist()
         self.bans, news = gate.judge(self.plan, live, self.bans, now, self.config.ban_period_s)
         for line in news:
-            self.report(line)
+            self._event("ban", line)
         kept, self.refused = gate.plannable(live, self.admission, self.bans, now)
         for device, why in self.refused.items():
             if device not in self.bans or self.bans[device].until <= now:  # a ban was said when it began
-                self._log_once(device, f"left {device} out of plans: {why}")
+                self._log_once(device, f"left {device} out of plans: {why}", kind="refused")
         return kept
 
     def _read_allowlist(self) -> None:
@@ -286,10 +316,10 @@ class Coordinator:
             future = self.executor.submit(solve, problem, self.planner, rng)
             solution = future.result(timeout=config.time_budget_s * 3 + 10)
         except PlanningError as error:
-            self.report(f"no plan: {error}")
+            self._event("coordinator", f"no plan: {error}")
             return
         except concurrent.futures.TimeoutError:
-            self.report(f"the planner did not finish within {config.time_budget_s * 3 + 10:g} s")
+            self._event("coordinator", f"the planner did not finish within {config.time_budget_s * 3 + 10:g} s")
             return
         searched_s = time.perf_counter() - started
         current_s = policy.predicted_step_s(problem, self.planner, usable) if usable is not None else None
@@ -298,7 +328,7 @@ class Coordinator:
         if not publish:
             known = set(current.devices) | set(current.standby)
             self.considered |= {d for d in live if d not in known}
-            self.report(f"kept epoch {current.epoch}: {why} (searched {searched_s:.1f} s)")
+            self._event("plan", f"kept epoch {current.epoch}: {why} (searched {searched_s:.1f} s)")
             return
         step = policy.start_step(current, ours, decision.broken, config.heartbeat_s, config.workload.model.seq_len, self.reached)
         plan = replace(
@@ -309,7 +339,7 @@ class Coordinator:
         lost = policy.orphaned_layers(live, plan.layers) if self.reached > 0 else []
         if lost:
             ranges = ", ".join(f"{a}-{b - 1}" for a, b in lost)
-            self.report(f"no live peer holds layers {ranges}: the swarm lost every peer that held them, so plan epoch "
+            self._event("coordinator", f"no live peer holds layers {ranges}: the swarm lost every peer that held them, so plan epoch "
                         f"{plan.epoch} trains them again from fresh weights from step {step}")
         if self._publish(plan, f"{why}; searched {searched_s:.1f} s"):
             self.considered.clear()
@@ -343,6 +373,7 @@ class Coordinator:
         if plan is not self.plan:
             self.plan, self.plan_time = plan, self.last_publish
             self.view = replace(self.view, plan=plan, plan_time=self.last_publish)  # the API shows it now, not a round later
+            self.history.plan(plan, self.last_publish, why)
             shape = f"{len(plan.stages)} stage(s) x {plan.group_size} lane(s)"
             self.report(
                 f"published plan epoch {plan.epoch} from step {plan.start_step}: {shape}, predicted "
@@ -354,7 +385,12 @@ class Coordinator:
                 self.report(f"  {len(plan.estimated_links)} link(s) not yet measured were estimated")
         return True
 
-    def _log_once(self, key: str, line: str) -> None:
+    def _log_once(self, key: str, line: str, kind: str | None = None) -> None:
+        """Say `line` the first time it comes up for `key`; an event of `kind` on the dashboard too, when given."""
         if (key, line) not in self._logged:
             self._logged.add((key, line))
-            self.report(line)
+            self._event(kind, line) if kind is not None else self.report(line)
+
+    def _event(self, kind: str, line: str) -> None:
+        self.report(line)
+        self.history.event(self.control.now(), kind, line)

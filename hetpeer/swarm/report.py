@@ -1,9 +1,10 @@
 """The run report of `hetpeer swarm`: what ran, under which plans, how fast, and how the loss went.
 
-`write_report` puts three files in a folder: report.md for people, report.json for programs (the
-`RunReport` itself, `to_json`/`from_json` round trip), and loss.png (loss and tokens/s against step,
-with plan switches and events marked). `summarize` derives each plan's measured figures from the
-samples; it is pure and O(samples log samples).
+`write_report` puts the report in a folder: report.md for people, report.json for programs (the
+`RunReport` itself, `to_json`/`from_json` round trip), report.html (one self-contained file: the
+coordinator's dashboard page showing the run, its charts drawn by plotly.js) and, where matplotlib is
+installed, loss.png (loss and tokens/s against step, plan switches and events marked). `summarize`
+derives each plan's measured figures from the samples; it is pure and O(samples log samples).
 
 Conventions: `Sample.step` is the index (from 0) of the step just completed and `Sample.time_s` the
 seconds since the run started when it completed; a plan's `start_step` is the index of its first step.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from statistics import median
@@ -21,7 +23,8 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from hetpeer.swarm.png import chart_pixels, encode_png
+from hetpeer.coordinator.web import page
+from hetpeer.swarm import plots
 
 REPORT_VERSION = 1
 
@@ -201,18 +204,77 @@ def summarize(samples: Sequence[Sample], plans: Sequence[PlanUse]) -> list[PlanU
 
 
 def write_report(report: RunReport, folder: str | Path) -> dict[str, Path]:
-    """Write report.md, report.json and loss.png into `folder` (created if missing); their paths by kind."""
+    """Write report.md, report.json, report.html and (with matplotlib) loss.png into `folder` (created if
+    missing); their paths by kind ("md", "json", "html", "png"). A dashboard.png already there is linked too."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    paths = {"md": folder / "report.md", "json": folder / "report.json", "png": folder / "loss.png"}
+    paths = {"md": folder / "report.md", "json": folder / "report.json", "html": folder / "report.html"}
     paths["json"].write_text(report.to_json() + "\n")
-    paths["png"].write_bytes(loss_png(report))
-    paths["md"].write_text(format_markdown(report, paths["png"].name))
+    paths["html"].write_text(page(report_state(report)))
+    if plots.available():
+        paths["png"] = folder / "loss.png"
+        paths["png"].write_bytes(loss_png(report))
+    pictures = [p.name for p in (paths.get("png"), folder / "dashboard.png") if p is not None and p.exists()]
+    paths["md"].write_text(format_markdown(report, pictures))
     return paths
 
 
+def report_state(report: RunReport) -> dict[str, Any]:
+    """The run as a dashboard document (`coordinator/board.py`'s shape, on the run's clock: seconds from its
+    start), so report.html is the dashboard's page showing it. Links were not recorded: the plan picture has
+    none."""
+    samples = sorted(report.samples, key=lambda s: s.step)
+    plans = summarize(samples, report.plans)
+    last = plans[-1] if plans else None
+    placed = {d: (s, lane) for s, stage in enumerate(last.stages) for lane, d in enumerate(stage.devices)} if last else {}
+    standby = set(last.standby) if last else set()
+    rows = []
+    for p in report.peers:
+        stage, lane = placed.get(p.device_id, (None, None))
+        emulated = [f"{p.slowdown:g}x slower"] if p.slowdown != 1 else []
+        emulated += [f"sends at most {p.bandwidth_cap_mbit:g} Mbit/s"] if p.bandwidth_cap_mbit is not None else []
+        rows.append({
+            "device_id": p.device_id, "state": "standby" if p.device_id in standby else "training" if stage is not None else "left",
+            "stage": stage, "lane": lane, "standby": p.device_id in standby, "tflops": p.tflops,
+            "device_name": p.device_name + (f" ({', '.join(emulated)})" if emulated else ""), "admission": "admitted",
+        })
+    finite = [s for s in samples if _finite(s.loss)]
+    vals = [s for s in samples if s.val_loss is not None]
+    return {
+        "swarm": report.swarm, "coordinator_key": "", "now": report.wall_s, "clock": "run", "version": 0, "admission": "",
+        "progress": {
+            "epoch": last.epoch if last else -1, "step": report.steps, "loss": finite[-1].loss if finite else None,
+            "val_loss": vals[-1].val_loss if vals else None, "tokens_per_s": report.tokens_per_s or 0.0,
+            "peers_by_state": dict(sorted(Counter(row["state"] for row in rows).items())), "dropped": 0, "banned": 0, "refused": 0,
+        },
+        "plan": None if last is None else {
+            "epoch": last.epoch, "start_step": last.start_step, "published": last.published_s, "model": report.model,
+            "predicted_step_s": _finite_or_none(last.predicted_step_s), "measured_step_s": last.measured_step_s,
+            "stages": [{"index": i, "layers": [s.layer_start, s.layer_end], "sync": "gossip" if len(s.devices) > 1 else "none",
+                        "devices": list(s.devices)} for i, s in enumerate(last.stages)],
+            "standby": list(last.standby), "links": [],
+        },
+        "peers": rows,
+        "history": {
+            "sample_fields": ["time", "step", "epoch", "loss", "val_loss", "tokens_per_s", "training"],
+            "samples": [[s.time_s, s.step, s.epoch, _finite_or_none(s.loss), s.val_loss, _finite_or_none(s.tokens_per_s), None]
+                        for s in samples],
+            "plans": [{"epoch": p.epoch, "start_step": p.start_step, "published": p.published_s, "stages": len(p.stages),
+                       "lanes": len(p.stages[0].devices) if p.stages else 0, "standby": len(p.standby),
+                       "predicted_step_s": _finite_or_none(p.predicted_step_s), "measured_step_s": p.measured_step_s,
+                       "steps": p.steps, "reason": ""} for p in plans],
+            "events": [{"time": e.time_s, "kind": "plan" if e.text.startswith("plan ") else "swarm", "text": e.text}
+                       for e in sorted(report.events, key=lambda e: e.time_s)],
+        },
+    }
+
+
+def _finite_or_none(value: float | None) -> float | None:
+    return value if _finite(value) else None
+
+
 def loss_png(report: RunReport) -> bytes:
-    """Two charts stacked: loss against step, then tokens/s against step; both mark plan switches
+    """Two charts stacked (matplotlib): loss against step, then tokens/s against step; both mark plan switches
     (every plan after the first, at its start_step) and events (placed at the step reached by then)."""
     samples = sorted(report.samples, key=lambda s: s.step)
     steps = [s.step for s in samples]
@@ -225,16 +287,14 @@ def loss_png(report: RunReport) -> bytes:
     validated = [s for s in samples if s.val_loss is not None]
     if validated:
         series.append(("validation", [s.step for s in validated], [s.val_loss for s in validated]))
-    loss = chart_pixels(series, 800, 380, title=f"{report.model}: training loss", x_label="step", y_label="loss",
-                        markers=markers)
-    rate = chart_pixels(
-        [("tokens/s", steps, [math.nan if s.tokens_per_s is None else s.tokens_per_s for s in samples])],
-        800, 260, title="throughput", x_label="step", y_label="tokens/s", markers=markers,
-    )  # fmt: skip
-    return encode_png(np.vstack([loss, rate]))
+    return plots.charts_png([
+        {"series": series, "title": f"{report.model}: training loss", "x_label": "step", "y_label": "loss", "markers": markers},
+        {"series": [("tokens/s", steps, [s.tokens_per_s for s in samples])], "title": "throughput", "x_label": "step",
+         "y_label": "tokens/s", "markers": markers},
+    ])
 
 
-def format_markdown(report: RunReport, png_name: str = "loss.png") -> str:
+def format_markdown(report: RunReport, pictures: Sequence[str] = ()) -> str:
     """The human summary: setup, plans with predicted vs measured step time, throughput, loss, events."""
     finite_losses = [s.loss for s in sorted(report.samples, key=lambda s: s.step) if _finite(s.loss)]
     vals = [s.val_loss for s in sorted(report.samples, key=lambda s: s.step) if s.val_loss is not None]
@@ -265,7 +325,9 @@ def format_markdown(report: RunReport, png_name: str = "loss.png") -> str:
         )  # fmt: skip
     lines += ["", "## Events", ""]
     lines += [f"- {e.time_s:.1f} s: {e.text}" for e in sorted(report.events, key=lambda e: e.time_s)] or ["- none"]
-    lines += ["", "## Loss", "", f"![loss and tokens/s against step]({png_name})", ""]
+    lines += ["", "## Charts", "", "report.html has the loss, validation loss and tokens/s charts (open it in a browser).", ""]
+    words = {"loss.png": "loss and tokens/s against step", "dashboard.png": "the coordinator's dashboard at the end of the run"}
+    lines += [f"![{words.get(name, name)}]({name})\n" for name in pictures]
     return "\n".join(lines)
 
 

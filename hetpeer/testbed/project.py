@@ -29,6 +29,7 @@ from hetpeer.protocol.workload import Workload, preset
 
 COORDINATOR = "coordinator"
 API_PORT = 50051  # inside the coordinator's container
+HTTP_PORT = 8080  # the dashboard, inside the coordinator's container
 DHT_PORT, PEER_DHT_PORT, TENSOR_PORT = 31337, 31338, 7000
 INTERFACE = "eth0"
 QUEUE_S = 0.01  # each shaped class queues at most this long at its rate (and at least MIN_QUEUE_BYTES)
@@ -56,6 +57,7 @@ class TestbedConfig:
     project: str = "hetpeer-testbed"
     subnet: str = "10.213.0.0/24"
     api_port: int = 50051  # published on 127.0.0.1
+    http_port: int = 8080  # the dashboard, published on 127.0.0.1
     swarm: str = "testbed"
     model: str = "tiny"
     batch: int = 16
@@ -86,8 +88,11 @@ class TestbedConfig:
         if len(set(names)) != len(names) or COORDINATOR in names:
             raise TestbedError(f"device ids must stay distinct as service names (a-z, 0-9, -) and not be "
                                f"{COORDINATOR!r}: {', '.join(sorted(names))}")
-        if not 0 < self.api_port < 65536:
-            raise TestbedError(f"api port must be 1-65535, got {self.api_port}")
+        for what, port in (("api", self.api_port), ("http", self.http_port)):
+            if not 0 < port < 65536:
+                raise TestbedError(f"{what} port must be 1-65535, got {port}")
+        if self.api_port == self.http_port:
+            raise TestbedError(f"the API and the dashboard need two ports, got {self.api_port} for both")
         try:
             Workload(preset(self.model), batch=self.batch, micro_batch=self.micro_batch, dtype=self.dtype)
         except ValueError as error:
@@ -158,7 +163,7 @@ def coordinator_command(config: TestbedConfig) -> list[str]:
     command = [
         "hetpeer", "coordinator", "--swarm", config.swarm, "--home", "/data", "--join-file", "/swarm/join.json",
         "--host-maddr", f"/ip4/0.0.0.0/tcp/{DHT_PORT}", "--announce-maddr", f"/ip4/{ip}/tcp/{DHT_PORT}",
-        "--api", f"0.0.0.0:{API_PORT}", "--min-peers", str(len(config.topology.devices)),
+        "--api", f"0.0.0.0:{API_PORT}", "--http", f"0.0.0.0:{HTTP_PORT}", "--min-peers", str(len(config.topology.devices)),
         "--heartbeat", repr(config.heartbeat_s), "--model", config.model, "--batch", str(config.batch),
         "--micro-batch", str(config.micro_batch), "--dtype", config.dtype,
     ]
@@ -208,7 +213,7 @@ def compose_project(config: TestbedConfig) -> dict[str, Any]:
             "init": True,
         }
         if name == COORDINATOR:
-            service["ports"] = [f"127.0.0.1:{config.api_port}:{API_PORT}"]
+            service["ports"] = [f"127.0.0.1:{config.api_port}:{API_PORT}", f"127.0.0.1:{config.http_port}:{HTTP_PORT}"]
         else:
             service["cap_add"] = ["NET_ADMIN"]
             service["depends_on"] = [COORDINATOR]

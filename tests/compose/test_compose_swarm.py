@@ -4,7 +4,9 @@ killed are each survived, and each comes back."""
 
 from __future__ import annotations
 
+import json
 import re
+import urllib.request
 
 import pytest
 
@@ -19,13 +21,14 @@ PEERS = ("peer1", "peer2", "peer3", "peer4")
 
 @pytest.fixture(scope="module")
 def swarm(image):
-    port = free_port()
+    port, http = free_port(), free_port()
     compose = Compose(ROOT / "docker" / "compose.yaml", unique("hetpeer-compose"),
-                      env={"HETPEER_IMAGE": image, "HETPEER_API_PORT": str(port), "HETPEER_SWARM": "ci"})
+                      env={"HETPEER_IMAGE": image, "HETPEER_API_PORT": str(port), "HETPEER_HTTP_PORT": str(http),
+                           "HETPEER_SWARM": "ci"})
     try:
         compose.up()
         with ApiClient(f"127.0.0.1:{port}", timeout_s=5.0) as client:
-            compose.client = client
+            compose.client, compose.dashboard = client, f"http://127.0.0.1:{http}/"
             yield compose
     finally:
         compose.down()
@@ -78,6 +81,13 @@ def test_the_compose_swarm_trains(swarm):
     later = wait_for(lambda: (p := swarm.client.call_get_progress()).step >= first.step + 40 and p, "40 more steps", 300)
     assert later.loss < first.loss, (first, later)
     assert set(plan.devices) | set(plan.standby) == {device_of(swarm, s) for s in PEERS}
+    # the dashboard, from the host: the same plan and peers, and the history of the run so far
+    with urllib.request.urlopen(swarm.dashboard + "api/state", timeout=10) as reply:
+        state = json.loads(reply.read())
+    assert state["plan"]["epoch"] >= plan.epoch and {p["device_id"] for p in state["peers"]} == {device_of(swarm, s) for s in PEERS}
+    assert len(state["history"]["samples"]) > 10 and any(e["kind"] == "plan" for e in state["history"]["events"])
+    with urllib.request.urlopen(swarm.dashboard + "metrics", timeout=10) as reply:
+        assert re.search(r"^hetpeer_swarm_step \d", reply.read().decode(), re.M)
 
 
 def test_a_killed_peer_is_planned_around_and_rejoins_with_its_groups_state(swarm):

@@ -9,9 +9,8 @@ import time
 import pytest
 
 from hetpeer import logline
-from hetpeer.coordinator.api import (
-    ApiClient, ApiError, ApiServer, Progress, SwarmView, progress, render_status, status_json,
-)
+from hetpeer.coordinator.api import ApiClient, ApiError, ApiServer, Progress, SwarmView, progress
+from hetpeer.coordinator.console import render_status, status_json
 from hetpeer.protocol import swarm_pb2
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan
@@ -66,21 +65,6 @@ def view(plan: Plan | None = None, peers=None) -> SwarmView:
         swarm="demo", coordinator_key="ab" * 32, plan=plan, plan_time=990.0 if plan else None,
         peers=make_peers() if peers is None else peers, dropped=2, now=NOW,
     )
-
-
-@pytest.fixture
-def serve():
-    servers = []
-
-    def start(get_view, cls=ApiServer) -> ApiServer:
-        server = cls(get_view)
-        server.start()
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.shutdown(0)
 
 
 def free_port() -> int:

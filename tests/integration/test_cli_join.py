@@ -131,7 +131,7 @@ def test_launch_runs_every_peer_to_the_end(tmp_path, cli):
         assert losses[0] == pytest.approx(lane_loss(lane, plan.lane_batch), abs=1e-4)
     for device in ("d0", "d1"):
         for step in (1, 2, 3):
-            assert any(re.match(rf"\[{device}\] step {step}/3\s+loss -", line) for line in lines), (device, step)
+            assert any(re.match(rf"\[{device}\] step {step}/3\s+loss -", line) for line in lines), (device, step, done.stdout)
 
     book = AddressBook.load(out / "addresses.json")
     assert sorted(book.peers) == ["d0", "d1", "d2", "d3"]

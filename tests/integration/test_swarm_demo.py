@@ -16,6 +16,7 @@ import pytest
 
 from processes import live_processes
 from hetpeer.logline import unstamp
+from hetpeer.swarm.browser import find_chromium
 from hetpeer.swarm.report import RunReport
 
 pytestmark = pytest.mark.slow
@@ -57,6 +58,12 @@ def test_the_swarm_trains_to_its_step_count_and_stops_everything(tmp_path):
     assert losses and losses[-1] < losses[0]
     assert max(s.step for s in report.samples) + 1 >= 150
     assert (out / "loss.png").read_bytes().startswith(b"\x89PNG")
+    assert "Plotly" in (out / "report.html").read_text() and "dashboard: http://127.0.0.1:" in stdout
+    if find_chromium() is not None or os.environ.get("HETPEER_REQUIRE_BROWSER"):  # a picture of the page at the end
+        assert f"dashboard screenshot: {out / 'dashboard.png'}" in stdout
+        assert (out / "dashboard.png").read_bytes().startswith(b"\x89PNG") and "(dashboard.png)" in (out / "report.md").read_text()
+    else:
+        assert "no Chromium on this machine: no dashboard screenshot" in stdout
     coordinator = (out / "coordinator.log").read_text()
     assert "the swarm reached step 150: no more plans" in coordinator
     # peers that leave at the last step do not look like a broken plan: no plan is published for them

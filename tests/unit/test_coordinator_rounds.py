@@ -118,3 +118,30 @@ def test_a_plan_after_every_holder_left_starts_past_the_reached_step_and_says_so
     last = control.plans[-1].plan
     assert set(last.devices) <= {"c", "d"} and last.start_step == 51
     assert any("no live peer holds layers 0-3" in line and "fresh weights" in line for line in coordinator.lines)
+
+
+def test_each_round_leaves_the_dashboard_a_board_with_the_run_so_far(coordinator):
+    from hetpeer.coordinator.board import state
+
+    control = coordinator.control
+    for d in ("a", "b", "c"):
+        control.announce(d)
+    rounds(coordinator, FIRST_PLAN_ROUNDS)
+    plan = control.plans[-1].plan
+    for step in range(1, 6):
+        for d in plan.devices:
+            control.announce(d, state="training", epoch=plan.epoch, layers=(0, 4), step=step, loss=5.0 - step / 2,
+                             tokens_per_s=100.0)
+        rounds(coordinator, 1)
+    control.announce("c", state="leaving")
+    rounds(coordinator, 1)
+    doc = state(coordinator.board)
+    kinds = [(e["kind"], e["text"]) for e in doc["history"]["events"]]
+    assert ("join", "a, b, c joined") in kinds and ("leave", "c left") in kinds
+    assert any(kind == "plan" and text.startswith(f"plan epoch {plan.epoch} from step 0") for kind, text in kinds)
+    first = doc["history"]["plans"][0]
+    assert first["epoch"] == plan.epoch and first["reason"].startswith("no plan yet") and first["steps"] == 4
+    assert first["measured_step_s"] == coordinator.config.heartbeat_s  # a step a round
+    fields = doc["history"]["sample_fields"]
+    losses = [dict(zip(fields, s))["loss"] for s in doc["history"]["samples"]]
+    assert losses[-2:] == [2.5, 2.5] and doc["progress"]["step"] == 5

@@ -1,109 +1,19 @@
-"""The run report of `hetpeer swarm`: the PNG encoder and chart, the summary figures, and the files."""
+"""The run report of `hetpeer swarm`: the summary figures, and the files (markdown, JSON, the self-contained
+HTML page, matplotlib's PNG)."""
 
 from __future__ import annotations
 
+import io
+import json
 import math
-import struct
-import zlib
+import re
 
-import numpy as np
 import pytest
 
-from hetpeer.swarm.png import chart_pixels, encode_png, format_tick, line_chart, nice_ticks
+from hetpeer.swarm import plots
 from hetpeer.swarm.report import (
     Event, LaneStep, PeerInfo, PlanUse, RunReport, Sample, lane_step, samples_from_lanes, summarize, write_report,
 )
-
-
-def decode_png(data: bytes) -> np.ndarray:
-    """The (h, w, 3) pixels of an 8-bit RGB PNG with filter 0 rows, checking every chunk's CRC."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    chunks, at = [], 8
-    while at < len(data):
-        (length,) = struct.unpack(">I", data[at : at + 4])
-        kind, body = data[at + 4 : at + 8], data[at + 8 : at + 8 + length]
-        (crc,) = struct.unpack(">I", data[at + 8 + length : at + 12 + length])
-        assert crc == zlib.crc32(kind + body), f"bad CRC in {kind!r}"
-        chunks.append((kind, body))
-        at += 12 + length
-    assert [k for k, _ in chunks][0] == b"IHDR" and chunks[-1] == (b"IEND", b"")
-    width, height, depth, color, _, _, interlace = struct.unpack(">IIBBBBB", chunks[0][1])
-    assert (depth, color, interlace) == (8, 2, 0)
-    raw = zlib.decompress(b"".join(body for kind, body in chunks if kind == b"IDAT"))
-    rows = np.frombuffer(raw, np.uint8).reshape(height, 1 + 3 * width)
-    assert (rows[:, 0] == 0).all()
-    return rows[:, 1:].reshape(height, width, 3)
-
-
-def test_encode_png_round_trips_pixels():
-    pixels = np.random.default_rng(0).integers(0, 256, (7, 11, 3), dtype=np.uint8)
-    assert (decode_png(encode_png(pixels)) == pixels).all()
-    with pytest.raises(ValueError, match="uint8"):
-        encode_png(pixels.astype(np.float32))
-
-
-def test_line_chart_has_the_size_asked_and_draws_the_line():
-    img = decode_png(line_chart([("loss", [0, 10], [0.0, 1.0])], width=300, height=200, title="t"))
-    assert img.shape == (200, 300, 3)
-    blue = (img == (31, 119, 180)).all(axis=2)
-    ys, xs = np.nonzero(blue)
-    assert len(xs) > 100  # a diagonal across the plot, two pixels wide
-    # it rises left to right: the leftmost line pixels sit lower on the image than the rightmost
-    assert ys[xs == xs.min()].mean() > ys[xs == xs.max()].mean()
-    assert (img[0, :] == 255).all()  # the background is white
-
-
-def non_white(img: np.ndarray) -> int:
-    return int((img != 255).any(axis=2).sum())
-
-
-@pytest.mark.parametrize(
-    "series",
-    [[], [("one", [3], [2.0])], [("flat", [0, 1, 2], [4.0, 4.0, 4.0])], [("nan", [0, 1, 2], [math.nan] * 3)],
-     [("zero", [0, 0], [0.0, 0.0])]],
-    ids=["empty", "single", "constant", "all-nan", "zero"],
-)  # fmt: skip
-def test_degenerate_series_still_give_a_chart(series):
-    img = decode_png(line_chart(series, width=200, height=120))
-    assert img.shape == (120, 200, 3) and non_white(img) > 0
-
-
-def test_single_point_is_a_visible_dot():
-    img = chart_pixels([("one", [3], [2.0])], width=200, height=120)
-    assert (img == (31, 119, 180)).all(axis=2).sum() >= 9
-
-
-def test_nan_breaks_the_line():
-    xs = np.arange(11.0)
-    whole = chart_pixels([("a", xs, xs)], 300, 200)
-    ys = xs.copy()
-    ys[5] = math.nan
-    broken = chart_pixels([("a", xs, ys)], 300, 200)
-    blue = (31, 119, 180)
-    assert (broken == blue).all(axis=2).sum() < (whole == blue).all(axis=2).sum()
-
-
-def test_markers_are_drawn_as_dashed_vertical_lines():
-    plain = chart_pixels([("a", [0, 10], [0, 1])], 300, 200)
-    marked = chart_pixels([("a", [0, 10], [0, 1])], 300, 200, markers=[(5.0, "plan 2")])
-    grey = (marked == (110, 110, 110)).all(axis=2)
-    assert grey.sum() > 0 and (plain == (110, 110, 110)).all(axis=2).sum() == 0
-    column = np.bincount(np.nonzero(grey)[1]).argmax()
-    assert 0 < grey[:, column].sum() < 200 / 2 + 20  # dashed: about half the plot's height
-
-
-@pytest.mark.parametrize("lo,hi", [(0, 1), (813.7, 847.9), (-3e-6, 2e-6), (0, 199), (2.95, 3.05), (1e5, 9e6)])
-def test_nice_ticks_give_four_to_six_round_values(lo, hi):
-    ticks = nice_ticks(lo, hi)
-    assert 4 <= len(ticks) <= 6
-    step = ticks[1] - ticks[0]
-    assert np.allclose(np.diff(ticks), step)
-    assert ticks[0] <= lo + step and ticks[-1] >= hi - step
-
-
-def test_tick_labels():
-    assert [format_tick(v, 0.25) for v in (0, 0.25, 1.5)] == ["0", "0.25", "1.50"]
-    assert format_tick(250000, 250000) == "250000" and format_tick(2e6, 1e6) == "2e6"
 
 
 def plans() -> list[PlanUse]:
@@ -160,20 +70,78 @@ def test_json_round_trip_keeps_everything():
         RunReport.from_json('{"version": 99}')
 
 
-def test_write_report_gives_three_files_with_the_figures(tmp_path):
+def test_write_report_gives_four_files_with_the_figures(tmp_path):
     paths = write_report(report(), tmp_path / "run")
-    assert {p.name for p in paths.values()} == {"report.md", "report.json", "loss.png"}
+    assert {p.name for p in paths.values()} == {"report.md", "report.json", "report.html", "loss.png"}
     assert all(p.exists() for p in paths.values())
     md = paths["md"].read_text()
     assert "| p0 | cpu | 1x | none | 19.5 |" in md and "| p1 | cpu | 3x | 100 | - |" in md
     assert "| 1 | 0 | 0.5 | 4 | L0-2: p0 p1; L2-4: p2 p3 | - | 0.500 | 0.500 | 1.00 | 300 |" in md
     assert "| 2 | 4 | 3.0 | 4 | L0-4: p0 | p1 | 0.800 | 2.000 | 2.50 | 55 |" in md
     assert "first 10.0000, last 6.0000" in md
-    assert "- 6.0 s: peer p3 killed" in md and "(loss.png)" in md
+    assert "- 6.0 s: peer p3 killed" in md and "(loss.png)" in md and "report.html" in md
     assert "throughput: 150 tokens/s" in md  # median of the rates
     assert RunReport.from_json(paths["json"].read_text()).plans == report().plans
-    img = decode_png(paths["png"].read_bytes())
-    assert img.shape[1] == 800 and non_white(img) > 1000
+    import matplotlib.image
+
+    img = matplotlib.image.imread(io.BytesIO(paths["png"].read_bytes()), format="png")
+    assert img.shape[:2] == (720, 1000) and (img[..., :3] < 0.9).any(axis=-1).sum() > 1000  # lines drawn, not blank
+
+
+def inline_state(html: str) -> dict:
+    found = re.search(r'<script type="application/json" id="state">(.*?)</script>', html, re.S)
+    assert found is not None
+    return json.loads(found.group(1))
+
+
+def test_report_html_is_one_self_contained_page_with_the_run(tmp_path):
+    html = write_report(report(), tmp_path)["html"].read_text()
+    markup = re.sub(r"<(script|style)\b[^>]*>.*?</\1>", "", html, flags=re.S)  # what is left: the page's own tags
+    assert "<script" not in markup and " src=" not in markup  # nothing loaded from elsewhere
+    assert re.findall(r'<link [^>]*href="([^"]*)"', markup) == ["data:,"]  # not even an icon
+    assert "Plotly" in html and "hetpeerCharts" in html  # plotly.js and the page's charts, inlined
+    state = inline_state(html)
+    assert state["clock"] == "run" and state["progress"]["step"] == 8
+    fields = state["history"]["sample_fields"]
+    rows = [dict(zip(fields, row)) for row in state["history"]["samples"]]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 7] and rows[3]["loss"] is None  # NaN: a gap
+    assert [(p["epoch"], p["measured_step_s"]) for p in state["history"]["plans"]] == [(1, 0.5), (2, 2.0)]
+    assert state["plan"]["epoch"] == 2 and state["plan"]["standby"] == ["p1"]
+    peers = {p["device_id"]: p for p in state["peers"]}
+    assert peers["p0"]["stage"] == 0 and peers["p1"]["standby"] and "3x slower" in peers["p1"]["device_name"]
+
+
+def test_report_html_keeps_text_that_looks_like_markup_as_data(tmp_path):
+    run = report()
+    hostile = "</script><script>alert(1)</script>"
+    run = RunReport(run.swarm, run.model, run.steps, run.wall_s, run.peers, run.plans, run.samples, [Event(1.0, hostile)])
+    html = write_report(run, tmp_path)["html"].read_text()
+    assert hostile not in html  # it cannot close the data's script element
+    assert inline_state(html)["history"]["events"][0]["text"] == hostile
+
+
+def test_write_report_without_matplotlib_leaves_out_the_png(tmp_path, monkeypatch):
+    monkeypatch.setattr(plots, "available", lambda: False)
+    paths = write_report(report(), tmp_path)
+    assert "png" not in paths and not (tmp_path / "loss.png").exists()
+    assert "loss.png" not in paths["md"].read_text() and paths["html"].exists()
+    (tmp_path / "dashboard.png").write_bytes(b"\x89PNG")  # a screenshot taken before: linked
+    assert "(dashboard.png)" in write_report(report(), tmp_path)["md"].read_text()
+
+
+def test_charts_png_says_how_to_get_matplotlib(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    with pytest.raises(plots.PlotsMissing, match=r"pip install 'hetpeer\[plots\]'"):
+        plots.charts_png([{"series": [("a", [0, 1], [0, 1])]}])
 
 
 def test_write_report_of_a_run_without_samples(tmp_path):

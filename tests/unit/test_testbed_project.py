@@ -82,11 +82,11 @@ def test_the_containers_commands_are_what_the_cli_accepts():
 
 
 def test_the_compose_project_puts_everyone_on_one_network_with_their_addresses(tmp_path):
-    path = write(config(out=tmp_path, api_port=50999))
+    path = write(config(out=tmp_path, api_port=50999, http_port=8999))
     project = yaml.safe_load(path.read_text())
-    assert project == compose_project(config(out=tmp_path, api_port=50999))
+    assert project == compose_project(config(out=tmp_path, api_port=50999, http_port=8999))
     services = project["services"]
-    assert services[COORDINATOR]["ports"] == ["127.0.0.1:50999:50051"]
+    assert services[COORDINATOR]["ports"] == ["127.0.0.1:50999:50051", "127.0.0.1:8999:8080"]
     assert all(services[n]["cap_add"] == ["NET_ADMIN"] for n in ("a-0", "a-1", "b-0"))
     assert all(services[n]["shm_size"] == 2 * 2**30 for n in ("a-0", "a-1", "b-0"))  # not Docker's 64 MB
     assert all(s["networks"]["wan"]["ipv4_address"] == config().addresses[n] for n, s in services.items())
@@ -111,6 +111,7 @@ def test_the_world_wide_scenario_fits_a_slash_24():
 @pytest.mark.parametrize("change, fragment", [
     ({"scale": 0.0}, "scale"), ({"slowdown": 0.5}, "slowdown"), ({"subnet": "10.0.0.0/30"}, "no room"),
     ({"subnet": "fe80::/64"}, "IPv4"), ({"subnet": "10.0.0.300/24"}, "subnet"), ({"api_port": 0}, "api port"),
+    ({"http_port": 70000}, "http port"), ({"http_port": 50051}, "two ports"),
     ({"batch": 2, "micro_batch": 4}, "micro"),
 ])
 def test_impossible_testbeds_are_refused(change, fragment):

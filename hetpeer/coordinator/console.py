@@ -1,0 +1,104 @@
+"""`hetpeer status` on a terminal: the swarm's figures, a table of its peers and the plan, drawn with rich;
+and the same data as JSON. Pure: what `ApiClient` read in, a renderable, text or a dict out.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Sequence
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from hetpeer import logline
+from hetpeer.coordinator.api import PeerStatus, Progress
+from hetpeer.protocol.plan import Plan
+from hetpeer.protocol.records import PeerRecord
+
+STATE_STYLES = {"training": "green", "standby": "bright_black", "leaving": "dark_orange", "fetching": "blue",
+                "waiting": "blue", "probing": "blue"}
+
+
+def place(plan: Plan | None, record: PeerRecord) -> str:
+    """Where the plan puts a peer: s<stage>/l<lane> [layers), standby, or the layers it holds."""
+    if plan is not None:
+        if record.device_id in plan.standby:
+            return "standby"
+        try:
+            stage, lane = plan.position(record.device_id)
+        except KeyError:
+            pass
+        else:
+            s = plan.stages[stage]
+            return f"s{stage}/l{lane} [{s.layer_start},{s.layer_end})"
+    return f"[{record.layers[0]},{record.layers[1]})" if record.layers else "-"
+
+
+def status_view(plan: Plan | None, peers: Sequence[PeerStatus], progress: Progress, plan_time: float | None = None,
+                problem: str | None = None) -> Group:
+    """The swarm's figures, one row per peer, the plan in short; `problem` (a failed refresh) in red above."""
+    loss = f"{progress.loss:.4f}" if progress.loss is not None else "-"
+    if progress.val_loss is not None:
+        loss += f"  val {progress.val_loss:.4f}"
+    states = ", ".join(f"{n} {state}" for state, n in progress.peers_by_state.items()) or "none"
+    head = Text.assemble(
+        ("swarm ", "bold"), (progress.swarm, "bold cyan"), f"  coordinator {progress.coordinator_key[:16]}\n",
+        f"epoch {progress.epoch}  step {progress.step}  loss {loss}  tokens/s {progress.tokens_per_s:.1f}\n",
+        f"peers {sum(progress.peers_by_state.values())} ({states}), {progress.dropped} records dropped",
+    )
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    for name, right in (("peer", False), ("state", False), ("stage", False), ("step", True), ("loss", True),
+                        ("tok/s", True), ("TFLOPS", True), ("achieved", True), ("device", False), ("age s", True)):
+        table.add_column(name, justify="right" if right else "left", no_wrap=True)
+    for p in sorted(peers, key=lambda p: p.record.device_id):
+        r = p.record
+        table.add_row(
+            r.device_id, Text(r.state, style=STATE_STYLES.get(r.state, "")), place(plan, r), str(r.step),
+            f"{r.loss:.4f}" if r.loss is not None else "-", f"{r.tokens_per_s:.1f}", f"{r.tflops:.3g}",
+            f"{r.achieved_tflops:.3g}" if r.achieved_tflops else "-", Text(r.device_name), f"{p.age_s:.0f}",
+        )
+    parts = ([Text(problem, style="bold red")] if problem else []) + [head, Text(""), table, Text("")]
+    return Group(*parts, _plan_text(plan, plan_time))
+
+
+def _plan_text(plan: Plan | None, plan_time: float | None) -> Text:
+    if plan is None:
+        return Text("no plan yet")
+    published = f", published {logline.at(plan_time)}" if plan_time is not None else ""
+    lines = [
+        f"plan epoch {plan.epoch} from step {plan.start_step}{published}: {len(plan.stages)} stage(s) x "
+        f"{plan.group_size} lane(s), {plan.model} {plan.dtype}, batch {plan.batch} in {plan.micro_batches} "
+        f"micro-batches of {plan.micro_batch}, predicted {plan.predicted} ({plan.cost_model})"
+    ]
+    lines += [f"  stage {s.index} layers [{s.layer_start},{s.layer_end}) {s.sync}: {' '.join(s.devices)}" for s in plan.stages]
+    lines += [f"  lane {i}: {' -> '.join(lane)}" for i, lane in enumerate(plan.lanes)]
+    if plan.standby:
+        lines.append(f"  standby: {' '.join(plan.standby)}")
+    return Text("\n".join(lines))
+
+
+def render_status(plan: Plan | None, peers: Sequence[PeerStatus], progress: Progress, plan_time: float | None = None,
+                  width: int = 200) -> str:
+    """`status_view` as plain text, `width` columns wide (for pipes, logs and tests)."""
+    console = Console(file=io.StringIO(), width=width, color_system=None, force_terminal=False)
+    console.print(status_view(plan, peers, progress, plan_time))
+    return console.file.getvalue().rstrip() + "\n"
+
+
+def status_json(plan: Plan | None, peers: Sequence[PeerStatus], progress: Progress, plan_time: float | None = None) -> dict:
+    """What `hetpeer status --json` prints: the progress figures, every peer's record and age, the plan."""
+    return {
+        "swarm": progress.swarm,
+        "coordinator_key": progress.coordinator_key,
+        "epoch": progress.epoch,
+        "step": progress.step,
+        "loss": progress.loss,
+        "val_loss": progress.val_loss,
+        "tokens_per_s": progress.tokens_per_s,
+        "peers_by_state": dict(progress.peers_by_state),
+        "dropped": progress.dropped,
+        "peers": [{**p.record.to_wire(), "age_s": p.age_s} for p in sorted(peers, key=lambda p: p.record.device_id)],
+        "plan": plan.to_wire() if plan is not None else None,
+        "plan_time": plan_time,
+    }

@@ -1,0 +1,184 @@
+"""What the coordinator remembers of a run for its organizer: progress over time, the plans it ran with
+their predicted and measured step times, and events (joins, leaves, re-plans, bans). Pure and bounded.
+
+Samples are taken once a round; when `max_samples` are held, every other one is dropped and the
+interval between samples doubles, so the history always spans the whole run at an even resolution
+(a page opened after days still shows the first hour). The newest sample always holds the latest round:
+between kept samples it moves with the swarm. Events and plans are kept newest last, at most
+`max_events` and `max_plans`. Every change bumps `version`: the dashboard serves a new document then.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, replace
+from typing import Iterable, Mapping
+
+from hetpeer.protocol.plan import Plan
+from hetpeer.protocol.records import PeerRecord
+
+EVENT_KINDS = ("join", "leave", "plan", "ban", "refused", "coordinator")
+NAMED_AT_MOST = 5  # a round in which more peers join (or leave) than this is one event naming the first few
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    time: float  # DHT time (UNIX seconds)
+    step: int
+    epoch: int
+    loss: float | None
+    val_loss: float | None
+    tokens_per_s: float
+    training: int  # peers training
+
+
+@dataclass(frozen=True, slots=True)
+class PlanEntry:
+    epoch: int
+    start_step: int
+    published: float  # DHT time
+    stages: int
+    lanes: int
+    standby: int
+    predicted_step_s: float | None
+    reason: str
+    first: tuple[float, int] | None = None  # (time, step) of the first sample past its start step
+    last: tuple[float, int] | None = None  # and of the latest one under it
+
+    @property
+    def steps(self) -> int:
+        return self.last[1] - self.first[1] if self.first and self.last else 0
+
+    @property
+    def measured_step_s(self) -> float | None:
+        """Mean seconds per step between the first and the latest sample that ran under this plan."""
+        return (self.last[0] - self.first[0]) / self.steps if self.steps > 0 else None
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    time: float
+    kind: str  # one of EVENT_KINDS
+    text: str
+
+
+class History:
+    def __init__(self, max_samples: int = 2048, max_events: int = 1000, max_plans: int = 256) -> None:
+        if max_samples < 4 or max_events < 1 or max_plans < 1:
+            raise ValueError("history needs room for 4 samples, 1 event and 1 plan at least")
+        self.max_samples = max_samples
+        self.samples: list[Sample] = []
+        self.interval_s = 0.0  # grows as the history is thinned
+        self._kept_at = -math.inf  # when the last sample was kept
+        self._moving = False  # the newest sample is the latest round's, replaced by the next one
+        self.events: deque[Event] = deque(maxlen=max_events)
+        self.plans: deque[PlanEntry] = deque(maxlen=max_plans)
+        self.version = 0
+        self._present: dict[str, str] = {}  # device -> state, as of the last round
+
+    # -- what the coordinator tells it --------------------------------------------------------------
+    def event(self, time: float, kind: str, text: str) -> None:
+        if kind not in EVENT_KINDS:
+            raise ValueError(f"event kind must be one of {', '.join(EVENT_KINDS)}, got {kind!r}")
+        self.events.append(Event(time, kind, text))
+        self.version += 1
+
+    def plan(self, plan: Plan, published: float, reason: str) -> None:
+        """A plan the coordinator published (or found running): its row in the history, an event."""
+        if any(p.epoch == plan.epoch for p in self.plans):
+            return
+        predicted = plan.total_s if plan.total_s == plan.total_s else None  # NaN: rebuilt from checkpoints
+        self.plans.append(PlanEntry(plan.epoch, plan.start_step, published, len(plan.stages), plan.group_size,
+                                    len(plan.standby), predicted, reason))
+        self.event(published, "plan", f"plan epoch {plan.epoch} from step {plan.start_step}: {len(plan.stages)} "
+                                      f"stage(s) x {plan.group_size} lane(s) ({reason})")
+
+    def observe(self, now: float, peers: Mapping[str, PeerRecord], plan: Plan | None, plan_time: float | None,
+                step: int, loss: float | None, val_loss: float | None, tokens_per_s: float) -> None:
+        """One round: joins and leaves since the last, the running plan's measured pace, a sample when due."""
+        self._membership(now, peers)
+        if plan is not None:
+            self.plan(plan, plan_time if plan_time is not None else now, "found running in the DHT")
+            self._pace(plan, now, step)
+        training = sum(1 for r in peers.values() if r.state == "training")
+        sample = Sample(now, step, plan.epoch if plan is not None else -1, loss, val_loss, tokens_per_s, training)
+        if self._moving:
+            self.samples[-1] = sample
+        else:
+            self.samples.append(sample)
+        due = now - self._kept_at >= self.interval_s
+        self._moving = not due
+        if due:
+            self._kept_at = now
+        if len(self.samples) > self.max_samples:
+            self._thin()
+        self.version += 1
+
+    def snapshot(self) -> "Past":
+        """The history as it is now, frozen: readers on other threads use this while the rounds go on."""
+        return Past(tuple(self.samples), tuple(self.plans), tuple(self.events), self.version)
+
+    # -- inside -------------------------------------------------------------------------------------
+    def _thin(self) -> None:
+        """Keep every other sample (the newest always) and sample half as often from now on."""
+        self.samples = self.samples[::-1][::2][::-1]
+        spans = [b.time - a.time for a, b in zip(self.samples, self.samples[1:])]
+        self.interval_s = max(self.interval_s * 2, min(spans, default=0.0))
+
+    def _pace(self, plan: Plan, now: float, step: int) -> None:
+        for i, entry in enumerate(self.plans):
+            if entry.epoch != plan.epoch or step <= entry.start_step:
+                continue
+            first = entry.first if entry.first is not None else (now, step)
+            if entry.last is None or step != entry.last[1]:
+                self.plans[i] = replace(entry, first=first, last=(now, step))
+
+    def _membership(self, now: float, peers: Mapping[str, PeerRecord]) -> None:
+        joined = [d for d in peers if d not in self._present]
+        left = [d for d, r in peers.items() if r.state == "leaving" and self._present.get(d, "") != "leaving"]
+        gone = [d for d, state in self._present.items() if d not in peers and state != "leaving"]
+        self._present = {d: r.state for d, r in peers.items()}
+        for devices, kind, words in ((joined, "join", "joined"), (left, "leave", "left"),
+                                     (gone, "leave", "stopped announcing")):
+            if devices:
+                self.event(now, kind, _name_some(devices, words))
+
+
+@dataclass(frozen=True, slots=True)
+class Past:
+    samples: tuple[Sample, ...] = ()
+    plans: tuple[PlanEntry, ...] = ()
+    events: tuple[Event, ...] = ()
+    version: int = 0
+
+    def current(self, epoch: int) -> PlanEntry | None:
+        return next((p for p in reversed(self.plans) if p.epoch == epoch), None)
+
+    def to_wire(self) -> dict:
+        return {
+            "sample_fields": list(SAMPLE_FIELDS),
+            "samples": [[getattr(s, name) for name in SAMPLE_FIELDS] for s in self.samples],
+            "plans": [plan_wire(p) for p in self.plans],
+            "events": [{"time": e.time, "kind": e.kind, "text": e.text} for e in self.events],
+        }
+
+
+SAMPLE_FIELDS = ("time", "step", "epoch", "loss", "val_loss", "tokens_per_s", "training")
+
+
+def plan_wire(p: PlanEntry) -> dict:
+    return {
+        "epoch": p.epoch, "start_step": p.start_step, "published": p.published, "stages": p.stages, "lanes": p.lanes,
+        "standby": p.standby, "predicted_step_s": p.predicted_step_s, "measured_step_s": p.measured_step_s,
+        "steps": p.steps, "reason": p.reason,
+    }
+
+
+def _name_some(devices: Iterable[str], words: str) -> str:
+    devices = sorted(devices)
+    if len(devices) == 1:
+        return f"{devices[0]} {words}"
+    if len(devices) <= NAMED_AT_MOST:
+        return f"{', '.join(devices)} {words}"
+    return f"{len(devices)} peers {words}: {', '.join(devices[:NAMED_AT_MOST])} and {len(devices) - NAMED_AT_MOST} more"

@@ -1,0 +1,72 @@
+"""What the dashboard serves, as data: the state document (plan links with what was measured, a row for every
+peer including planned ones that went quiet, admission and bans) and the Prometheus series."""
+
+from __future__ import annotations
+
+import json
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from dashboard_boards import NOW, board, make_plan
+from hetpeer.coordinator.api import SwarmView
+from hetpeer.coordinator.board import Board, SwarmCollector, plan_links, state
+
+def test_plan_links_carry_what_either_end_measured():
+    links = {(k["from"], k["to"], k["kind"]): k for k in plan_links(make_plan(), board().view.peers)}
+    assert set(links) == {("a", "b", "lane"), ("c", "d", "lane"), ("e", "f", "lane"), ("a", "c", "group"),
+                          ("c", "e", "group"), ("e", "a", "group"), ("b", "d", "group"), ("d", "f", "group"),
+                          ("f", "b", "group")}
+    assert links["a", "b", "lane"]["bandwidth_bytes_per_s"] == 5e7 and links["a", "b", "lane"]["latency_s"] == 0.004
+    assert links["c", "d", "lane"]["bandwidth_bytes_per_s"] == 3e7  # d's measurement of c
+    assert not links["e", "f", "lane"]["measured"] and links["e", "f", "lane"]["estimated"]
+    assert not links["b", "d", "group"]["measured"] and not links["b", "d", "group"]["estimated"]
+
+
+def test_the_state_document_has_every_peer_and_why_some_are_left_out():
+    doc = json.loads(json.dumps(state(board()), allow_nan=False))
+    rows = {r["device_id"]: r for r in doc["peers"]}
+    assert set(rows) == {"a", "b", "c", "d", "e", "f", "s", "x"}
+    assert rows["f"]["state"] == "missing" and (rows["f"]["stage"], rows["f"]["lane"]) == (1, 2)
+    assert rows["s"]["standby"] and rows["s"]["device_name"] == "<img src=x onerror=alert(1)>"  # data, drawn as text
+    assert rows["x"]["admission"] == "not on the allow-list" and rows["x"]["suspects"] == ["a"]
+    assert rows["d"]["admission"].startswith("banned 100 s more: reported by 2 of 2")
+    assert rows["a"]["admission"] == "admitted" and rows["a"]["links"] == 2 and rows["a"]["age_s"] == 1.0
+    assert doc["progress"]["banned"] == 1 and doc["progress"]["refused"] == 1  # a ban that ran out is not counted
+    assert doc["progress"]["loss"] == 3.0 and doc["progress"]["tokens_per_s"] == 150.0  # the last stage's mean, sum
+    assert doc["plan"]["predicted_step_s"] == 0.25 and doc["plan"]["standby"] == ["s"]
+    assert doc["history"]["events"][0]["kind"] == "join" and doc["history"]["plans"][0]["epoch"] == 1
+
+
+def test_without_a_plan_the_document_says_so():
+    empty = board(view=SwarmView("demo", "", None, None, {}, 0, NOW))
+    doc = state(empty)
+    assert doc["plan"] is None and doc["peers"] == [] and doc["progress"]["epoch"] == -1
+
+
+def scrape(b: Board | None) -> dict:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SwarmCollector(lambda: b))
+    samples = {}
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def test_metrics_have_swarm_and_per_peer_series():
+    samples = scrape(board())
+    assert samples[("hetpeer_swarm_step", ())] == 40
+    assert samples[("hetpeer_swarm_tokens_per_second", ())] == 150.0
+    assert samples[("hetpeer_swarm_peers", (("state", "training"),))] == 5
+    assert samples[("hetpeer_plan_predicted_step_seconds", ())] == 0.25
+    assert samples[("hetpeer_plan_lanes", ())] == 3 and samples[("hetpeer_swarm_banned_peers", ())] == 1
+    assert samples[("hetpeer_peer_loss", (("peer", "b"),))] == 2.5
+    assert samples[("hetpeer_peer_stage", (("peer", "s"),))] == -1
+    assert samples[("hetpeer_peer_plan_link_min_bandwidth_bytes_per_second", (("peer", "a"),))] == 5e7  # a-b, not a-c
+    assert samples[("hetpeer_peer_plan_link_max_latency_seconds", (("peer", "c"),))] == 0.003  # c-d, as d measured it
+    assert ("hetpeer_peer_plan_link_min_bandwidth_bytes_per_second", (("peer", "f"),)) not in samples  # none measured
+    info = [labels for (name, labels) in samples if name == "hetpeer_peer_info"]
+    assert (("device", "<img src=x onerror=alert(1)>"), ("peer", "s"), ("software", "hetpeer 0.1.0"), ("state", "standby")) in info
+    assert not any(name == "hetpeer_peer_loss" and labels == (("peer", "a"),) for name, labels in samples)  # none announced
+    assert scrape(None) == {}  # before the first round: nothing, not an error

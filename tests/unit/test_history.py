@@ -1,0 +1,79 @@
+"""The coordinator's bounded history: samples thinned evenly over the whole run, each plan's measured pace,
+joins and leaves as events (a crowd joining at once as one), and frozen snapshots for other threads."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetpeer.coordinator.history import NAMED_AT_MOST, History
+from hetpeer.protocol.addresses import PeerAddress
+from hetpeer.protocol.plan import Plan, StagePlan
+from hetpeer.protocol.records import PeerRecord
+
+
+def record(device: str, state: str = "training") -> PeerRecord:
+    return PeerRecord(device_id=device, model="tiny", dtype="fp32", device_name="cpu", tflops=1.0, memory_bytes=1,
+                      address=PeerAddress(direct=("127.0.0.1", 7000)), state=state, time=0.0)
+
+
+def plan(epoch: int, start_step: int = 0, total_s: float = 0.5) -> Plan:
+    return Plan(cost_model="time", model="tiny", layers=4, batch=4, micro_batch=2, micro_batches=1, dtype="fp32",
+                stages=(StagePlan(0, 0, 4, ("a", "b"), "gossip"),), cost={"total_s": total_s}, epoch=epoch,
+                start_step=start_step)
+
+
+def observe(history: History, now: float, peers=None, running=None, step: int = 0) -> None:
+    history.observe(now, peers or {}, running, now if running else None, step, 1.0, None, 10.0)
+
+
+def test_a_long_run_is_thinned_evenly_and_keeps_its_start_and_end():
+    history = History(max_samples=64)
+    for second in range(10_000):
+        observe(history, float(second), step=second)
+    times = [s.time for s in history.samples]
+    assert len(times) <= 64 and times[0] < 300  # the first minutes are still there
+    assert times[-1] == 9_999  # and the latest round
+    gaps = [b - a for a, b in zip(times, times[1:-1])]
+    assert max(gaps) <= 2 * min(gaps)  # an even resolution, not a recent window
+    assert history.interval_s >= 64
+
+
+def test_each_plan_measures_its_own_pace_from_its_first_step_on():
+    history = History()
+    first, second = plan(1), plan(2, start_step=10, total_s=2.0)
+    observe(history, 0.0, running=first, step=0)  # switching in: not a step of this plan yet
+    for i in range(1, 11):
+        observe(history, 5.0 + i, running=first, step=i)  # one step a second once it runs
+    for i in range(11, 15):
+        observe(history, 20.0 + 4 * (i - 10), running=second, step=i)  # four seconds a step
+    by_epoch = {p.epoch: p for p in history.snapshot().plans}
+    assert by_epoch[1].measured_step_s == pytest.approx(1.0) and by_epoch[1].steps == 9
+    assert by_epoch[2].measured_step_s == pytest.approx(4.0) and by_epoch[2].predicted_step_s == 2.0
+    assert [e.kind for e in history.events].count("plan") == 2
+
+
+def test_joins_and_leaves_are_events_and_a_crowd_is_one():
+    history = History()
+    crowd = {f"p{i}": record(f"p{i}") for i in range(NAMED_AT_MOST + 3)}
+    observe(history, 1.0, crowd)
+    observe(history, 2.0, {**crowd, "p0": record("p0", "leaving")})
+    observe(history, 3.0, {d: r for d, r in crowd.items() if d not in ("p0", "p1")})
+    texts = [(e.kind, e.text) for e in history.events]
+    assert texts[0] == ("join", f"{len(crowd)} peers joined: p0, p1, p2, p3, p4 and 3 more")
+    assert ("leave", "p0 left") in texts and ("leave", "p1 stopped announcing") in texts
+    assert not any("p0 stopped" in text for _, text in texts)  # it said it was leaving: not said twice
+    with pytest.raises(ValueError, match="event kind"):
+        history.event(4.0, "gossip", "not a kind")
+
+
+def test_a_snapshot_does_not_change_as_rounds_go_on_and_bounds_hold():
+    history = History(max_samples=8, max_events=3, max_plans=2)
+    observe(history, 0.0)
+    frozen = history.snapshot()
+    for epoch in range(1, 6):
+        observe(history, float(epoch), running=plan(epoch), step=epoch)
+    assert len(frozen.samples) == 1 and frozen.version < history.version
+    now = history.snapshot()
+    assert [p.epoch for p in now.plans] == [4, 5] and len(now.events) == 3
+    wire = now.to_wire()
+    assert wire["sample_fields"][:2] == ["time", "step"] and len(wire["samples"][0]) == len(wire["sample_fields"])
