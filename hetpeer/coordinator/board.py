@@ -48,7 +48,7 @@ def state(board: Board) -> dict[str, Any]:
         "admission": board.admission,
         "progress": {
             "epoch": p.epoch, "step": p.step, "loss": _finite(p.loss), "val_loss": _finite(p.val_loss),
-            "tokens_per_s": p.tokens_per_s, "peers_by_state": dict(p.peers_by_state), "dropped": p.dropped,
+            "tokens_per_s": _finite(p.tokens_per_s), "peers_by_state": dict(p.peers_by_state), "dropped": p.dropped,
             "banned": sum(1 for b in board.bans.values() if b.until > view.now), "refused": len(board.refused),
         },
         "plan": plan_document(view.plan, view.plan_time, view.peers, board.history),
@@ -168,7 +168,7 @@ class SwarmCollector(Collector):
         yield gauge("hetpeer_swarm_step", "highest step the swarm's training peers announce", p.step)
         yield gauge("hetpeer_swarm_loss", "training loss: mean over the plan's last-stage peers", p.loss)
         yield gauge("hetpeer_swarm_val_loss", "validation loss: mean over the plan's last-stage peers", p.val_loss)
-        yield gauge("hetpeer_swarm_tokens_per_second", "tokens trained per second, summed over the lanes", p.tokens_per_s)
+        yield gauge("hetpeer_swarm_tokens_per_second", "tokens trained per second, summed over the lanes", _finite(p.tokens_per_s))
         yield gauge("hetpeer_swarm_records_dropped", "peer records refused in the coordinator's last read", p.dropped)
         yield gauge("hetpeer_swarm_banned_peers", "peers banned now", sum(1 for b in board.bans.values() if b.until > view.now))
         yield gauge("hetpeer_swarm_refused_peers", "peers left out of plans (admission or ban)", len(board.refused))
@@ -188,7 +188,7 @@ class SwarmCollector(Collector):
                         entry.measured_step_s if entry is not None else None)
             yield from _link_families(plan, view)
         plans = CounterMetricFamily("hetpeer_plans", "plans published or found running since the coordinator started")
-        plans.add_metric([], len(history.plans))
+        plans.add_metric([], history.plans_seen)
         yield plans
         yield from _peer_families(view, plan)
 
@@ -218,7 +218,8 @@ def _peer_families(view: SwarmView, plan: Plan | None) -> Iterator:
     labels = ["peer"]
     families = {
         "step": GaugeMetricFamily("hetpeer_peer_step", "the step a peer announces", labels=labels),
-        "loss": GaugeMetricFamily("hetpeer_peer_loss", "a last-stage peer's training loss", labels=labels),
+        "loss": GaugeMetricFamily("hetpeer_peer_loss", "a last-stage peer's training loss (last-stage peers only)",
+                                  labels=labels),
         "tokens": GaugeMetricFamily("hetpeer_peer_tokens_per_second", "a last-stage peer's lane throughput (last-stage "
                                     "peers only)", labels=labels),
         "tflops": GaugeMetricFamily("hetpeer_peer_tflops", "a peer's measured TFLOPS in the training dtype", labels=labels),
@@ -235,7 +236,8 @@ def _peer_families(view: SwarmView, plan: Plan | None) -> Iterator:
     for device, r in sorted(view.peers.items()):
         stage = places.get(device, (-1, None))[0]
         values = {  # series only where they say something: a large swarm's scrape stays small
-            "step": r.step, "loss": r.loss, "tokens": r.tokens_per_s if stage == last else None, "tflops": r.tflops,
+            "step": r.step, "loss": r.loss if stage == last else None, "tokens": r.tokens_per_s if stage == last else None,
+            "tflops": r.tflops,
             "achieved": r.achieved_tflops, "memory": r.memory_bytes, "age": max(0.0, view.now - r.time), "stage": stage,
             "suspects": len(r.suspects) or None,
         }

@@ -29,7 +29,7 @@ class Sample:
     epoch: int
     loss: float | None
     val_loss: float | None
-    tokens_per_s: float
+    tokens_per_s: float | None
     training: int  # peers training
 
 
@@ -48,12 +48,15 @@ class PlanEntry:
 
     @property
     def steps(self) -> int:
-        return self.last[1] - self.first[1] if self.first and self.last else 0
+        """Steps the swarm ran under this plan, as far as the latest sample saw."""
+        return self.last[1] - self.start_step if self.last else 0
 
     @property
     def measured_step_s(self) -> float | None:
         """Mean seconds per step between the first and the latest sample that ran under this plan."""
-        return (self.last[0] - self.first[0]) / self.steps if self.steps > 0 else None
+        if not self.first or not self.last or self.last[1] <= self.first[1]:
+            return None
+        return (self.last[0] - self.first[0]) / (self.last[1] - self.first[1])
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +78,7 @@ class History:
         self.events: deque[Event] = deque(maxlen=max_events)
         self.plans: deque[PlanEntry] = deque(maxlen=max_plans)
         self.version = 0
+        self.plans_seen = 0  # every plan since the start, however many the history still holds
         self._present: dict[str, str] = {}  # device -> state, as of the last round
 
     # -- what the coordinator tells it --------------------------------------------------------------
@@ -88,7 +92,8 @@ class History:
         """A plan the coordinator published (or found running): its row in the history, an event."""
         if any(p.epoch == plan.epoch for p in self.plans):
             return
-        predicted = plan.total_s if plan.total_s == plan.total_s else None  # NaN: rebuilt from checkpoints
+        predicted = _finite(plan.total_s)  # NaN: rebuilt from checkpoints
+        self.plans_seen += 1
         self.plans.append(PlanEntry(plan.epoch, plan.start_step, published, len(plan.stages), plan.group_size,
                                     len(plan.standby), predicted, reason))
         self.event(published, "plan", f"plan epoch {plan.epoch} from step {plan.start_step}: {len(plan.stages)} "
@@ -102,7 +107,9 @@ class History:
             self.plan(plan, plan_time if plan_time is not None else now, "found running in the DHT")
             self._pace(plan, now, step)
         training = sum(1 for r in peers.values() if r.state == "training")
-        sample = Sample(now, step, plan.epoch if plan is not None else -1, loss, val_loss, tokens_per_s, training)
+        # peers' figures are finite one by one; their sums need not be, and JSON has no infinity
+        sample = Sample(now, step, plan.epoch if plan is not None else -1, _finite(loss), _finite(val_loss),
+                        _finite(tokens_per_s), training)
         if self._moving:
             self.samples[-1] = sample
         else:
@@ -117,7 +124,7 @@ class History:
 
     def snapshot(self) -> "Past":
         """The history as it is now, frozen: readers on other threads use this while the rounds go on."""
-        return Past(tuple(self.samples), tuple(self.plans), tuple(self.events), self.version)
+        return Past(tuple(self.samples), tuple(self.plans), tuple(self.events), self.version, self.plans_seen)
 
     # -- inside -------------------------------------------------------------------------------------
     def _thin(self) -> None:
@@ -151,6 +158,7 @@ class Past:
     plans: tuple[PlanEntry, ...] = ()
     events: tuple[Event, ...] = ()
     version: int = 0
+    plans_seen: int = 0
 
     def current(self, epoch: int) -> PlanEntry | None:
         return next((p for p in reversed(self.plans) if p.epoch == epoch), None)
@@ -173,6 +181,10 @@ def plan_wire(p: PlanEntry) -> dict:
         "standby": p.standby, "predicted_step_s": p.predicted_step_s, "measured_step_s": p.measured_step_s,
         "steps": p.steps, "reason": p.reason,
     }
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
 
 
 def _name_some(devices: Iterable[str], words: str) -> str:

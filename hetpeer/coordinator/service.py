@@ -120,6 +120,7 @@ class Coordinator:
         self._allowlist_mtime: float | None = None
         self.bans: dict[str, gate.Ban] = {}  # kept while the coordinator runs; a restart forgives
         self.refused: dict[str, str] = {}  # peers left out of plans this round, and why
+        self._kept: set[int] = set()  # epochs a re-solve kept, as events (once each: a re-solve comes every interval)
 
     @property
     def key(self) -> str:
@@ -296,6 +297,9 @@ class Coordinator:
         if mine and (self.plan is None or mine[0].plan.epoch >= self.plan.epoch):
             if self.plan is None:
                 self.report(f"running plan from the DHT: epoch {mine[0].plan.epoch}")
+                # its estimated links were solved again once measured, or will be at the next periodic re-solve:
+                # a restart is no news, and re-planning on it moved weights for a few percent (measurements vary)
+                self.rechecked_epoch = mine[0].plan.epoch
             self.plan, self.plan_time = mine[0].plan, mine[0].time
 
     def _solve_and_publish(self, decision: policy.Decision, live: dict[str, PeerRecord], ours: dict[str, PeerRecord]) -> None:
@@ -328,7 +332,11 @@ class Coordinator:
         if not publish:
             known = set(current.devices) | set(current.standby)
             self.considered |= {d for d in live if d not in known}
-            self._event("plan", f"kept epoch {current.epoch}: {why} (searched {searched_s:.1f} s)")
+            line = f"kept epoch {current.epoch}: {why} (searched {searched_s:.1f} s)"
+            self.report(line)
+            if current.epoch not in self._kept:  # a re-solve comes every interval: one event a plan, not thousands
+                self._kept.add(current.epoch)
+                self.history.event(self.control.now(), "plan", f"{line}; later re-solves that keep it are not listed")
             return
         step = policy.start_step(current, ours, decision.broken, config.heartbeat_s, config.workload.model.seq_len, self.reached)
         plan = replace(

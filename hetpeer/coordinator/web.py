@@ -22,8 +22,11 @@ from __future__ import annotations
 import gzip
 import http.server
 import json
+import logging
 import math
+import socket
 import ssl
+import sys
 import tempfile
 import threading
 import time
@@ -44,10 +47,13 @@ ASSETS = {  # name -> content type
     "plotly.min.js": "text/javascript; charset=utf-8",
 }
 PARTS = {"progress", "plan", "peers", "history"}
+log = logging.getLogger("hetpeer.coordinator")
 STREAM_POLL_S = 0.5
 STREAM_KEEPALIVE_S = 15.0
 GZIP_AT_LEAST = 1024
 HANDSHAKE_S = 10.0
+MAX_CONNECTIONS = 64
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 SCRAPERS_KEPT_S = 300.0
 SECURITY_HEADERS = (
     ("Content-Security-Policy", "default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
@@ -79,7 +85,9 @@ def page(state: dict[str, Any] | None = None) -> str:
         return html.replace("<!--head-->", head).replace("<!--data-->", "")
     inline = "\n".join(f"<script>{_script_text(asset(name))}</script>" for name in ("plotly.min.js", "charts.js", "dashboard.js"))
     head = f"<style>{asset('dashboard.css').decode()}</style>\n{inline}"
-    data = f'<script type="application/json" id="state">{_script_text(json.dumps(state, allow_nan=False).encode())}</script>'
+    # no '<' at all in the data: neither '</script' nor '<!--' can change how the page reads it
+    inert = json.dumps(state, allow_nan=False).replace("<", "\\u003c")
+    data = f'<script type="application/json" id="state">{inert}</script>'
     return html.replace("<!--head-->", head).replace("<!--data-->", data)
 
 
@@ -112,11 +120,13 @@ class DashboardServer:
         if self._httpd is not None:
             raise DashboardError("the dashboard is already started")
         host, _, port = self.listen.rpartition(":")
+        host = host.strip("[]")
         try:
-            httpd = _Server((host.strip("[]"), int(port)), _handler(self))
+            httpd = (_Server6 if ":" in host else _Server)((host, int(port)), _handler(self))
         except (OSError, ValueError) as error:
             raise DashboardError(f"cannot serve the dashboard on {self.listen}: {getattr(error, 'strerror', None) or error}") from None
         httpd.tls = _tls_context(self.tls) if self.tls is not None else None
+        httpd.local_only = host in LOOPBACK
         self._httpd = httpd
         self._thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.2}, name="dashboard", daemon=True)
         self._thread.start()
@@ -172,21 +182,60 @@ class DashboardServer:
 
 
 class _Server(http.server.ThreadingHTTPServer):
+    """A thread a connection, at most MAX_CONNECTIONS at once (one more is closed unanswered: clients that
+    hold connections open hold up only the dashboard, never the coordinator's own threads)."""
+
     daemon_threads = True
     allow_reuse_address = True  # SO_REUSEADDR: a restart binds past TIME_WAIT; two listeners still cannot share a port
     tls: ssl.SSLContext | None = None
+    local_only = False  # bound to loopback: requests must name a loopback host (no DNS rebinding)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request, client_address) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
     def finish_request(self, request, client_address) -> None:
         """On the connection's own thread: its TLS handshake first, so a client that never finishes one holds
         up no one else (the listening socket is not wrapped: its accept would wait for each handshake)."""
-        if self.tls is not None:
-            request.settimeout(HANDSHAKE_S)
-            try:
-                request = self.tls.wrap_socket(request, server_side=True)
-            except (ssl.SSLError, OSError):
-                request.close()
-                return
-        super().finish_request(request, client_address)
+        if self.tls is None:
+            super().finish_request(request, client_address)
+            return
+        request.settimeout(HANDSHAKE_S)
+        try:
+            wrapped = self.tls.wrap_socket(request, server_side=True)
+        except (ssl.SSLError, OSError):
+            request.close()
+            return
+        try:
+            super().finish_request(wrapped, client_address)
+        finally:
+            wrapped.close()
+
+    def handle_error(self, request, client_address) -> None:
+        """A page that went away is no error; anything else is one line in the coordinator's log."""
+        error = sys.exc_info()[1]
+        if not isinstance(error, (ConnectionError, TimeoutError, ssl.SSLError)):
+            log.warning("dashboard: a request from %s failed: %r", client_address[0], error)
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
 
 
 def _tls_context(tls: ServerTls) -> ssl.SSLContext:
@@ -208,7 +257,7 @@ def _handler(server: DashboardServer) -> type[http.server.BaseHTTPRequestHandler
         server_version = "hetpeer"
         sys_version = ""
         protocol_version = "HTTP/1.1"
-        timeout = 60  # seconds a connection may stay silent
+        timeout = 20  # seconds a connection may stay silent
 
         def log_message(self, format: str, *args: Any) -> None:  # the coordinator's log is for the swarm
             pass
@@ -218,6 +267,11 @@ def _handler(server: DashboardServer) -> type[http.server.BaseHTTPRequestHandler
 
         def do_GET(self, head: bool = False) -> None:
             path = urlsplit(self.path).path
+            named = urlsplit("//" + self.headers.get("Host", "")).hostname or ""
+            if self.server.local_only and named not in LOOPBACK:
+                # a page elsewhere that made its own name point here (DNS rebinding) must not read the swarm
+                self._error(421, f"this dashboard answers to {', '.join(LOOPBACK)} only, not {named[:100]!r}")
+                return
             if path == "/":
                 self._send(200, page().encode(), "text/html; charset=utf-8", head)
             elif path.startswith("/static/") and path[len("/static/"):] in ASSETS:
@@ -228,7 +282,12 @@ def _handler(server: DashboardServer) -> type[http.server.BaseHTTPRequestHandler
             elif path == "/api/stream":
                 self._stream(head)
             elif path == "/api/state" or (path.startswith("/api/") and path[len("/api/"):] in PARTS):
-                found = server.document()
+                try:
+                    found = server.document()
+                except (ValueError, TypeError) as error:  # a document that does not encode: a bug, said once a request
+                    log.warning("dashboard: cannot encode the state: %s", error)
+                    self._error(500, "the coordinator's state did not encode; its log says why")
+                    return
                 if found is None:
                     self._error(503, "the coordinator has not finished its first round")
                     return
@@ -240,6 +299,7 @@ def _handler(server: DashboardServer) -> type[http.server.BaseHTTPRequestHandler
                 self._error(404, f"no such page: {path[:200]}")
 
         def _refuse_method(self) -> None:
+            self.close_connection = True  # its body, unread, must not be taken for the next request
             self._error(405, f"the dashboard is read-only: {self.command} is not served", allow="GET, HEAD")
 
         do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _refuse_method
@@ -284,7 +344,7 @@ def _handler(server: DashboardServer) -> type[http.server.BaseHTTPRequestHandler
                 if head:
                     return
                 self._events()
-            except (BrokenPipeError, ConnectionResetError, ssl.SSLError, TimeoutError):
+            except (ConnectionError, ssl.SSLError, TimeoutError):
                 pass  # the page went away
             finally:
                 with server._lock:

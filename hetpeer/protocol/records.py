@@ -40,6 +40,7 @@ MAX_MADDR_CHARS = 256
 MAX_PLAN_BYTES = 1 << 20
 MAX_SUSPECTS = 16  # peers one record may report as misbehaving
 MAX_TOKEN_CHARS = 1024
+MAX_TEXT_CHARS = 128  # a device name, a software string: shown to organizers on pages and terminals
 DEVICE_RE = re.compile(r"[a-z0-9][a-z0-9_]{0,23}-[0-9a-f]{12}\Z")
 TTL_HEARTBEATS = 5  # a peer record expires after this many heartbeats without a new one (loaded machines miss some)
 
@@ -279,6 +280,9 @@ class PeerRecord:
         if len(parsed.dht) > MAX_DHT_MADDRS or any(len(m) > MAX_MADDR_CHARS for m in parsed.dht):
             raise SchemaError("peer.dht", f"at most {MAX_DHT_MADDRS} multiaddrs of at most {MAX_MADDR_CHARS} characters")
         dht = peer_maddrs(parsed.dht, "peer.dht")
+        for name_, text in (("device_name", parsed.device_name), ("software", parsed.software)):
+            if len(text) > MAX_TEXT_CHARS or not text.isprintable():
+                raise SchemaError(f"peer.{name_}", f"must be at most {MAX_TEXT_CHARS} printable characters, got {text[:64]!r}")
         if parsed.token is not None and not 0 < len(parsed.token) <= MAX_TOKEN_CHARS:
             raise SchemaError("peer.token", f"must be 1 to {MAX_TOKEN_CHARS} characters, got {len(parsed.token)}")
         if len(parsed.suspects) > MAX_SUSPECTS or len(set(parsed.suspects)) != len(parsed.suspects):

@@ -38,6 +38,8 @@ def screenshot(url: str, path: Path, width: int = 1440, height: int = 1900, wait
             done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
             raise BrowserError(f"Chromium took more than {timeout_s:g} s for a screenshot of {url}") from None
+        except OSError as error:  # not executable, gone since it was found
+            raise BrowserError(f"cannot run {chromium}: {error.strerror or error}") from None
     if done.returncode != 0 or not path.exists():
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise BrowserError(f"Chromium could not take a screenshot of {url} (exit {done.returncode}): {last}")

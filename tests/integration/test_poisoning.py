@@ -1,12 +1,14 @@
 """A poisoning peer in a real swarm (a coordinator and four `hetpeer join` processes on 127.0.0.1, one
-stage, robust mixing): its group leaves it out of mixing and reports it, the coordinator bans it, and the
-others train on without it."""
+stage, robust mixing): its group leaves it out of mixing and reports it, the coordinator bans it (its
+dashboard says so), and the others train on without it."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -44,7 +46,7 @@ def test_a_poisoner_is_left_out_reported_banned_and_the_group_trains_on(tmp_path
         out=tmp_path, peers=4, steps=100_000, batch=64, heartbeat_s=1.0, replan_interval_s=3600, mix_deadline_s=2.0,
         time_budget_s=1.0, coordinator_args=("--stages", "1"), peer_args=("--robust", "2"),
     )
-    swarm = PoisonedSwarm(config, lambda line: None, free_port())
+    swarm = PoisonedSwarm(config, lambda line: None, free_port(), http_port=free_port())
     try:
         swarm.start()
         wait_for(lambda: "banned peer3-" in log(swarm, "coordinator"), "the coordinator to ban the poisoner")
@@ -60,6 +62,11 @@ def test_a_poisoner_is_left_out_reported_banned_and_the_group_trains_on(tmp_path
         after = log(swarm, "coordinator").split(f"banned {poisoner}")[1]
         epoch = int(re.search(r"published plan epoch (\d+)", after).group(1))
         assert poisoner not in re.search(r"published plan epoch \d+ .*\n((?:  stage .*\n?)+)", after).group(1)
+        with urllib.request.urlopen(swarm.dashboard_url + "api/state", timeout=10) as reply:  # the organizer sees it
+            state = json.loads(reply.read())
+        assert any(e["kind"] == "ban" and poisoner in e["text"] for e in state["history"]["events"])
+        row = next(p for p in state["peers"] if p["device_id"] == poisoner)
+        assert row["admission"].startswith("banned ") and state["progress"]["banned"] == 1
 
         def trained_after_ban() -> list[float]:
             return [float(loss) for i in range(3) for e, loss in

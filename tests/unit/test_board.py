@@ -4,6 +4,7 @@ peer including planned ones that went quiet, admission and bans) and the Prometh
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -36,6 +37,16 @@ def test_the_state_document_has_every_peer_and_why_some_are_left_out():
     assert doc["progress"]["loss"] == 3.0 and doc["progress"]["tokens_per_s"] == 150.0  # the last stage's mean, sum
     assert doc["plan"]["predicted_step_s"] == 0.25 and doc["plan"]["standby"] == ["s"]
     assert doc["history"]["events"][0]["kind"] == "join" and doc["history"]["plans"][0]["epoch"] == 1
+
+
+def test_sums_past_the_largest_float_leave_gaps_not_a_broken_document():
+    huge = board()
+    peers = {**huge.view.peers, "b": replace(huge.view.peers["b"], tokens_per_s=1e308),
+             "d": replace(huge.view.peers["d"], tokens_per_s=1e308)}
+    huge = replace(huge, view=replace(huge.view, peers=peers))
+    doc = json.loads(json.dumps(state(huge), allow_nan=False))
+    assert doc["progress"]["tokens_per_s"] is None
+    assert ("hetpeer_swarm_tokens_per_second", ()) not in scrape(huge)
 
 
 def test_without_a_plan_the_document_says_so():

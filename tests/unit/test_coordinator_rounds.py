@@ -140,7 +140,7 @@ def test_each_round_leaves_the_dashboard_a_board_with_the_run_so_far(coordinator
     assert ("join", "a, b, c joined") in kinds and ("leave", "c left") in kinds
     assert any(kind == "plan" and text.startswith(f"plan epoch {plan.epoch} from step 0") for kind, text in kinds)
     first = doc["history"]["plans"][0]
-    assert first["epoch"] == plan.epoch and first["reason"].startswith("no plan yet") and first["steps"] == 4
+    assert first["epoch"] == plan.epoch and first["reason"].startswith("no plan yet") and first["steps"] == 5
     assert first["measured_step_s"] == coordinator.config.heartbeat_s  # a step a round
     fields = doc["history"]["sample_fields"]
     losses = [dict(zip(fields, s))["loss"] for s in doc["history"]["samples"]]

@@ -47,7 +47,7 @@ def test_each_plan_measures_its_own_pace_from_its_first_step_on():
     for i in range(11, 15):
         observe(history, 20.0 + 4 * (i - 10), running=second, step=i)  # four seconds a step
     by_epoch = {p.epoch: p for p in history.snapshot().plans}
-    assert by_epoch[1].measured_step_s == pytest.approx(1.0) and by_epoch[1].steps == 9
+    assert by_epoch[1].measured_step_s == pytest.approx(1.0) and by_epoch[1].steps == 10
     assert by_epoch[2].measured_step_s == pytest.approx(4.0) and by_epoch[2].predicted_step_s == 2.0
     assert [e.kind for e in history.events].count("plan") == 2
 
@@ -75,5 +75,7 @@ def test_a_snapshot_does_not_change_as_rounds_go_on_and_bounds_hold():
     assert len(frozen.samples) == 1 and frozen.version < history.version
     now = history.snapshot()
     assert [p.epoch for p in now.plans] == [4, 5] and len(now.events) == 3
+    history.observe(9.0, {}, None, None, 9, float("nan"), None, float("inf"))  # sums past the largest float
+    assert (history.samples[-1].loss, history.samples[-1].tokens_per_s) == (None, None)
     wire = now.to_wire()
     assert wire["sample_fields"][:2] == ["time", "step"] and len(wire["samples"][0]) == len(wire["sample_fields"])

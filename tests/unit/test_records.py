@@ -144,6 +144,13 @@ def test_a_record_with_an_unknown_state_is_refused():
     assert "training" in str(refused(wire(state="mining"), "peer.state"))
 
 
+@pytest.mark.parametrize("field, value", [
+    ("device_name", "x" * 129), ("device_name", "GPU\x1b]0;owned\x07"), ("software", "hetpeer\n1.0"), ("software", "\x1b[2J"),
+])
+def test_text_organizers_are_shown_is_short_and_printable(field, value):
+    assert "at most 128 printable characters" in str(refused(wire(**{field: value}), f"peer.{field}"))
+
+
 @pytest.mark.parametrize(
     "field, value",
     [

@@ -56,7 +56,7 @@
       ["step", grouped(p.step)], ["loss", fixed(p.loss, 4)], ["validation loss", fixed(p.val_loss, 4)],
       ["tokens/s", grouped(p.tokens_per_s)], ["plan epoch", p.epoch >= 0 ? p.epoch : "none"],
       ["peers", `${Object.values(p.peers_by_state).reduce((a, b) => a + b, 0)}`],
-      ["banned · refused", `${p.banned ?? 0} · ${p.refused ?? 0}`], ["records dropped", grouped(p.dropped)],
+      ["left out (banned)", `${p.refused ?? 0} (${p.banned ?? 0})`], ["records dropped", grouped(p.dropped)],
     ];
     const box = $("figures");
     box.replaceChildren(...cards.map(([label, value]) => el("div", { class: "figure", "data-figure": label },
@@ -104,6 +104,7 @@
     plan.stages.forEach((stage, s) => stage.devices.forEach((d, l) => where.set(d, [s, l])));
     const closing = [];
     for (const k of plan.links) {
+      if (!where.has(k.from) || !where.has(k.to)) continue;  // a link of no stage: nothing to draw it between
       const [sa, la] = where.get(k.from), [sb, lb] = where.get(k.to);
       if (la >= shown || lb >= shown) continue;
       const line = { stroke: k.measured ? "#55606b" : "#c62828", "stroke-width": stroke(k), "data-link": k.kind };
@@ -242,13 +243,21 @@
   }
 
   async function fetchState() {
+    let state;
     try {
       const reply = await fetch("api/state", { cache: "no-store" });
       if (!reply.ok) throw new Error(`${reply.status}`);
-      render(await reply.json());
-      setLive(`live · updated ${new Date().toLocaleTimeString()}`, true);
+      state = await reply.json();
     } catch (error) {
       setLive(`cannot reach the coordinator (${error.message}): retrying`, false);
+      return;
+    }
+    try {
+      render(state);
+      setLive(`live · updated ${new Date().toLocaleTimeString()}`, true);
+    } catch (error) {
+      setLive(`cannot draw what the coordinator sent (${error.message})`, false);
+      throw error;  // and in the browser's console, with where
     }
   }
 
