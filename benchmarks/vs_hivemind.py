@@ -26,7 +26,7 @@ slowed (`--slowdown` for the fast site, twice that for the slow one) with the sa
     `--memory-gb`: hivemind's peers hold the whole model with its optimizer state; hetpeer's hold a stage.
 
 Output folder: the two compose projects with every container's log, `loss_vs_time.png`,
-`loss_vs_tokens.png` (matplotlib: `pip install 'hetpeer[plots]'`) and `result.json`. `--json` prints one
+`loss_vs_tokens.png` (matplotlib: `pip install -e '.[plots]'`) and `result.json`. `--json` prints one
 JSON object as the last line: `hetpeer` and `hivemind`, each with `tokens_per_s` and `loss_at_equal_time`,
 and `memory` for case (b).
 """
@@ -336,7 +336,7 @@ def main() -> int:
     if args.batch < 1 or args.local_batch < 1:
         parser.error("--batch and --local-batch must be at least 1")
     if not available():
-        parser.error("the loss pictures need matplotlib: pip install 'hetpeer[plots]'")
+        parser.error("the loss pictures need matplotlib: pip install -e '.[plots]'")
     try:
         check_docker()
         if not image_exists(args.image):

@@ -509,7 +509,7 @@ def run_swarm(args: argparse.Namespace) -> int:
     extra = ", ".join(str(files[kind]) for kind in ("html", "png") if kind in files)
     print(f"report: {files['md']} ({extra})", flush=True)
     if "png" not in files:
-        print("  (pip install 'hetpeer[plots]' for loss.png, drawn with matplotlib)", flush=True)
+        print("  (pip install -e '.[plots]' for loss.png, drawn with matplotlib)", flush=True)
     return 0
 
 

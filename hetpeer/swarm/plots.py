@@ -1,4 +1,4 @@
-"""Line charts as PNG files with matplotlib, an optional extra (`pip install 'hetpeer[plots]'`): the run
+"""Line charts as PNG files with matplotlib, an optional extra (`pip install -e '.[plots]'`): the run
 report's loss.png and the benchmarks' pictures. Nothing else in hetpeer needs it: the report's HTML
 draws the same charts in the browser.
 
@@ -31,7 +31,7 @@ def charts_png(panels: Sequence[dict], width_in: float = 10.0, panel_height_in: 
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise PlotsMissing("matplotlib is not installed: pip install 'hetpeer[plots]'") from None
+        raise PlotsMissing("matplotlib is not installed: pip install -e '.[plots]'") from None
     figure = Figure(figsize=(width_in, panel_height_in * len(panels)), layout="constrained")
     FigureCanvasAgg(figure)
     for axes, panel in zip(figure.subplots(len(panels), 1, squeeze=False)[:, 0], panels):

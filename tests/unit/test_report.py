@@ -140,7 +140,7 @@ def test_charts_png_says_how_to_get_matplotlib(monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
-    with pytest.raises(plots.PlotsMissing, match=r"pip install 'hetpeer\[plots\]'"):
+    with pytest.raises(plots.PlotsMissing, match=r"pip install -e '\.\[plots\]'"):
         plots.charts_png([{"series": [("a", [0, 1], [0, 1])]}])
 
 
