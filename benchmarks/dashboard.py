@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 import urllib.request
+import zlib
+from dataclasses import replace
 from pathlib import Path
 
 from prometheus_client import generate_latest
@@ -43,7 +45,13 @@ from hetpeer.swarm import browser
 RENDER_GOAL_S = 2.0
 SCRAPE_GOAL_S = 0.050
 STAGES = 8
+LAYERS = 32
 COORDINATOR_KEY = b"ssh-rsa AAAAbenchmark-coordinator"
+
+
+def spread(text: str) -> int:
+    """A number from a name, the same in every run (str's hash() is salted per process)."""
+    return zlib.crc32(text.encode())
 
 
 def fake_key(i: int) -> bytes:
@@ -59,18 +67,12 @@ class SyntheticDht(ControlPlane):
         self.count = peers
         self.keys = [fake_key(i) for i in range(peers)]
         self.ids = [device_id(f"peer{i}", key) for i, key in enumerate(self.keys)]
-        lanes = max(1, min(peers // STAGES, 100))
-        used = min(peers, lanes * STAGES)
-        stages = max(1, min(STAGES, used))
-        lanes = used // stages
-        layers = 32
-        per = layers // stages
+        lanes, per = min(peers // STAGES, 100), LAYERS // STAGES  # peers >= 10: at least one lane
         self.plan = Plan(
-            cost_model="time", model="tiny", layers=layers, batch=4 * lanes, micro_batch=2, micro_batches=2, dtype="fp32",
-            stages=tuple(StagePlan(s, s * per, (s + 1) * per if s < stages - 1 else layers,
-                                   tuple(self.ids[s * lanes + l] for l in range(lanes)), "gossip" if lanes > 1 else "none")
-                         for s in range(stages)),
-            standby=tuple(self.ids[stages * lanes:]), cost={"total_s": 0.8}, epoch=1,
+            cost_model="time", model="tiny", layers=LAYERS, batch=4 * lanes, micro_batch=2, micro_batches=2, dtype="fp32",
+            stages=tuple(StagePlan(s, s * per, (s + 1) * per, tuple(self.ids[s * lanes + l] for l in range(lanes)),
+                                   "gossip" if lanes > 1 else "none") for s in range(STAGES)),
+            standby=tuple(self.ids[STAGES * lanes:]), cost={"total_s": 0.8}, epoch=1,
         )
         self.plan_time = time.time()
         self.step = 0
@@ -132,8 +134,8 @@ class SyntheticDht(ControlPlane):
             "layers": [self.plan.stages[stage].layer_start, self.plan.stages[stage].layer_end] if stage is not None else None,
             "step": self.step, "loss": loss, "val_loss": None, "checkpoint": None,
             "tokens_per_s": 2048.0 + (i % 13) * 10 if last else 0.0,
-            "links": {"peers": neighbours, "latency_s": [0.002 + 0.001 * (hash(n) % 40) for n in neighbours],
-                      "bandwidth_bytes_per_s": [1e7 * (1 + hash((device, n)) % 90) for n in neighbours]},
+            "links": {"peers": neighbours, "latency_s": [0.002 + 0.001 * (spread(n) % 40) for n in neighbours],
+                      "bandwidth_bytes_per_s": [1e7 * (1 + spread(device + n) % 90) for n in neighbours]},
             "time": self.clock - 0.5, "token": None, "suspects": [],
         }
 
@@ -151,9 +153,7 @@ def build(peers: int, rounds: int, home: Path) -> tuple[Coordinator, SyntheticDh
         dht.clock += 2.0
         dht.step += 3
         if r == rounds // 2:  # a plan switch halfway: the charts mark it
-            dht.plan = Plan(**{**{f: getattr(dht.plan, f) for f in dht.plan.__dataclass_fields__}, "epoch": 2,
-                               "start_step": dht.step})
-            dht.plan_time = dht.clock
+            dht.plan, dht.plan_time = replace(dht.plan, epoch=2, start_step=dht.step), dht.clock
         started = time.perf_counter()
         coordinator.tick()
         took.append(time.perf_counter() - started)

@@ -409,7 +409,7 @@ def run_status(args: argparse.Namespace) -> int:
 
             plan, peers, progress, plan_time = read()
             if args.watch is not None:
-                return _watch(read, (plan, peers, progress, plan_time), args.watch, status_view)
+                return _watch(read, (plan, peers, progress, plan_time), args.watch)
     except ApiTlsError as error:  # the flags do not fit the server or the files: the user's to fix
         raise cli.UserError(str(error)) from None
     except ApiError as error:
@@ -429,12 +429,13 @@ def _console():
     return Console() if sys.stdout.isatty() else Console(width=200, color_system=None)
 
 
-def _watch(read, first, every_s: float, status_view) -> int:
+def _watch(read, first, every_s: float) -> int:
     """Redraw the status every `every_s` seconds until Ctrl+C; a failed read keeps the last one, marked. A
     terminal's table is redrawn in place; a pipe gets each one after the last, a blank line between."""
     from rich.live import Live
 
     from hetpeer.coordinator.api import ApiError, ApiTlsError
+    from hetpeer.coordinator.console import status_view
 
     console = _console()
     last, read_at, problem = first, time.strftime("%H:%M:%S"), None

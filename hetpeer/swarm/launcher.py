@@ -142,7 +142,8 @@ class Process:
 class LocalSwarm:
     def __init__(self, config: SwarmConfig, echo: Callable[[str], None], api_port: int, http_port: int | None = None) -> None:
         self.config, self.echo, self.api_address = config, echo, f"127.0.0.1:{api_port}"
-        self.dashboard_url = f"http://127.0.0.1:{http_port}/" if http_port is not None else None
+        self.http_listen = f"127.0.0.1:{http_port}" if http_port is not None else None  # the coordinator's --http
+        self.dashboard_url = f"http://{self.http_listen}/" if self.http_listen else None
         self.coordinator: Process | None = None
         self.peers: list[Process] = []
         self.key: str | None = None
@@ -174,7 +175,7 @@ class LocalSwarm:
             "--model", c.model, "--batch", str(c.batch), "--micro-batch", str(c.micro_batch), "--dtype", c.dtype,
             "--time-budget", repr(c.time_budget_s), "--seed", str(c.seed), "--min-peers", str(min(2, c.peers)),
             "--steps", str(c.steps),
-            *(("--http", self.dashboard_url.split("//")[1].rstrip("/")) if self.dashboard_url else ()),
+            *(("--http", self.http_listen) if self.http_listen else ()),
             *c.coordinator_args,
         ]
         alive = [self.peer_maddrs[i] for i, p in enumerate(self.peers) if p.alive and i in self.peer_maddrs]

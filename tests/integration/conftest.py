@@ -9,11 +9,12 @@ from hetpeer.coordinator.api import ApiServer
 
 @pytest.fixture
 def serve():
-    """serve(get_view, cls=ApiServer) -> a started API server on 127.0.0.1 serving `get_view()`; shut down after."""
+    """serve(get_view, cls=ApiServer, **options) -> a started API server (on 127.0.0.1 unless `listen` says
+    otherwise; `tls`) serving `get_view()`; shut down after."""
     servers = []
 
-    def start(get_view, cls=ApiServer) -> ApiServer:
-        server = cls(get_view)
+    def start(get_view, cls=ApiServer, **options) -> ApiServer:
+        server = cls(get_view, **options)
         server.start()
         servers.append(server)
         return server

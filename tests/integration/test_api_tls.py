@@ -22,7 +22,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from hetpeer.coordinator.api import ApiClient, ApiServer, ApiTlsError, ClientTls, ServerTls, SwarmView
+from hetpeer.coordinator.api import ApiClient, ApiTlsError, ClientTls, ServerTls, SwarmView
 
 ROOT = Path(__file__).resolve().parents[2]
 START_GUARD_S = 120.0  # a hang guard for a coordinator starting its DHT node, not a timing
@@ -69,21 +69,6 @@ def view() -> SwarmView:
     return SwarmView(swarm="tls", coordinator_key="ab" * 32, plan=None, plan_time=None, peers={}, dropped=0, now=1000.0)
 
 
-@pytest.fixture
-def serve():
-    servers = []
-
-    def start(tls: ServerTls | None, listen: str = "127.0.0.1:0") -> ApiServer:
-        server = ApiServer(view, listen=listen, tls=tls)
-        server.start()
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.shutdown(0)
-
-
 def status(*args: str) -> subprocess.CompletedProcess:
     """`hetpeer status ...` as a user runs it."""
     return subprocess.run(
@@ -106,7 +91,7 @@ def one_line(done: subprocess.CompletedProcess, code: int, *fragments: str) -> s
 
 
 def test_a_client_that_trusts_the_certificate_is_served_by_address_and_by_name(serve, certs):
-    server = serve(ServerTls.load(*certs["server"]))
+    server = serve(view, tls=ServerTls.load(*certs["server"]))
     trust = ClientTls.load(certs["server"][0])
     for address in (server.address, f"localhost:{server.port}"):
         with ApiClient(address, timeout_s=5.0, tls=trust) as client:
@@ -115,28 +100,28 @@ def test_a_client_that_trusts_the_certificate_is_served_by_address_and_by_name(s
 
 
 def test_a_plain_client_of_a_tls_server_is_told_it_serves_tls(serve, certs):
-    server = serve(ServerTls.load(*certs["server"]))
+    server = serve(view, tls=ServerTls.load(*certs["server"]))
     with ApiClient(server.address, timeout_s=5.0) as client, pytest.raises(ApiTlsError, match="--tls-ca") as error:
         client.call_get_progress()
     assert server.address in str(error.value) and "\n" not in str(error.value)
 
 
 def test_a_client_that_trusts_another_certificate_is_refused(serve, certs):
-    server = serve(ServerTls.load(*certs["server"]))
+    server = serve(view, tls=ServerTls.load(*certs["server"]))
     with ApiClient(server.address, timeout_s=5.0, tls=ClientTls.load(certs["other"][0])) as client:
         with pytest.raises(ApiTlsError, match="certificate the --tls-ca certificates do not vouch for"):
             client.call_get_progress()
 
 
 def test_a_tls_client_of_a_plain_server_is_told_to_leave_tls_out(serve, certs):
-    server = serve(None)
+    server = serve(view)
     with ApiClient(server.address, timeout_s=5.0, tls=ClientTls.load(certs["server"][0])) as client:
         with pytest.raises(ApiTlsError, match="does not speak TLS: leave out --tls-ca"):
             client.call_get_progress()
 
 
 def test_a_certificate_that_does_not_name_the_address_dialled_is_refused(serve, certs):
-    server = serve(ServerTls.load(*certs["elsewhere"]))
+    server = serve(view, tls=ServerTls.load(*certs["elsewhere"]))
     with ApiClient(server.address, timeout_s=5.0, tls=ClientTls.load(certs["elsewhere"][0])) as client:
         with pytest.raises(ApiTlsError, match="does not name 127.0.0.1"):
             client.call_get_progress()
@@ -185,7 +170,7 @@ def listening(port: int) -> set[str]:
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads the kernel's socket table, which only Linux has")
 @pytest.mark.parametrize("tls", [False, True])
 def test_the_api_listens_on_127_0_0_1_only_by_default(serve, certs, tls):
-    server = serve(ServerTls.load(*certs["server"]) if tls else None)
+    server = serve(view, tls=ServerTls.load(*certs["server"]) if tls else None)
     found = listening(server.port)
     # 127.0.0.1 as /proc writes it, as IPv4 (little-endian) or IPv4-mapped IPv6 (grpc's way): no other interface
     assert found and found <= {"0100007F", "0000000000000000FFFF00000100007F"}, found
@@ -195,14 +180,14 @@ def test_the_api_listens_on_127_0_0_1_only_by_default(serve, certs, tls):
 
 
 def test_status_over_tls_prints_the_swarm(serve, certs):
-    server = serve(ServerTls.load(*certs["server"]))
+    server = serve(view, tls=ServerTls.load(*certs["server"]))
     done = status("--api", server.address, "--tls-ca", str(certs["server"][0]), "--json")
     assert done.returncode == 0, done.stderr
     assert '"swarm": "tls"' in done.stdout
 
 
 def test_status_fails_in_one_line_when_tls_does_not_fit(serve, certs):
-    tls_server, plain_server = serve(ServerTls.load(*certs["server"])), serve(None)
+    tls_server, plain_server = serve(view, tls=ServerTls.load(*certs["server"])), serve(view)
     one_line(status("--api", tls_server.address), 2, tls_server.address, "--tls-ca")
     one_line(status("--api", tls_server.address, "--tls-ca", str(certs["other"][0])), 2, "do not vouch for")
     one_line(status("--api", plain_server.address, "--tls-ca", str(certs["server"][0])), 2, "does not speak TLS")
