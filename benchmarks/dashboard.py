@@ -23,50 +23,34 @@ A screenshot of the large swarm's page goes to --out. `--json` prints one JSON o
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import statistics
 import sys
 import tempfile
 import time
 import urllib.request
-import zlib
 from dataclasses import replace
 from pathlib import Path
 
 from prometheus_client import generate_latest
 
 from hetpeer.coordinator.service import Coordinator, CoordinatorConfig
-from hetpeer.protocol.control import ControlPlane, SignedPlan
 from hetpeer.protocol.plan import Plan, StagePlan
-from hetpeer.protocol.records import PROTOCOL_VERSION, device_id
+from hetpeer.protocol.records import PROTOCOL_VERSION
 from hetpeer.swarm import browser
+from synthetic_swarm import SyntheticControlPlane, spread
 
 RENDER_GOAL_S = 2.0
 SCRAPE_GOAL_S = 0.050
 STAGES = 8
 LAYERS = 32
-COORDINATOR_KEY = b"ssh-rsa AAAAbenchmark-coordinator"
 
 
-def spread(text: str) -> int:
-    """A number from a name, the same in every run (str's hash() is salted per process)."""
-    return zlib.crc32(text.encode())
-
-
-def fake_key(i: int) -> bytes:
-    """Bytes in the place of peer i's public key: records are bound to them as to a real key."""
-    return b"ssh-rsa AAAA" + hashlib.sha256(f"peer {i}".encode()).hexdigest().encode()
-
-
-class SyntheticDht(ControlPlane):
-    """A control plane whose DHT entries are made here: `read_peers` parses them as it parses the DHT's."""
+class SyntheticDht(SyntheticControlPlane):
+    """Peers of a tiny-model swarm running a plan of 8 stages, the rest on standby."""
 
     def __init__(self, swarm: str, peers: int) -> None:
-        super().__init__(swarm, Path("unused.key"))
-        self.count = peers
-        self.keys = [fake_key(i) for i in range(peers)]
-        self.ids = [device_id(f"peer{i}", key) for i, key in enumerate(self.keys)]
+        super().__init__(swarm, peers)
         lanes, per = min(peers // STAGES, 100), LAYERS // STAGES  # peers >= 10: at least one lane
         self.plan = Plan(
             cost_model="time", model="tiny", layers=LAYERS, batch=4 * lanes, micro_batch=2, micro_batches=2, dtype="fp32",
@@ -74,41 +58,7 @@ class SyntheticDht(ControlPlane):
                                    "gossip" if lanes > 1 else "none") for s in range(STAGES)),
             standby=tuple(self.ids[STAGES * lanes:]), cost={"total_s": 0.8}, epoch=1,
         )
-        self.plan_time = time.time()
         self.step = 0
-        self.clock = time.time()
-
-    @property
-    def public_key(self) -> bytes:
-        return COORDINATOR_KEY
-
-    def start(self) -> "SyntheticDht":
-        return self
-
-    def shutdown(self) -> None:
-        pass
-
-    def now(self) -> float:
-        return self.clock
-
-    def visible_maddrs(self) -> list[str]:
-        return ["/ip4/127.0.0.1/tcp/1/p2p/QmBenchmark"]
-
-    def remember(self, maddrs) -> None:
-        list(maddrs)
-
-    def heal(self) -> None:
-        return None
-
-    def read_plans(self):
-        return [SignedPlan(self.plan, self.plan_time, COORDINATOR_KEY)], []
-
-    def publish_plan(self, plan, ttl_s: float) -> bool:
-        self.plan, self.plan_time = plan, self.clock
-        return True
-
-    def _entries(self, key: str):
-        return [(b"[owner:" + self.keys[i] + b"]", self.record(i)) for i in range(self.count)]
 
     def record(self, i: int) -> dict:
         """Peer i's announcement as it travels: a wire dict."""

@@ -22,7 +22,9 @@ links and the coordinator has planned from those measurements:
    plan without it has run a step. The peer is then started again and the swarm waits for it.
 
 `--json` prints one JSON object as the last line: per plan kind, tokens_per_s, predicted_s, measured_s and
-recovery_s, and the goals' ratios.
+recovery_s, and the goals' ratios. `--out` keeps `plans.json` (the plans and the peers' records) and
+`windows.json` (every window's measurement), which `benchmarks/timemodel_fit.py` fits the time model's
+efficiency terms to.
 """
 
 from __future__ import annotations
@@ -124,6 +126,8 @@ def main() -> int:
     parser.add_argument("--window", type=float, default=60.0, help="seconds of each throughput window (default 60)")
     parser.add_argument("--rounds", type=int, default=2, help="windows per plan kind, alternating (default 2)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-recovery", dest="recovery", action="store_false",
+                        help="measure the windows only, no peer killed (about 10 minutes shorter)")
     parser.add_argument("--image", default="hetpeer:latest")
     parser.add_argument("--out", type=Path, help="the testbed's folder: compose project, logs (default: a temporary folder)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -152,7 +156,9 @@ def main() -> int:
         with ApiClient(bed.api_address, timeout_s=5.0) as client:
             poll(client, lambda: all_measured(client, len(topology.devices)), "every peer to measure every link", timeout_s=900)
             print(f"every link measured after {time.monotonic() - started:.0f} s", flush=True)
-            planned = poll(client, lambda: (p := client.call_get_plan()[0]) and not p.estimated_links and p,
+            # a plan whose estimated links are all measured now: made on measured links, or solved again on them and kept
+            planned = poll(client, lambda: (p := client.call_get_plan()[0]) and (m := all_measured(client, len(topology.devices)))
+                           and all(b in m[a].links or a in m[b].links for a, b in p.estimated_links) and p,
                            "a plan made on measured links", timeout_s=300)
             print(f"coordinator's plan: {len(planned.stages)} stage(s) x {planned.group_size} lane(s), standby "
                   f"{', '.join(planned.standby) or 'none'}", flush=True)
@@ -182,7 +188,14 @@ def main() -> int:
                         rows.append((kind, {**measure(client, running, args.window, tokens_per_step), "predicted_s": predicted_s}))
                         print(f"  {kind:<12} {rows[-1][1]['tokens_per_s']:>8.0f} tokens/s, {rows[-1][1]['measured_s']:.3f} s/step "
                               f"measured, {rows[-1][1]['predicted_s']:.3f} predicted", flush=True)
-                for kind, plan in plans.items():
+                # after every kind has run: what each peer's training achieved and its latest link probes, kept with
+                # the windows for benchmarks/timemodel_fit.py (before the kills, which a slow machine may time out)
+                (out / "windows.json").write_text(json.dumps({
+                    "per_region": args.per_region, "scale": args.scale, "slowdown": args.slowdown, "batch": args.batch,
+                    "windows": [{"kind": kind, **row} for kind, row in rows],
+                    "records": [p.record.to_wire() for p in client.call_list_peers()],
+                }, indent=1))
+                for kind, plan in plans.items() if args.recovery else ():
                     epoch = max(epoch, client.call_get_plan()[0].epoch) + 1
                     running = publish(control, client, plan, epoch, tokens_per_step)
                     poll(client, lambda: (g := client.call_get_progress()).epoch == running.epoch

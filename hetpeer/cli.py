@@ -42,6 +42,15 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _efficiency(text: str):
+    from hetpeer.coordinator.planner.efficiency import Efficiency
+
+    try:
+        return Efficiency.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -107,11 +116,18 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--group-size", type=_positive_int, metavar="M", help="fix the data-parallel group size (lanes)")
     model.add_argument("--no-standby", action="store_true",
                        help="use every device (time model; dtfm always does)")
+    model.add_argument("--no-prune", action="store_true",
+                       help="search over every device, even those too small for a layer or too slow to matter "
+                            "(by default they are left out first, with the reason in the plan)")
     model.add_argument("--sync", choices=SYNC_CHOICES, default="auto",
                        help="how groups average weights (time model; default auto: per group)")
     model.add_argument("--dp-bytes", type=_positive_float, metavar="BYTES", help="dtfm: override c_DP, bytes of one stage's gradients")
     model.add_argument("--pp-bytes", type=_positive_float,
                        metavar="BYTES", help="dtfm: override c_PP, bytes of one lane's activations per step")
+    model.add_argument("--efficiency", metavar="TERMS", type=_efficiency,
+                       help="what training gets of the file's figures, e.g. compute=0.6,link=0.93,window_mb=4: achieved over "
+                            "announced TFLOPS, one TCP stream's share of a link, the bytes a stream keeps in flight (it gets "
+                            "at most that per round trip); default: the figures as they are (docs/planner.md, fitted on the testbed)")
     model.add_argument("--current", type=Path,
                        metavar="PLAN.json", help="the plan running now (JSON); the time model then counts the cost of moving weights")
     search = plan.add_argument_group("search")
@@ -415,11 +431,14 @@ def _run_plan(args: argparse.Namespace) -> int:
         raise UserError(str(error)) from None
     current = Plan.from_wire(_read_json(args.current, "plan file")) if args.current else None
     problem = Problem.from_topology(topology, workload, dp_bytes=args.dp_bytes, pp_bytes=args.pp_bytes, current=current)
+    if args.efficiency is not None:
+        problem = args.efficiency.apply(problem)
     config = PlannerConfig(
         cost_model=args.cost_model,
         stages=args.stages,
         group_size=args.group_size,
         allow_standby=not args.no_standby,
+        prune=not args.no_prune,
         sync=args.sync,
         time_budget_s=args.time_budget,
     )

@@ -70,8 +70,9 @@ def add_commands(commands) -> None:
         "coordinator",
         help="run a swarm's coordinator",
         description="Read the peers' announcements from the swarm's DHT, plan with the `time` cost model, and "
-        "publish signed plans: the first once --min-peers have settled, a new one at once when a peer of the "
-        "running plan disappears, and otherwise every --replan-interval seconds if it predicts a step "
+        "publish signed plans: the first once --min-peers have settled, at once when a peer of the running plan "
+        "disappears (the plan mended: the best peer outside it in its place, or its lane dropped; solved again "
+        "when it cannot be mended), and otherwise every --replan-interval seconds if it predicts a step "
         "--gain faster (moving weights included). Serves the swarm's state over gRPC (--api) and, with --http, as a "
         "web dashboard with Prometheus metrics. Prints the key peers must trust and the DHT address they join through.",
     )
@@ -98,8 +99,9 @@ def add_commands(commands) -> None:
     coordinator.add_argument("--dtype", choices=SWARM_DTYPES, default="fp32", help="training dtype (default fp32)")
     coordinator.add_argument("--heartbeat", type=cli._positive_float, default=2.0, metavar="SECONDS",
                              help="seconds between rounds; use the peers' heartbeat (default 2)")
-    coordinator.add_argument("--replan-interval", type=cli._positive_float, default=60.0, metavar="SECONDS",
-                             help="re-solve this often even when nothing broke (default 60)")
+    coordinator.add_argument("--replan-interval", type=cli._positive_float, default=300.0, metavar="SECONDS",
+                             help="re-solve this often even when nothing broke (default 300; a plan a peer left is "
+                                  "mended at once: docs/churn.md)")
     coordinator.add_argument("--min-peers", type=cli._positive_int, default=2, metavar="N", help="peers to wait for before the first plan (default 2)")
     coordinator.add_argument("--gain", type=float, default=0.1, metavar="FRACTION",
                              help="a new plan must predict a step this much faster than the running one (default 0.1)")

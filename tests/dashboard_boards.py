@@ -24,7 +24,8 @@ def make_plan() -> Plan:
     """2 stages x 3 lanes: a-b, c-d, e-f; s on standby; the link e-f never measured (estimated)."""
     return Plan(cost_model="time", model="tiny", layers=4, batch=6, micro_batch=1, micro_batches=2, dtype="fp32",
                 stages=(StagePlan(0, 0, 2, ("a", "c", "e"), "gossip"), StagePlan(1, 2, 4, ("b", "d", "f"), "gossip")),
-                standby=("s",), cost={"total_s": 0.25}, epoch=1, estimated_links=(("e", "f"),))
+                standby=("s",), cost={"total_s": 0.25}, epoch=1, estimated_links=(("e", "f"),),
+                standby_reasons=(("too slow: one layer takes longer than a whole step without it (0.25 s)", 1),))
 
 
 def board(**changes) -> Board:

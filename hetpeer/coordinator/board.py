@@ -71,6 +71,7 @@ def plan_document(plan: Plan | None, published: float | None, peers: Mapping[str
         "stages": [{"index": s.index, "layers": [s.layer_start, s.layer_end], "sync": s.sync, "devices": list(s.devices)}
                    for s in plan.stages],
         "standby": list(plan.standby),
+        "standby_reasons": [[reason, count] for reason, count in plan.standby_reasons],
         "links": plan_links(plan, peers),
     }
 
@@ -109,6 +110,7 @@ def peer_rows(board: Board) -> list[dict[str, Any]]:
     """One row per peer with a record, and one per planned peer without a fresh one (state `missing`)."""
     view, plan = board.view, board.view.plan
     places = positions(plan)
+    reasons = {d: reason for reason, ids in plan.reasons.items() for d in ids} if plan is not None else {}
     rows = []
     for device in sorted(set(view.peers) | set(places)):
         record = view.peers.get(device)
@@ -121,7 +123,7 @@ def peer_rows(board: Board) -> list[dict[str, Any]]:
         row = {
             "device_id": device, "state": record.state if record is not None else MISSING,
             "stage": stage, "lane": lane, "standby": plan is not None and device in plan.standby,
-            "admission": admission,
+            "standby_reason": reasons.get(device), "admission": admission,
         }
         if record is not None:
             row.update({

@@ -73,8 +73,7 @@ def _plan_text(plan: Plan | None, plan_time: float | None) -> Text:
     ]
     lines += [f"  stage {s.index} layers [{s.layer_start},{s.layer_end}) {s.sync}: {' '.join(s.devices)}" for s in plan.stages]
     lines += [f"  lane {i}: {' -> '.join(lane)}" for i, lane in enumerate(plan.lanes)]
-    if plan.standby:
-        lines.append(f"  standby: {' '.join(plan.standby)}")
+    lines += [f"  standby: {line}" for line in plan.standby_lines()]
     return Text("\n".join(lines))
 
 

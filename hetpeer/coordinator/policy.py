@@ -5,7 +5,8 @@
   Links are what peers measured
   (a pair measured both ways takes the slower bandwidth and the mean latency of the two); a pair nobody
   measured is guessed no better than the worse end's typical link (the median of its measured links,
-  else of all measured links, else `DEFAULT_LINK`) and is listed, so the plan can mark it estimated.
+  else of all measured links, else `DEFAULT_LINK`) and marked, so the plan can name the links it uses
+  that were estimated (`estimated_links`).
 - `broken`: why the running plan cannot go on (a member stopped announcing, or announces that its lane
   stalled under this plan), or None.
 - `decide`: whether to run the planner now, and why.
@@ -33,6 +34,7 @@ from hetpeer.protocol.records import PeerRecord
 from hetpeer.protocol.workload import Workload
 
 DEFAULT_LINK = (1e-3, 100e6)  # (latency s, bytes/s) assumed when no link at all has been measured
+MAX_ESTIMATED_LINKS = 2048  # a plan names at most this many of its estimated links (about 100 kB)
 MAX_LEAD_STEPS = 1000
 LEAD_HEARTBEATS = 5  # a plan that keeps membership takes effect this far ahead: peers read plans once a heartbeat
 LINKS_WAIT_HEARTBEATS = 10  # the first plan waits this much past the settling for links to be measured
@@ -47,37 +49,51 @@ class Decision:
 
 def build_problem(
     records: Mapping[str, PeerRecord], workload: Workload, current: Plan | None
-) -> tuple[Problem, tuple[tuple[str, str], ...]]:
-    """(problem over the announcing peers in id order, pairs whose link figures are estimates)."""
+) -> tuple[Problem, np.ndarray]:
+    """(problem over the announcing peers in id order, (n, n) mask of the pairs whose link figures are estimates).
+    O(n^2) in numpy for the matrices, O(measurements) in Python: 10,000 peers take about a second."""
     ids = tuple(sorted(records))
     n = len(ids)
     index = {d: i for i, d in enumerate(ids)}
-    latency = np.full((n, n), np.nan)
-    bandwidth = np.full((n, n), np.nan)
+    rows, cols, latencies, bandwidths = [], [], [], []
     for d, record in records.items():
         for peer, link in record.links.items():
             if peer in index and peer != d:
-                i, j = index[d], index[peer]
-                for a, b in ((i, j), (j, i)):
-                    # The planner's links are symmetric and a pipeline or a group uses each both ways, so the
-                    # slower direction is the link's bandwidth (a peer with a capped uplink measures it; the
-                    # other side measures its own, faster, direction). Latency: the mean of the two estimates.
-                    latency[a, b] = np.nanmean([latency[a, b], link.latency_s])
-                    bandwidth[a, b] = np.nanmin([bandwidth[a, b], link.bandwidth_bytes_per_s])
-    off = ~np.eye(n, dtype=bool)
-    missing = np.isnan(latency) & off
-    measured = ~np.isnan(latency) & off
-    # A pair nobody measured: no better than the worse end's typical link. One peer's slow uplink must not
-    # become everyone's guess (a swarm-wide median would make a newcomer look as slow as it).
-    overall = (float(np.median(latency[measured])), float(np.median(bandwidth[measured]))) if measured.any() else DEFAULT_LINK
-    typical_latency = np.array([np.median(latency[i, measured[i]]) if measured[i].any() else overall[0] for i in range(n)])
-    typical_bandwidth = np.array([np.median(bandwidth[i, measured[i]]) if measured[i].any() else overall[1] for i in range(n)])
-    guess_latency = np.maximum.outer(typical_latency, typical_latency)
-    guess_bandwidth = np.minimum.outer(typical_bandwidth, typical_bandwidth)
-    latency[missing], bandwidth[missing] = guess_latency[missing], guess_bandwidth[missing]
+                rows.append(index[d])
+                cols.append(index[peer])
+                latencies.append(link.latency_s)
+                bandwidths.append(link.bandwidth_bytes_per_s)
+    # The planner's links are symmetric and a pipeline or a group uses each both ways, so the slower direction
+    # is the link's bandwidth (a peer with a capped uplink measures it; the other side measures its own, faster,
+    # direction). Latency: the mean of the two ends' estimates.
+    a = np.array(rows + cols, dtype=np.int64)
+    b = np.array(cols + rows, dtype=np.int64)
+    flat = np.unique(a * n + b)  # the measured pairs, both ways
+    pair = np.searchsorted(flat, a * n + b)
+    latency_sum = np.zeros(len(flat))
+    count = np.zeros(len(flat))
+    np.add.at(latency_sum, pair, np.array(latencies + latencies, dtype=float))
+    np.add.at(count, pair, 1.0)
+    slowest = np.full(len(flat), np.inf)
+    np.minimum.at(slowest, pair, np.array(bandwidths + bandwidths, dtype=float))
+    measured_latency = latency_sum / np.maximum(count, 1.0)
+    # A pair nobody measured: no better than the worse end's typical link (the median of its measured links,
+    # else of every measured link, else DEFAULT_LINK). One peer's slow uplink must not become everyone's guess.
+    overall = (float(np.median(measured_latency)), float(np.median(slowest))) if len(flat) else DEFAULT_LINK
+    typical_latency, typical_bandwidth = np.full(n, overall[0]), np.full(n, overall[1])
+    owner = flat // n
+    starts = np.searchsorted(owner, np.arange(n + 1))
+    for i in np.flatnonzero(np.diff(starts)):
+        typical_latency[i] = np.median(measured_latency[starts[i] : starts[i + 1]])
+        typical_bandwidth[i] = np.median(slowest[starts[i] : starts[i + 1]])
+    latency = np.maximum.outer(typical_latency, typical_latency)
+    bandwidth = np.minimum.outer(typical_bandwidth, typical_bandwidth)
+    latency.flat[flat], bandwidth.flat[flat] = measured_latency, slowest
+    estimated = np.ones((n, n), dtype=bool)
+    estimated.flat[flat] = False
+    np.fill_diagonal(estimated, False)
     np.fill_diagonal(latency, 0.0)
     np.fill_diagonal(bandwidth, np.inf)
-    estimated = tuple((ids[i], ids[j]) for i in range(n) for j in range(i + 1, n) if missing[i, j])
     problem = Problem(
         device_ids=ids,
         latency_s=latency,
@@ -88,6 +104,15 @@ def build_problem(
         current=current,
     )
     return problem, estimated
+
+
+def estimated_links(plan: Plan, device_ids: Sequence[str], estimated: np.ndarray) -> tuple[tuple[str, str], ...]:
+    """The links the plan's traffic crosses (`Plan.links`) whose figures were estimates, given the (n, n) mask
+    of `build_problem` over `device_ids`: what the plan should be solved again for once measured. At most
+    `MAX_ESTIMATED_LINKS` of them (the first in order): a plan record must stay under 1 MiB, and a few thousand
+    unmeasured pairs already say that the plan is to be solved again once they are measured."""
+    index = {d: i for i, d in enumerate(device_ids)}
+    return tuple(sorted(pair for pair in plan.links if estimated[index[pair[0]], index[pair[1]]]))[:MAX_ESTIMATED_LINKS]
 
 
 def effective_tflops(records: Sequence[PeerRecord]) -> np.ndarray:

@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 
 from hetpeer.coordinator import gate, policy
+from hetpeer.coordinator.repair import repair
 from hetpeer.coordinator.api import ApiServer, ServerTls, SwarmView, progress
 from hetpeer.coordinator.board import Board
 from hetpeer.coordinator.history import History
@@ -50,7 +51,7 @@ class CoordinatorConfig:
     micro_batch: int = 2
     dtype: str = "fp32"
     heartbeat_s: float = 2.0
-    replan_interval_s: float = 60.0
+    replan_interval_s: float = 300.0  # docs/churn.md: breaks are repaired at once; a full re-solve this often
     settle_s: float | None = None  # default: two heartbeats
     min_peers: int = 2
     gain: float = 0.1  # a new plan must predict a step this much faster (moving weights included)
@@ -233,6 +234,8 @@ class Coordinator:
             links_wait_s=policy.LINKS_WAIT_HEARTBEATS * config.heartbeat_s,
         )
         if decision.solve:
+            if decision.broken and self._repair(decision, live, ours):
+                return  # the periodic re-solve stays due when it was: a repair is no search (docs/churn.md)
             self.last_solve = now
             if self.plan is not None:
                 self.rechecked_epoch = self.plan.epoch  # any solve under it uses every measurement there is
@@ -341,16 +344,36 @@ class Coordinator:
         step = policy.start_step(current, ours, decision.broken, config.heartbeat_s, config.workload.model.seq_len, self.reached)
         plan = replace(
             solution.plan, epoch=(current.epoch + 1) if current is not None else 1, start_step=step,
-            estimated_links=tuple(p for p in estimated if p[0] in solution.plan.devices and p[1] in solution.plan.devices),
+            estimated_links=policy.estimated_links(solution.plan, problem.device_ids, estimated),
             eval_every=config.eval_every, eval_batch=config.eval_batch if config.eval_every else 0,
         )
+        self._say_orphans(plan, live)
+        if self._publish(plan, f"{why}; searched {searched_s:.1f} s"):
+            self.considered.clear()
+
+    def _say_orphans(self, plan: Plan, live: dict[str, PeerRecord]) -> None:
+        """An event when the plan holds layers no live peer holds: they start again from fresh weights."""
         lost = policy.orphaned_layers(live, plan.layers) if self.reached > 0 else []
         if lost:
             ranges = ", ".join(f"{a}-{b - 1}" for a, b in lost)
             self._event("coordinator", f"no live peer holds layers {ranges}: the swarm lost every peer that held them, so plan epoch "
-                        f"{plan.epoch} trains them again from fresh weights from step {step}")
-        if self._publish(plan, f"{why}; searched {searched_s:.1f} s"):
-            self.considered.clear()
+                        f"{plan.epoch} trains them again from fresh weights from step {plan.start_step}")
+
+    def _repair(self, decision: policy.Decision, live: dict[str, PeerRecord], ours: dict[str, PeerRecord]) -> bool:
+        """Publish the running plan mended (`repair.py`: each departed member replaced by the best live peer outside
+        it, or its lane dropped) instead of solving again; False when it cannot be mended that way."""
+        config, current = self.config, self.plan
+        if not live or any(r.checkpoint for r in live.values()) and not any(r.layers for r in live.values()):
+            return False
+        problem, estimated = policy.build_problem(live, config.workload, current)
+        repaired = repair(current, problem, self.planner)
+        if repaired is None:
+            return False
+        step = policy.start_step(current, ours, True, config.heartbeat_s, config.workload.model.seq_len, self.reached)
+        plan = replace(repaired, start_step=step, estimated_links=policy.estimated_links(repaired, problem.device_ids, estimated))
+        gone = [d for d in current.devices if d not in repaired.devices and d not in live]
+        self._say_orphans(plan, live)
+        return self._publish(plan, f"repaired: {decision.reason}; {len(gone)} member(s) replaced or their lanes dropped")
 
     def _resume(self, live: dict[str, PeerRecord]) -> None:
         """Publish the plan the live peers' stage checkpoints make, from the step they were saved at; while a
@@ -385,8 +408,10 @@ class Coordinator:
             shape = f"{len(plan.stages)} stage(s) x {plan.group_size} lane(s)"
             self.report(
                 f"published plan epoch {plan.epoch} from step {plan.start_step}: {shape}, predicted "
-                f"{plan.predicted}, standby {', '.join(plan.standby) or 'none'} ({why})"
+                f"{plan.predicted} ({why})"
             )
+            for line in plan.standby_lines():
+                self.report(f"  standby: {line}")
             for s, stage in enumerate(plan.stages):
                 self.report(f"  stage {s + 1} layers {stage.layer_start}-{stage.layer_end - 1} ({stage.sync}): {', '.join(stage.devices)}")
             if plan.estimated_links:

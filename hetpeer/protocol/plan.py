@@ -8,8 +8,9 @@ A plan is what the coordinator publishes and what `hetpeer plan --json` prints. 
                  "devices": [device id per lane], "sync": "allreduce" | "gossip" | "none"}],
      "lanes": [[device id per stage], ...],          # lanes[l][s] == stages[s].devices[l]
      "standby": [device id, ...],
+     "standby_reasons": [[reason, count], ...],       # optional: why, in runs over the standby list (words)
      "cost": {"total_s": float, ...},                 # predicted seconds, by component
-     "estimated_links": [[device id, device id], ...],  # optional: pairs never measured, whose figures were estimated
+     "estimated_links": [[device id, device id], ...],  # optional: links it uses that were never measured (estimated)
      "eval_every": int, "eval_batch": int}             # optional: validation every N steps, sequences per lane
 
 `from_wire` checks every invariant a peer relies on, so a plan that parses is a plan a peer can run.
@@ -36,6 +37,8 @@ PLAN_VERSION = 1
 SYNC_MODES = ("allreduce", "gossip", "none")
 SYNC_CHOICES = ("auto", "allreduce", "gossip")  # what a planner may be asked for: auto chooses per group
 COST_MODELS = ("dtfm", "time")
+MAX_STANDBY_REASONS = 16  # distinct reasons a plan states; each covers many devices
+MAX_REASON_CHARS = 200
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,13 +68,47 @@ class Plan:
     cost: Mapping[str, float] = dataclass_field(default_factory=dict)
     epoch: int = 0
     start_step: int = 0
-    estimated_links: tuple[tuple[str, str], ...] = ()  # device pairs the planner had no measurement of
+    estimated_links: tuple[tuple[str, str], ...] = ()  # links it uses (`links`) the planner had no measurement of
+    # Why the standby devices were left out, in runs over `standby`: its first n1 devices for reason 1, the next
+    # n2 for reason 2... (device ids are most of a plan's bytes at 10,000 peers: none is written twice).
+    standby_reasons: tuple[tuple[str, int], ...] = ()
     eval_every: int = 0  # every lane measures the validation loss at the steps divisible by this (0: never)
     eval_batch: int = 0  # held-out sequences each lane measures it on
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
         _check(self)
+
+    @property
+    def reasons(self) -> dict[str, tuple[str, ...]]:
+        """The standby devices by the reason they were left out; empty when the plan states none."""
+        grouped, at = {}, 0
+        for reason, count in self.standby_reasons:
+            grouped[reason] = self.standby[at : at + count]
+            at += count
+        return grouped
+
+    def standby_lines(self, names_shown: int = 8) -> list[str]:
+        """The standby devices in words, one line per reason (devices named while few): what organizers read,
+        short at 10,000 peers."""
+        groups = self.reasons or ({"without a stated reason": self.standby} if self.standby else {})
+        return [f"{len(ids)} {reason}" + (f" ({' '.join(ids)})" if len(ids) <= names_shown else "")
+                for reason, ids in groups.items()]
+
+    @property
+    def links(self) -> set[tuple[str, str]]:
+        """The device pairs (each sorted) that the plan's traffic crosses: consecutive stages of a lane, and in each
+        group the pairs of the one-peer exponential graph (lane l with lane l + 2^r, which includes the ring an
+        all-reduce uses). O(stages x lanes x log lanes): what a plan of 10,000 peers can list, where all pairs
+        could not be."""
+        pairs = {tuple(sorted(hop)) for lane in self.lanes for hop in zip(lane, lane[1:])}
+        m = self.group_size
+        for stage in self.stages:
+            shift = 1
+            while shift < m:
+                pairs |= {tuple(sorted((stage.devices[l], stage.devices[(l + shift) % m]))) for l in range(m)}
+                shift *= 2
+        return pairs
 
     @property
     def lanes(self) -> tuple[tuple[str, ...], ...]:
@@ -148,6 +185,7 @@ class Plan:
             "standby": list(self.standby),
             "cost": dict(self.cost),
             **({"estimated_links": [list(pair) for pair in self.estimated_links]} if self.estimated_links else {}),
+            **({"standby_reasons": [[r, n] for r, n in self.standby_reasons]} if self.standby_reasons else {}),
             **({"eval_every": self.eval_every, "eval_batch": self.eval_batch} if self.eval_every else {}),
         }
 
@@ -157,7 +195,8 @@ class Plan:
         no_extra_fields(
             root,
             {"version", "epoch", "start_step", "cost_model", "model", "layers", "batch", "micro_batch",
-             "micro_batches", "dtype", "stages", "lanes", "standby", "cost", "estimated_links", "eval_every", "eval_batch"},
+             "micro_batches", "dtype", "stages", "lanes", "standby", "cost", "estimated_links", "standby_reasons",
+             "eval_every", "eval_batch"},
             "plan",
         )
         version = need_int(field(root, "version", "plan"), "plan.version")
@@ -207,6 +246,7 @@ class Plan:
             epoch=need_int(field(root, "epoch", "plan"), "plan.epoch", minimum=0),
             start_step=need_int(field(root, "start_step", "plan"), "plan.start_step", minimum=0),
             estimated_links=_pairs(root.get("estimated_links", []), "plan.estimated_links"),
+            standby_reasons=_reasons(root.get("standby_reasons", [])),
             eval_every=need_int(root.get("eval_every", 0), "plan.eval_every", minimum=0),
             eval_batch=need_int(root.get("eval_batch", 0), "plan.eval_batch", minimum=0),
             version=version,
@@ -226,6 +266,23 @@ def _pairs(raw: Any, path: str) -> tuple[tuple[str, str], ...]:
             raise SchemaError(f"{path}[{i}]", f"must be a pair of device ids, got {len(pair)} items")
         pairs.append((need_str(pair[0], f"{path}[{i}][0]"), need_str(pair[1], f"{path}[{i}][1]")))
     return tuple(pairs)
+
+
+def _reasons(raw: Any) -> tuple[tuple[str, int], ...]:
+    runs = []
+    for i, entry in enumerate(need_list(raw, "plan.standby_reasons")):
+        run = need_list(entry, f"plan.standby_reasons[{i}]")
+        if len(run) != 2:
+            raise SchemaError(f"plan.standby_reasons[{i}]", f"must be a [reason, count] pair, got {len(run)} items")
+        runs.append((need_str(run[0], f"plan.standby_reasons[{i}][0]"), need_int(run[1], f"plan.standby_reasons[{i}][1]", minimum=1)))
+    return tuple(runs)
+
+
+def standby_runs(groups: Mapping[str, Any]) -> tuple[tuple[str, ...], tuple[tuple[str, int], ...]]:
+    """(standby, standby_reasons) for a plan from standby devices grouped by reason (groups left empty are
+    dropped)."""
+    standby = tuple(d for devices in groups.values() for d in devices)
+    return standby, tuple((reason, len(devices)) for reason, devices in groups.items() if len(devices))
 
 
 def _check(plan: Plan) -> None:
@@ -271,9 +328,26 @@ def _check(plan: Plan) -> None:
         if device in seen:
             raise SchemaError("plan.standby", f"device {device!r} appears more than once in the plan")
         seen.add(device)
+    _check_reasons(plan)
     if (plan.eval_every > 0) != (plan.eval_batch > 0) or plan.eval_every < 0 or plan.eval_batch < 0:
         raise SchemaError("plan.eval_batch", f"validation needs both eval_every and eval_batch positive (or both 0), got "
                                              f"{plan.eval_every} and {plan.eval_batch}")
     for key, value in plan.cost.items():
         if not math.isfinite(value) or value < 0:
             raise SchemaError(f"plan.cost.{key}", f"must be a finite, non-negative number of seconds, got {value!r}")
+
+
+def _check_reasons(plan: Plan) -> None:
+    path = "plan.standby_reasons"
+    runs = plan.standby_reasons
+    if len(runs) > MAX_STANDBY_REASONS:
+        raise SchemaError(path, f"states {len(runs)} reasons, at most {MAX_STANDBY_REASONS}")
+    for reason, count in runs:
+        if not 0 < len(reason) <= MAX_REASON_CHARS or not reason.isprintable():
+            raise SchemaError(path, f"a reason must be 1 to {MAX_REASON_CHARS} printable characters, got {reason[:40]!r}")
+        if count < 1:
+            raise SchemaError(path, f"the reason {reason[:40]!r} covers {count} devices; a run covers at least one")
+    if len({reason for reason, _ in runs}) < len(runs):
+        raise SchemaError(path, "states a reason twice: each reason is one run of the standby list")
+    if runs and sum(count for _, count in runs) != len(plan.standby):
+        raise SchemaError(path, f"cover {sum(count for _, count in runs)} devices but {len(plan.standby)} are on standby")

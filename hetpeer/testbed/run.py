@@ -74,7 +74,7 @@ class Testbed:
                 predicted_step_s=plan.total_s,
             )
             self.event(f"plan epoch {plan.epoch}: {len(plan.stages)} stage(s) x {plan.group_size} lane(s) from step "
-                       f"{plan.start_step}, predicted {plan.predicted}, standby {', '.join(plan.standby) or 'none'}")
+                       f"{plan.start_step}, predicted {plan.predicted}, standby {'; '.join(plan.standby_lines()) or 'none'}")
             for s, stage in enumerate(plan.stages):
                 self.echo(logline.relabel(f"  stage {s + 1} layers {stage.layer_start}-{stage.layer_end - 1}: "
                                           f"{', '.join(stage.devices)}", "testbed"))

@@ -66,6 +66,32 @@ def test_readable_plan_names_the_baselines(tmp_path):
     assert all(device["id"] in out for device in raw["devices"])
 
 
+def test_devices_that_cannot_matter_are_left_out_saying_why(tmp_path):
+    fleet = [device(i) for i in range(6)] + [device(6, tflops=0.01), device(7, memory_gb=0.5)]  # a Pi, a 512 MB GPU
+    path = topology_file(tmp_path, fleet)
+    done = hetpeer("plan", str(path), "--model", "gpt3-xl", "--batch", "32", "--time-budget", "0.5", "--quiet")
+    assert done.returncode == 0, done.stderr
+    assert "1 too small: less usable memory than one layer's training state (1.01 GB) (d7)" in done.stdout
+    assert "1 too slow: one layer of its share of the batch takes longer than a whole step without it" in done.stdout
+    assert "(d6)" in done.stdout
+    plan = Plan.from_wire(json.loads(hetpeer("plan", str(path), "--model", "gpt3-xl", "--batch", "32", "--time-budget",
+                                             "0.5", "--quiet", "--json").stdout))
+    assert plan.reasons and {"d6", "d7"} <= set(plan.standby)
+    unpruned = hetpeer("plan", str(path), "--model", "gpt3-xl", "--batch", "32", "--time-budget", "0.5", "--quiet",
+                       "--no-prune", "--json")
+    assert unpruned.returncode == 0 and Plan.from_wire(json.loads(unpruned.stdout)).standby_reasons == ()
+
+
+def test_efficiency_terms_slow_the_prediction_and_bad_ones_are_refused(tmp_path):
+    path = topology_file(tmp_path, [device(i, memory_gb=80.0) for i in range(4)])
+    fixed = ("plan", str(path), "--stages", "2", "--group-size", "2", "--time-budget", "0.3", "--quiet", "--json")
+    nominal = Plan.from_wire(json.loads(hetpeer(*fixed).stdout))
+    slower = Plan.from_wire(json.loads(hetpeer(*fixed, "--efficiency", "compute=0.5,link=0.9").stdout))
+    assert slower.cost["compute_s"] == pytest.approx(2 * nominal.cost["compute_s"], rel=1e-6)
+    done = hetpeer(*fixed, "--efficiency", "compute=fast")
+    assert done.returncode == 2 and "compute must be a number" in done.stderr
+
+
 def test_dtfm_reaches_the_papers_best_on_datacenter_on_demand():
     done = hetpeer(
         "plan", "--scenario", "datacenter-on-demand", "--cost-model", "dtfm", "--stages", "8", "--group-size", "8",

@@ -30,7 +30,7 @@ def test_the_table_names_every_peer_and_the_plan(serve):
     assert header.split() == ["peer", "state", "stage", "step", "loss", "tok/s", "TFLOPS", "achieved", "device", "age", "s"]
     row = next(line for line in lines if line.startswith("c "))
     assert row.split()[:6] == ["c", "training", "s1/l0", "[4,6)", "105", "2.0000"]  # whole lines, though piped
-    assert "lane 1: b -> d" in out and "standby: e" in out
+    assert "lane 1: b -> d" in out and "standby: 1 without a stated reason (e)" in out
 
 
 def test_watch_redraws_until_interrupted_and_waits_for_a_coordinator_that_went_away(serve):

@@ -30,12 +30,14 @@ def test_the_state_document_has_every_peer_and_why_some_are_left_out():
     assert set(rows) == {"a", "b", "c", "d", "e", "f", "s", "x"}
     assert rows["f"]["state"] == "missing" and (rows["f"]["stage"], rows["f"]["lane"]) == (1, 2)
     assert rows["s"]["standby"] and rows["s"]["device_name"] == "<img src=x onerror=alert(1)>"  # data, drawn as text
+    assert rows["s"]["standby_reason"].startswith("too slow: ") and rows["a"]["standby_reason"] is None
     assert rows["x"]["admission"] == "not on the allow-list" and rows["x"]["suspects"] == ["a"]
     assert rows["d"]["admission"].startswith("banned 100 s more: reported by 2 of 2")
     assert rows["a"]["admission"] == "admitted" and rows["a"]["links"] == 2 and rows["a"]["age_s"] == 1.0
     assert doc["progress"]["banned"] == 1 and doc["progress"]["refused"] == 1  # a ban that ran out is not counted
     assert doc["progress"]["loss"] == 3.0 and doc["progress"]["tokens_per_s"] == 150.0  # the last stage's mean, sum
     assert doc["plan"]["predicted_step_s"] == 0.25 and doc["plan"]["standby"] == ["s"]
+    assert doc["plan"]["standby_reasons"] == [[make_plan().standby_reasons[0][0], 1]]
     assert doc["history"]["events"][0]["kind"] == "join" and doc["history"]["plans"][0]["epoch"] == 1
 
 

@@ -52,6 +52,12 @@ def make_plan(stages: list[list[str]], *, standby: tuple[str, ...] = (), epoch: 
 # -- build_problem --------------------------------------------------------------------------------------
 
 
+def pairs(problem, estimated: np.ndarray) -> list[tuple[str, str]]:
+    assert np.array_equal(estimated, estimated.T) and not estimated.diagonal().any()
+    ids = problem.device_ids
+    return [(ids[i], ids[j]) for i, j in zip(*np.nonzero(np.triu(estimated)))]
+
+
 def test_a_link_measured_both_ways_takes_the_mean_latency_and_the_slower_direction():
     records = {
         "b": record("b", links={"a": link(0.03, 3e8)}),
@@ -62,7 +68,7 @@ def test_a_link_measured_both_ways_takes_the_mean_latency_and_the_slower_directi
     assert problem.latency_s[0, 1] == pytest.approx(0.02) and problem.latency_s[1, 0] == pytest.approx(0.02)
     assert problem.bandwidth_bytes_per_s[0, 1] == pytest.approx(1e8)
     assert problem.bandwidth_bytes_per_s[1, 0] == pytest.approx(1e8)
-    assert estimated == ()
+    assert not estimated.any()
 
 
 def test_a_link_measured_one_way_counts_for_both_directions():
@@ -70,7 +76,7 @@ def test_a_link_measured_one_way_counts_for_both_directions():
     problem, estimated = policy.build_problem(records, WORKLOAD, None)
     assert problem.latency_s[1, 0] == pytest.approx(0.01)
     assert problem.bandwidth_bytes_per_s[1, 0] == pytest.approx(1e8)
-    assert estimated == ()
+    assert not estimated.any()
 
 
 def test_an_unmeasured_pair_is_guessed_no_better_than_its_worse_end_and_listed_as_estimated():
@@ -83,7 +89,7 @@ def test_an_unmeasured_pair_is_guessed_no_better_than_its_worse_end_and_listed_a
     }
     problem, estimated = policy.build_problem(records, WORKLOAD, None)
     assert problem.device_ids == ("a", "b", "c", "d", "e")
-    assert estimated == (("a", "e"), ("b", "e"), ("c", "d"), ("c", "e"), ("d", "e"))
+    assert pairs(problem, estimated) == [("a", "e"), ("b", "e"), ("c", "d"), ("c", "e"), ("d", "e")]
     a, b, c, d, e = range(5)
     # c's own links: 2e8 and 6e8 (median 4e8, latency 0.04); d's: 5e6 and 4e6 (median 4.5e6, latency 0.06)
     assert problem.bandwidth_bytes_per_s[c, d] == pytest.approx(4.5e6) and problem.latency_s[c, d] == pytest.approx(0.06)
@@ -101,7 +107,7 @@ def test_default_link_when_nothing_was_measured():
     records = {d: record(d) for d in ("z", "x", "y")}
     problem, estimated = policy.build_problem(records, WORKLOAD, None)
     assert problem.device_ids == ("x", "y", "z")
-    assert estimated == (("x", "y"), ("x", "z"), ("y", "z"))
+    assert pairs(problem, estimated) == [("x", "y"), ("x", "z"), ("y", "z")]
     off = ~np.eye(3, dtype=bool)
     assert np.all(problem.latency_s[off] == policy.DEFAULT_LINK[0])
     assert np.all(problem.bandwidth_bytes_per_s[off] == policy.DEFAULT_LINK[1])
@@ -403,6 +409,64 @@ def test_the_running_plan_is_predicted_slower_on_slower_peers():
     plan = solve(problem, config, np.random.default_rng(0)).plan
     slower, _ = policy.build_problem(four_records(tflops=(0.1, 0.05, 0.2, 0.1)), WORKLOAD, None)
     assert policy.predicted_step_s(slower, config, plan) > policy.predicted_step_s(problem, config, plan)
+
+
+def test_the_links_a_plan_uses_are_its_lane_hops_and_its_groups_exponential_graph():
+    plan = make_plan([["a", "b", "c", "d", "e"], ["f", "g", "h", "i", "j"]])
+    lanes = {("a", "f"), ("b", "g"), ("c", "h"), ("d", "i"), ("e", "j")}
+    first = {("a", "b"), ("b", "c"), ("c", "d"), ("d", "e"), ("a", "e"),  # shift 1: the ring
+             ("a", "c"), ("b", "d"), ("c", "e"), ("a", "d"), ("b", "e")}  # shifts 2 and 4 (mod 5)
+    second = {tuple(sorted("fghij"[ord(x) - ord("a")] for x in pair)) for pair in first}
+    assert plan.links == lanes | first | second
+    assert make_plan([["a"], ["b"]]).links == {("a", "b")}
+
+
+def test_only_the_estimated_links_a_plan_uses_are_named():
+    records = {d: record(d, links={"b": link(0.01, 1e8)} if d == "a" else {}) for d in "abcd"}
+    problem, estimated = policy.build_problem(records, WORKLOAD, None)
+    plan = make_plan([["a", "b"]], standby=("c", "d"))  # one stage: its group a-b, which is measured
+    assert policy.estimated_links(plan, problem.device_ids, estimated) == ()
+    plan = make_plan([["a", "c"], ["b", "d"]])
+    assert policy.estimated_links(plan, problem.device_ids, estimated) == (("a", "c"), ("b", "d"), ("c", "d"))
+
+
+def test_a_plan_names_at_most_so_many_estimated_links(monkeypatch):
+    records = {d: record(d) for d in "abcd"}
+    problem, estimated = policy.build_problem(records, WORKLOAD, None)
+    plan = make_plan([["a", "c"], ["b", "d"]])
+    assert len(policy.estimated_links(plan, problem.device_ids, estimated)) == 4
+    monkeypatch.setattr(policy, "MAX_ESTIMATED_LINKS", 2)
+    assert policy.estimated_links(plan, problem.device_ids, estimated) == (("a", "b"), ("a", "c"))
+
+
+def test_build_problem_agrees_with_pair_by_pair_rules_on_a_random_swarm():
+    """The vectorised matrices against the rules applied one pair at a time."""
+    rng = np.random.default_rng(3)
+    names = [f"p{i:02d}" for i in range(30)]
+    links = {d: {} for d in names}
+    for _ in range(60):
+        a, b = rng.choice(names, 2, replace=False)
+        links[a][b] = link(float(rng.uniform(0.001, 0.2)), float(rng.uniform(1e6, 1e9)))
+    records = {d: record(d, links=links[d]) for d in names}
+    problem, estimated = policy.build_problem(records, WORKLOAD, None)
+    seen = lambda a, b: [links[x][y] for x, y in ((a, b), (b, a)) if y in links[x]]  # noqa: E731
+    measured = [(a, b, m) for a in names for b in names if a != b for m in [seen(a, b)] if m]
+    typical = {}
+    for d in names:
+        mine = [m for a, b, m in measured if a == d]
+        typical[d] = (np.median([np.mean([x.latency_s for x in m]) for m in mine]),
+                      np.median([min(x.bandwidth_bytes_per_s for x in m) for m in mine])) if mine else None
+    for i, a in enumerate(names):
+        for j, b in enumerate(names):
+            if a == b:
+                continue
+            found = seen(a, b)
+            assert estimated[i, j] == (not found)
+            if found:
+                want = (np.mean([x.latency_s for x in found]), min(x.bandwidth_bytes_per_s for x in found))
+            else:
+                want = (max(typical[a][0], typical[b][0]), min(typical[a][1], typical[b][1]))
+            assert (problem.latency_s[i, j], problem.bandwidth_bytes_per_s[i, j]) == pytest.approx(want)
 
 
 # -- Plan.estimated_links on the wire ---------------------------------------------------------------------

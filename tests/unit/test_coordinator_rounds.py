@@ -145,3 +145,29 @@ def test_each_round_leaves_the_dashboard_a_board_with_the_run_so_far(coordinator
     fields = doc["history"]["sample_fields"]
     losses = [dict(zip(fields, s))["loss"] for s in doc["history"]["samples"]]
     assert losses[-2:] == [2.5, 2.5] and doc["progress"]["step"] == 5
+
+
+def test_a_member_that_left_is_replaced_by_a_peer_on_standby_without_a_search(coordinator):
+    coordinator.config = replace(coordinator.config, steps=None)
+    coordinator.planner = replace(coordinator.planner, stages=2, group_size=1)
+    control = coordinator.control
+    for d in ("a", "b", "c"):
+        control.announce(d)
+    rounds(coordinator, FIRST_PLAN_ROUNDS)
+    first = control.plans[-1].plan
+    (spare,) = first.standby
+    for d in first.devices:
+        s = first.position(d)[0]
+        control.announce(d, state="training", epoch=first.epoch, layers=(first.stages[s].layer_start, first.stages[s].layer_end), step=30)
+    rounds(coordinator, 1)
+    solved_at = coordinator.last_solve
+    leaver = first.stages[1].devices[0]
+    control.announce(leaver, state="leaving")
+    rounds(coordinator, 1)
+    mended = control.plans[-1].plan
+    assert mended.epoch == first.epoch + 1 and mended.start_step == 31
+    assert mended.stages[1].devices == (spare,) and mended.stages[0].devices == first.stages[0].devices
+    assert [s.layers for s in mended.stages] == [s.layers for s in first.stages]
+    assert any("repaired: " in line and f"{leaver} stopped announcing" in line for line in coordinator.lines)
+    assert not any(line.startswith("solving:") for line in coordinator.lines[-5:])  # no search for it
+    assert coordinator.last_solve == solved_at  # the periodic re-solve stays due when it was

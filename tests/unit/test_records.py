@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan, StagePlan
@@ -24,6 +25,8 @@ from hetpeer.protocol.records import (
     plan_from_wire,
     plan_key,
     plan_to_wire,
+    PeerSchema,
+    _PEER_EXACT,
 )
 from hetpeer.protocol.wire import SchemaError
 
@@ -292,6 +295,35 @@ def test_the_dht_addresses_must_name_one_libp2p_peer():
     refused(wire(dht=[DHT_MADDR] * 9), "peer.dht")
     refused(wire(dht=["/dns4/" + "x" * 300 + "/tcp/1/p2p/12D3KooWDhtNode"]), "peer.dht")
     refused(wire(dht=DHT_MADDR), "peer.dht")  # a string is not a list
+
+
+ODD_VALUES = st.one_of(
+    st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=False), st.text(max_size=3),
+    st.lists(st.one_of(st.integers(0, 3), st.floats(0, 3), st.text(max_size=2), st.booleans()), max_size=3),
+    st.tuples(st.integers(0, 3)), st.dictionaries(st.text(max_size=2), st.integers(0, 3), max_size=2),
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(sorted(wire()) + ["links.peers", "links.latency_s", "links.extra", "admin"]),
+                          st.one_of(st.just("delete"), ODD_VALUES)), max_size=3))
+def test_the_fast_exact_check_agrees_with_pydantic(changes):
+    """The fast path passes exactly the records that pydantic parses without changing them."""
+    raw = wire()
+    for path, value in changes:
+        where, _, name = path.rpartition(".")
+        target = raw[where] if where else raw
+        if not isinstance(target, dict):
+            continue
+        if value == "delete":
+            target.pop(name, None)
+        else:
+            target[name] = value
+    try:
+        exact = PeerSchema.parse_obj(raw).dict() == raw
+    except Exception:  # noqa: BLE001 - pydantic refuses in several ways (and TypeError on odd keys)
+        exact = False
+    assert _PEER_EXACT(raw) == exact
 
 
 def test_parsing_does_not_change_the_raw_record():

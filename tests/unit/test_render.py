@@ -18,7 +18,7 @@ def test_text_names_stages_lanes_standby_and_baselines():
     text = format_plan(plan(2.0), {"blocks": 4.0, "random": None}, 7)
     assert "2 stages x 2 lanes, 1 on standby" in text
     assert "lane 0: a -> c" in text and "lane 1: b -> d" in text
-    assert "standby: e" in text
+    assert "standby:\n  1 without a stated reason (e)" in text
     assert "blocks" in text and "2.00x this plan" in text
     assert "random (mean of 7)" in text and "does not fit in memory" in text
 

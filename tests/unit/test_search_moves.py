@@ -9,7 +9,7 @@ import pytest
 
 from hetpeer import scenarios
 from hetpeer.coordinator.planner import PlannerConfig, Problem, Shape, make_model, solve
-from hetpeer.coordinator.planner.search import local_search, perturb, reorder_lanes
+from hetpeer.coordinator.planner.search import _best_swap, _start_order, local_search, perturb, reorder_lanes
 from hetpeer.coordinator.planner.synthetic import random_topology
 from hetpeer.protocol.topology import Topology
 from hetpeer.protocol.workload import Workload, preset
@@ -96,3 +96,41 @@ def test_world_wide_lanes_find_their_gossip_order():
     target = make_model(p, config, Shape(8, 5)).report(reference).objective
     solution = solve(p, config, np.random.default_rng(0))
     assert solution.report.objective <= target
+
+
+def test_starts_descend_from_the_best_seed_every_other_time():
+    ranked = [np.full((1, 1), k) for k in range(4)]
+    assert [int(g[0, 0]) for g in _start_order(ranked, 7)] == [0, 1, 0, 2, 0, 3, 0]
+    assert [int(g[0, 0]) for g in _start_order(ranked[:2], 5)] == [0, 1, 0, 1, 0]
+    assert [int(g[0, 0]) for g in _start_order(ranked[:1], 3)] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_move_takes_the_best_swap_of_the_cells_it_looks_at(seed):
+    """With every stage holding one layer the screen is exact, so the move must be the best swap
+    of all the cells' partners, found by trying each (or none when no swap improves)."""
+    n, shape = 20, Shape(8, 2)
+    p = problem(n, seed)
+    model = make_model(p, PlannerConfig(), shape)
+    rng = np.random.default_rng(seed)
+    grid = rng.permutation(n)[: shape.devices].reshape(shape.stages, shape.group_size)
+    cost = float(model.batch_cost(grid[None])[0])
+    standby = np.setdiff1d(np.arange(n), grid.ravel())
+    cells = [int(c) for c in rng.choice(shape.devices, size=3, replace=False)]
+    everyone = [np.concatenate([np.delete(np.arange(16), c), 16 + np.arange(len(standby))]) for c in cells]
+    tried = []
+    for cell, targets in zip(cells, everyone):
+        for target in targets:
+            swapped = np.concatenate([grid.ravel(), standby])
+            swapped[[cell, target]] = swapped[[target, cell]]
+            tried.append(float(model.batch_cost(swapped[:16].reshape(8, 2)[None])[0]))
+    best_cost = min(tried)
+    kept = standby.copy()
+    move = _best_swap(model, grid, cost, kept, list(zip(cells, everyone)))
+    if best_cost >= cost:
+        assert move is None
+        return
+    _, _, new_grid, new_cost = move
+    assert new_cost == pytest.approx(best_cost, rel=1e-12)
+    assert new_cost == pytest.approx(float(model.batch_cost(new_grid[None])[0]), rel=1e-12)
+    assert set(new_grid.ravel()) | set(kept) == set(range(n))  # a device swapped in left standby

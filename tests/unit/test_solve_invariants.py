@@ -91,7 +91,8 @@ def test_shapes_with_and_without_standby():
 
 def test_nothing_fits_in_memory():
     raw = {
-        "devices": [{"id": f"d{i}", "region": "r", "tflops": 100.0, "memory_gb": 0.5} for i in range(4)],
+        # each holds a layer (1.01 GB), together not the model's 22.7 GB (one of 0.5 GB would be left out first)
+        "devices": [{"id": f"d{i}", "region": "r", "tflops": 100.0, "memory_gb": 2.0} for i in range(4)],
         "regions": {"r": {"latency_ms": 1.0, "bandwidth_gbps": 10.0}},
     }
     problem = Problem.from_topology(Topology.from_wire(raw), Workload(preset("gpt3-xl"), batch=64))

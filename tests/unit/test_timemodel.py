@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from hetpeer.coordinator.planner import PlannerConfig, PlanningError, Problem, Shape, make_model
+from hetpeer.coordinator.planner import PlannerConfig, PlanningError, Problem, Shape, make_model, synthetic
 from hetpeer.coordinator.planner.timemodel import TIE_BREAK
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.topology import Topology
@@ -320,3 +320,68 @@ def test_a_tied_head_adds_its_gradient_exchange_between_the_lane_ends():
     exchange = latency_ms / 1e3 + VOCAB * H * 2 / (gbps * 1e9 / 8)
     assert costs["tied"] - costs["untied"] == pytest.approx(exchange, rel=1e-9)
     assert costs["tied-one"] == pytest.approx(costs["untied-one"], rel=1e-12)
+
+
+def swaps(grid: np.ndarray, n: int, count: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """`count` random swaps of a grid, as the local search makes them: two cells (in one group or
+    in two), or a cell and a standby device. Returns the swapped grids and the changed cells."""
+    S, m = grid.shape
+    standby = np.setdiff1d(np.arange(n), grid.ravel())
+    batch = np.repeat(grid[None], count, axis=0)
+    cells = np.empty((count, 2), dtype=np.int64)
+    for k in range(count):
+        flat = batch[k].reshape(-1)
+        a = int(rng.integers(S * m))
+        kind = rng.integers(3) if len(standby) else rng.integers(2)
+        if kind == 0:  # within a group
+            b = int(a // m * m + rng.integers(m))
+        elif kind == 1:  # anywhere
+            b = int(rng.integers(S * m))
+        else:  # with standby
+            b = a
+            flat[a] = standby[rng.integers(len(standby))]
+        flat[a], flat[b] = (flat[b], flat[a]) if b != a else (flat[a], flat[b])
+        cells[k] = a, b
+    return batch, cells
+
+
+def held_split_objective(model, grids: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The full evaluation of every lane and group of `grids` with the layer split `counts` (S,) held."""
+    K = len(grids)
+    lane, _ = model._lanes(grids.transpose(0, 2, 1), counts[None, None, :])
+    stage_bytes = np.broadcast_to(counts * model.wire_per_layer + model.wire_fixed, (K, len(counts)))
+    allreduce, gossip = model._groups(grids, stage_bytes)
+    sync_s, _ = model._sync(allreduce, gossip, lane.max(axis=1))
+    overflow = model._overflow(grids, model.mem_fixed + counts * model.mem_per_layer)
+    return model._objective(lane, sync_s, overflow, np.zeros(K))
+
+
+@pytest.mark.parametrize("shape", [Shape(1, 6), Shape(2, 2), Shape(3, 4), Shape(2, 5), Shape(4, 7), Shape(8, 3)])
+@pytest.mark.parametrize("sync", ["allreduce", "gossip", "auto"])
+@pytest.mark.parametrize("seed", range(3))
+def test_the_screen_is_the_full_evaluation_with_the_split_held(shape, sync, seed):
+    """The screen re-evaluates only the pairs a swap changes; it must give what evaluating every
+    lane and group of the swapped grid gives, with the base grid's layer split."""
+    rng = np.random.default_rng(seed)
+    n = 40
+    raw = synthetic.random_topology(n, 4, rng)
+    problem = Problem.from_topology(Topology.from_wire(raw), Workload(preset("tiny", 8), batch=64))
+    model = make_model(problem, PlannerConfig(sync=sync), shape)
+    for _ in range(3):  # several base grids, so that the screen's kept state is refreshed
+        grid = rng.permutation(n)[: shape.devices].reshape(shape.stages, shape.group_size)
+        batch, cells = swaps(grid, n, 50, rng)
+        counts = np.array(model.report(grid).layers)
+        np.testing.assert_allclose(
+            model.screen(grid, batch, cells), held_split_objective(model, batch, counts), rtol=1e-12
+        )
+
+
+def test_the_screen_is_exact_when_every_stage_holds_one_layer():
+    """With as many stages as layers the split cannot change: screen and exact cost agree."""
+    rng = np.random.default_rng(7)
+    raw = synthetic.random_topology(60, 5, rng)
+    problem = Problem.from_topology(Topology.from_wire(raw), Workload(preset("tiny", 8), batch=64))
+    model = make_model(problem, PlannerConfig(), Shape(8, 6))
+    grid = rng.permutation(60)[:48].reshape(8, 6)
+    batch, cells = swaps(grid, 60, 200, rng)
+    np.testing.assert_allclose(model.screen(grid, batch, cells), model.batch_cost(batch), rtol=1e-12)

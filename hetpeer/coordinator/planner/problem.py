@@ -8,7 +8,7 @@ are on standby.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -66,6 +66,29 @@ class Problem:
     dp_bytes: float | None = None
     pp_bytes: float | None = None
     current: Plan | None = None
+    step_overhead_s: float = 0.0  # fixed seconds every step takes beyond compute and transfers (`efficiency.py`)
+    # matrices derived once and shared by every shape's cost model: n^2 floats each, gigabytes at 10,000 devices
+    _derived: dict = field(default_factory=dict, init=False, repr=False)
+
+    @property
+    def seconds_per_byte(self) -> np.ndarray:
+        """1 / bandwidth, (n, n)."""
+        if "per_byte" not in self._derived:
+            self._derived["per_byte"] = 1 / self.bandwidth_bytes_per_s
+        return self._derived["per_byte"]
+
+    def transfer_s(self, size_bytes: float) -> np.ndarray:
+        """(n, n) seconds to send `size_bytes` between each pair (latency + bytes / bandwidth; 0 to itself).
+        Kept for the sizes last asked (shapes mostly share their micro-batch, so their hop size)."""
+        key = ("transfer", float(size_bytes))
+        if key not in self._derived:
+            if len(self._derived) > 4:  # a few sizes at most: one per micro-batch size and the layer's weights
+                for old in [k for k in self._derived if k != "per_byte"][:1]:
+                    del self._derived[old]
+            seconds = self.latency_s + size_bytes * self.seconds_per_byte
+            np.fill_diagonal(seconds, 0.0)
+            self._derived[key] = seconds
+        return self._derived[key]
 
     @property
     def n(self) -> int:
@@ -110,6 +133,22 @@ class Problem:
             current=current,
         )
 
+    def subset(self, devices: np.ndarray) -> "Problem":
+        """The same problem over `devices` (indices, ascending) only."""
+        pick = np.ix_(devices, devices)
+        return Problem(
+            device_ids=tuple(self.device_ids[d] for d in devices),
+            latency_s=self.latency_s[pick],
+            bandwidth_bytes_per_s=self.bandwidth_bytes_per_s[pick],
+            workload=self.workload,
+            tflops=None if self.tflops is None else self.tflops[devices],
+            memory_bytes=None if self.memory_bytes is None else self.memory_bytes[devices],
+            dp_bytes=self.dp_bytes,
+            pp_bytes=self.pp_bytes,
+            current=self.current,
+            step_overhead_s=self.step_overhead_s,
+        )
+
     def lanes_batch(self, group_size: int) -> int:
         """Sequences per lane per step: the batch split over the lanes, rounded up."""
         return -(-self.workload.batch // group_size)
@@ -130,7 +169,9 @@ class Problem:
             raise PlanningError(f"group size must be at least 1, got {group_size}")
         shapes = []
         for s in [stages] if stages is not None else range(1, min(layers, n) + 1):
-            sizes = [group_size] if group_size is not None else _group_sizes(n // s, allow_standby)
+            # no more lanes than sequences in the batch: a lane beyond them would have nothing to train on
+            fit = min(n // s, self.workload.batch) if allow_standby else n // s
+            sizes = [group_size] if group_size is not None else _group_sizes(fit, allow_standby)
             for m in sizes:
                 if s * m == n or (allow_standby and s * m < n):
                     shapes.append(Shape(s, m))

@@ -20,7 +20,7 @@ def format_plan(plan: Plan, baselines: dict[str, float | None], random_samples: 
     lines += ["", "lanes (stage 0 first):"]
     lines += [f"  lane {i}: {' -> '.join(lane)}" for i, lane in enumerate(lanes)]
     if plan.standby:
-        lines += ["", f"standby: {' '.join(plan.standby)}"]
+        lines += ["", "standby:"] + [f"  {line}" for line in plan.standby_lines(names_shown=len(plan.standby))]
     lines += ["", f"predicted cost ({plan.cost_model} model, seconds per step):"]
     width = max(len(key) for key in plan.cost)
     lines += [f"  {key:<{width}}  {value:10.4f}" for key, value in plan.cost.items()]

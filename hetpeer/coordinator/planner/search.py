@@ -2,14 +2,16 @@
 
 Per shape: a small population of grids, seeded by construction (clustered, strided, file order),
 at random, and, where devices may stand by, as tight clusters around random centres; each seed is
-improved by local search. A generation picks two parents by tournament and crosses their
-partitions (balanced, see grid.crossover), or kicks one with a few random swaps when the
-tournament picks the same member twice (so that a population of one still searches). The child is
-aligned (TSP order over bottleneck matchings), improved by local search, its lanes reordered, and
-aligned again; it replaces the member with the same groups, or else the worst member, if better.
+improved by local search, the best seed every other time (descents of one seed along different
+random paths end far apart on large swarms, where a few descents are all a budget affords). A
+generation picks two parents by tournament and crosses their partitions (balanced, see
+grid.crossover), or kicks one with a few random swaps when the tournament picks the same member
+twice (so that a population of one still searches). The child is aligned (TSP order over
+bottleneck matchings), improved by local search, its lanes reordered, and aligned again; it
+replaces the member with the same groups, or else the worst member, if better.
 
 The local search swaps two devices (between groups, between lanes, or with a standby device),
-taking the best swap for one device at a time: candidates are screened by the cost model's cheap
+taking the best swap for a few devices at a time: candidates are screened by the cost model's cheap
 estimate and the best few confirmed exactly; for large swarms the candidates are the devices most
 attached to the device's group plus a random sample.
 
@@ -22,6 +24,7 @@ hit, and anytime when it is.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 from typing import Callable, Protocol
@@ -32,8 +35,9 @@ from hetpeer.coordinator.planner.grid import Aligner, chain_order, crossover, la
 from hetpeer.coordinator.planner.problem import Problem, Report, Shape
 
 IMPROVEMENT = 1e-9  # relative; smaller changes are rounding, not progress
-CONFIRMED = 3  # screened swaps confirmed with the exact cost per move
-TRIAL_SHARE = 0.6  # of the budget, spent evolving the most promising shapes before the best goes on
+CONFIRMED = 3  # screened swaps confirmed with the exact cost per cell
+CELLS_PER_MOVE = 8  # cells whose swaps one move screens together
+TRIAL_SHARE = 0.3  # of the budget, spent evolving the most promising shapes before the best goes on
 CLUSTER_SEEDS = 8  # active sets grown around random centres, when some devices may stand by
 POPULATION_CELLS = 4096  # large swarms get a smaller population: each member costs a local search
 
@@ -71,7 +75,7 @@ class Found:
     objective: float
     generations: int
     converged: bool  # stopped for lack of progress, not at the deadline
-    population: tuple[np.ndarray, ...]
+    population: tuple[np.ndarray, ...]  # best first
 
 
 Progress = Callable[[str], None]
@@ -103,18 +107,22 @@ def search(
         (cost, shape, model, _constructed(problem, shape, orders) + _sampled(problem, shape, rng))
         for cost, shape, model in scored[: config.shapes_searched]
     ]
-    # Trials: each promising shape evolves for a share of the budget (a share it leaves unused goes
-    # to the next); the best then evolves on from its population with the rest, unless converged.
+    # Trials: each promising shape evolves for an equal share of TRIAL_SHARE of the budget (a share
+    # it leaves unused goes to the next); the best then evolves on from its population with the
+    # rest, unless converged. A large swarm's trial affords about one local search, which tells the
+    # shapes apart; the rest of the budget pays for more descents of the best one.
     trials = []
+    trials_end = clock() + (TRIAL_SHARE if len(chosen) > 1 else 1.0) * (deadline - clock())
     for k, (_, shape, model, seeds) in enumerate(chosen):
-        share = (TRIAL_SHARE if len(chosen) > 1 else 1.0) * (deadline - clock()) / (len(chosen) - k)
+        share = (trials_end - clock()) / (len(chosen) - k)
         found = _evolve(problem, model, seeds, [], config, rng, clock() + share, clock)
         if progress is not None:
             progress(f"{shape}: trial {found.objective:.4g} s after {found.generations} generations")
         trials.append((found, model))
     found, model = min(trials, key=lambda entry: entry[0].objective)
     if not found.converged and clock() < deadline:
-        found = _evolve(problem, model, [], list(found.population), config, rng, deadline, clock)
+        seeds = next(seeds for _, shape, _, seeds in chosen if shape == found.shape)
+        found = _evolve(problem, model, seeds, list(found.population), config, rng, deadline, clock)
         if progress is not None:
             progress(f"{found.shape}: {found.objective:.4g} s after {found.generations} more generations")
     return found
@@ -170,7 +178,7 @@ def _evolve(
     starts = list(improved)
     if seeds and len(starts) < size:
         seed_costs = model.batch_cost(np.stack(seeds))
-        starts += [seeds[int(i)] for i in np.argsort(seed_costs, kind="stable")[: size - len(starts)]]
+        starts += _start_order([seeds[int(i)] for i in np.argsort(seed_costs, kind="stable")], size - len(starts))
     population: list[np.ndarray] = []
     costs: list[float] = []
     for start in starts:
@@ -196,15 +204,31 @@ def _evolve(
         if cost < costs[replaced]:
             population[replaced], costs[replaced] = child, cost
         stale = 0 if cost < best_before * (1 - IMPROVEMENT) else stale + 1
-    best = int(np.argmin(costs))
+    ranked = np.argsort(costs, kind="stable")  # best first: a search that goes on resumes it in this order
     converged = stale >= config.patience
-    return Found(model.shape, population[best], costs[best], generations, converged, tuple(population))
+    best = int(ranked[0])
+    ranked_population = tuple(population[int(k)] for k in ranked)
+    return Found(model.shape, population[best], costs[best], generations, converged, ranked_population)
+
+
+def _start_order(ranked: list[np.ndarray], count: int) -> list[np.ndarray]:
+    """`count` starts from seeds ranked best first: the best every other start, the next best in
+    between. Where a local search ends depends on its random path as much as on its start (at
+    1024 devices, seven descents of one seed ended between 1.85 and 1.92 s per step, mostly below
+    those of the next seeds), so the best seed is worth several descents. On small swarms its descents
+    tend to agree, and one that ends in a partition already found is dropped."""
+    runners_up = ranked[1:] or ranked
+    return [ranked[0] if k % 2 == 0 else runners_up[min(k // 2, len(runners_up) - 1)] for k in range(count)]
 
 
 def _improve(problem, model, aligner, grid, config, rng, deadline, clock) -> tuple[np.ndarray, float]:
-    """Align, local search, reorder lanes, align again; keep whichever orientation is cheapest."""
+    """Align, local search, reorder lanes, align again; keep whichever orientation is cheapest.
+    A local search cut by the deadline is returned as it is: aligning a large grid takes long
+    enough (a third of a second at 1024 devices) to overrun the budget."""
     grid, cost = _best_alignment(model, aligner, grid)
     grid, cost = local_search(problem, model, grid, cost, config.max_candidates, rng, deadline, clock)
+    if clock() > deadline:
+        return grid, cost
     grid, cost = reorder_lanes(model, grid, cost, config.max_candidates, rng)
     return _best_alignment(model, aligner, grid, (grid, cost))
 
@@ -253,9 +277,12 @@ def local_search(
     deadline: float,
     clock: Callable[[], float] = time.perf_counter,
 ) -> tuple[np.ndarray, float]:
-    """Best-swap descent, one device at a time, until no cell can improve or time is up. A move's
-    candidates are screened by the model's cheap estimate and the best few confirmed exactly. After
-    a swap, only the cells sharing a stage or a lane with the two moved cells are looked at again."""
+    """Best-swap descent until no cell can improve or time is up. A move looks at a few cells at
+    once (`CELLS_PER_MOVE`) and takes the best swap of any of them: candidates are screened by
+    the model's cheap estimate and the best few per cell confirmed exactly, all in one call each,
+    since at a thousand devices a call's fixed cost outweighs its work. After a swap, only the cells
+    sharing a stage or a lane with the two moved cells are looked at again. A move costs
+    O(CELLS_PER_MOVE * max_candidates) screens and O(CELLS_PER_MOVE * CONFIRMED) exact costs."""
     S, m = grid.shape
     grid = grid.copy()
     cells = S * m
@@ -265,43 +292,71 @@ def local_search(
     attachment = model.group_cost[:, grid].mean(axis=2) if problem.n - 1 > max_candidates else None
     look = np.ones(cells, dtype=bool)  # "don't look" bits: cells whose surroundings have not changed rest
     while look.any() and clock() < deadline:
-        for cell in rng.permutation(cells):
-            if not look[cell]:
-                continue
-            look[cell] = False
-            targets = _candidates(grid, standby, attachment, int(cell), max_candidates, rng)
-            if len(targets) == 0:  # a single device and no standby: nothing to swap
-                return grid, cost
-            batch = np.repeat(grid[None], len(targets), axis=0)
-            flat = batch.reshape(len(targets), cells)
-            here = flat[:, cell].copy()
-            in_grid = targets < cells
-            cell_targets = targets[in_grid]
-            flat[in_grid, cell] = flat[in_grid, cell_targets]
-            flat[np.flatnonzero(in_grid), cell_targets] = here[in_grid]
-            flat[~in_grid, cell] = standby[targets[~in_grid] - cells]
-            changed = np.stack([np.full(len(targets), cell), np.where(in_grid, targets, cell)], axis=1)
-            screened = model.screen(grid, batch, changed)
-            # The screen holds the layer split, which the exact cost re-balances (mostly for the
-            # better): the best few are confirmed when the screen promises a gain, else the best.
-            confirmed = CONFIRMED if screened.min() < cost else 1
-            shortlist = np.argsort(screened, kind="stable")[:confirmed]
-            trial = model.batch_cost(batch[shortlist])
-            best = int(shortlist[np.argmin(trial)])
-            if trial.min() < cost - IMPROVEMENT * abs(cost):
-                target = int(targets[best])
-                if target >= cells:
-                    standby[target - cells] = grid.flat[cell]
-                for moved in (int(cell), target) if target < cells else (int(cell),):
-                    look.reshape(S, m)[moved // m, :] = True
-                    look.reshape(S, m)[:, moved % m] = True
-                grid, cost = batch[best].copy(), float(trial.min())
-                if attachment is not None:
-                    rows = [int(cell) // m] + ([target // m] if target < cells else [])
-                    attachment[:, rows] = model.group_cost[:, grid[rows]].mean(axis=2)
-            if clock() > deadline:
+        waiting = (cell for cell in rng.permutation(cells).tolist() if look[cell])  # read as it goes
+        while clock() < deadline:
+            chunk = list(itertools.islice(waiting, CELLS_PER_MOVE))
+            if not chunk:
                 break
+            look[chunk] = False
+            parts = [(cell, _candidates(grid, standby, attachment, cell, max_candidates, rng)) for cell in chunk]
+            if len(parts[0][1]) == 0:  # a single device and no standby: nothing to swap
+                return grid, cost
+            move = _best_swap(model, grid, cost, standby, parts)
+            if move is None:
+                continue
+            cell, target, grid, cost = move
+            for moved in (cell, target) if target < cells else (cell,):
+                look.reshape(S, m)[moved // m, :] = True
+                look.reshape(S, m)[:, moved % m] = True
+            if attachment is not None:
+                rows = [cell // m] + ([target // m] if target < cells else [])
+                attachment[:, rows] = model.group_cost[:, grid[rows]].mean(axis=2)
     return grid, cost
+
+
+def _best_swap(
+    model: CostModel, grid: np.ndarray, cost: float, standby: np.ndarray, parts: list[tuple[int, np.ndarray]]
+) -> tuple[int, int, np.ndarray, float] | None:
+    """The best improving swap of any cell in `parts` (each with its swap partners), as (cell,
+    partner, new grid, its cost), or None. The screen holds the layer split, which the exact cost
+    re-balances (mostly for the better): each cell's best few are confirmed when the screen promises
+    it a gain, else its best one. A standby partner swapped in is written back into `standby`."""
+    cells = grid.size
+    swaps = [_swapped(grid, standby, cell, targets) for cell, targets in parts]
+    batch = np.concatenate([swapped for swapped, _ in swaps])
+    screened = model.screen(grid, batch, np.concatenate([changed for _, changed in swaps]))
+    shortlists, offset = [], 0
+    for _, targets in parts:
+        own = screened[offset : offset + len(targets)]
+        confirmed = CONFIRMED if own.min() < cost else 1
+        shortlists.append(offset + np.argsort(own, kind="stable")[:confirmed])
+        offset += len(targets)
+    shortlist = np.concatenate(shortlists)
+    trial = model.batch_cost(batch[shortlist])
+    if not trial.min() < cost - IMPROVEMENT * abs(cost):
+        return None
+    best = int(shortlist[np.argmin(trial)])
+    cell = int(np.concatenate([np.full(len(targets), cell) for cell, targets in parts])[best])
+    target = int(np.concatenate([targets for _, targets in parts])[best])
+    if target >= cells:
+        standby[target - cells] = grid.flat[cell]
+    return cell, target, batch[best].copy(), float(trial.min())
+
+
+def _swapped(grid: np.ndarray, standby: np.ndarray, cell: int, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Copies of `grid` with `cell` swapped with each target (a cell index, or S*m + a standby
+    index), and the two cells each changes (equal for a standby device brought in)."""
+    cells = grid.size
+    batch = np.repeat(grid[None], len(targets), axis=0)
+    flat = batch.reshape(len(targets), cells)
+    here = flat[:, cell].copy()
+    in_grid = targets < cells
+    cell_targets = targets[in_grid]
+    flat[in_grid, cell] = flat[in_grid, cell_targets]
+    flat[np.flatnonzero(in_grid), cell_targets] = here[in_grid]
+    flat[~in_grid, cell] = standby[targets[~in_grid] - cells]
+    changed = np.stack([np.full(len(targets), cell), np.where(in_grid, targets, cell)], axis=1)
+    return batch, changed
 
 
 def _candidates(grid, standby, attachment, cell, limit, rng) -> np.ndarray:

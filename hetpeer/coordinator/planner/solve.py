@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
 
 from hetpeer.coordinator.planner import dtfm, timemodel
 from hetpeer.coordinator.planner.problem import PlanningError, Problem, Report, Shape
+from hetpeer.coordinator.planner.prune import Pruned, prune
 from hetpeer.coordinator.planner.search import CostModel, Progress, SearchConfig, search
-from hetpeer.protocol.plan import COST_MODELS, Plan, StagePlan
+from hetpeer.protocol.plan import COST_MODELS, Plan, StagePlan, standby_runs
 from hetpeer.protocol.workload import STATE_BYTES_PER_PARAM
 
 
@@ -25,6 +26,7 @@ class PlannerConfig:
     stages: int | None = None
     group_size: int | None = None
     allow_standby: bool = True
+    prune: bool = True  # leave out devices no plan should use before the search (`prune.py`), saying why
     sync: str = "auto"
     time_budget_s: float = 2.0
     memory_reserve: float = 0.1
@@ -47,8 +49,9 @@ class Solution:
     plan: Plan
     report: Report
     shape: Shape
-    grid: np.ndarray
+    grid: np.ndarray  # indices into the problem's devices
     generations: int
+    pruned: Pruned | None = None
 
 
 def make_model(problem: Problem, config: PlannerConfig, shape: Shape) -> CostModel:
@@ -73,28 +76,54 @@ def solve(
             f"the current plan splits {problem.current.layers} layers but the workload has {problem.layers}"
         )
     allow_standby = config.allow_standby and config.cost_model == timemodel.NAME
-    shapes = problem.shapes(config.stages, config.group_size, allow_standby)
+    pruned = None
+    searched = problem
+    if allow_standby and config.prune:
+        pruned = _prune(problem, config)
+        if len(pruned.kept) == 0:
+            raise PlanningError("no device can hold a stage: " + "; ".join(
+                f"{len(ids)} {reason}" for reason, ids in pruned.reasons(problem.device_ids).items() if ids))
+        if len(pruned.kept) < problem.n:
+            searched = problem.subset(pruned.kept)
+    shapes = searched.shapes(config.stages, config.group_size, allow_standby)
     models: dict[Shape, CostModel] = {}
 
     def model_for(shape: Shape) -> CostModel:
         if shape not in models:
-            models[shape] = make_model(problem, config, shape)
+            models[shape] = make_model(searched, config, shape)
         return models[shape]
 
     found = search(
-        problem, shapes, model_for, config.search, rng, clock() + config.time_budget_s, clock, progress
+        searched, shapes, model_for, config.search, rng, clock() + config.time_budget_s, clock, progress
     )
-    model = model_for(found.shape)
-    report = model.report(found.grid)
+    report = model_for(found.shape).report(found.grid)
     if not report.fits_memory:
-        raise PlanningError(_memory_message(problem, found.shape, config))
-    return Solution(
-        plan=to_plan(problem, config.cost_model, found.grid, report),
-        report=report,
-        shape=found.shape,
-        grid=found.grid,
-        generations=found.generations,
-    )
+        raise PlanningError(_memory_message(searched, found.shape, config))
+    grid = pruned.kept[found.grid] if searched is not problem else found.grid
+    plan = to_plan(problem, config.cost_model, grid, report)
+    if pruned is not None:
+        plan = with_reasons(plan, pruned.reasons(problem.device_ids))
+    return Solution(plan=plan, report=report, shape=found.shape, grid=grid, generations=found.generations, pruned=pruned)
+
+
+def _prune(problem: Problem, config: PlannerConfig) -> Pruned:
+    """`prune.prune`; with a fixed shape only the too-small rule holds (its proof of too slow compares against
+    plans of any shape)."""
+    found = prune(problem, config.memory_reserve, lambda p, shape, grid: make_model(p, config, shape).report(grid))
+    if config.stages is None and config.group_size is None:
+        return found
+    return Pruned(np.union1d(found.kept, found.too_slow), found.too_small, np.zeros(0, dtype=np.int64),
+                  found.layer_gb, found.reference_s)
+
+
+SPARE = "spare: the plan is predicted no faster with it"
+
+
+def with_reasons(plan: Plan, pruned: dict[str, list[str]]) -> Plan:
+    """The plan with its standby devices ordered by reason: each pruned one under its reason, the rest spare."""
+    named = {d for ids in pruned.values() for d in ids}
+    standby, runs = standby_runs({**pruned, SPARE: [d for d in plan.standby if d not in named]})
+    return replace(plan, standby=standby, standby_reasons=runs)
 
 
 def to_plan(problem: Problem, cost_model: str, grid: np.ndarray, report: Report) -> Plan:

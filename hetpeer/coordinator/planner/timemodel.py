@@ -25,7 +25,8 @@ For a grid (rows = stages in order, columns = lanes), with M micro-batches per l
   shows only where it outlasts the step: the mean over rounds of max(0, round - T), where a round
   takes its slowest pair (the mean of the rounds first would hide a slow round behind fast ones);
   `auto` takes all-reduce (exact averaging) unless it costs more than 2% of the step over gossip;
-- step = slowest lane + slowest group's exposed sync; the search minimises the step plus
+- step = slowest lane + slowest group's exposed sync (+ the problem's fixed step overhead, 0 unless
+  efficiency terms give one); the search minimises the step plus
   TIE_BREAK (1%) of the mean lane time and mean exposed sync, so that swaps which do not move the
   slowest lane or group still show whether they help;
 - memory per device: 16 bytes per parameter of training state, two wire copies of its parameters
@@ -44,6 +45,7 @@ layer placements per grid (the split starts from its continuous bound).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
@@ -58,6 +60,7 @@ OVERFLOW_PENALTY_S_PER_GB = 1e4
 # The step is a max over lanes and groups, flat under most swaps; a sliver of the mean lane and
 # sync time gives the search a slope on those plateaus.
 TIE_BREAK = 0.01
+KEPT_PAIRS = 5  # largest pairs a screen keeps per group and channel: a swap changes at most 4
 
 
 class TimeCost:
@@ -93,7 +96,7 @@ class TimeCost:
         self.tied_bytes = model.vocab * model.hidden * w.dtype_bytes if model.tied else 0.0
         # Flat copies: gathering pairs by one flat index is about twice as fast as 2-D indexing.
         self._latency_flat = problem.latency_s.ravel()
-        self._seconds_per_byte_flat = (1 / problem.bandwidth_bytes_per_s).ravel()
+        self._seconds_per_byte_flat = problem.seconds_per_byte.ravel()
 
         first, last = np.arange(stages) == 0, np.arange(stages) == stages - 1
         wire = w.dtype_bytes
@@ -113,19 +116,22 @@ class TimeCost:
         self.usable_memory = None if problem.memory_bytes is None else problem.memory_bytes * (1 - memory_reserve)
         rounds = int(np.ceil(np.log2(m))) if m > 1 else 0
         self.partners = (np.arange(m)[None, :] + (2 ** np.arange(rounds))[:, None]) % m  # (rounds, m)
+        # What a screen keeps per group, as channels of pairs (lane l with lane l + shift): the ring's
+        # latency and its seconds per byte (all-reduce takes the max of each), then each gossip round.
+        self._shifts = np.concatenate([[1, 1], 2 ** np.arange(rounds)]).astype(np.int64)
         self._current = _held_layers(problem) if problem.current is not None else None
-        self._screened: tuple[bytes, dict[str, np.ndarray]] | None = None
+        self._screened: _ScreenBase | None = None
 
     @cached_property
     def link_cost(self) -> np.ndarray:
         """(n, n) seconds to pass one micro-batch's activations; built only for shapes searched."""
-        return _transfer_s(self.problem, self.hop_bytes)
+        return self.problem.transfer_s(self.hop_bytes)
 
     @cached_property
     def group_cost(self) -> np.ndarray:
         """(n, n) seconds to send one layer's parameters: how much two devices gain from sharing a group."""
         w = self.problem.workload
-        return _transfer_s(self.problem, w.model.layer_params * w.dtype_bytes)
+        return self.problem.transfer_s(w.model.layer_params * w.dtype_bytes)
 
     # -- the model -------------------------------------------------------------------------------
 
@@ -225,7 +231,7 @@ class TimeCost:
         overflow = self._overflow(grids, need)
         if self._current is not None and self.usable_memory is not None:
             overflow = np.maximum(overflow, self._move_overflow(grids, counts, need))
-        total = lane_s + sync_s.max(axis=1)
+        total = lane_s + sync_s.max(axis=1) + self.problem.step_overhead_s
         move = self._move_s(grids, counts) if self._current is not None else np.zeros(K)
         objective = self._objective(lane, sync_s, overflow, move)
         return {
@@ -239,29 +245,94 @@ class TimeCost:
 
         `cells` (K, 2) holds the flat indices of the changed cells (equal when a device came in
         from standby). The layer allocation is held at `grid`'s, so only the two lanes and two
-        groups touched are re-evaluated: O(K (S + m log m)) instead of O(K S m log m). The cost of
+        groups touched are re-evaluated, and in each group only the pairs a changed lane is in (two
+        in the ring and two in each gossip round), against the largest pairs the grid's groups keep
+        (`_screen_base`). A swap costs O(S + rounds), and O(S rounds) more to set every group's
+        gossip against the new slowest lane, where evaluating a grid costs O(S m log m). The cost of
         moving weights is left out. The search confirms the best screened swaps with `batch_cost`.
         """
         key = grid.tobytes()
-        if self._screened is None or self._screened[0] != key:  # a search screens one grid many times
-            self._screened = (key, self._evaluate(grid[None]))
-        base = self._screened[1]
+        if self._screened is None or self._screened.key != key:  # a search screens one grid many times
+            self._screened = self._screen_base(grid)
+        base = self._screened
         K, m = len(batch), grid.shape[1]
-        counts = base["counts"]  # (1, S)
+        counts = base.evaluation["counts"]  # (1, S)
         pick = np.arange(K)[:, None]
         rows, lanes = cells // m, cells % m  # (K, 2)
-        lane = np.repeat(base["lane"], K, axis=0)
+        lane = np.repeat(base.evaluation["lane"], K, axis=0)
         lane[pick, lanes] = self._lanes(batch[pick, :, lanes], counts[:, None, :])[0]
         lane_s = lane.max(axis=1)
-        stage_bytes = (counts * self.wire_per_layer + self.wire_fixed)[0]
-        allreduce = np.repeat(base["allreduce"], K, axis=0)
-        gossip = np.repeat(base["gossip"], K, axis=0)
-        allreduce[pick, rows], gossip[pick, rows] = self._groups(batch[pick, rows], stage_bytes[rows])
+        allreduce = np.repeat(base.evaluation["allreduce"], K, axis=0)
+        gossip = np.repeat(base.evaluation["gossip"], K, axis=0)
+        if m > 1:
+            allreduce[pick, rows], gossip[pick, rows] = self._screen_groups(base, batch[pick, rows], rows, lanes)
         sync_s, _ = self._sync(allreduce, gossip, lane_s)
-        overflow = np.repeat(base["row_overflow"], K, axis=0)
+        overflow = np.repeat(base.evaluation["row_overflow"], K, axis=0)
         need = self.mem_fixed + counts[0] * self.mem_per_layer
         overflow[pick, rows] = self._overflow(batch[pick, rows], need[rows])
         return self._objective(lane, sync_s, overflow, np.zeros(K))
+
+    def _channels(self, src: np.ndarray, dst: np.ndarray, stage_bytes: np.ndarray) -> np.ndarray:
+        """Pair values (..., channels) from devices src to dst given as (..., channels): the ring's
+        latency, the ring's seconds per byte, then each gossip round's pair seconds for
+        `stage_bytes` (broadcast against (..., 1)), computed as `_groups` does."""
+        latency, per_byte = self._pairs(src, dst)
+        values = latency + stage_bytes * per_byte
+        values[..., 0] = latency[..., 0]
+        values[..., 1] = per_byte[..., 1]
+        return values
+
+    def _screen_base(self, grid: np.ndarray) -> _ScreenBase:
+        """The grid's evaluation, and per group and channel its largest few pair values: a swap
+        changes at most four pairs of a channel, so the largest pair it leaves alone is among them."""
+        evaluation = self._evaluate(grid[None])
+        stage_bytes = (evaluation["counts"] * self.wire_per_layer + self.wire_fixed)[0]
+        m = grid.shape[1]
+        partners = (np.arange(m)[:, None] + self._shifts) % m  # (m, channels)
+        values = self._channels(grid[:, :, None], grid[:, partners], stage_bytes[:, None, None])  # (S, m, channels)
+        values = values.transpose(0, 2, 1)
+        top = np.argsort(-values, axis=-1, kind="stable")[..., :KEPT_PAIRS]
+        # A sentinel no swap touches, for groups too small to keep a pair outside the touched ones.
+        sentinel = np.zeros(top.shape[:-1] + (1,), dtype=np.int64)
+        return _ScreenBase(
+            key=grid.tobytes(),
+            evaluation=evaluation,
+            stage_bytes=stage_bytes,
+            top_pair=np.concatenate([top, sentinel - 1], axis=-1),
+            top_value=np.concatenate([np.take_along_axis(values, top, -1), sentinel - np.inf], axis=-1),
+        )
+
+    def _screen_groups(
+        self, base: _ScreenBase, rows_after: np.ndarray, rows: np.ndarray, lanes: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(all-reduce (K, 2), gossip rounds (K, 2, rounds)) of the two groups each swap touches,
+        given as their devices after the swap (K, 2, m), their rows and the changed lanes (K, 2),
+        from the base grid's largest pair values and the pairs the changed lanes are in."""
+        K, _, m = rows_after.shape
+        channels = len(self._shifts)
+        # The lanes changed in each touched group: its own, and the other cell's if in the same group.
+        same = rows[:, 0] == rows[:, 1]
+        changed = np.stack([lanes, np.where(same[:, None], lanes[:, ::-1], lanes)])  # (2, K, 2)
+        # A lane l is in a channel's pair l (as the sender) and pair l - shift (as the partner); the
+        # four pairs lead the axes, so that reductions over them are elementwise.
+        roles = (np.array([0, 1])[:, None] * self._shifts).reshape(2, 1, 1, 1, channels)
+        touched = ((changed[None, ..., None] - roles) % m).reshape(4, K, 2, channels)
+        offset = (np.arange(K * 2) * m).reshape(K, 2, 1)
+        flat = rows_after.ravel()
+        src = flat.take(offset + touched)
+        dst = flat.take(offset + (touched + self._shifts) % m)
+        stage_bytes = base.stage_bytes[rows]  # (K, 2)
+        values = self._channels(src, dst, stage_bytes[..., None])  # (4, K, 2, channels)
+        # The largest pair no changed lane is in: the first of the group's largest few not touched.
+        kept = base.top_pair[rows]  # (K, 2, channels, kept pairs + 1)
+        hit = kept == touched[0, ..., None]
+        for pair in touched[1:]:
+            hit |= kept == pair[..., None]
+        first = hit.argmin(axis=-1)
+        kept_max = base.top_value[rows].reshape(first.size, -1)[np.arange(first.size), first.ravel()]
+        channel = np.maximum(values.max(axis=0), kept_max.reshape(first.shape))
+        allreduce = 2 * (m - 1) * (channel[..., 0] + stage_bytes / m * channel[..., 1])
+        return allreduce, channel[..., 2:]
 
     def _objective(self, lane: np.ndarray, sync_s: np.ndarray, overflow: np.ndarray, move: np.ndarray) -> np.ndarray:
         """What the search minimises, from lane times (K, m), exposed sync (K, S), overflow bytes
@@ -269,6 +340,7 @@ class TimeCost:
         return (
             lane.max(axis=1)
             + sync_s.max(axis=1)
+            + self.problem.step_overhead_s
             + TIE_BREAK * (lane.mean(axis=1) + sync_s.mean(axis=1))
             + move / self.horizon_steps
             + OVERFLOW_PENALTY_S_PER_GB * overflow.sum(axis=1) / 1e9
@@ -320,6 +392,8 @@ class TimeCost:
             "sync_s": float(e["sync_s"][0].max()),
             "total_s": float(e["total"][0]),
         }
+        if self.problem.step_overhead_s:
+            cost["overhead_s"] = self.problem.step_overhead_s
         if self._current is not None:
             cost["move_s"] = float(e["move"][0])
         return Report(
@@ -331,10 +405,17 @@ class TimeCost:
         )
 
 
-def _transfer_s(problem: Problem, size_bytes: float) -> np.ndarray:
-    seconds = problem.latency_s + size_bytes / problem.bandwidth_bytes_per_s
-    np.fill_diagonal(seconds, 0.0)
-    return seconds
+@dataclass(frozen=True, slots=True)
+class _ScreenBase:
+    """What screens of swaps on one grid share: its evaluation and, per group (S) and pair
+    channel, the indices of its largest pairs (KEPT_PAIRS, then a sentinel -1) and their values
+    (then -inf)."""
+
+    key: bytes
+    evaluation: dict[str, np.ndarray]
+    stage_bytes: np.ndarray  # (S,)
+    top_pair: np.ndarray  # (S, channels, KEPT_PAIRS + 1)
+    top_value: np.ndarray  # (S, channels, KEPT_PAIRS + 1)
 
 
 def _held_layers(problem: Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

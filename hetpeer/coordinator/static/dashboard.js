@@ -187,7 +187,8 @@
     { key: "device_id", label: "peer", show: (p) => p.device_id },
     { key: "state", label: "state", show: (p) => el("span", { class: `badge ${p.state}` }, p.state) },
     { key: "place", label: "stage / lane", value: (p) => (p.stage === null ? (p.standby ? 1e9 : 2e9) : p.stage * 1e6 + p.lane),
-      show: (p) => (p.stage !== null ? `${p.stage} / ${p.lane}` : p.standby ? "standby" : "-") },
+      show: (p) => (p.stage !== null ? `${p.stage} / ${p.lane}`
+        : p.standby ? el("span", { title: p.standby_reason || "" }, p.standby_reason ? `standby: ${p.standby_reason.split(":")[0]}` : "standby") : "-") },
     { key: "layers", label: "layers", value: (p) => (p.layers ? p.layers[0] : null), show: (p) => (p.layers ? `${p.layers[0]}-${p.layers[1] - 1}` : "-") },
     { key: "step", label: "step", num: true, show: (p) => (missing(p.step) ? "-" : p.step) },
     { key: "loss", label: "loss", num: true, show: (p) => fixed(p.loss, 4) },
