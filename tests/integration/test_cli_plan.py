@@ -178,7 +178,8 @@ def bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], list[str]]]:
     missing_field = topology_file(tmp_path, [device(0), no_region], "a.json")
     negative_tflops = topology_file(tmp_path, [device(0, tflops=-3.0)], "b.json")
     unknown_region = topology_file(tmp_path, [device(0), device(1, region="mars")], "c.json")
-    small_memory = topology_file(tmp_path, [device(i, memory_gb=0.5) for i in range(4)], "d.json")
+    small_memory = topology_file(tmp_path, [device(i, memory_gb=2.0) for i in range(4)], "d.json")  # a layer each, not the model
+    tiny_memory = topology_file(tmp_path, [device(i, memory_gb=0.5) for i in range(4)], "d2.json")
     no_tflops = topology_file(tmp_path, [device(0), {"id": "d1", "region": "r"}], "e.json")
     world = ["--scenario", "world-wide"]
     no_config = tmp_path / "no-config"
@@ -194,6 +195,7 @@ def bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], list[str]]]:
         "unknown region": ([str(unknown_region)], ["topology.devices[1].region", "mars"]),
         "no shape fits": ([*world, "--no-standby", "--stages", "5"], ["no shape fits 64 devices", "5 stages"]),
         "nothing fits in memory": ([str(small_memory), "--time-budget", "0.3"], ["nothing fits in memory", "gpt3-xl"]),
+        "no device holds a layer": ([str(tiny_memory), "--time-budget", "0.3"], ["no device can hold a stage", "4 too small"]),
         "dp bytes with time model": ([*world, "--dp-bytes", "0.65e9"], ["--dp-bytes", "dtfm"]),
         "time model without tflops": ([str(no_tflops)], ["tflops"]),
         "micro-batch larger than batch": ([*world, "--batch", "4", "--micro-batch", "8"], ["micro-batch 8", "batch 4"]),
@@ -207,7 +209,7 @@ def bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], list[str]]]:
 
 
 CASES = ["unparseable json", "missing file", "missing field", "negative tflops", "unknown region", "no shape fits",
-         "nothing fits in memory", "dp bytes with time model", "time model without tflops",
+         "nothing fits in memory", "no device holds a layer", "dp bytes with time model", "time model without tflops",
          "micro-batch larger than batch", "zero stages", "negative seed", "model folder without config",
          "unsupported model", "unknown model", "sequence longer than the model"]  # fmt: skip
 
