@@ -9,7 +9,15 @@ import pytest
 
 from hetpeer import scenarios
 from hetpeer.coordinator.planner import PlannerConfig, Problem, Shape, make_model, solve
-from hetpeer.coordinator.planner.search import _best_swap, _start_order, local_search, perturb, reorder_lanes
+from hetpeer.coordinator.planner.search import (
+    NUDGE_SWAPS,
+    _best_swap,
+    _start_order,
+    local_search,
+    nudge,
+    perturb,
+    reorder_lanes,
+)
 from hetpeer.coordinator.planner.synthetic import random_topology
 from hetpeer.protocol.topology import Topology
 from hetpeer.protocol.workload import Workload, preset
@@ -134,3 +142,32 @@ def test_a_move_takes_the_best_swap_of_the_cells_it_looks_at(seed):
     assert new_cost == pytest.approx(best_cost, rel=1e-12)
     assert new_cost == pytest.approx(float(model.batch_cost(new_grid[None])[0]), rel=1e-12)
     assert set(new_grid.ravel()) | set(kept) == set(range(n))  # a device swapped in left standby
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_nudge_swaps_a_few_cells_and_looks_only_around_them(seed):
+    grid = np.random.default_rng(seed).permutation(100)[:80].reshape(8, 10)
+    nudged, look = nudge(grid, 100, np.random.default_rng(seed))
+    assert nudged.shape == grid.shape and not np.shares_memory(nudged, grid)
+    assert len(set(nudged.ravel())) == 80 and set(nudged.ravel()) <= set(range(100))
+    changed = np.argwhere(nudged != grid)
+    assert len(changed) <= 2 * NUDGE_SWAPS
+    for row, lane in changed:  # every changed cell is looked at again, with its stage and its lane
+        assert look[row, :].all() and look[:, lane].all()
+    # ... and nothing else: what is looked at is whole stages and lanes, one of each per swapped cell
+    rows, lanes = look.all(axis=1), look.all(axis=0)
+    assert (look == (rows[:, None] | lanes[None, :])).all()
+    assert rows.sum() <= 2 * NUDGE_SWAPS and lanes.sum() <= 2 * NUDGE_SWAPS
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_descent_looks_only_at_the_cells_it_is_told(seed):
+    p, model, rng, grid, cost = start(16, Shape(3, 4), seed)
+    resting, same_cost = local_search(p, model, grid, cost, 64, rng, deadline=np.inf, look=np.zeros((3, 4), bool))
+    assert np.array_equal(resting, grid) and same_cost == cost
+    look = np.zeros((3, 4), bool)
+    look[1, :] = True
+    better, new_cost = local_search(p, model, grid, cost, 64, rng, deadline=np.inf, look=look)
+    assert new_cost <= cost
+    assert new_cost == pytest.approx(float(model.batch_cost(better[None])[0]))
+    assert len(set(better.ravel())) == 12

@@ -4,6 +4,7 @@ answers (anytime), reading only the clock it is given."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from hetpeer.coordinator.planner import PlannerConfig, Problem, SearchConfig, solve
 from hetpeer.coordinator.planner.synthetic import random_topology
@@ -74,3 +75,30 @@ def test_progress_reports_each_searched_shape():
     config = PlannerConfig(cost_model="dtfm", stages=2, group_size=4, time_budget_s=0.5)
     solve(problem(8, 3, 15), config, np.random.default_rng(0), progress=lines.append)
     assert lines and all("2 stages x 4 lanes" in line for line in lines)
+
+
+def test_a_converged_search_restarts_until_restarts_in_a_row_find_nothing_better():
+    """Restarts begin where the search without them ends (the same seed draws the same numbers until
+    then), so they can only improve the plan; the search stops after `restarts` restarts in a row that
+    found nothing better, long before a generous budget."""
+    larger = problem(24, 4, 16)
+    results = {}
+    for restarts in (0, 3):
+        lines: list[str] = []
+        config = PlannerConfig(time_budget_s=60.0, search=SearchConfig(restarts=restarts))
+        results[restarts] = solve(larger, config, np.random.default_rng(3), progress=lines.append)
+        restart_lines = [line for line in lines if "restart" in line]
+        if restarts == 0:
+            assert restart_lines == []
+            continue
+        assert len(restart_lines) >= restarts
+        last_best = max((k for k, line in enumerate(restart_lines) if "(best)" in line), default=-1)
+        assert len(restart_lines) - 1 - last_best == restarts
+    assert results[3].report.objective <= results[0].report.objective
+    assert results[3].generations > results[0].generations
+
+
+def test_search_settings_are_checked():
+    for bad in ({"restarts": -1}, {"nudges": 1.5}, {"nudges": -0.1}, {"population": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SearchConfig(**bad)

@@ -17,9 +17,12 @@ attached to the device's group plus a random sample.
 
 Across shapes: every shape is scored by its best constructed seed; the most promising few each
 evolve in a trial, and the shape whose trial came out best evolves on from its population with
-the rest of the budget. The search stops when the population has not improved for `patience`
-generations or at the deadline, so it is deterministic for a seed whenever the deadline is not
-hit, and anytime when it is.
+the rest of the budget. A population that has not improved for `patience` generations has
+converged; while time is left, the best shape restarts from fresh seeds (random grids, clusters
+around new centres, kicked copies of the best grid) with the best grids found so far among them,
+so that new material is crossed with what earlier populations learnt. The search stops after
+`restarts` restarts in a row that found nothing better, or at the deadline: it is deterministic for
+a seed whenever the deadline is not hit, and anytime when it is.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ CELLS_PER_MOVE = 8  # cells whose swaps one move screens together
 TRIAL_SHARE = 0.3  # of the budget, spent evolving the most promising shapes before the best goes on
 CLUSTER_SEEDS = 8  # active sets grown around random centres, when some devices may stand by
 POPULATION_CELLS = 4096  # large swarms get a smaller population: each member costs a local search
+ELITES = 2  # best grids every restart's population starts with
+NUDGE_SWAPS = 3  # random swaps of a nudge: few enough that a descent around them is cheap
 
 
 class CostModel(Protocol):
@@ -61,11 +66,17 @@ class SearchConfig:
     patience: int = 25  # generations without improvement before a shape is done
     shapes_searched: int = 3  # shapes given a trial before one is evolved
     max_candidates: int = 64  # swaps screened per local-search move
+    restarts: int = 3  # converged restarts in a row without a better grid before the search stops
+    nudges: float = 0.9  # share of generations that nudge one member instead of crossing two
 
     def __post_init__(self) -> None:
         for name in ("population", "patience", "shapes_searched", "max_candidates"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.restarts < 0:
+            raise ValueError(f"restarts must be at least 0, got {self.restarts}")
+        if not 0 <= self.nudges <= 1:
+            raise ValueError(f"nudges must be a share in [0, 1], got {self.nudges}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +136,55 @@ def search(
         found = _evolve(problem, model, seeds, list(found.population), config, rng, deadline, clock)
         if progress is not None:
             progress(f"{found.shape}: {found.objective:.4g} s after {found.generations} more generations")
-    return found
+    return _restart(problem, model, found, orders, config, rng, deadline, clock, progress)
+
+
+def _restart(problem, model, found, orders, config, rng, deadline, clock, progress) -> Found:
+    """Restarts of a converged population while time is left. A converged population has stopped
+    learning, not the search: on small swarms patience runs out in a fraction of the budget (64
+    devices: a 2 s budget converged after 1.5 s). Each restart grows a population from fresh seeds
+    and the best grids found so far (the elites, which every restart shares), so crossovers take
+    new material into what is known to be good. Stops after `config.restarts` restarts in a row
+    without a better grid, or at the deadline; the best grid of all is returned."""
+    best, stale, generations = found, 0, found.generations
+    elites = list(found.population[:ELITES])
+    while found.converged and stale < config.restarts and clock() < deadline:
+        seeds = _fresh_seeds(problem, model, orders, best.grid, rng)
+        found = _evolve(problem, model, seeds, elites, config, rng, deadline, clock)
+        generations += found.generations
+        improved = found.objective < best.objective * (1 - IMPROVEMENT)
+        stale = 0 if improved else stale + 1
+        if improved:
+            best = found
+        elites = _merge_elites(elites, found.population)
+        if progress is not None:
+            progress(f"{found.shape}: restart {found.objective:.4g} s after {found.generations} generations"
+                     f"{' (best)' if improved else ''}")
+    return Found(best.shape, best.grid, best.objective, generations, found.converged, best.population)
+
+
+def _fresh_seeds(problem: Problem, model: CostModel, orders: dict[str, np.ndarray], elite: np.ndarray,
+                 rng: np.random.Generator) -> list[np.ndarray]:
+    """Seeds for a restart: random grids, the devices around new random centres laid out along the
+    chain (where some may stand by), and kicked copies of the best grid."""
+    shape = model.shape
+    seeds = _sampled(problem, shape, rng)
+    if shape.devices < problem.n:
+        chain = orders["chain"]
+        for centre in rng.choice(problem.n, size=2, replace=False):
+            active = np.argsort(model.group_cost[centre], kind="stable")[: shape.devices]
+            seeds += layouts(shape, chain[np.isin(chain, active)])
+    seeds += [perturb(elite, problem.n, model.group_cost, rng) for _ in range(2)]
+    return seeds
+
+
+def _merge_elites(elites: list[np.ndarray], population: tuple[np.ndarray, ...]) -> list[np.ndarray]:
+    """The `ELITES` best distinct grids of both lists (population best first; elites are the older)."""
+    merged: list[np.ndarray] = []
+    for grid in list(population) + elites:
+        if len(merged) < ELITES and not any(_same_partition(grid, other) for other in merged):
+            merged.append(grid)
+    return merged
 
 
 def _device_orders(problem: Problem, model: CostModel, rng: np.random.Generator) -> dict[str, np.ndarray]:
@@ -192,15 +251,22 @@ def _evolve(
     while stale < config.patience and clock() < deadline:
         generations += 1
         first, second = (_tournament(costs, rng) for _ in range(2))
-        if first == second:  # nothing to cross: kick a member instead (iterated local search)
-            child = perturb(population[first], problem.n, model.group_cost, rng)
+        nudged = rng.random() < config.nudges
+        if nudged:  # iterated local search: a light kick and a descent around it
+            child, look = nudge(population[first], problem.n, rng)
+            cost = float(model.batch_cost(child[None])[0])
+            child, cost = local_search(problem, model, child, cost, config.max_candidates, rng, deadline, clock, look)
         else:
-            child = crossover(population[first], population[second], problem.n, model.group_cost, rng)
-        child, cost = _improve(problem, model, aligner, child, config, rng, deadline, clock)
+            if first == second:  # nothing to cross: kick a member instead (iterated local search)
+                child = perturb(population[first], problem.n, model.group_cost, rng)
+            else:
+                child = crossover(population[first], population[second], problem.n, model.group_cost, rng)
+            child, cost = _improve(problem, model, aligner, child, config, rng, deadline, clock)
         best_before = min(costs)
-        # A child replaces its twin (same groups, maybe another order) if better, else the worst.
         twins = [k for k, other in enumerate(population) if _same_partition(child, other)]
-        replaced = twins[0] if twins else int(np.argmax(costs))
+        # A child replaces its twin (same groups, maybe another order) if better, else its parent when
+        # nudged (so that nudges do not fill the population with copies of one member), else the worst.
+        replaced = twins[0] if twins else (first if nudged else int(np.argmax(costs)))
         if cost < costs[replaced]:
             population[replaced], costs[replaced] = child, cost
         stale = 0 if cost < best_before * (1 - IMPROVEMENT) else stale + 1
@@ -231,6 +297,23 @@ def _improve(problem, model, aligner, grid, config, rng, deadline, clock) -> tup
         return grid, cost
     grid, cost = reorder_lanes(model, grid, cost, config.max_candidates, rng)
     return _best_alignment(model, aligner, grid, (grid, cost))
+
+
+def nudge(grid: np.ndarray, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """A light kick: a copy of `grid` with `NUDGE_SWAPS` random swaps (cells, or a cell and a standby
+    device), and the cells a descent should look at after it, those sharing a stage or a lane with a
+    changed cell, as an (S, m) mask. A descent from there revisits a few rows and lanes, not the
+    whole grid, so a nudge costs a small part of a full local search."""
+    S, m = grid.shape
+    pool = np.concatenate([grid.ravel(), np.setdiff1d(np.arange(n), grid.ravel())])
+    look = np.zeros((S, m), dtype=bool)
+    for _ in range(NUDGE_SWAPS):
+        a, b = int(rng.integers(S * m)), int(rng.integers(len(pool)))
+        pool[a], pool[b] = pool[b], pool[a]
+        for cell in (a, b) if b < S * m else (a,):
+            look[cell // m, :] = True
+            look[:, cell % m] = True
+    return pool[: S * m].reshape(S, m), look
 
 
 def reorder_lanes(
@@ -276,6 +359,7 @@ def local_search(
     rng: np.random.Generator,
     deadline: float,
     clock: Callable[[], float] = time.perf_counter,
+    look: np.ndarray | None = None,
 ) -> tuple[np.ndarray, float]:
     """Best-swap descent until no cell can improve or time is up. A move looks at a few cells at
     once (`CELLS_PER_MOVE`) and takes the best swap of any of them: candidates are screened by
@@ -290,7 +374,8 @@ def local_search(
     # Mean group cost of every device to each stage's group, refreshed for the rows a swap changes;
     # needed only when a cell has more swap partners (every other device) than are screened.
     attachment = model.group_cost[:, grid].mean(axis=2) if problem.n - 1 > max_candidates else None
-    look = np.ones(cells, dtype=bool)  # "don't look" bits: cells whose surroundings have not changed rest
+    # "don't look" bits: cells whose surroundings have not changed rest
+    look = np.ones(cells, dtype=bool) if look is None else look.ravel().copy()
     while look.any() and clock() < deadline:
         waiting = (cell for cell in rng.permutation(cells).tolist() if look[cell])  # read as it goes
         while clock() < deadline:
