@@ -37,22 +37,22 @@ def quick() -> dict:
 
 def test_quick_mode_sees_peers_come_and_go(quick: dict) -> None:
     assert quick["arrived"] > 0 and quick["left"] > 0
-    assert [r["policy"] for r in quick["results"]][0] == churn.TODAY.name  # today's defaults first: the reference
+    assert [r["policy"] for r in quick["results"]][0] == churn.BEFORE.name  # the old defaults first: the reference
     assert quick["best"] in {r["policy"] for r in quick["results"]}
 
 
 def test_every_noticed_break_is_re_solved_or_repaired(quick: dict) -> None:
-    today, mended = quick["results"][0], quick["results"][1]
-    assert today["on_break"] == "solve" and mended["on_break"] == "repair"
-    for result in (today, mended):
+    before, mended = quick["results"][0], quick["results"][1]
+    assert before["on_break"] == "solve" and mended["on_break"] == "repair"
+    for result in (before, mended):
         assert result["breaks"] > 0
         assert result["reasons"]["break"] == result["breaks"]
         assert result["tokens_per_s"] > 0 and result["planner_cpu_s"] > 0
         assert result["switches"] > 0 and result["moved_devices"] > 0  # migrations counted
-    assert today["repairs"] == 0 and today["solves"] == sum(today["reasons"].values())
+    assert before["repairs"] == 0 and before["solves"] == sum(before["reasons"].values())
     assert mended["repairs"] > 0 and mended["repairs"] + mended["repair_failures"] == mended["breaks"]
-    # newcomers: today's coordinator solves for them; the waiting policy leaves them to the periodic re-solve
-    assert today["reasons"].get("join", 0) > 0 and "join" not in mended["reasons"]
+    # newcomers: the old policy solves for them; the waiting policy leaves them to the periodic re-solve
+    assert before["reasons"].get("join", 0) > 0 and "join" not in mended["reasons"]
 
 
 def test_a_departure_is_noticed_when_its_record_expires() -> None:
@@ -63,7 +63,7 @@ def test_a_departure_is_noticed_when_its_record_expires() -> None:
     leaver = int(first.devices[0][1:])
     leave_s = swarm.leave_s.copy()
     leave_s[leaver] = 100.0
-    result = churn.simulate(replace(swarm, leave_s=leave_s), churn.TODAY, solver, 0.05)
+    result = churn.simulate(replace(swarm, leave_s=leave_s), churn.BEFORE, solver, 0.05)
     noticed = [t for t, kind in result.events if kind == "break"]
     assert noticed and 100.0 + churn.EXPIRE_S <= noticed[0] <= 100.0 + churn.EXPIRE_S + 2 * churn.HEARTBEAT_S
     assert result.stalled_lane_s > 0  # its lane stood still until then
@@ -92,3 +92,12 @@ def test_policies_parse_and_refuse_nonsense() -> None:
     for bad in ("300:0.05:repair", "0:0.1:solve:solve", "60:1.5:solve:solve", "60:0.1:fix:wait"):
         with pytest.raises(Exception):
             churn.parse_policy(bad)
+
+
+def test_the_chosen_policy_is_the_coordinators_default() -> None:
+    from hetpeer.coordinator.service import CoordinatorConfig
+
+    defaults = CoordinatorConfig.__dataclass_fields__
+    assert churn.CHOSEN.replan_interval_s == defaults["replan_interval_s"].default
+    assert churn.CHOSEN.gain == defaults["gain"].default
+    assert churn.CHOSEN in churn.DEFAULT_POLICIES and churn.BEFORE in churn.DEFAULT_POLICIES
