@@ -2,12 +2,14 @@
 
 `repair(plan, problem, config)` keeps the running plan's stages and lanes and fills each cell whose
 device left (a plan device missing from `problem.device_ids`) with the live device outside the plan
-(on standby, or new) that gives the lowest predicted step time under the planner's `time` model,
-one cell at a time: for a cell, every candidate is scored in one batched evaluation of the grid with
-that candidate in the cell. A lane none of whose empty cells any candidate can fill within memory is
-dropped whole (groups stay equal in size: a lane is one device per stage), and its surviving members go
-to standby with a reason. Layer splits and sync modes are the time model's for the resulting grid, as
-for any plan the planner makes.
+(on standby, new, or left over from a lane dropped before) that gives the lowest predicted step time
+under the planner's `time` model, one cell at a time: for a cell, every candidate is scored in one
+batched evaluation of the grid with that candidate in the cell. A lane is dropped whole (groups stay
+equal in size: a lane is one device per stage) when some empty cell has no candidate that fits memory,
+or, unless the configuration fixes the number of lanes, when the plan is predicted as fast without the
+lane as with it filled (one slow replacement would set the step of every lane); its surviving members go to standby with a reason, and to later lanes'
+candidates. Layer splits and sync modes are the time model's for the resulting grid, as for any plan
+the planner makes.
 
 Objective: keep training on what is known to work after peers leave, in O(D K) grid evaluations
 (D empty cells, K candidates; each evaluation O(S m) for S stages and m lanes) instead of a search
@@ -26,6 +28,7 @@ from hetpeer.coordinator.planner import PlannerConfig, Problem, Shape, make_mode
 from hetpeer.protocol.plan import MAX_STANDBY_REASONS, Plan, standby_runs
 
 DROPPED = "its lane was dropped: a member left and no standby peer fit in its place"
+SLOWER = "its lane was dropped: a member left and the plan is faster without the lane than with a standby peer in its place"
 SPARE = "spare: the repaired plan did not need it"
 KEPT = "kept on standby by the running plan"
 
@@ -47,11 +50,15 @@ def repair(plan: Plan, problem: Problem, config: PlannerConfig) -> Plan | None:
     pool = [i for i in range(problem.n) if i not in held]
     kept = [lane for lane in range(cells.shape[1]) if (cells[:, lane] >= 0).all()]
     hit = sorted((lane for lane in range(cells.shape[1]) if lane not in kept), key=lambda lane: (cells[:, lane] < 0).sum())
-    dropped: list[int] = []
+    dropped: dict[str, list[int]] = {DROPPED: [], SLOWER: []}
     for lane in hit:  # the lanes that lost fewest members first: the cheapest to restore
         filled = _fill_lane(steady, config, cells[:, kept], cells[:, lane], pool)
-        if filled is None:
-            dropped.extend(int(d) for d in cells[:, lane] if d >= 0)
+        # A lane is worth keeping only if the plan is faster with it, unless the organizer fixed the lanes' number.
+        slower = filled is not None and kept and config.group_size is None and not _faster_with(steady, config, cells[:, kept], filled)
+        if filled is None or slower:
+            survivors = [int(d) for d in cells[:, lane] if d >= 0]
+            dropped[DROPPED if filled is None else SLOWER].extend(survivors)
+            pool += survivors  # idle now: candidates for the lanes still to mend
             continue
         cells[:, lane] = filled
         kept.append(lane)
@@ -59,11 +66,12 @@ def repair(plan: Plan, problem: Problem, config: PlannerConfig) -> Plan | None:
     if not kept:
         return None
     grid = cells[:, sorted(kept)]
-    if not make_model(steady, config, Shape(*grid.shape)).report(grid).fits_memory:
-        return None  # lanes that fit one by one can still overflow together once the layers are split again
     report = make_model(problem, config, Shape(*grid.shape)).report(grid)  # with the current plan: move_s too
+    if not report.fits_memory:
+        return None  # lanes that fit one by one can overflow together once the layers are split again, or while moving
     made = to_plan(problem, plan.cost_model, grid, report)
-    standby, reasons = _standby(plan, problem, grid, dropped)
+    used = set(int(d) for d in grid.ravel())
+    standby, reasons = _standby(plan, problem, grid, {r: [d for d in ds if d not in used] for r, ds in dropped.items()})
     return replace(
         made, standby=standby, standby_reasons=reasons, epoch=plan.epoch + 1, start_step=plan.start_step,
         estimated_links=tuple(p for p in plan.estimated_links if p[0] in made.devices and p[1] in made.devices),
@@ -97,19 +105,27 @@ def _fill_lane(
     return lane
 
 
+def _faster_with(problem: Problem, config: PlannerConfig, kept: np.ndarray, lane: np.ndarray) -> bool:
+    """Whether the grid of `kept` lanes is predicted faster with `lane` added than without it."""
+    grid = np.concatenate([kept, lane[:, None]], axis=1)
+    with_lane = make_model(problem, config, Shape(*grid.shape)).batch_cost(grid[None])[0]
+    return bool(with_lane < make_model(problem, config, Shape(*kept.shape)).batch_cost(kept[None])[0])
+
+
 def _standby(
-    plan: Plan, problem: Problem, grid: np.ndarray, dropped: list[int]
+    plan: Plan, problem: Problem, grid: np.ndarray, dropped: dict[str, list[int]]
 ) -> tuple[tuple[str, ...], tuple[tuple[str, int], ...]]:
-    """(standby, standby_reasons) for the repaired plan: the dropped lanes' survivors, then those the running
-    plan kept on standby under its own reasons (merged into one when there are too many), then the rest."""
+    """(standby, standby_reasons) for the repaired plan: the dropped lanes' survivors under why their lanes
+    were dropped, then those the running plan kept on standby under its own reasons (merged into one when there
+    are too many), then the rest."""
     used = set(int(d) for d in grid.ravel())
     ids = problem.device_ids
     out_of_plan = [ids[i] for i in range(problem.n) if i not in used]
-    groups: dict[str, list[str]] = {DROPPED: [ids[i] for i in dropped]}
-    placed = set(groups[DROPPED])
+    groups: dict[str, list[str]] = {reason: [ids[i] for i in devices] for reason, devices in dropped.items() if devices}
+    placed = {d for devices in groups.values() for d in devices}
     old = {d: reason for reason, devices in plan.reasons.items() for d in devices}
     old_reasons = list(dict.fromkeys(old[d] for d in out_of_plan if d in old and d not in placed))
-    merge = len(old_reasons) > MAX_STANDBY_REASONS - 3 or any(r in (DROPPED, SPARE) for r in old_reasons)
+    merge = len(old_reasons) > MAX_STANDBY_REASONS - 4 or any(r in (DROPPED, SLOWER, SPARE) for r in old_reasons)
     for d in out_of_plan:
         if d in placed:
             continue

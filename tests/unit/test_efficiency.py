@@ -99,3 +99,17 @@ def test_the_overhead_fit_is_what_the_other_terms_leave_of_measured_steps():
     assert fit_overhead(np.array([1.0]), np.array([2.0])).value == 0.0  # never a negative overhead
     with pytest.raises(ValueError, match="nothing to fit"):
         fit_overhead(np.array([]), np.array([]))
+
+
+@pytest.mark.parametrize("fit, arguments, words", [
+    (fit_compute, ([100.0, 0.0], [80.0, 70.0]), "announced TFLOPS"),
+    (fit_compute, ([100.0, 50.0], [80.0, float("nan")]), "achieved TFLOPS"),
+    (fit_link, ([1e9, 0.0], [0.01, 0.02], [8e8, 5e8]), "link bandwidth"),
+    (fit_link, ([1e9, 1e9], [0.01, -0.02], [8e8, 5e8]), "latencies"),
+    (fit_link, ([1e9, 1e9], [0.01, 0.02], [8e8, 0.0]), "measured stream bandwidth"),
+    (fit_overhead, ([0.3, 0.0], [0.25, 0.2]), "measured step time"),
+    (fit_overhead, ([0.3, 0.2], [0.25, float("inf")]), "predicted step time"),
+])
+def test_fits_refuse_measurements_that_are_not_positive_and_finite(fit, arguments, words):
+    with pytest.raises(ValueError, match=words):
+        fit(*(np.array(a) for a in arguments))

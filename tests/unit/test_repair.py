@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hetpeer.coordinator.planner import PlannerConfig, Problem, Shape, make_model, solve, synthetic
-from hetpeer.coordinator.repair import DROPPED, KEPT, repair
+from hetpeer.coordinator.repair import DROPPED, KEPT, SLOWER, repair
 from hetpeer.protocol.plan import Plan, standby_runs
 from hetpeer.protocol.topology import Topology
 from hetpeer.protocol.workload import Workload, preset
@@ -119,8 +119,18 @@ def test_none_when_no_lane_can_be_restored() -> None:
     full = whole(devices=6)
     plan = replace(solve(full, CONFIG, np.random.default_rng(0)).plan, epoch=2)
     assert plan.standby == ()
-    gone = set(plan.stages[0].devices)  # a whole stage gone and nobody to hold it
+    gone = set(plan.stages[0].devices) | set(plan.stages[1].devices[:2])  # one device left: not a lane of two stages
     assert repair(plan, without(full, gone, current=plan), CONFIG) is None
+
+
+def test_the_survivors_of_a_lost_stage_make_what_lanes_they_can() -> None:
+    full = whole(devices=6)
+    plan = replace(solve(full, CONFIG, np.random.default_rng(0)).plan, epoch=2)
+    gone = set(plan.stages[0].devices)  # a whole stage gone: the other stage's three hold both stages now
+    mended = repair(plan, without(full, gone, current=plan), CONFIG)
+    assert mended is not None and len(mended.stages) == 2 and mended.group_size == 1
+    assert set(mended.devices) | set(mended.standby) == set(plan.stages[1].devices)
+    assert set(mended.reasons[DROPPED]) == set(mended.standby) and len(mended.standby) == 1
 
 
 def test_none_when_nothing_left_or_the_model_differs() -> None:
@@ -169,3 +179,36 @@ def test_repaired_plans_always_pass_the_plan_checks(seed: int) -> None:
     Plan.from_wire(mended.to_wire())
     assert not gone & (set(mended.devices) | set(mended.standby))
     assert set(mended.devices) | set(mended.standby) == set(full.device_ids) - gone
+
+
+def test_a_lane_is_dropped_when_the_plan_is_faster_without_it_than_with_any_replacement() -> None:
+    full = whole()
+    plan = running(full)
+    gone = plan.stages[0].devices[1]
+    index = {d: i for i, d in enumerate(full.device_ids)}
+    tflops = full.tflops.copy()
+    for d in plan.standby:
+        tflops[index[d]] /= 1000  # any of them in the lane would set every lane's step
+    live = without(replace(full, tflops=tflops), {gone}, current=plan)
+    assert repair(plan, live, CONFIG).group_size == 3  # the shape is the organizer's: a replacement, however slow
+    mended = repair(plan, live, replace(CONFIG, group_size=None))
+    assert mended is not None and mended.group_size == 2
+    survivor = plan.stages[1].devices[1]
+    assert set(mended.reasons[SLOWER]) == {survivor} and DROPPED not in mended.reasons
+    # brute force: the best standby peer in the empty cell gives a slower plan than the two lanes left
+    steady = replace(live, current=None)
+    two = make_model(steady, CONFIG, Shape(2, 2)).batch_cost(grid(mended, live)[None])[0]
+    ids = {d: i for i, d in enumerate(live.device_ids)}
+    filled = [np.array([[ids[d] if d != gone else ids[s] for d in stage.devices] for stage in plan.stages])
+              for s in plan.standby]
+    assert two <= make_model(steady, CONFIG, Shape(2, 3)).batch_cost(np.stack(filled)).min()
+
+
+def test_a_dropped_lanes_survivors_fill_another_lane() -> None:
+    full = whole(devices=6)
+    plan = replace(solve(full, CONFIG, np.random.default_rng(0)).plan, epoch=2)
+    assert plan.standby == ()
+    gone = {plan.stages[0].devices[0], plan.stages[1].devices[1]}  # one member from each of two lanes
+    mended = repair(plan, without(full, gone, current=plan), CONFIG)
+    assert mended is not None and mended.group_size == 2  # the two halves make one lane: nobody idle
+    assert set(mended.devices) == set(full.device_ids) - gone and mended.standby == ()

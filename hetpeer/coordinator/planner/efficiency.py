@@ -1,6 +1,6 @@
 """What training gets of announced figures: the time model's efficiency terms, and their fit to measurements.
 
-A topology file, or a device's spec sheet, announces TFLOPS and link bandwidths; training gets less. Two terms
+A topology file, or a device's spec sheet, announces TFLOPS and link bandwidths; training gets less. Three terms
 map the announced figures to what the time model should use:
 
 - compute: achieved TFLOPS over announced (a training step runs slower than its kernels timed alone: the
@@ -83,6 +83,8 @@ def fit_compute(announced_tflops: np.ndarray, achieved_tflops: np.ndarray) -> Fi
     """The compute term: the median of achieved over announced (robust to a device that stalled)."""
     if len(announced_tflops) == 0:
         raise ValueError("no device both announced and achieved TFLOPS: nothing to fit")
+    _positive("announced TFLOPS", announced_tflops)
+    _positive("achieved TFLOPS", achieved_tflops)
     ratio = np.asarray(achieved_tflops, dtype=float) / np.asarray(announced_tflops, dtype=float)
     value = float(np.median(ratio))
     return Fit(value, ratio / value - 1)
@@ -96,6 +98,10 @@ def fit_link(bandwidth_bytes_per_s: np.ndarray, latency_s: np.ndarray, measured_
     bandwidth, latency, measured = (np.asarray(v, dtype=float) for v in (bandwidth_bytes_per_s, latency_s, measured_bytes_per_s))
     if len(measured) == 0:
         raise ValueError("no link measurement to fit")
+    _positive("link bandwidth", bandwidth)
+    _positive("measured stream bandwidth", measured)
+    if not (np.isfinite(latency).all() and (latency >= 0).all()):
+        raise ValueError(f"link latencies must be finite and not negative, got {latency[~(np.isfinite(latency) & (latency >= 0))][:3]}")
 
     def error(link: float, window: float) -> float:
         predicted = Efficiency(link=link, window_bytes=window).stream_bytes_per_s(bandwidth, latency)
@@ -120,5 +126,15 @@ def fit_overhead(measured_s: np.ndarray, predicted_s: np.ndarray) -> Fit:
     measured, predicted = np.asarray(measured_s, dtype=float), np.asarray(predicted_s, dtype=float)
     if len(measured) == 0:
         raise ValueError("no step measured: nothing to fit")
+    _positive("measured step time", measured)
+    _positive("predicted step time", predicted)
     value = max(0.0, float(np.median(measured - predicted)))
     return Fit(value, measured / (predicted + value) - 1)
+
+
+def _positive(what: str, values: np.ndarray) -> None:
+    """Raise ValueError naming `what` unless every value is positive and finite (a zero or a NaN would fit inf or nan)."""
+    values = np.asarray(values, dtype=float)
+    bad = values[~(np.isfinite(values) & (values > 0))]
+    if len(bad):
+        raise ValueError(f"every {what} must be positive and finite, got {bad[:3].tolist()}")

@@ -235,9 +235,9 @@ def _evolve(
     aligner = Aligner(model.link_cost)
     size = max(2, min(config.population, POPULATION_CELLS // model.shape.devices))
     starts = list(improved)
-    if seeds and len(starts) < size:
+    if seeds:  # at least one: on the largest shapes a restart's elites alone fill the population
         seed_costs = model.batch_cost(np.stack(seeds))
-        starts += _start_order([seeds[int(i)] for i in np.argsort(seed_costs, kind="stable")], size - len(starts))
+        starts += _start_order([seeds[int(i)] for i in np.argsort(seed_costs, kind="stable")], max(1, size - len(starts)))
     population: list[np.ndarray] = []
     costs: list[float] = []
     for start in starts:
@@ -361,11 +361,14 @@ def local_search(
     clock: Callable[[], float] = time.perf_counter,
     look: np.ndarray | None = None,
 ) -> tuple[np.ndarray, float]:
-    """Best-swap descent until no cell can improve or time is up. A move looks at a few cells at
-    once (`CELLS_PER_MOVE`) and takes the best swap of any of them: candidates are screened by
-    the model's cheap estimate and the best few per cell confirmed exactly, all in one call each,
+    """Best-swap descent until no cell looked at can improve or time is up. A move looks at a few
+    cells at once (`CELLS_PER_MOVE`) and takes the best swap of any of them: candidates are screened
+    by the model's cheap estimate and the best few per cell confirmed exactly, all in one call each,
     since at a thousand devices a call's fixed cost outweighs its work. After a swap, only the cells
-    sharing a stage or a lane with the two moved cells are looked at again. A move costs
+    sharing a stage or a lane with the two moved cells are looked at again; a cell whose own gain
+    lost to a better swap of the same move rests until then, so a descent can stop short of a strict
+    local optimum (nudges and later descents revisit it). `look` (S, m) limits the first cells
+    looked at (default: all). A move costs
     O(CELLS_PER_MOVE * max_candidates) screens and O(CELLS_PER_MOVE * CONFIRMED) exact costs."""
     S, m = grid.shape
     grid = grid.copy()
