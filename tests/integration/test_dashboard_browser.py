@@ -75,7 +75,9 @@ def sorted_by(chrome, key: str) -> list[float]:
 
 
 def test_a_live_swarm_shows_its_plan_peers_and_charts_and_they_update(chrome, tmp_path):
-    config = SwarmConfig(out=tmp_path, peers=3, steps=400, heartbeat_s=1.0, coordinator_args=("--stages", "2"))
+    # Every peer in the first plan: with the swarm's default of two, a peer slow to start would join a running plan
+    # that a solve keeps, and stay out of its picture (the peers table still lists it).
+    config = SwarmConfig(out=tmp_path, peers=3, steps=400, heartbeat_s=1.0, coordinator_args=("--stages", "2", "--min-peers", "3"))
     with LocalSwarm(config, lambda line: None, free_port(), http_port=free_port()) as swarm:
         chrome.get(swarm.dashboard_url)
         chrome.execute_script("window.hetpeerMarker = 'same page'")  # gone if the page ever reloads
