@@ -150,7 +150,8 @@ def _restart(problem, model, found, orders, config, rng, deadline, clock, progre
     elites = list(found.population[:ELITES])
     while found.converged and stale < config.restarts and clock() < deadline:
         seeds = _fresh_seeds(problem, model, orders, best.grid, rng)
-        found = _evolve(problem, model, seeds, elites, config, rng, deadline, clock)
+        # one fresh start at least: on the largest shapes the elites alone fill a population
+        found = _evolve(problem, model, seeds, elites, config, rng, deadline, clock, min_seeds=1)
         generations += found.generations
         improved = found.objective < best.objective * (1 - IMPROVEMENT)
         stale = 0 if improved else stale + 1
@@ -229,15 +230,18 @@ def _evolve(
     rng: np.random.Generator,
     deadline: float,
     clock: Callable[[], float],
+    min_seeds: int = 0,
 ) -> Found:
     """Evolve one shape's population, grown from `improved` grids (a trial's population, which local
-    search resumes first: a trial may end before its local optima) and then the best raw seeds."""
+    search resumes first: a trial may end before its local optima) and then the best raw seeds, at
+    least `min_seeds` of them."""
     aligner = Aligner(model.link_cost)
     size = max(2, min(config.population, POPULATION_CELLS // model.shape.devices))
     starts = list(improved)
-    if seeds:  # at least one: on the largest shapes a restart's elites alone fill the population
+    count = max(size - len(starts), min_seeds) if seeds else 0
+    if count > 0:
         seed_costs = model.batch_cost(np.stack(seeds))
-        starts += _start_order([seeds[int(i)] for i in np.argsort(seed_costs, kind="stable")], max(1, size - len(starts)))
+        starts += _start_order([seeds[int(i)] for i in np.argsort(seed_costs, kind="stable")], count)
     population: list[np.ndarray] = []
     costs: list[float] = []
     for start in starts:
