@@ -7,9 +7,9 @@ under the planner's `time` model, one cell at a time: for a cell, every candidat
 batched evaluation of the grid with that candidate in the cell. A lane is dropped whole (groups stay
 equal in size: a lane is one device per stage) when some empty cell has no candidate that fits memory,
 or, unless the configuration fixes the number of lanes, when the plan is predicted as fast without the
-lane as with it filled (one slow replacement would set the step of every lane); its surviving members go to standby with a reason, and to later lanes'
-candidates. Layer splits and sync modes are the time model's for the resulting grid, as for any plan
-the planner makes.
+lane as with it filled (one slow replacement would set the step of every lane); its surviving members go
+to standby with a reason, and to later lanes' candidates. Layer splits and sync modes are the time
+model's for the resulting grid, as for any plan the planner makes.
 
 Objective: keep training on what is known to work after peers leave, in O(D K) grid evaluations
 (D empty cells, K candidates; each evaluation O(S m) for S stages and m lanes) instead of a search
@@ -54,7 +54,8 @@ def repair(plan: Plan, problem: Problem, config: PlannerConfig) -> Plan | None:
     for lane in hit:  # the lanes that lost fewest members first: the cheapest to restore
         filled = _fill_lane(steady, config, cells[:, kept], cells[:, lane], pool)
         # A lane is worth keeping only if the plan is faster with it, unless the organizer fixed the lanes' number.
-        slower = filled is not None and kept and config.group_size is None and not _faster_with(steady, config, cells[:, kept], filled)
+        slower = (filled is not None and kept and config.group_size is None
+                  and not _faster_with(steady, config, cells[:, kept], filled))
         if filled is None or slower:
             survivors = [int(d) for d in cells[:, lane] if d >= 0]
             dropped[DROPPED if filled is None else SLOWER].extend(survivors)
@@ -70,8 +71,7 @@ def repair(plan: Plan, problem: Problem, config: PlannerConfig) -> Plan | None:
     if not report.fits_memory:
         return None  # lanes that fit one by one can overflow together once the layers are split again, or while moving
     made = to_plan(problem, plan.cost_model, grid, report)
-    used = set(int(d) for d in grid.ravel())
-    standby, reasons = _standby(plan, problem, grid, {r: [d for d in ds if d not in used] for r, ds in dropped.items()})
+    standby, reasons = _standby(plan, problem, grid, dropped)
     return replace(
         made, standby=standby, standby_reasons=reasons, epoch=plan.epoch + 1, start_step=plan.start_step,
         estimated_links=tuple(p for p in plan.estimated_links if p[0] in made.devices and p[1] in made.devices),
@@ -115,13 +115,14 @@ def _faster_with(problem: Problem, config: PlannerConfig, kept: np.ndarray, lane
 def _standby(
     plan: Plan, problem: Problem, grid: np.ndarray, dropped: dict[str, list[int]]
 ) -> tuple[tuple[str, ...], tuple[tuple[str, int], ...]]:
-    """(standby, standby_reasons) for the repaired plan: the dropped lanes' survivors under why their lanes
-    were dropped, then those the running plan kept on standby under its own reasons (merged into one when there
+    """(standby, standby_reasons) for the repaired plan: the dropped lanes' survivors that no later lane took,
+    under why their lanes were dropped, then those the running plan kept on standby under its own reasons (merged into one when there
     are too many), then the rest."""
     used = set(int(d) for d in grid.ravel())
     ids = problem.device_ids
     out_of_plan = [ids[i] for i in range(problem.n) if i not in used]
-    groups: dict[str, list[str]] = {reason: [ids[i] for i in devices] for reason, devices in dropped.items() if devices}
+    groups = {reason: [ids[i] for i in devices if i not in used] for reason, devices in dropped.items()}
+    groups = {reason: devices for reason, devices in groups.items() if devices}
     placed = {d for devices in groups.values() for d in devices}
     old = {d: reason for reason, devices in plan.reasons.items() for d in devices}
     old_reasons = list(dict.fromkeys(old[d] for d in out_of_plan if d in old and d not in placed))
