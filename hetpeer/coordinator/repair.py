@@ -115,9 +115,9 @@ def _faster_with(problem: Problem, config: PlannerConfig, kept: np.ndarray, lane
 def _standby(
     plan: Plan, problem: Problem, grid: np.ndarray, dropped: dict[str, list[int]]
 ) -> tuple[tuple[str, ...], tuple[tuple[str, int], ...]]:
-    """(standby, standby_reasons) for the repaired plan: the dropped lanes' survivors that no later lane took,
-    under why their lanes were dropped, then those the running plan kept on standby under its own reasons (merged into one when there
-    are too many), then the rest."""
+    """(standby, standby_reasons) for the repaired plan: the dropped lanes' survivors that no later lane
+    took, under why their lanes were dropped, then those the running plan kept on standby under its own
+    reasons (merged into one when there are too many), then the rest."""
     used = set(int(d) for d in grid.ravel())
     ids = problem.device_ids
     out_of_plan = [ids[i] for i in range(problem.n) if i not in used]

@@ -36,6 +36,11 @@ def without(problem: Problem, gone: set[str], current: Plan | None = None, **cha
     )  # fmt: skip
 
 
+def on_standby(problem: Problem, plan: Plan) -> list[int]:
+    """The problem's indices of the plan's standby devices."""
+    return [problem.device_ids.index(d) for d in plan.standby]
+
+
 def grid(plan: Plan, problem: Problem) -> np.ndarray:
     index = {d: i for i, d in enumerate(problem.device_ids)}
     return np.array([[index[d] for d in stage.devices] for stage in plan.stages])
@@ -98,10 +103,8 @@ def test_a_lane_is_dropped_when_no_standby_peer_fits_in_memory() -> None:
     full = whole()
     plan = running(full)
     gone = plan.stages[0].devices[1]
-    index = {d: i for i, d in enumerate(full.device_ids)}
     memory = full.memory_bytes.copy()
-    for d in plan.standby:
-        memory[index[d]] = 1e6  # a megabyte: no stage of the model fits
+    memory[on_standby(full, plan)] = 1e6  # a megabyte: no stage of the model fits
     live = without(replace(full, memory_bytes=memory), {gone}, current=plan)
     mended = repair(plan, live, CONFIG)
     assert mended is not None
@@ -185,10 +188,8 @@ def test_a_lane_is_dropped_when_the_plan_is_faster_without_it_than_with_any_repl
     full = whole()
     plan = running(full)
     gone = plan.stages[0].devices[1]
-    index = {d: i for i, d in enumerate(full.device_ids)}
     tflops = full.tflops.copy()
-    for d in plan.standby:
-        tflops[index[d]] /= 1000  # any of them in the lane would set every lane's step
+    tflops[on_standby(full, plan)] /= 1000  # any of them in the lane would set every lane's step
     live = without(replace(full, tflops=tflops), {gone}, current=plan)
     assert repair(plan, live, CONFIG).group_size == 3  # the shape is the organizer's: a replacement, however slow
     mended = repair(plan, live, replace(CONFIG, group_size=None))

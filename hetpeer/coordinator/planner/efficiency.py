@@ -100,8 +100,9 @@ def fit_link(bandwidth_bytes_per_s: np.ndarray, latency_s: np.ndarray, measured_
         raise ValueError("no link measurement to fit")
     _positive("link bandwidth", bandwidth)
     _positive("measured stream bandwidth", measured)
-    if not (np.isfinite(latency).all() and (latency >= 0).all()):
-        raise ValueError(f"link latencies must be finite and not negative, got {latency[~(np.isfinite(latency) & (latency >= 0))][:3]}")
+    bad_latency = latency[~(np.isfinite(latency) & (latency >= 0))]
+    if len(bad_latency):
+        raise ValueError(f"link latencies must be finite and not negative, got {bad_latency[:3].tolist()}")
 
     def error(link: float, window: float) -> float:
         predicted = Efficiency(link=link, window_bytes=window).stream_bytes_per_s(bandwidth, latency)
@@ -133,7 +134,8 @@ def fit_overhead(measured_s: np.ndarray, predicted_s: np.ndarray) -> Fit:
 
 
 def _positive(what: str, values: np.ndarray) -> None:
-    """Raise ValueError naming `what` unless every value is positive and finite (a zero or a NaN would fit inf or nan)."""
+    """Raise ValueError naming `what` unless every value is positive and finite (a zero or a NaN would fit
+    inf or nan)."""
     values = np.asarray(values, dtype=float)
     bad = values[~(np.isfinite(values) & (values > 0))]
     if len(bad):

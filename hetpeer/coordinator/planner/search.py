@@ -3,12 +3,14 @@
 Per shape: a small population of grids, seeded by construction (clustered, strided, file order),
 at random, and, where devices may stand by, as tight clusters around random centres; each seed is
 improved by local search, the best seed every other time (descents of one seed along different
-random paths end far apart on large swarms, where a few descents are all a budget affords). A
-generation picks two parents by tournament and crosses their partitions (balanced, see
-grid.crossover), or kicks one with a few random swaps when the tournament picks the same member
-twice (so that a population of one still searches). The child is aligned (TSP order over
-bottleneck matchings), improved by local search, its lanes reordered, and aligned again; it
-replaces the member with the same groups, or else the worst member, if better.
+random paths end far apart on large swarms, where a few descents are all a budget affords). Nine
+generations in ten (`nudges`) take one member by tournament, swap three random pairs of it and
+descend only around them (iterated local search); the child replaces that member if better. The
+others pick two parents by tournament and cross their partitions (balanced, see grid.crossover),
+or kick one with many random swaps when the tournament picks the same member twice (so that a
+population of one still searches); that child is aligned (TSP order over bottleneck matchings),
+improved by local search, its lanes reordered, and aligned again, and replaces the member with
+the same groups, or else the worst member, if better.
 
 The local search swaps two devices (between groups, between lanes, or with a standby device),
 taking the best swap for a few devices at a time: candidates are screened by the cost model's cheap
@@ -309,15 +311,26 @@ def nudge(grid: np.ndarray, n: int, rng: np.random.Generator) -> tuple[np.ndarra
     changed cell, as an (S, m) mask. A descent from there revisits a few rows and lanes, not the
     whole grid, so a nudge costs a small part of a full local search."""
     S, m = grid.shape
-    pool = np.concatenate([grid.ravel(), np.setdiff1d(np.arange(n), grid.ravel())])
+    nudged, touched = _random_swaps(grid, np.setdiff1d(np.arange(n), grid.ravel()), NUDGE_SWAPS, rng)
     look = np.zeros((S, m), dtype=bool)
-    for _ in range(NUDGE_SWAPS):
-        a, b = int(rng.integers(S * m)), int(rng.integers(len(pool)))
+    look[touched // m, :] = True
+    look[:, touched % m] = True
+    return nudged, look
+
+
+def _random_swaps(
+    grid: np.ndarray, standby: np.ndarray, count: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """A copy of `grid` after `count` random swaps, each of a random cell with a random cell or standby
+    device, and the flat indices of the cells the swaps touched."""
+    cells = grid.size
+    pool = np.concatenate([grid.ravel(), standby])
+    touched = []
+    for _ in range(count):
+        a, b = int(rng.integers(cells)), int(rng.integers(len(pool)))
         pool[a], pool[b] = pool[b], pool[a]
-        for cell in (a, b) if b < S * m else (a,):
-            look[cell // m, :] = True
-            look[:, cell % m] = True
-    return pool[: S * m].reshape(S, m), look
+        touched += [a, b] if b < cells else [a]
+    return pool[:cells].reshape(grid.shape), np.array(touched, dtype=np.int64)
 
 
 def reorder_lanes(
@@ -477,12 +490,7 @@ def perturb(grid: np.ndarray, n: int, group_cost: np.ndarray, rng: np.random.Gen
         kicked = grid.copy()
         kicked[:, rng.integers(m)] = cluster
         return kicked
-    pool = np.concatenate([grid.ravel(), standby])
-    for _ in range(max(2, S * m // 8)):
-        a = int(rng.integers(S * m))
-        b = int(rng.integers(len(pool)))
-        pool[a], pool[b] = pool[b], pool[a]
-    return pool[: S * m].reshape(S, m)
+    return _random_swaps(grid, standby, max(2, S * m // 8), rng)[0]
 
 
 def _tournament(costs: list[float], rng: np.random.Generator) -> int:
