@@ -111,6 +111,7 @@ class Coordinator:
         self.first_seen: dict[str, float] = {}
         self.considered: set[str] = set()  # newcomers the running plan was kept without (see `policy.decide`)
         self.rechecked_epoch = -1  # the plan whose estimated links were solved again once measured
+        self.repaired_epoch = -1  # the plan a repair made: a stopgap, which a solve replaces without the --gain hysteresis
         self.reached = 0  # the furthest step the swarm announced: no plan starts below it
         self.finished = False  # the swarm reached --steps: no more plans, even when its peers have left
         self.last_solve = 0.0
@@ -331,7 +332,10 @@ class Coordinator:
         searched_s = time.perf_counter() - started
         current_s = policy.predicted_step_s(problem, self.planner, usable) if usable is not None else None
         same = usable is not None and solution.plan.stages == usable.stages
-        publish, why = policy.worth_it(decision, solution.report.objective, current_s, config.gain, same)
+        # A repaired plan was never searched for: the first better plan replaces it, however small the gain (a
+        # repair that dropped a lane would otherwise keep the swarm a lane short when its peer comes back).
+        gain = 0.0 if current is not None and current.epoch == self.repaired_epoch else config.gain
+        publish, why = policy.worth_it(decision, solution.report.objective, current_s, gain, same)
         if not publish:
             known = set(current.devices) | set(current.standby)
             self.considered |= {d for d in live if d not in known}
@@ -373,7 +377,10 @@ class Coordinator:
         plan = replace(repaired, start_step=step, estimated_links=policy.estimated_links(repaired, problem.device_ids, estimated))
         gone = [d for d in current.devices if d not in repaired.devices and d not in live]
         self._say_orphans(plan, live)
-        return self._publish(plan, f"repaired: {decision.reason}; {len(gone)} member(s) replaced or their lanes dropped")
+        published = self._publish(plan, f"repaired: {decision.reason}; {len(gone)} member(s) replaced or their lanes dropped")
+        if published:
+            self.repaired_epoch = plan.epoch
+        return published
 
     def _resume(self, live: dict[str, PeerRecord]) -> None:
         """Publish the plan the live peers' stage checkpoints make, from the step they were saved at; while a

@@ -171,3 +171,25 @@ def test_a_member_that_left_is_replaced_by_a_peer_on_standby_without_a_search(co
     assert any("repaired: " in line and f"{leaver} stopped announcing" in line for line in coordinator.lines)
     assert not any(line.startswith("solving:") for line in coordinator.lines[-5:])  # no search for it
     assert coordinator.last_solve == solved_at  # the periodic re-solve stays due when it was
+
+
+def test_the_first_solve_after_a_repair_publishes_any_better_plan(coordinator):
+    """A repaired plan was never searched for: a solve replaces it without the --gain hysteresis."""
+    coordinator.config = replace(coordinator.config, steps=None, gain=0.99)  # no searched plan could beat a running one
+    coordinator.planner = replace(coordinator.planner, stages=2, group_size=1)
+    control = coordinator.control
+    for d in ("a", "b", "c"):
+        control.announce(d)
+    rounds(coordinator, FIRST_PLAN_ROUNDS)
+    first = control.plans[-1].plan
+    leaver = first.stages[1].devices[0]
+    control.announce(leaver, state="leaving")
+    rounds(coordinator, 1)
+    mended = control.plans[-1].plan
+    assert mended.epoch == first.epoch + 1 and coordinator.repaired_epoch == mended.epoch
+    control.announce(leaver)  # back, as a newcomer
+    rounds(coordinator, FIRST_PLAN_ROUNDS)
+    latest = control.plans[-1].plan
+    kept = any(line.startswith(f"kept epoch {mended.epoch}: predicted") for line in coordinator.lines)
+    assert latest.epoch == mended.epoch + 1 or not kept  # published, or the planner chose the mended plan again
+    assert not any("is not 99% better" in line for line in coordinator.lines)
