@@ -86,7 +86,10 @@ def test_the_compose_swarm_trains(swarm):
     with urllib.request.urlopen(swarm.dashboard + "api/state", timeout=10) as reply:
         state = json.loads(reply.read())
     assert state["plan"]["epoch"] >= plan.epoch and {p["device_id"] for p in state["peers"]} == {device_of(swarm, s) for s in PEERS}
-    assert len(state["history"]["samples"]) > 10 and any(e["kind"] == "plan" for e in state["history"]["events"])
+    samples = [dict(zip(state["history"]["sample_fields"], s)) for s in state["history"]["samples"]]
+    steps = [s["step"] for s in samples]
+    assert len(samples) >= 2 and steps == sorted(steps) and steps[-1] >= first.step, steps
+    assert any(s["training"] for s in samples) and any(e["kind"] == "plan" for e in state["history"]["events"])
     with urllib.request.urlopen(swarm.dashboard + "metrics", timeout=10) as reply:
         assert re.search(r"^hetpeer_swarm_step \d", reply.read().decode(), re.M)
 
