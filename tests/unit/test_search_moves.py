@@ -13,6 +13,8 @@ from hetpeer.coordinator.planner.search import (
     NUDGE_SWAPS,
     _best_swap,
     _start_order,
+    descend,
+    exchange_lanes,
     local_search,
     nudge,
     perturb,
@@ -90,6 +92,35 @@ def test_local_search_never_makes_a_grid_worse(seed, limit):
     assert new_cost <= cost
     assert new_cost == pytest.approx(float(model.batch_cost(better[None])[0]))
     assert len(set(better.ravel())) == 12
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_lane_exchanges_keep_every_group_and_never_hurt(seed):
+    _, model, _, grid, cost = start(30, Shape(4, 5), seed)
+    exchanged, new_cost, changed = exchange_lanes(model, grid, cost, deadline=np.inf)
+    assert new_cost <= cost and new_cost == pytest.approx(float(model.batch_cost(exchanged[None])[0]))
+    assert all(set(row) == set(own) for row, own in zip(exchanged, grid))  # stages moved between lanes only
+    assert changed.tolist() == (exchanged != grid).any(axis=0).tolist()
+    # a random grid of lanes across regions has runs of stages worth exchanging
+    assert new_cost < cost and changed.sum() >= 2
+    # where it stops, none of the exchanges the model offers is better
+    offered = model.exchanges(exchanged, 8)
+    assert len(offered) == 0 or model.batch_cost(offered).min() >= new_cost * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_descent_stops_where_neither_swaps_nor_exchanges_improve(seed):
+    p, model, rng, grid, cost = start(30, Shape(4, 5), seed)
+    better, new_cost = descend(p, model, grid, cost, 64, rng, deadline=np.inf)
+    assert new_cost < cost and new_cost == pytest.approx(float(model.batch_cost(better[None])[0]))
+    assert len(set(better.ravel())) == 20
+    assert exchange_lanes(model, better, new_cost, deadline=np.inf)[1] == new_cost
+
+
+def test_the_paper_cost_offers_no_exchanges():
+    """dtfm's lanes cost their boundaries' slowest links, which alignment already minimises."""
+    _, model, _, grid, _ = start(12, Shape(3, 2), 0, PlannerConfig(cost_model="dtfm", allow_standby=False))
+    assert model.exchanges(grid, 8).shape == (0, 3, 2)
 
 
 def test_world_wide_lanes_find_their_gossip_order():

@@ -385,3 +385,65 @@ def test_the_screen_is_exact_when_every_stage_holds_one_layer():
     grid = rng.permutation(60)[:48].reshape(8, 6)
     batch, cells = swaps(grid, 60, 200, rng)
     np.testing.assert_allclose(model.screen(grid, batch, cells), model.batch_cost(batch), rtol=1e-12)
+
+
+def exchanged(grid: np.ndarray, a: int, b: int, s1: int, s2: int) -> np.ndarray:
+    out = grid.copy()
+    out[s1:s2, a], out[s1:s2, b] = grid[s1:s2, b], grid[s1:s2, a]
+    return out
+
+
+@pytest.mark.parametrize("shape", [Shape(2, 2), Shape(3, 4), Shape(5, 3), Shape(8, 2)])
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("per_lane", [1, 256])  # one micro-batch a step, and more than stages
+def test_exchanged_lanes_are_the_full_evaluation_of_the_exchanged_grid(shape, tied, per_lane):
+    """Every lane a with stages [s1, s2) of lane b: what the prefix sums and range maxima give is what
+    evaluating the lanes of the grid with those stages exchanged gives, with the split held."""
+    from hetpeer.coordinator.planner.screens import _segments
+    from hetpeer.protocol.workload import ModelSpec
+
+    rng = np.random.default_rng(shape.devices + tied + per_lane)
+    spec = ModelSpec.from_config({"model_type": "gpt2", "n_embd": H, "n_head": 4, "n_layer": 8, "n_positions": SEQ,
+                                  "vocab_size": VOCAB, "tie_word_embeddings": tied})
+    problem = Problem.from_topology(Topology.from_wire(synthetic.random_topology(30, 4, rng)), Workload(spec, batch=per_lane * shape.group_size))
+    model = make_model(problem, PlannerConfig(), shape)
+    assert (model.micro_batches == 1 if per_lane == 1 else model.micro_batches > shape.stages) and bool(model.tied_bytes) == tied
+    grid = rng.permutation(30)[: shape.devices].reshape(shape.stages, shape.group_size)
+    counts = np.array(model.report(grid).layers)
+    segments = _segments(shape.stages)
+    new = model._exchanged_lanes(grid, counts, segments)
+    for a, b in itertools.permutations(range(shape.group_size), 2):
+        grids = np.stack([exchanged(grid, a, b, s1, s2) for s1, s2 in segments])
+        lanes, _ = model._lanes(grids.transpose(0, 2, 1), counts[None, None, :])
+        np.testing.assert_allclose(new[a, b], lanes[:, a], rtol=1e-12)
+
+
+def test_segments_are_every_run_of_stages_but_the_whole_lane():
+    from hetpeer.coordinator.planner.screens import _segments
+
+    assert _segments(1).shape == (0, 2)
+    assert _segments(3).tolist() == [[0, 1], [0, 2], [1, 2], [1, 3], [2, 3]]
+
+
+@pytest.mark.parametrize("shape", [Shape(1, 4), Shape(4, 1), Shape(3, 4), Shape(6, 5)])
+def test_exchanges_screen_better_and_keep_every_group(shape):
+    """Every grid offered exchanges a run of stages between two lanes of `grid`, keeps each group's
+    devices, is offered best first by the screen, and those that cost less exactly are most of them."""
+    rng = np.random.default_rng(shape.devices)
+    problem = Problem.from_topology(Topology.from_wire(synthetic.random_topology(40, 6, rng)),
+                                    Workload(preset("tiny", 8), batch=64))
+    model = make_model(problem, PlannerConfig(), shape)
+    grid = rng.permutation(40)[: shape.devices].reshape(shape.stages, shape.group_size)
+    offered = model.exchanges(grid, 10)
+    if shape.stages == 1 or shape.group_size == 1:
+        assert offered.shape == (0, *grid.shape)
+        return
+    assert 0 < len(offered) <= 10
+    cost = model.batch_cost(grid[None])[0]
+    for candidate in offered:
+        assert all(set(row) == set(own) for row, own in zip(candidate, grid))
+        changed = np.flatnonzero((candidate != grid).any(axis=0))
+        assert len(changed) == 2
+        rows = np.flatnonzero(candidate[:, changed[0]] != grid[:, changed[0]])
+        assert rows.tolist() == list(range(rows[0], rows[-1] + 1)) and len(rows) < shape.stages
+    assert (model.batch_cost(offered) < cost).mean() > 0.5

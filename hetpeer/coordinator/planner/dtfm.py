@@ -60,6 +60,12 @@ class DtfmCost:
         at the sizes this model is used for."""
         return self.batch_cost(batch)
 
+    def exchanges(self, grid: np.ndarray, count: int) -> np.ndarray:
+        """None: here a lane's cost is no sum along it but each stage boundary's slowest link, which the
+        search's alignment (bottleneck matchings between consecutive groups) already minimises, so
+        no exchange of stages between lanes can improve an aligned grid."""
+        return np.empty((0, *grid.shape), dtype=grid.dtype)
+
     def report(self, grid: np.ndarray) -> Report:
         dp, pp = self.parts(grid[None])
         return Report(

@@ -15,7 +15,9 @@ the same groups, or else the worst member, if better.
 The local search swaps two devices (between groups, between lanes, or with a standby device),
 taking the best swap for a few devices at a time: candidates are screened by the cost model's cheap
 estimate and the best few confirmed exactly; for large swarms the candidates are the devices most
-attached to the device's group plus a random sample.
+attached to the device's group plus a random sample. Where swaps stop, the descent exchanges runs
+of stages between two lanes (each group keeps its devices; the cost model screens every exchange
+of every lane pair at once) and swaps again around the lanes that changed, until neither improves.
 
 Across shapes: every shape is scored by its best constructed seed; the most promising few each
 evolve in a trial, and the shape whose trial came out best evolves on from its population with
@@ -47,6 +49,7 @@ CLUSTER_SEEDS = 8  # active sets grown around random centres, when some devices 
 POPULATION_CELLS = 4096  # large swarms get a smaller population: each member costs a local search
 ELITES = 2  # best grids every restart's population starts with
 NUDGE_SWAPS = 3  # random swaps of a nudge: few enough that a descent around them is cheap
+EXCHANGES_CONFIRMED = 8  # screened lane exchanges confirmed with the exact cost per step of a descent
 
 
 class CostModel(Protocol):
@@ -58,6 +61,8 @@ class CostModel(Protocol):
     def batch_cost(self, grids: np.ndarray) -> np.ndarray: ...
 
     def screen(self, grid: np.ndarray, batch: np.ndarray, cells: np.ndarray) -> np.ndarray: ...
+
+    def exchanges(self, grid: np.ndarray, count: int) -> np.ndarray: ...
 
     def report(self, grid: np.ndarray) -> Report: ...
 
@@ -261,7 +266,7 @@ def _evolve(
         if nudged:  # iterated local search: a light kick and a descent around it
             child, look = nudge(population[first], problem.n, rng)
             cost = float(model.batch_cost(child[None])[0])
-            child, cost = local_search(problem, model, child, cost, config.max_candidates, rng, deadline, clock, look)
+            child, cost = descend(problem, model, child, cost, config.max_candidates, rng, deadline, clock, look)
         else:
             if first == second:  # nothing to cross: kick a member instead (iterated local search)
                 child = perturb(population[first], problem.n, model.group_cost, rng)
@@ -298,7 +303,7 @@ def _improve(problem, model, aligner, grid, config, rng, deadline, clock) -> tup
     A local search cut by the deadline is returned as it is: aligning a large grid takes long
     enough (a third of a second at 1024 devices) to overrun the budget."""
     grid, cost = _best_alignment(model, aligner, grid)
-    grid, cost = local_search(problem, model, grid, cost, config.max_candidates, rng, deadline, clock)
+    grid, cost = descend(problem, model, grid, cost, config.max_candidates, rng, deadline, clock)
     if clock() > deadline:
         return grid, cost
     grid, cost = reorder_lanes(model, grid, cost, config.max_candidates, rng)
@@ -365,6 +370,51 @@ def _best_alignment(model, aligner, grid, incumbent=None) -> tuple[np.ndarray, f
     if incumbent is not None and incumbent[1] <= costs[best]:
         return incumbent
     return options[best], float(costs[best])
+
+
+def descend(
+    problem: Problem,
+    model: CostModel,
+    grid: np.ndarray,
+    cost: float,
+    max_candidates: int,
+    rng: np.random.Generator,
+    deadline: float,
+    clock: Callable[[], float] = time.perf_counter,
+    look: np.ndarray | None = None,
+) -> tuple[np.ndarray, float]:
+    """Local search by swaps and by exchanges of stages between lanes, in turn, until neither improves
+    or time is up. The two reach different grids: a swap moves one device, an exchange moves a run
+    of stages from lane to lane at once (at 1024 devices, a swap descent that had stopped at 1.847 s
+    per step went on to 1.829 by five exchanges and to 1.793 by swaps from there). After exchanges,
+    swaps look again only at the lanes that changed; `look` (S, m) limits the first swaps."""
+    while True:
+        grid, cost = local_search(problem, model, grid, cost, max_candidates, rng, deadline, clock, look)
+        grid, cost, changed = exchange_lanes(model, grid, cost, deadline, clock)
+        if not changed.any() or clock() > deadline:
+            return grid, cost
+        look = np.zeros(grid.shape, dtype=bool)
+        look[:, changed] = True
+
+
+def exchange_lanes(
+    model: CostModel, grid: np.ndarray, cost: float, deadline: float, clock: Callable[[], float] = time.perf_counter
+) -> tuple[np.ndarray, float, np.ndarray]:
+    """Best-exchange descent: while time is left, the best few exchanges the model screens are
+    confirmed with the exact cost and the best taken if it improves. Returns the grid, its cost and
+    which lanes changed (m,)."""
+    changed = np.zeros(grid.shape[1], dtype=bool)
+    while clock() < deadline:
+        offered = model.exchanges(grid, EXCHANGES_CONFIRMED)
+        if len(offered) == 0:
+            break
+        costs = model.batch_cost(offered)
+        best = int(np.argmin(costs))
+        if not costs[best] < cost - IMPROVEMENT * abs(cost):
+            break
+        changed |= (offered[best] != grid).any(axis=0)
+        grid, cost = offered[best], float(costs[best])
+    return grid, cost, changed
 
 
 def local_search(

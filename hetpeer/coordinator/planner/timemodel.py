@@ -45,12 +45,12 @@ layer placements per grid (the split starts from its continuous bound).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cached_property
 
 import numpy as np
 
 from hetpeer.coordinator.planner.problem import PlanningError, Problem, Report, Shape
+from hetpeer.coordinator.planner.screens import Screens
 from hetpeer.protocol.plan import SYNC_CHOICES
 from hetpeer.protocol.workload import STATE_BYTES_PER_PARAM
 
@@ -60,11 +60,11 @@ OVERFLOW_PENALTY_S_PER_GB = 1e4
 # The step is a max over lanes and groups, flat under most swaps; a sliver of the mean lane and
 # sync time gives the search a slope on those plateaus.
 TIE_BREAK = 0.01
-KEPT_PAIRS = 5  # largest pairs a screen keeps per group and channel: a swap changes at most 4
 
 
-class TimeCost:
-    """Predicted step time for one shape, evaluated on batches of grids."""
+class TimeCost(Screens):
+    """Predicted step time for one shape, evaluated on batches of grids; `Screens` adds the cheap
+    estimates the search screens its moves with."""
 
     name = NAME
 
@@ -116,11 +116,8 @@ class TimeCost:
         self.usable_memory = None if problem.memory_bytes is None else problem.memory_bytes * (1 - memory_reserve)
         rounds = int(np.ceil(np.log2(m))) if m > 1 else 0
         self.partners = (np.arange(m)[None, :] + (2 ** np.arange(rounds))[:, None]) % m  # (rounds, m)
-        # What a screen keeps per group, as channels of pairs (lane l with lane l + shift): the ring's
-        # latency and its seconds per byte (all-reduce takes the max of each), then each gossip round.
-        self._shifts = np.concatenate([[1, 1], 2 ** np.arange(rounds)]).astype(np.int64)
         self._current = _held_layers(problem) if problem.current is not None else None
-        self._screened: _ScreenBase | None = None
+        self.init_screens(rounds)
 
     @cached_property
     def link_cost(self) -> np.ndarray:
@@ -240,100 +237,6 @@ class TimeCost:
             "move": move, "overflow": overflow.sum(axis=1), "row_overflow": overflow, "objective": objective,
         }  # fmt: skip
 
-    def screen(self, grid: np.ndarray, batch: np.ndarray, cells: np.ndarray) -> np.ndarray:
-        """Approximate objectives of grids that differ from `grid` at two cells each.
-
-        `cells` (K, 2) holds the flat indices of the changed cells (equal when a device came in
-        from standby). The layer allocation is held at `grid`'s, so only the two lanes and two
-        groups touched are re-evaluated, and in each group only the pairs a changed lane is in (two
-        in the ring and two in each gossip round), against the largest pairs the grid's groups keep
-        (`_screen_base`). A swap costs O(S + rounds), and O(S rounds) more to set every group's
-        gossip against the new slowest lane, where evaluating a grid costs O(S m log m). The cost of
-        moving weights is left out. The search confirms the best screened swaps with `batch_cost`.
-        """
-        key = grid.tobytes()
-        if self._screened is None or self._screened.key != key:  # a search screens one grid many times
-            self._screened = self._screen_base(grid)
-        base = self._screened
-        K, m = len(batch), grid.shape[1]
-        counts = base.evaluation["counts"]  # (1, S)
-        pick = np.arange(K)[:, None]
-        rows, lanes = cells // m, cells % m  # (K, 2)
-        lane = np.repeat(base.evaluation["lane"], K, axis=0)
-        lane[pick, lanes] = self._lanes(batch[pick, :, lanes], counts[:, None, :])[0]
-        lane_s = lane.max(axis=1)
-        allreduce = np.repeat(base.evaluation["allreduce"], K, axis=0)
-        gossip = np.repeat(base.evaluation["gossip"], K, axis=0)
-        if m > 1:
-            allreduce[pick, rows], gossip[pick, rows] = self._screen_groups(base, batch[pick, rows], rows, lanes)
-        sync_s, _ = self._sync(allreduce, gossip, lane_s)
-        overflow = np.repeat(base.evaluation["row_overflow"], K, axis=0)
-        need = self.mem_fixed + counts[0] * self.mem_per_layer
-        overflow[pick, rows] = self._overflow(batch[pick, rows], need[rows])
-        return self._objective(lane, sync_s, overflow, np.zeros(K))
-
-    def _channels(self, src: np.ndarray, dst: np.ndarray, stage_bytes: np.ndarray) -> np.ndarray:
-        """Pair values (..., channels) from devices src to dst given as (..., channels): the ring's
-        latency, the ring's seconds per byte, then each gossip round's pair seconds for
-        `stage_bytes` (broadcast against (..., 1)), computed as `_groups` does."""
-        latency, per_byte = self._pairs(src, dst)
-        values = latency + stage_bytes * per_byte
-        values[..., 0] = latency[..., 0]
-        values[..., 1] = per_byte[..., 1]
-        return values
-
-    def _screen_base(self, grid: np.ndarray) -> _ScreenBase:
-        """The grid's evaluation, and per group and channel its largest few pair values: a swap
-        changes at most four pairs of a channel, so the largest pair it leaves alone is among them."""
-        evaluation = self._evaluate(grid[None])
-        stage_bytes = (evaluation["counts"] * self.wire_per_layer + self.wire_fixed)[0]
-        m = grid.shape[1]
-        partners = (np.arange(m)[:, None] + self._shifts) % m  # (m, channels)
-        values = self._channels(grid[:, :, None], grid[:, partners], stage_bytes[:, None, None])  # (S, m, channels)
-        values = values.transpose(0, 2, 1)
-        top = np.argsort(-values, axis=-1, kind="stable")[..., :KEPT_PAIRS]
-        # A sentinel no swap touches, for groups too small to keep a pair outside the touched ones.
-        sentinel = np.zeros(top.shape[:-1] + (1,), dtype=np.int64)
-        return _ScreenBase(
-            key=grid.tobytes(),
-            evaluation=evaluation,
-            stage_bytes=stage_bytes,
-            top_pair=np.concatenate([top, sentinel - 1], axis=-1),
-            top_value=np.concatenate([np.take_along_axis(values, top, -1), sentinel - np.inf], axis=-1),
-        )
-
-    def _screen_groups(
-        self, base: _ScreenBase, rows_after: np.ndarray, rows: np.ndarray, lanes: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(all-reduce (K, 2), gossip rounds (K, 2, rounds)) of the two groups each swap touches,
-        given as their devices after the swap (K, 2, m), their rows and the changed lanes (K, 2),
-        from the base grid's largest pair values and the pairs the changed lanes are in."""
-        K, _, m = rows_after.shape
-        channels = len(self._shifts)
-        # The lanes changed in each touched group: its own, and the other cell's if in the same group.
-        same = rows[:, 0] == rows[:, 1]
-        changed = np.stack([lanes, np.where(same[:, None], lanes[:, ::-1], lanes)])  # (2, K, 2)
-        # A lane l is in a channel's pair l (as the sender) and pair l - shift (as the partner); the
-        # four pairs lead the axes, so that reductions over them are elementwise.
-        roles = (np.array([0, 1])[:, None] * self._shifts).reshape(2, 1, 1, 1, channels)
-        touched = ((changed[None, ..., None] - roles) % m).reshape(4, K, 2, channels)
-        offset = (np.arange(K * 2) * m).reshape(K, 2, 1)
-        flat = rows_after.ravel()
-        src = flat.take(offset + touched)
-        dst = flat.take(offset + (touched + self._shifts) % m)
-        stage_bytes = base.stage_bytes[rows]  # (K, 2)
-        values = self._channels(src, dst, stage_bytes[..., None])  # (4, K, 2, channels)
-        # The largest pair no changed lane is in: the first of the group's largest few not touched.
-        kept = base.top_pair[rows]  # (K, 2, channels, kept pairs + 1)
-        hit = kept == touched[0, ..., None]
-        for pair in touched[1:]:
-            hit |= kept == pair[..., None]
-        first = hit.argmin(axis=-1)
-        kept_max = base.top_value[rows].reshape(first.size, -1)[np.arange(first.size), first.ravel()]
-        channel = np.maximum(values.max(axis=0), kept_max.reshape(first.shape))
-        allreduce = 2 * (m - 1) * (channel[..., 0] + stage_bytes / m * channel[..., 1])
-        return allreduce, channel[..., 2:]
-
     def _objective(self, lane: np.ndarray, sync_s: np.ndarray, overflow: np.ndarray, move: np.ndarray) -> np.ndarray:
         """What the search minimises, from lane times (K, m), exposed sync (K, S), overflow bytes
         (K, S) and move seconds (K,): the step, the tie-break, the amortised move, the penalty."""
@@ -405,19 +308,6 @@ class TimeCost:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class _ScreenBase:
-    """What screens of swaps on one grid share: its evaluation and, per group (S) and pair
-    channel, the indices of its largest pairs (KEPT_PAIRS, then a sentinel -1) and their values
-    (then -inf)."""
-
-    key: bytes
-    evaluation: dict[str, np.ndarray]
-    stage_bytes: np.ndarray  # (S,)
-    top_pair: np.ndarray  # (S, channels, KEPT_PAIRS + 1)
-    top_value: np.ndarray  # (S, channels, KEPT_PAIRS + 1)
-
-
 def _held_layers(problem: Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per device: the layer range it holds in the current plan (empty if none), and the best
     bandwidth into it from a device that holds anything."""
@@ -436,3 +326,4 @@ def _held_layers(problem: Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     # A swarm with no current holder has nothing to move from: the fetch is from the data's owner.
     incoming = np.where(incoming > 0, incoming, np.inf)
     return start, end, incoming
+

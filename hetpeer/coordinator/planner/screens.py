@@ -1,0 +1,247 @@
+"""The cheap estimates the search screens its moves with, for the time model (`timemodel.py`).
+
+- A swap of two cells: the layer split held at the grid's, only the two lanes and two groups it
+  touches re-evaluated, and in each group only the pairs a changed lane is in.
+- An exchange of a run of stages between two lanes: every group keeps its devices, so split, memory
+  and weights to move stay; the two lanes' new times come exact from prefix sums and range maxima,
+  every segment of every lane pair at once.
+
+Both are held to the full evaluation by tests/unit/test_timemodel.py; the search confirms what they
+rank best with the exact cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+KEPT_PAIRS = 5  # largest pairs a swap's screen keeps per group and channel: a swap changes at most 4
+
+
+class Screens:
+    """Mixed into `TimeCost`, whose exact pieces it uses: `_evaluate`, `_lanes`, `_pairs`, `_sync`,
+    `_overflow`, `_objective`, and its per-device and per-stage figures."""
+
+    def init_screens(self, rounds: int) -> None:
+        # What a swap's screen keeps per group, as channels of pairs (lane l with lane l + shift): the
+        # ring's latency and its seconds per byte (all-reduce takes the max of each), then each gossip round.
+        self._shifts = np.concatenate([[1, 1], 2 ** np.arange(rounds)]).astype(np.int64)
+        self._screened: _ScreenBase | None = None
+
+    def screen(self, grid: np.ndarray, batch: np.ndarray, cells: np.ndarray) -> np.ndarray:
+        """Approximate objectives of grids that differ from `grid` at two cells each.
+
+        `cells` (K, 2) holds the flat indices of the changed cells (equal when a device came in
+        from standby). The layer allocation is held at `grid`'s, so only the two lanes and two
+        groups touched are re-evaluated, and in each group only the pairs a changed lane is in (two
+        in the ring and two in each gossip round), against the largest pairs the grid's groups keep
+        (`_screen_base`). A swap costs O(S + rounds), and O(S rounds) more to set every group's
+        gossip against the new slowest lane, where evaluating a grid costs O(S m log m). The cost of
+        moving weights is left out. The search confirms the best screened swaps with `batch_cost`.
+        """
+        key = grid.tobytes()
+        if self._screened is None or self._screened.key != key:  # a search screens one grid many times
+            self._screened = self._screen_base(grid)
+        base = self._screened
+        K, m = len(batch), grid.shape[1]
+        counts = base.evaluation["counts"]  # (1, S)
+        pick = np.arange(K)[:, None]
+        rows, lanes = cells // m, cells % m  # (K, 2)
+        lane = np.repeat(base.evaluation["lane"], K, axis=0)
+        lane[pick, lanes] = self._lanes(batch[pick, :, lanes], counts[:, None, :])[0]
+        lane_s = lane.max(axis=1)
+        allreduce = np.repeat(base.evaluation["allreduce"], K, axis=0)
+        gossip = np.repeat(base.evaluation["gossip"], K, axis=0)
+        if m > 1:
+            allreduce[pick, rows], gossip[pick, rows] = self._screen_groups(base, batch[pick, rows], rows, lanes)
+        sync_s, _ = self._sync(allreduce, gossip, lane_s)
+        overflow = np.repeat(base.evaluation["row_overflow"], K, axis=0)
+        need = self.mem_fixed + counts[0] * self.mem_per_layer
+        overflow[pick, rows] = self._overflow(batch[pick, rows], need[rows])
+        return self._objective(lane, sync_s, overflow, np.zeros(K))
+
+    def exchanges(self, grid: np.ndarray, count: int) -> np.ndarray:
+        """Up to `count` grids, each `grid` with one segment of stages exchanged between two lanes, that
+        screen better than `grid`, the best first ((K, S, m), K may be 0).
+
+        An exchange leaves every group's set of devices as it is, so the layer split, memory and the
+        weights to move do not change, and of the lanes only the two exchanging: their new times come
+        exact from per-lane prefix sums and range maxima, for every segment of every lane pair at
+        once, in O(m^2 S^2). The screen holds sync as it is (who pairs with whom in a group follows
+        lane order, and the slowest lane sets how much gossip it hides); the search confirms the best
+        with `batch_cost`. Where lanes cross regions a step goes mostly to hops, and single swaps
+        cannot move a run of stages from one lane to another: this is the move for that (the 2-opt*
+        and cross exchanges of vehicle routing, with stages held in place).
+        """
+        S, m = grid.shape
+        segments = _segments(S)
+        if m == 1 or len(segments) == 0:
+            return np.empty((0, S, m), dtype=grid.dtype)
+        evaluation = self._evaluate(grid[None])
+        lane = evaluation["lane"][0]
+        new = self._exchanged_lanes(grid, evaluation["counts"][0], segments)  # (m, m, segments)
+        a, b = np.triu_indices(m, 1)
+        mine, theirs = new[a, b], new[b, a]  # (pairs, segments): lane a, lane b after the exchange
+        # the slowest lane besides a and b: among the three slowest
+        top = np.argsort(-lane, kind="stable")[:3]
+        others = np.full(len(a), -np.inf)
+        for k in top[::-1]:
+            others = np.where((a != k) & (b != k), lane[k], others)
+        slowest = np.maximum(np.maximum(mine, theirs), others[:, None])
+        mean = (lane.sum() - (lane[a] + lane[b])[:, None] + mine + theirs) / m
+        # Lanes (slowest, 2 mean - slowest) have the slowest lane and the mean of all m: the objective
+        # of each exchange, with every other term as `grid`'s.
+        two = np.stack([slowest.ravel(), 2 * mean.ravel() - slowest.ravel()], axis=1)
+        screened = self._objective(two, evaluation["sync_s"], evaluation["row_overflow"], evaluation["move"])
+        order = np.argsort(screened, kind="stable")[:count]
+        order = order[screened[order] < evaluation["objective"][0]]
+        pair, segment = np.unravel_index(order, slowest.shape)
+        batch = np.repeat(grid[None], len(order), axis=0)
+        for k, (la, lb, (s1, s2)) in enumerate(zip(a[pair], b[pair], segments[segment])):
+            batch[k, s1:s2, la], batch[k, s1:s2, lb] = grid[s1:s2, lb], grid[s1:s2, la]
+        return batch
+
+    def _exchanged_lanes(self, grid: np.ndarray, counts: np.ndarray, segments: np.ndarray) -> np.ndarray:
+        """(m, m, segments): the time of lane a with stages [s1, s2) of lane b in place of its own, for
+        every lane a, lane b and segment (s1, s2), as `_lanes` computes it."""
+        S, m = grid.shape
+        M = self.micro_batches
+        lanes = grid.T  # (m, S)
+        t = counts * self.layer_s[lanes]
+        t[:, -1] += self.head_s[lanes[:, -1]]
+        s1, s2 = segments[:, 0], segments[:, 1]  # (segments,)
+        zero = np.zeros((m, 1))
+        t_sum = np.concatenate([zero, np.cumsum(t, axis=1)], axis=1)  # (m, S + 1): stages before k
+        t_max = _range_max(t)  # (m, S + 1, S + 1): stages [i, j)
+        # within a's head, b's segment and a's tail: compute, then the hops inside each part
+        compute = t_sum[:, s1][:, None] + (t_sum[:, s2] - t_sum[:, s1])[None] + (t_sum[:, -1:] - t_sum[:, s2])[:, None]
+        peak = np.maximum(np.maximum(t_max[:, 0, s1][:, None], t_max[:, s1, s2][None]), t_max[:, s2, -1][:, None])
+        if S > 1:
+            latency, per_byte = self._pairs(lanes[:, :-1], lanes[:, 1:])  # (m, S - 1)
+            occupancy = self.hop_bytes * per_byte
+            hop = latency + occupancy
+            h_sum = np.concatenate([zero, np.cumsum(hop, axis=1)], axis=1)  # (m, S): hops before k
+            x_max = _range_max(occupancy)
+            # a's hops 0 .. s1 - 2, b's s1 .. s2 - 2, a's s2 .. S - 2 (hop k: stage k to k + 1)
+            before, inner, after = np.maximum(s1 - 1, 0), np.maximum(s2 - 1, s1), np.minimum(s2, S - 1)
+            hops = (h_sum[:, before][:, None] + (h_sum[:, inner] - h_sum[:, s1])[None]
+                    + (h_sum[:, -1:] - h_sum[:, after])[:, None])
+            peak_x = np.maximum(np.maximum(x_max[:, 0, before][:, None], x_max[:, s1, inner][None]),
+                                x_max[:, after, -1][:, None])
+            # the joints, where inside the lane: a's stage s1 - 1 to b's s1, and b's s2 - 1 to a's s2
+            shape = (m, m, len(segments))
+            joint_latency, joint_per_byte = self._pairs(np.broadcast_to(lanes[:, before][:, None], shape),
+                                                        np.broadcast_to(lanes[:, s1][None], shape))
+            back_latency, back_per_byte = self._pairs(np.broadcast_to(lanes[:, s2 - 1][None], shape),
+                                                      np.broadcast_to(lanes[:, after][:, None], shape))
+            joint_x = np.where(s1 > 0, self.hop_bytes * joint_per_byte, 0.0)
+            back_x = np.where(s2 < S, self.hop_bytes * back_per_byte, 0.0)
+            hops = hops + joint_x + back_x + np.where(s1 > 0, joint_latency, 0.0) + np.where(s2 < S, back_latency, 0.0)
+            peak_x = np.maximum(peak_x, np.maximum(joint_x, back_x))
+            round_trip = compute + 2 * hops
+            period = np.maximum(peak, peak_x)
+        else:
+            round_trip, period = compute, peak
+        if M > S:
+            period = np.maximum(period, round_trip / S)
+        lane = round_trip + (M - 1) * period
+        if S > 1 and self.tied_bytes:
+            # (first device's lane, last device's lane): both ways at once, as `_lanes`
+            there = self._pairs(lanes[:, 0][:, None], lanes[:, -1][None])
+            back = self._pairs(lanes[:, -1][None], lanes[:, 0][:, None])
+            tied = np.maximum(there[0] + self.tied_bytes * there[1], back[0] + self.tied_bytes * back[1])
+            me, other = np.arange(m)[:, None, None], np.arange(m)[None, :, None]
+            lane = lane + tied[np.where(s1 == 0, other, me), np.where(s2 == S, other, me)]
+        return lane
+
+    def _channels(self, src: np.ndarray, dst: np.ndarray, stage_bytes: np.ndarray) -> np.ndarray:
+        """Pair values (..., channels) from devices src to dst given as (..., channels): the ring's
+        latency, the ring's seconds per byte, then each gossip round's pair seconds for
+        `stage_bytes` (broadcast against (..., 1)), computed as `_groups` does."""
+        latency, per_byte = self._pairs(src, dst)
+        values = latency + stage_bytes * per_byte
+        values[..., 0] = latency[..., 0]
+        values[..., 1] = per_byte[..., 1]
+        return values
+
+    def _screen_base(self, grid: np.ndarray) -> _ScreenBase:
+        """The grid's evaluation, and per group and channel its largest few pair values: a swap
+        changes at most four pairs of a channel, so the largest pair it leaves alone is among them."""
+        evaluation = self._evaluate(grid[None])
+        stage_bytes = (evaluation["counts"] * self.wire_per_layer + self.wire_fixed)[0]
+        m = grid.shape[1]
+        partners = (np.arange(m)[:, None] + self._shifts) % m  # (m, channels)
+        values = self._channels(grid[:, :, None], grid[:, partners], stage_bytes[:, None, None])  # (S, m, channels)
+        values = values.transpose(0, 2, 1)
+        top = np.argsort(-values, axis=-1, kind="stable")[..., :KEPT_PAIRS]
+        # A sentinel no swap touches, for groups too small to keep a pair outside the touched ones.
+        sentinel = np.zeros(top.shape[:-1] + (1,), dtype=np.int64)
+        return _ScreenBase(
+            key=grid.tobytes(),
+            evaluation=evaluation,
+            stage_bytes=stage_bytes,
+            top_pair=np.concatenate([top, sentinel - 1], axis=-1),
+            top_value=np.concatenate([np.take_along_axis(values, top, -1), sentinel - np.inf], axis=-1),
+        )
+
+    def _screen_groups(
+        self, base: _ScreenBase, rows_after: np.ndarray, rows: np.ndarray, lanes: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(all-reduce (K, 2), gossip rounds (K, 2, rounds)) of the two groups each swap touches,
+        given as their devices after the swap (K, 2, m), their rows and the changed lanes (K, 2),
+        from the base grid's largest pair values and the pairs the changed lanes are in."""
+        K, _, m = rows_after.shape
+        channels = len(self._shifts)
+        # The lanes changed in each touched group: its own, and the other cell's if in the same group.
+        same = rows[:, 0] == rows[:, 1]
+        changed = np.stack([lanes, np.where(same[:, None], lanes[:, ::-1], lanes)])  # (2, K, 2)
+        # A lane l is in a channel's pair l (as the sender) and pair l - shift (as the partner); the
+        # four pairs lead the axes, so that reductions over them are elementwise.
+        roles = (np.array([0, 1])[:, None] * self._shifts).reshape(2, 1, 1, 1, channels)
+        touched = ((changed[None, ..., None] - roles) % m).reshape(4, K, 2, channels)
+        offset = (np.arange(K * 2) * m).reshape(K, 2, 1)
+        flat = rows_after.ravel()
+        src = flat.take(offset + touched)
+        dst = flat.take(offset + (touched + self._shifts) % m)
+        stage_bytes = base.stage_bytes[rows]  # (K, 2)
+        values = self._channels(src, dst, stage_bytes[..., None])  # (4, K, 2, channels)
+        # The largest pair no changed lane is in: the first of the group's largest few not touched.
+        kept = base.top_pair[rows]  # (K, 2, channels, kept pairs + 1)
+        hit = kept == touched[0, ..., None]
+        for pair in touched[1:]:
+            hit |= kept == pair[..., None]
+        first = hit.argmin(axis=-1)
+        kept_max = base.top_value[rows].reshape(first.size, -1)[np.arange(first.size), first.ravel()]
+        channel = np.maximum(values.max(axis=0), kept_max.reshape(first.shape))
+        allreduce = 2 * (m - 1) * (channel[..., 0] + stage_bytes / m * channel[..., 1])
+        return allreduce, channel[..., 2:]
+
+
+@dataclass(frozen=True, slots=True)
+class _ScreenBase:
+    """What screens of swaps on one grid share: its evaluation and, per group (S) and pair
+    channel, the indices of its largest pairs (KEPT_PAIRS, then a sentinel -1) and their values
+    (then -inf)."""
+
+    key: bytes
+    evaluation: dict[str, np.ndarray]
+    stage_bytes: np.ndarray  # (S,)
+    top_pair: np.ndarray  # (S, channels, KEPT_PAIRS + 1)
+    top_value: np.ndarray  # (S, channels, KEPT_PAIRS + 1)
+
+
+def _segments(stages: int) -> np.ndarray:
+    """(s1, s2) of every run of stages [s1, s2) two lanes may exchange: all but the whole lane (which
+    only reorders lanes; `reorder_lanes` does that)."""
+    return np.array([(i, j) for i in range(stages) for j in range(i + 1, stages + 1) if j - i < stages],
+                    dtype=np.int64).reshape(-1, 2)
+
+
+def _range_max(values: np.ndarray) -> np.ndarray:
+    """(m, L + 1, L + 1) from (m, L) non-negative values: [.., i, j] the largest of i .. j - 1 (0 if none)."""
+    m, L = values.shape
+    table = np.zeros((m, L + 1, L + 1))
+    for i in range(L):
+        table[:, i, i + 1:] = np.maximum.accumulate(values[:, i:], axis=1)
+    return table
