@@ -291,7 +291,7 @@ def _evolve(
 def _start_order(ranked: list[np.ndarray], count: int) -> list[np.ndarray]:
     """`count` starts from seeds ranked best first: the best every other start, the next best in
     between. Where a local search ends depends on its random path as much as on its start (at
-    1024 devices, seven descents of one seed ended between 1.85 and 1.92 s per step, mostly below
+    1024 devices, four descents of one seed ended between 1.80 and 1.90 s per step, mostly below
     those of the next seeds), so the best seed is worth several descents. On small swarms its descents
     tend to agree, and one that ends in a partition already found is dropped."""
     runners_up = ranked[1:] or ranked
