@@ -253,6 +253,7 @@ def simulate(swarm: Swarm, chosen: Policy, solver: Solver, hours: float) -> Resu
     queued: tuple[float, Plan, float] | None = None  # (takes effect at, plan, move seconds)
     first_seen: dict[str, float] = {}
     considered: set[str] = set()
+    repaired: set[int] = set()  # epochs of the plans repairs made
     last_solve, busy_until, end_s = -math.inf, 0.0, hours * 3600.0
     t = 0.0
     while t < end_s:
@@ -261,7 +262,8 @@ def simulate(swarm: Swarm, chosen: Policy, solver: Solver, hours: float) -> Resu
             queued = None
         account(swarm, running, t, min(t + HEARTBEAT_S, end_s), result)
         if t >= busy_until:
-            step = coordinate(swarm, chosen, solver, config, t, current, first_seen, considered, last_solve, result)
+            step = coordinate(swarm, chosen, solver, config, t, current, first_seen, considered, repaired, last_solve,
+                              result)
             if step is not None:
                 current, plan, ready_s, move_s, last_solve, broken = step
                 busy_until = ready_s
@@ -274,7 +276,7 @@ def simulate(swarm: Swarm, chosen: Policy, solver: Solver, hours: float) -> Resu
 
 def coordinate(
     swarm: Swarm, chosen: Policy, solver: Solver, config: PlannerConfig, now: float, current: Plan | None,
-    first_seen: dict[str, float], considered: set[str], last_solve: float, result: Result,
+    first_seen: dict[str, float], considered: set[str], repaired: set[int], last_solve: float, result: Result,
 ) -> tuple[Plan | None, Plan | None, float, float, float, bool] | None:
     """One coordinator round: read, decide, solve or repair. None when it did not solve; else (its plan now,
     the plan to publish or None, when it is ready, its move seconds, the time of this solve, broken)."""
@@ -306,6 +308,7 @@ def coordinate(
             result.repairs += 1
             result.published += 1
             considered.clear()
+            repaired.add(mended.epoch)
             # a repair is no solve: the periodic re-solve still comes `replan_interval_s` after the last one
             return mended, mended, now + spent, float(mended.cost.get("move_s", 0.0)), last_solve, True
         result.repair_failures += 1
@@ -319,7 +322,9 @@ def coordinate(
     usable = current if current is not None and not decision.broken else None
     current_s = coordinator_policy.predicted_step_s(problem, config, usable) if usable is not None else None
     same = usable is not None and solution.plan.stages == usable.stages
-    publish, _ = coordinator_policy.worth_it(decision, solution.report.objective, current_s, chosen.gain, same)
+    publish, _ = coordinator_policy.worth_it(
+        decision, solution.report.objective, current_s, chosen.gain, same, current is not None and current.epoch in repaired
+    )
     if not publish:
         result.kept += 1
         known = set(current.devices) | set(current.standby)

@@ -210,8 +210,14 @@ def predicted_step_s(problem: Problem, config: PlannerConfig, plan: Plan) -> flo
     return make_model(problem, config, shape).report(grid_of(plan, problem.device_ids)).cost["total_s"]
 
 
-def worth_it(decision: Decision, new_objective_s: float, current_s: float | None, gain: float, same: bool) -> tuple[bool, str]:
-    """Whether to publish the new plan; the reason either way."""
+def worth_it(
+    decision: Decision, new_objective_s: float, current_s: float | None, gain: float, same: bool, repaired: bool = False
+) -> tuple[bool, str]:
+    """Whether to publish the new plan; the reason either way. A running plan that a repair made was never
+    searched for, so the first better plan replaces it however small the gain (a repair that dropped a lane
+    would otherwise keep the swarm a lane short when its peer comes back)."""
+    if repaired:
+        gain = 0.0
     if decision.broken:
         return True, "the running plan is broken"
     if current_s is None:

@@ -332,10 +332,8 @@ class Coordinator:
         searched_s = time.perf_counter() - started
         current_s = policy.predicted_step_s(problem, self.planner, usable) if usable is not None else None
         same = usable is not None and solution.plan.stages == usable.stages
-        # A repaired plan was never searched for: the first better plan replaces it, however small the gain (a
-        # repair that dropped a lane would otherwise keep the swarm a lane short when its peer comes back).
-        gain = 0.0 if current is not None and current.epoch == self.repaired_epoch else config.gain
-        publish, why = policy.worth_it(decision, solution.report.objective, current_s, gain, same)
+        repaired = current is not None and current.epoch == self.repaired_epoch
+        publish, why = policy.worth_it(decision, solution.report.objective, current_s, config.gain, same, repaired)
         if not publish:
             known = set(current.devices) | set(current.standby)
             self.considered |= {d for d in live if d not in known}

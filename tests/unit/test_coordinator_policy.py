@@ -287,6 +287,12 @@ def test_a_new_plan_must_beat_the_running_one_by_the_gain():
     assert not policy.worth_it(PERIODIC, 0.6, 1.0, 0.5, same=False)[0]
 
 
+def test_a_repaired_plan_gives_way_to_any_better_plan_but_not_a_worse_one():
+    assert policy.worth_it(PERIODIC, 0.99, 1.0, 0.1, same=False, repaired=True)[0]
+    assert not policy.worth_it(PERIODIC, 1.01, 1.0, 0.1, same=False, repaired=True)[0]
+    assert not policy.worth_it(PERIODIC, 0.5, 1.0, 0.1, same=True, repaired=True)[0]
+
+
 # -- start_step -------------------------------------------------------------------------------------------
 
 

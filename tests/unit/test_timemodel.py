@@ -411,11 +411,12 @@ def test_exchanged_lanes_are_the_full_evaluation_of_the_exchanged_grid(shape, ti
     grid = rng.permutation(30)[: shape.devices].reshape(shape.stages, shape.group_size)
     counts = np.array(model.report(grid).layers)
     segments = _segments(shape.stages)
-    new = model._exchanged_lanes(grid, counts, segments)
-    for a, b in itertools.permutations(range(shape.group_size), 2):
-        grids = np.stack([exchanged(grid, a, b, s1, s2) for s1, s2 in segments])
+    a, b = np.array(list(itertools.permutations(range(shape.group_size), 2))).T
+    new = model._exchanged_lanes(grid, counts, segments, a, b)
+    for k in range(len(a)):
+        grids = np.stack([exchanged(grid, a[k], b[k], s1, s2) for s1, s2 in segments])
         lanes, _ = model._lanes(grids.transpose(0, 2, 1), counts[None, None, :])
-        np.testing.assert_allclose(new[a, b], lanes[:, a], rtol=1e-12)
+        np.testing.assert_allclose(new[k], lanes[:, a[k]], rtol=1e-12)
 
 
 def test_segments_are_every_run_of_stages_but_the_whole_lane():
@@ -447,3 +448,20 @@ def test_exchanges_screen_better_and_keep_every_group(shape):
         rows = np.flatnonzero(candidate[:, changed[0]] != grid[:, changed[0]])
         assert rows.tolist() == list(range(rows[0], rows[-1] + 1)) and len(rows) < shape.stages
     assert (model.batch_cost(offered) < cost).mean() > 0.5
+
+
+def test_beyond_32_lanes_exchanges_involve_one_of_the_32_slowest():
+    from hetpeer.coordinator.planner.screens import EXCHANGED_LANES
+
+    rng = np.random.default_rng(3)
+    problem = Problem.from_topology(Topology.from_wire(synthetic.random_topology(120, 8, rng)),
+                                    Workload(preset("tiny", 8), batch=256))
+    model = make_model(problem, PlannerConfig(), Shape(2, 48))
+    grid = rng.permutation(120)[:96].reshape(2, 48)
+    lane = model._evaluate(grid[None])["lane"][0]
+    slowest = set(np.argsort(-lane, kind="stable")[:EXCHANGED_LANES].tolist())
+    offered = model.exchanges(grid, 5000)  # every exchange that screens better (among all pairs, some without)
+    assert len(offered) > 500 and (model.batch_cost(offered) < model.batch_cost(grid[None])[0]).mean() > 0.5
+    for candidate in offered:
+        changed = set(np.flatnonzero((candidate != grid).any(axis=0)).tolist())
+        assert len(changed) == 2 and changed & slowest

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 KEPT_PAIRS = 5  # largest pairs a swap's screen keeps per group and channel: a swap changes at most 4
+EXCHANGED_LANES = 32  # lanes whose every pair a screen of exchanges looks at: all of them up to 32 lanes
 
 
 class Screens:
@@ -80,9 +81,13 @@ class Screens:
             return np.empty((0, S, m), dtype=grid.dtype)
         evaluation = self._evaluate(grid[None])
         lane = evaluation["lane"][0]
-        new = self._exchanged_lanes(grid, evaluation["counts"][0], segments)  # (m, m, segments)
-        a, b = np.triu_indices(m, 1)
-        mine, theirs = new[a, b], new[b, a]  # (pairs, segments): lane a, lane b after the exchange
+        # every pair of lanes with one of the EXCHANGED_LANES slowest: only those can speed up the slowest
+        slow = np.zeros(m, dtype=bool)
+        slow[np.argsort(-lane, kind="stable")[:EXCHANGED_LANES]] = True
+        a, b = np.nonzero(np.triu(slow[:, None] | slow[None, :], 1))
+        counts = evaluation["counts"][0]
+        mine = self._exchanged_lanes(grid, counts, segments, a, b)  # (pairs, segments): lane a after the exchange
+        theirs = self._exchanged_lanes(grid, counts, segments, b, a)
         # the slowest lane besides a and b: among the three slowest
         top = np.argsort(-lane, kind="stable")[:3]
         others = np.full(len(a), -np.inf)
@@ -102,39 +107,39 @@ class Screens:
             batch[k, s1:s2, la], batch[k, s1:s2, lb] = grid[s1:s2, lb], grid[s1:s2, la]
         return batch
 
-    def _exchanged_lanes(self, grid: np.ndarray, counts: np.ndarray, segments: np.ndarray) -> np.ndarray:
-        """(m, m, segments): the time of lane a with stages [s1, s2) of lane b in place of its own, for
-        every lane a, lane b and segment (s1, s2), as `_lanes` computes it."""
-        S, m = grid.shape
+    def _exchanged_lanes(
+        self, grid: np.ndarray, counts: np.ndarray, segments: np.ndarray, a: np.ndarray, b: np.ndarray
+    ) -> np.ndarray:
+        """(pairs, segments): the time of lane a[k] with stages [s1, s2) of lane b[k] in place of its own,
+        for every pair k and segment (s1, s2), as `_lanes` computes it."""
+        S = grid.shape[0]
         M = self.micro_batches
         lanes = grid.T  # (m, S)
         t = counts * self.layer_s[lanes]
         t[:, -1] += self.head_s[lanes[:, -1]]
         s1, s2 = segments[:, 0], segments[:, 1]  # (segments,)
-        zero = np.zeros((m, 1))
+        zero = np.zeros((len(lanes), 1))
         t_sum = np.concatenate([zero, np.cumsum(t, axis=1)], axis=1)  # (m, S + 1): stages before k
         t_max = _range_max(t)  # (m, S + 1, S + 1): stages [i, j)
-        # within a's head, b's segment and a's tail: compute, then the hops inside each part
-        compute = t_sum[:, s1][:, None] + (t_sum[:, s2] - t_sum[:, s1])[None] + (t_sum[:, -1:] - t_sum[:, s2])[:, None]
-        peak = np.maximum(np.maximum(t_max[:, 0, s1][:, None], t_max[:, s1, s2][None]), t_max[:, s2, -1][:, None])
+        # a's head, b's segment and a's tail: their compute, then the hops inside each part
+        ta, tb = t_sum[a], t_sum[b]
+        compute = ta[:, s1] + tb[:, s2] - tb[:, s1] + ta[:, -1:] - ta[:, s2]
+        peak = np.maximum(np.maximum(t_max[a, 0][:, s1], t_max[b[:, None], s1, s2]), t_max[a, :, -1][:, s2])
         if S > 1:
             latency, per_byte = self._pairs(lanes[:, :-1], lanes[:, 1:])  # (m, S - 1)
             occupancy = self.hop_bytes * per_byte
-            hop = latency + occupancy
-            h_sum = np.concatenate([zero, np.cumsum(hop, axis=1)], axis=1)  # (m, S): hops before k
+            h_sum = np.concatenate([zero, np.cumsum(latency + occupancy, axis=1)], axis=1)  # (m, S): hops before k
             x_max = _range_max(occupancy)
             # a's hops 0 .. s1 - 2, b's s1 .. s2 - 2, a's s2 .. S - 2 (hop k: stage k to k + 1)
             before, inner, after = np.maximum(s1 - 1, 0), np.maximum(s2 - 1, s1), np.minimum(s2, S - 1)
-            hops = (h_sum[:, before][:, None] + (h_sum[:, inner] - h_sum[:, s1])[None]
-                    + (h_sum[:, -1:] - h_sum[:, after])[:, None])
-            peak_x = np.maximum(np.maximum(x_max[:, 0, before][:, None], x_max[:, s1, inner][None]),
-                                x_max[:, after, -1][:, None])
+            ha, hb = h_sum[a], h_sum[b]
+            hops = ha[:, before] + hb[:, inner] - hb[:, s1] + ha[:, -1:] - ha[:, after]
+            peak_x = np.maximum(x_max[a, 0][:, before], x_max[b[:, None], s1, inner])
+            peak_x = np.maximum(peak_x, x_max[a, :, -1][:, after])
             # the joints, where inside the lane: a's stage s1 - 1 to b's s1, and b's s2 - 1 to a's s2
-            shape = (m, m, len(segments))
-            joint_latency, joint_per_byte = self._pairs(np.broadcast_to(lanes[:, before][:, None], shape),
-                                                        np.broadcast_to(lanes[:, s1][None], shape))
-            back_latency, back_per_byte = self._pairs(np.broadcast_to(lanes[:, s2 - 1][None], shape),
-                                                      np.broadcast_to(lanes[:, after][:, None], shape))
+            la, lb = lanes[a], lanes[b]
+            joint_latency, joint_per_byte = self._pairs(la[:, before], lb[:, s1])
+            back_latency, back_per_byte = self._pairs(lb[:, s2 - 1], la[:, after])
             joint_x = np.where(s1 > 0, self.hop_bytes * joint_per_byte, 0.0)
             back_x = np.where(s2 < S, self.hop_bytes * back_per_byte, 0.0)
             hops = hops + joint_x + back_x + np.where(s1 > 0, joint_latency, 0.0) + np.where(s2 < S, back_latency, 0.0)
@@ -146,13 +151,11 @@ class Screens:
         if M > S:
             period = np.maximum(period, round_trip / S)
         lane = round_trip + (M - 1) * period
-        if S > 1 and self.tied_bytes:
-            # (first device's lane, last device's lane): both ways at once, as `_lanes`
-            there = self._pairs(lanes[:, 0][:, None], lanes[:, -1][None])
-            back = self._pairs(lanes[:, -1][None], lanes[:, 0][:, None])
-            tied = np.maximum(there[0] + self.tied_bytes * there[1], back[0] + self.tied_bytes * back[1])
-            me, other = np.arange(m)[:, None, None], np.arange(m)[None, :, None]
-            lane = lane + tied[np.where(s1 == 0, other, me), np.where(s2 == S, other, me)]
+        if S > 1 and self.tied_bytes:  # the new lane's ends, both ways at once, as `_lanes`
+            first = np.where(s1 == 0, lanes[b, :1], lanes[a, :1])
+            last = np.where(s2 == S, lanes[b, -1:], lanes[a, -1:])
+            there, back = self._pairs(first, last), self._pairs(last, first)
+            lane = lane + np.maximum(there[0] + self.tied_bytes * there[1], back[0] + self.tied_bytes * back[1])
         return lane
 
     def _channels(self, src: np.ndarray, dst: np.ndarray, stage_bytes: np.ndarray) -> np.ndarray:
