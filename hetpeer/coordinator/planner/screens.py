@@ -4,7 +4,7 @@
   touches re-evaluated, and in each group only the pairs a changed lane is in.
 - An exchange of a run of stages between two lanes: every group keeps its devices, so split, memory
   and weights to move stay; the two lanes' new times come exact from prefix sums and range maxima,
-  every segment of every lane pair at once.
+  every segment of every pair of lanes with one of the slowest at once.
 
 Both are held to the full evaluation by tests/unit/test_timemodel.py; the search confirms what they
 rank best with the exact cost.
@@ -68,10 +68,10 @@ class Screens:
 
         An exchange leaves every group's set of devices as it is, so the layer split, memory and the
         weights to move do not change, and of the lanes only the two exchanging: their new times come
-        exact from per-lane prefix sums and range maxima, for every segment of every lane pair at
-        once, in O(m^2 S^2). The screen holds sync as it is (who pairs with whom in a group follows
-        lane order, and the slowest lane sets how much gossip it hides); the search confirms the best
-        with `batch_cost`. Where lanes cross regions a step goes mostly to hops, and single swaps
+        exact from per-lane prefix sums and range maxima, for every segment of every pair of lanes with
+        one of the `EXCHANGED_LANES` slowest at once, in O(min(m, 32) m S^2). The screen holds sync as
+        it is (who pairs with whom in a group follows lane order, and the slowest lane sets how much
+        gossip it hides); the search confirms the best with `batch_cost`. Where lanes cross regions a step goes mostly to hops, and single swaps
         cannot move a run of stages from one lane to another: this is the move for that (the 2-opt*
         and cross exchanges of vehicle routing, with stages held in place).
         """
@@ -81,7 +81,8 @@ class Screens:
             return np.empty((0, S, m), dtype=grid.dtype)
         evaluation = self._evaluate(grid[None])
         lane = evaluation["lane"][0]
-        # every pair of lanes with one of the EXCHANGED_LANES slowest: only those can speed up the slowest
+        # Pairs with one of the slowest lanes: the slowest is faster only if it exchanges, and at 7 x 256
+        # every pair's screen cost a 10,000-peer plan 6% (0.662 against 0.619 s/step in a 30 s search).
         slow = np.zeros(m, dtype=bool)
         slow[np.argsort(-lane, kind="stable")[:EXCHANGED_LANES]] = True
         a, b = np.nonzero(np.triu(slow[:, None] | slow[None, :], 1))

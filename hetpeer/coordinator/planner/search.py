@@ -16,8 +16,9 @@ The local search swaps two devices (between groups, between lanes, or with a sta
 taking the best swap for a few devices at a time: candidates are screened by the cost model's cheap
 estimate and the best few confirmed exactly; for large swarms the candidates are the devices most
 attached to the device's group plus a random sample. Where swaps stop, the descent exchanges runs
-of stages between two lanes (each group keeps its devices; the cost model screens every exchange
-of every lane pair at once) and swaps again around the lanes that changed, until neither improves.
+of stages between two lanes (each group keeps its devices; the cost model screens the exchanges of
+every pair of lanes with one of the slowest at once) and swaps again around the lanes that changed,
+until neither improves.
 
 Across shapes: every shape is scored by its best constructed seed; the most promising few each
 evolve in a trial, and the shape whose trial came out best evolves on from its population with
