@@ -71,9 +71,10 @@ class Screens:
         exact from per-lane prefix sums and range maxima, for every segment of every pair of lanes with
         one of the `EXCHANGED_LANES` slowest at once, in O(min(m, 32) m S^2). The screen holds sync as
         it is (who pairs with whom in a group follows lane order, and the slowest lane sets how much
-        gossip it hides); the search confirms the best with `batch_cost`. Where lanes cross regions a step goes mostly to hops, and single swaps
-        cannot move a run of stages from one lane to another: this is the move for that (the 2-opt*
-        and cross exchanges of vehicle routing, with stages held in place).
+        gossip it hides); the search confirms the best with `batch_cost`. Where lanes cross regions a
+        step goes mostly to hops, and single swaps cannot move a run of stages from one lane to
+        another: this is the move for that (the 2-opt* and cross exchanges of vehicle routing, with
+        stages held in place).
         """
         S, m = grid.shape
         segments = _segments(S)
