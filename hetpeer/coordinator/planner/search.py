@@ -387,7 +387,7 @@ def descend(
     """Local search by swaps and by exchanges of stages between lanes, in turn, until neither improves
     or time is up. The two reach different grids: a swap moves one device, an exchange moves a run
     of stages from lane to lane at once (at 1024 devices, a swap descent that had stopped at 1.847 s
-    per step went on to 1.829 by five exchanges and to 1.793 by swaps from there). After exchanges,
+    per step went on to 1.827 by exchanges and to 1.801 by both from there). After exchanges,
     swaps look again only at the lanes that changed; `look` (S, m) limits the first swaps."""
     while True:
         grid, cost = local_search(problem, model, grid, cost, max_candidates, rng, deadline, clock, look)
