@@ -147,14 +147,19 @@ def test_each_round_leaves_the_dashboard_a_board_with_the_run_so_far(coordinator
     assert losses[-2:] == [2.5, 2.5] and doc["progress"]["step"] == 5
 
 
-def test_a_member_that_left_is_replaced_by_a_peer_on_standby_without_a_search(coordinator):
-    coordinator.config = replace(coordinator.config, steps=None)
+def two_stages_of_three_peers(coordinator, **config):
+    """The first plan of peers a, b and c in two stages of one lane (one on standby), with `config` set."""
+    coordinator.config = replace(coordinator.config, steps=None, **config)
     coordinator.planner = replace(coordinator.planner, stages=2, group_size=1)
-    control = coordinator.control
     for d in ("a", "b", "c"):
-        control.announce(d)
+        coordinator.control.announce(d)
     rounds(coordinator, FIRST_PLAN_ROUNDS)
-    first = control.plans[-1].plan
+    return coordinator.control.plans[-1].plan
+
+
+def test_a_member_that_left_is_replaced_by_a_peer_on_standby_without_a_search(coordinator):
+    control = coordinator.control
+    first = two_stages_of_three_peers(coordinator)
     (spare,) = first.standby
     for d in first.devices:
         s = first.position(d)[0]
@@ -175,13 +180,8 @@ def test_a_member_that_left_is_replaced_by_a_peer_on_standby_without_a_search(co
 
 def test_the_first_solve_after_a_repair_publishes_any_better_plan(coordinator):
     """A repaired plan was never searched for: a solve replaces it without the --gain hysteresis."""
-    coordinator.config = replace(coordinator.config, steps=None, gain=0.99)  # no searched plan could beat a running one
-    coordinator.planner = replace(coordinator.planner, stages=2, group_size=1)
     control = coordinator.control
-    for d in ("a", "b", "c"):
-        control.announce(d)
-    rounds(coordinator, FIRST_PLAN_ROUNDS)
-    first = control.plans[-1].plan
+    first = two_stages_of_three_peers(coordinator, gain=0.99)  # no searched plan could beat a running one
     leaver = first.stages[1].devices[0]
     control.announce(leaver, state="leaving")
     rounds(coordinator, 1)
