@@ -9,10 +9,9 @@ import pytest
 
 from hetpeer import scenarios
 from hetpeer.coordinator.planner import PlannerConfig, Problem, Shape, make_model, solve
-from hetpeer.coordinator.planner.search import (
+from hetpeer.coordinator.planner.moves import (
     NUDGE_SWAPS,
     _best_swap,
-    _start_order,
     descend,
     exchange_lanes,
     local_search,
@@ -20,6 +19,7 @@ from hetpeer.coordinator.planner.search import (
     perturb,
     reorder_lanes,
 )
+from hetpeer.coordinator.planner.search import _start_order
 from hetpeer.coordinator.planner.synthetic import random_topology
 from hetpeer.protocol.topology import Topology
 from hetpeer.protocol.workload import Workload, preset
