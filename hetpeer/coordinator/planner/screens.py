@@ -88,8 +88,8 @@ class Screens:
         slow[np.argsort(-lane, kind="stable")[:EXCHANGED_LANES]] = True
         a, b = np.nonzero(np.triu(slow[:, None] | slow[None, :], 1))
         counts = evaluation["counts"][0]
-        mine = self._exchanged_lanes(grid, counts, segments, a, b)  # (pairs, segments): lane a after the exchange
-        theirs = self._exchanged_lanes(grid, counts, segments, b, a)
+        # both lanes of each pair after the exchange, (pairs, segments) each, from one set of lane tables
+        mine, theirs = np.split(self._exchanged_lanes(grid, counts, segments, np.r_[a, b], np.r_[b, a]), 2)
         # the slowest lane besides a and b: among the three slowest
         top = np.argsort(-lane, kind="stable")[:3]
         others = np.full(len(a), -np.inf)
