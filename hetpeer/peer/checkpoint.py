@@ -117,6 +117,8 @@ def load_stage(checkpoint: StageCheckpoint, model: torch.nn.Module, optimizer: t
                               f"this peer's stage is {layers[0]}-{layers[1] - 1}")
     stored = checkpoint.tensors()
     targets = dict(model.named_parameters()) | {f"optimizer.{n}": t for n, t in zip(OPTIMIZER, optimizer)}
+    if "optimizer.window" in targets and "optimizer.window" not in stored:  # saved by plain Adam: a window starts empty
+        targets.pop("optimizer.window").zero_()
     missing = sorted(set(targets) - set(stored))
     if missing:
         raise CheckpointError(f"{checkpoint.path} lacks {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")

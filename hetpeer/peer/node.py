@@ -22,7 +22,7 @@ from hetpeer.peer.transport.links import Link, P2PLink, TcpLink
 from hetpeer.peer.transport.network import Emulation, NetworkTransport
 from hetpeer.protocol.addresses import LINK_CHOICES, AddressBook
 from hetpeer.protocol.plan import Plan
-from hetpeer.protocol.workload import STATE_BYTES_PER_PARAM, Workload
+from hetpeer.protocol.workload import Workload
 
 log = logging.getLogger("hetpeer.peer")
 
@@ -143,29 +143,29 @@ def run(setup: PeerSetup, report: Callable[[str], None]) -> list[StepResult]:
 
 
 def format_memory(worker: StageWorker, peak_bytes: int) -> str:
-    """Peak memory of the peer beside what its stage should need: training state and activations in flight."""
+    """Peak memory of the peer beside what the planner counts for its stage (`Workload.stage_memory`)."""
     if torch.device(worker.config.device).type == "cuda":
         peak_bytes = torch.cuda.max_memory_allocated(worker.config.device)
     expected = stage_memory(worker)
     mib = 2**20
     return (
-        f"memory: peak {peak_bytes / mib:.0f} MiB above start; the stage needs {expected['state_bytes'] / mib:.0f} MiB "
-        f"of weights, gradients and Adam moments and {expected['activation_bytes'] / mib:.0f} MiB of activations "
-        f"in flight ({peak_bytes / max(1, sum(expected.values())):.2f}x)"
+        f"memory: peak {peak_bytes / mib:.0f} MiB above start; the planner counts {sum(expected.values()) / mib:.0f} MiB "
+        f"for this stage: {expected['state_bytes'] / mib:.0f} MiB of weights, gradients and Adam moments, "
+        f"{expected['activation_bytes'] / mib:.0f} MiB of activations in flight"
+        + f", {expected['ends_bytes'] / mib:.0f} MiB at the model's ends (logits, embedding gradient)"
+        + (f", {expected['sync_bytes'] / mib:.0f} MiB for the group's exchange" if expected["sync_bytes"] else "")
+        + f" ({peak_bytes / max(1, sum(expected.values())):.2f}x)"
     )
 
 
 def stage_memory(worker: StageWorker) -> dict[str, float]:
-    """The workload's count of a stage's bytes: 16 per parameter, and stored activations under 1F1B."""
+    """The planner's count of this peer's stage at its peak, by part (`Workload.stage_memory`)."""
     plan, model = worker.plan, worker.model
     workload = Workload(worker.spec, batch=plan.batch, micro_batch=plan.micro_batch, dtype=plan.dtype)
-    per_micro_batch = (model.layer_end - model.layer_start) * workload.stored_activation_bytes_per_layer_per_seq
-    if model.last:
-        per_micro_batch += workload.logits_bytes_per_seq
-    return {
-        "state_bytes": STATE_BYTES_PER_PARAM * sum(p.numel() for p in model.parameters()),
-        "activation_bytes": in_flight(worker.schedule) * plan.micro_batch * per_micro_batch,
-    }
+    return workload.stage_memory(
+        model.layer_end - model.layer_start, first=model.first, last=model.last, in_flight=in_flight(worker.schedule),
+        micro_batch=plan.micro_batch, group_size=len(worker.sync.members), recompute=worker.recompute,
+    )
 
 
 def format_step(result: StepResult, seconds: float, last_step: int) -> str:

@@ -5,7 +5,8 @@ plan's micro-batch, in the training dtype (bf16 runs under `torch.autocast` with
 stage worker does), and divides the FLOPs the planner counts for them (3x the forward) by the time.
 It is what the planner's `time` model means by a device's TFLOPS: throughput achieved on this model,
 with its attention, norms and activations, not a datasheet peak. `matmul_tflops` is the plain
-matrix-multiply rate, the usual quick probe, for comparison.
+matrix-multiply rate, the usual quick probe, for comparison. `TensorPeak` measures the peak bytes of
+tensors on any device, as `torch.cuda.max_memory_allocated` does on a GPU.
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ import resource
 import statistics
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import ContextManager
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from hetpeer.peer.model import build_stage
 from hetpeer.protocol.workload import ModelSpec, Workload
@@ -113,3 +117,37 @@ def resident_bytes() -> int:
 def peak_resident_bytes() -> int:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+class TensorPeak(TorchDispatchMode):
+    """The bytes of tensor storages that operations create while it is active, now and at their peak: what
+    `torch.cuda.max_memory_allocated` counts on a GPU, on any device (the CPU keeps no such count). Storages
+    made before it started (parameters, optimizer state) and outputs that share an input's storage (views,
+    in-place operations) are not counted. Every operation runs through Python while it is active: for
+    measuring, not for training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, int] = {}  # storage -> bytes
+        self.now_bytes = 0
+        self.peak_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage()._cdata not in inputs:
+                self._track(tensor.untyped_storage())
+        return out
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        key = storage._cdata
+        if key in self._live:
+            return
+        self._live[key] = storage.nbytes()
+        self.now_bytes += storage.nbytes()
+        self.peak_bytes = max(self.peak_bytes, self.now_bytes)
+        weakref.finalize(storage, self._free, key)
+
+    def _free(self, key: int) -> None:
+        self.now_bytes -= self._live.pop(key)

@@ -5,7 +5,8 @@ A plan is what the coordinator publishes and what `hetpeer plan --json` prints. 
     {"version": 1, "epoch": int, "start_step": int, "cost_model": "dtfm" | "time",
      "model": str, "layers": int, "batch": int, "micro_batch": int, "micro_batches": int, "dtype": str,
      "stages": [{"index": s, "layer_start": int, "layer_end": int (exclusive),
-                 "devices": [device id per lane], "sync": "allreduce" | "gossip" | "none"}],
+                 "devices": [device id per lane], "sync": "allreduce" | "gossip" | "none",
+                 "recompute": int}],                  # optional: its first N layers recompute activations in backward
      "lanes": [[device id per stage], ...],          # lanes[l][s] == stages[s].devices[l]
      "standby": [device id, ...],
      "standby_reasons": [[reason, count], ...],       # optional: why, in runs over the standby list (words)
@@ -48,6 +49,7 @@ class StagePlan:
     layer_end: int  # exclusive
     devices: tuple[str, ...]  # one per lane, in lane order
     sync: str
+    recompute: int = 0  # its first this many layers keep only their input and recompute activations in backward
 
     @property
     def layers(self) -> int:
@@ -178,6 +180,7 @@ class Plan:
                     "layer_end": s.layer_end,
                     "devices": list(s.devices),
                     "sync": s.sync,
+                    **({"recompute": s.recompute} if s.recompute else {}),
                 }
                 for s in self.stages
             ],
@@ -206,7 +209,7 @@ class Plan:
         for i, entry in enumerate(need_list(field(root, "stages", "plan"), "plan.stages")):
             path = f"plan.stages[{i}]"
             record = need_mapping(entry, path)
-            no_extra_fields(record, {"index", "layer_start", "layer_end", "devices", "sync"}, path)
+            no_extra_fields(record, {"index", "layer_start", "layer_end", "devices", "sync", "recompute"}, path)
             stages.append(
                 StagePlan(
                     index=need_int(field(record, "index", path), f"{path}.index"),
@@ -217,6 +220,7 @@ class Plan:
                         for j, d in enumerate(need_list(field(record, "devices", path), f"{path}.devices"))
                     ),
                     sync=need_str(field(record, "sync", path), f"{path}.sync"),
+                    recompute=need_int(record.get("recompute", 0), f"{path}.recompute", minimum=0),
                 )
             )
         cost: dict[str, float] = {}
@@ -311,6 +315,8 @@ def _check(plan: Plan) -> None:
             raise SchemaError(f"{path}.devices", f"must list one device per lane ({lanes}), got {len(stage.devices)}")
         if stage.sync not in SYNC_MODES:
             raise SchemaError(f"{path}.sync", f"must be one of {', '.join(SYNC_MODES)}, got {stage.sync!r}")
+        if not 0 <= stage.recompute <= stage.layers:
+            raise SchemaError(f"{path}.recompute", f"must be 0 to the stage's {stage.layers} layers, got {stage.recompute}")
         for device in stage.devices:
             if device in seen:
                 raise SchemaError(f"{path}.devices", f"device {device!r} appears more than once in the plan")

@@ -23,11 +23,28 @@ f = the MLP's inner width; multiply-adds count 2 FLOPs):
   final norm and the output head of vocab x h, which costs 2 h vocab FLOPs per token. A tied head is
   one matrix in the model (`params` counts it once, as `transformers` does), but a stage that holds
   the last layer keeps its own copy of it, tied by adding the two gradients (`stored_params`);
-- a block keeps 10 h + 4 a d + 4 k d + 4 f (6 f for SwiGLU) 16-bit values per token for its backward
-  pass with fused attention: 34 h for `gpt` (Korthikanti et al., 2022, without the 5 a seq^2 term that
-  fused attention removes);
-- training state is 16 bytes per parameter: 16-bit weights and gradients, fp32 master weights and two
-  Adam moments (Rajbhandari et al., ZeRO, 2020); in fp32 it is the same 16 (weights, grads, two moments).
+- a block keeps for its backward pass, per token, what hetpeer's blocks save (measured in tests/unit/
+  test_model.py; fused attention saves no a seq^2 term): the residual stream is fp32 (4 bytes), matrices
+  take 16-bit inputs under autocast (w = 2 bytes; 4 in fp32). Each norm keeps its input (4 h; RMSNorm also
+  its normalised output, 4 h), and the projections reading it their own copy of its output (w h each under
+  autocast: `gpt`/`gpt2` 2, Llama 5; in fp32 one 4 h a norm); attention keeps q, k, v (key/value heads
+  repeated), its output and that output reshaped (5 w a d; `gpt` with rotary positions also the rotated q
+  and k); the MLP its inner activations (2 w f, SwiGLU 4 w f). For `gpt` in bf16: 38 h (Korthikanti et al.,
+  2022, count 34 h for Megatron's blocks);
+- training state is 16 bytes per parameter: fp32 weights, gradients and two Adam moments (as the runtime
+  holds them; ZeRO, Rajbhandari et al. 2020, counts the same 16 for 16-bit weights and gradients beside fp32
+  master weights and moments).
+
+What a stage holds at its peak (`Workload.stage_memory`), as measured against the runtime (tests/unit/
+test_memory_model.py on the CPU, `benchmarks/gpu.py` on a GPU): its training state; in a group of more than
+one, a neighbour's fp32 parameters received for mixing (mixed in place; the copy a peer sends leaves before
+the step's activations exist); for every micro-batch in flight
+(min(M, S - s) at stage s under 1F1B), each block's stored activations and, in bf16, the 16-bit copies of
+its weights that autocast makes and the backward pass keeps; on the last stage, 12 bytes per logit at the
+loss's backward (fp32 log-probabilities, the gradient of the loss and theirs) and the head's 16-bit copy; on
+the first stage, the embedding's dense fp32 gradient before it is added to the stage's own.
+A block whose activations are recomputed (`recompute`) keeps only its input (fp32) for each micro-batch in
+flight, and the backward pass rebuilds one block's activations at a time.
 """
 
 from __future__ import annotations
@@ -41,6 +58,9 @@ from typing import Any, Mapping
 
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
 STATE_BYTES_PER_PARAM = 16
+SYNC_BYTES_PER_PARAM = 4  # a group's exchange: a neighbour's fp32 parameters, mixed in place
+LOGIT_BYTES = 12  # per logit at the loss's backward: fp32 log-probabilities, the loss's gradient and theirs
+RESIDUAL_BYTES = 4  # per value of the residual stream a recomputed block keeps (fp32: autocast leaves it wide)
 FAMILIES = ("gpt", "gpt2", "llama")
 HF_FAMILIES = {"gpt2": "gpt2", "llama": "llama"}  # config.json's model_type -> family
 LLAMA_ROPE_TYPES = ("default", "llama3")
@@ -157,10 +177,15 @@ class ModelSpec:
     def layer_fwd_flops_per_token(self) -> float:
         return float(2 * self._projections + 4 * self.seq_len * self.heads * self.head_size)
 
-    def stored_activation_values_per_token(self) -> float:
-        """16-bit values a block keeps per token for its backward pass (see the module's docstring)."""
-        q, kv, f = self.heads * self.head_size, self.key_value_heads * self.head_size, self.mlp_inner
-        return float(10 * self.hidden + 4 * q + 4 * kv + (6 if self.gated else 4) * f)
+    def stored_activation_bytes_per_token(self, dtype: str) -> float:
+        """Bytes a block keeps per token for its backward pass, computing in `dtype` (the module's docstring)."""
+        h, q, f = self.hidden, self.heads * self.head_size, self.mlp_inner
+        w = DTYPE_BYTES[dtype]
+        llama = self.family == "llama"
+        norms = (16 if llama else 8) * h
+        inputs = (5 if llama else 2) * w * h if w < 4 else 8 * h  # fp32: the norms' outputs themselves
+        rotated = 2 * w * q if self.family == "gpt" and self.positions == "rotary" else 0  # q and k, rotated apart
+        return float(norms + inputs + 5 * w * q + rotated + (4 if self.gated else 2) * w * f)
 
     def param_range(self, layer_start: int, layer_end: int) -> tuple[int, int]:
         """[start, end) of a stage's parameters in the whole model's flat parameter vector: embeddings,
@@ -401,9 +426,42 @@ class Workload:
 
     @property
     def stored_activation_bytes_per_layer_per_seq(self) -> float:
-        return self.model.seq_len * self.model.stored_activation_values_per_token() * self.dtype_bytes / 2
+        return self.model.seq_len * self.model.stored_activation_bytes_per_token(self.dtype)
 
     @property
     def logits_bytes_per_seq(self) -> float:
-        """fp32 logits and their gradient at the loss, the last stage's largest buffer."""
-        return float(2 * 4 * self.model.seq_len * self.model.vocab)
+        """What the logits take at the loss's backward, the last stage's largest buffer (`LOGIT_BYTES` each)."""
+        return float(LOGIT_BYTES * self.model.seq_len * self.model.vocab)
+
+    @property
+    def weight_copy_bytes_per_param(self) -> int:
+        """The 16-bit copy of a weight autocast makes for a micro-batch (kept for its backward); none in fp32."""
+        return 0 if self.dtype == "fp32" else 2
+
+    def layer_activation_bytes(self, micro_batch: int) -> float:
+        """What one block keeps for the backward pass of one micro-batch: stored activations and weight copies."""
+        m = self.model
+        return micro_batch * self.stored_activation_bytes_per_layer_per_seq + self.weight_copy_bytes_per_param * m.layer_params
+
+    def layer_recomputed_bytes(self, micro_batch: int) -> float:
+        """What a block whose activations are recomputed keeps for one micro-batch: its input."""
+        return float(micro_batch * self.model.seq_len * self.model.hidden * RESIDUAL_BYTES)
+
+    def stage_memory(self, layers, *, first, last, in_flight, micro_batch: int, group_size: int, recompute=0) -> dict[str, Any]:
+        """Peak bytes of a stage of `layers` blocks (`recompute` of them recomputed) that runs micro-batches of
+        `micro_batch` sequences, by part: training state, the group's exchange, activations (micro-batches in
+        flight, and the block being rebuilt), the model's ends (logits, embedding gradient). Arithmetic only: numpy arrays of stages evaluate at once
+        (the planner), plain numbers give one stage."""
+        m, micro = self.model, micro_batch
+        params = layers * m.layer_params + first * m.embedding_params + last * m.head_params
+        rebuilt = (recompute > 0) * self.layer_activation_bytes(micro)
+        return {
+            "state_bytes": STATE_BYTES_PER_PARAM * params,
+            "sync_bytes": (SYNC_BYTES_PER_PARAM if group_size > 1 else 0) * params,
+            "activation_bytes": in_flight * ((layers - recompute) * self.layer_activation_bytes(micro)
+                                             + recompute * self.layer_recomputed_bytes(micro)) + rebuilt,
+            # the last stage's logits and its head's 16-bit copy; the first stage's dense embedding gradient (fp32)
+            # before it is added to the stage's own
+            "ends_bytes": last * (micro * self.logits_bytes_per_seq + self.weight_copy_bytes_per_param * m.vocab * m.hidden)
+                          + first * 4 * m.vocab * m.hidden,
+        }

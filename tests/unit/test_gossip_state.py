@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -24,7 +25,8 @@ from test_ratelimit import Clock
 
 MODEL = 12  # parameters of the whole model; peers hold slices of it
 CHUNK = 3  # values a chunk
-TENSORS = 4  # parameters, m, v, AccumAdam's window
+TENSORS = 4  # parameters, m, v, AccumAdam's window (the peers run AccumAdam: plain Adam keeps no window)
+ACCUM = replace(NO_DECAY, accumulate=2)
 WHOLE = torch.randn(TENSORS, MODEL, generator=torch.Generator().manual_seed(6)).abs()  # v must not be negative
 PIECES = [(0, 3), (3, 6), (6, 9), (9, 10)]  # [0, 10) in chunks of 3
 
@@ -61,7 +63,7 @@ class Swarm:
     def sync(self, device: str, transport: MemoryTransport, start: int, end: int, zeros: bool = False) -> GroupSync:
         """A GroupSync over parameters [start, end) of the model, holding WHOLE's values there."""
         sync = GroupSync(one_group_plan(self.devices), device, transport, FlatParams(torch.nn.Linear(end - start - 1, 1)),
-                         NO_DECAY, SyncConfig(chunk_bytes=4 * CHUNK))
+                         ACCUM, SyncConfig(chunk_bytes=4 * CHUNK))
         for k, tensor in enumerate(sync.state_tensors()):
             tensor.copy_(torch.zeros(end - start) if zeros else WHOLE[k, start:end] + self.offset[device])
         return sync

@@ -11,6 +11,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count  # noqa: E402
 
 from hetpeer.peer.model import Block, Stage, build_stage  # noqa: E402
+from hetpeer.peer.model.families import rotary_frequencies  # noqa: E402
 from hetpeer.protocol.workload import ModelSpec, Workload, preset  # noqa: E402
 
 SMALL = ModelSpec("small", hidden=48, heads=3, seq_len=32, vocab=97, layers=3)
@@ -76,13 +77,21 @@ def test_boundary_activation_bytes(dtype):
     assert sent.numel() * sent.element_size() == batch * Workload(spec, batch, dtype=dtype).boundary_bytes_per_seq
 
 
-@pytest.mark.parametrize("spec", [preset("tiny"), SPECS[1]], ids=["learned", "rotary"])
-def test_saved_activation_bytes_near_the_workload(spec):
-    # Measured on CPU, torch 2.13: learned positions keep 32 seq h bytes + small per-row statistics (ratio
-    # 0.95): the 34 of Korthikanti et al. less the two residual dropout masks this model does not have.
-    # Rotary also keeps the rotated q and k, 4 seq h more (ratio 1.08).
+GPT2 = ModelSpec.from_config({"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 64,
+                              "vocab_size": 256})
+LLAMA = ModelSpec.from_config({"model_type": "llama", "hidden_size": 64, "intermediate_size": 172, "num_attention_heads": 4,
+                               "num_key_value_heads": 2, "num_hidden_layers": 2, "max_position_embeddings": 64,
+                               "vocab_size": 256})
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+@pytest.mark.parametrize("spec", [preset("tiny"), SPECS[1], GPT2, LLAMA], ids=["learned", "rotary", "gpt2", "llama"])
+def test_saved_activation_bytes_near_the_workload(spec, dtype):
+    """A block as the runtime runs it (fp32 weights and residual stream, bf16 under autocast) keeps for its backward
+    pass what `Workload.layer_activation_bytes` counts, weight copies included: measured 0.94 to 1.07 of it on CPU
+    (torch 2.13)."""
     batch = 2
-    block = build_stage(spec, 0, 1).blocks["0"].to(torch.bfloat16)
+    block = build_stage(spec, 0, 1).blocks["0"]
     param_storages = {p.untyped_storage().data_ptr() for p in block.parameters()}
     saved_bytes: dict[int, int] = {}
 
@@ -92,12 +101,17 @@ def test_saved_activation_bytes_near_the_workload(spec):
             saved_bytes[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    x = torch.randn(batch, spec.seq_len, spec.hidden, dtype=torch.bfloat16, requires_grad=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        block(x)
-    expected = Workload(spec, batch, dtype="bf16").stored_activation_bytes_per_layer_per_seq * batch
+    x = torch.randn(batch, spec.seq_len, spec.hidden, requires_grad=True)
+    args = ()
+    if spec.family == "llama":
+        angles = torch.outer(torch.arange(spec.seq_len, dtype=torch.float32), rotary_frequencies(spec))
+        args = (torch.cat((angles, angles), dim=-1).cos(), torch.cat((angles, angles), dim=-1).sin())
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+        block(x, *args)
+    expected = Workload(spec, batch, dtype=dtype).layer_activation_bytes(batch)
     ratio = sum(saved_bytes.values()) / expected
-    assert 0.7 <= ratio <= 1.3, f"saved {sum(saved_bytes.values())} bytes, workload says {expected}: ratio {ratio:.3f}"
+    assert 0.85 <= ratio <= 1.1, f"saved {sum(saved_bytes.values())} bytes, workload says {expected}: ratio {ratio:.3f}"
 
 
 CUTS = [(0, 1), (1, 3), (3, 4)]

@@ -21,6 +21,12 @@ BOUNDARY_BYTES = SEQ * H * 2  # fp16 activations per sequence
 LAYER_PARAMS = 12 * H * H + 13 * H
 EMBEDDING_PARAMS = VOCAB * H + SEQ * H
 HEAD_PARAMS = VOCAB * H + 2 * H
+ACTIVATIONS = 38 * SEQ * H  # what a layer keeps for one fp16 micro-batch's backward (Workload.layer_activation_bytes)
+COPIES = 2 * LAYER_PARAMS  # and the fp16 copy of its weights
+LOGITS = 12 * SEQ * VOCAB + 2 * VOCAB * H  # the last stage's logits at the loss's backward, and the head's fp16 copy
+EMBEDDING_GRADIENT = 4 * VOCAB * H  # the first stage's dense embedding gradient
+# one device holding the whole model, one micro-batch in flight
+WHOLE = 4 * (16 * LAYER_PARAMS + ACTIVATIONS + COPIES) + 16 * (EMBEDDING_PARAMS + HEAD_PARAMS) + LOGITS + EMBEDDING_GRADIENT
 
 
 def topology(tflops: list[float], latency_ms: float, gbps: float, memory_gb: list[float] | None = None) -> Topology:
@@ -168,19 +174,16 @@ def test_a_slow_gossip_round_is_not_hidden_behind_a_fast_one():
 
 def test_memory_by_hand_and_overflow_penalty():
     workload = Workload(preset("tiny", 4), batch=1)
-    # One device holds everything: 20 bytes per parameter (16 of state, 2 wire copies in fp16), one
-    # micro-batch of stored activations per layer, and the fp32 logits and their gradient.
-    need = (
-        4 * (20 * LAYER_PARAMS + 34 * SEQ * H)
-        + 20 * (EMBEDDING_PARAMS + HEAD_PARAMS)
-        + 2 * 4 * SEQ * VOCAB
-    )
-    config = PlannerConfig(stages=1, group_size=1, memory_reserve=0.0)
+    # One device holds everything: 16 bytes per parameter of state; for its one micro-batch in flight each
+    # layer's stored activations and the fp16 copy of its weights; 12 bytes per logit and the head's fp16 copy;
+    # the embedding's dense gradient.
+    need = WHOLE
+    config = PlannerConfig(stages=1, group_size=1, memory_reserve=0.0, recompute="never")
     grid = np.array([[0]])
 
     roomy = Problem.from_topology(topology([1.0], 1.0, 1.0, [need * 1.001 / 1e9]), workload)
     report = make_model(roomy, config, Shape(1, 1)).report(grid)
-    assert report.fits_memory
+    assert report.fits_memory and report.recompute == (0,)
     assert report.objective == pytest.approx(report.cost["total_s"] * (1 + TIE_BREAK))
 
     tight = Problem.from_topology(topology([1.0], 1.0, 1.0, [need * 0.999 / 1e9]), workload)
@@ -191,26 +194,62 @@ def test_memory_by_hand_and_overflow_penalty():
     assert penalty == pytest.approx(1e4 * overflow / 1e9, rel=1e-6)
 
     # The reserve is taken off the top: with 10% kept back, the roomy device no longer fits.
-    reserved = make_model(roomy, PlannerConfig(stages=1, group_size=1, memory_reserve=0.1), Shape(1, 1))
+    reserved = make_model(roomy, PlannerConfig(stages=1, group_size=1, memory_reserve=0.1, recompute="never"), Shape(1, 1))
     assert not reserved.report(grid).fits_memory
 
 
+def test_a_stage_that_does_not_fit_recomputes_the_fewest_layers_that_make_it_fit():
+    workload = Workload(preset("tiny", 4), batch=1)
+    full = 16 * LAYER_PARAMS + ACTIVATIONS + COPIES  # a layer, its activations kept
+    recomputed = 16 * LAYER_PARAMS + 4 * SEQ * H  # a layer that keeps only its fp32 input
+    fixed = 16 * (EMBEDDING_PARAMS + HEAD_PARAMS) + LOGITS + EMBEDDING_GRADIENT
+    rebuilt = ACTIVATIONS + COPIES  # the one layer the backward pass runs forward again
+    grid = np.array([[0]])
+    plain = make_model(Problem.from_topology(topology([1.0], 1.0, 1.0), workload), PlannerConfig(stages=1, group_size=1), Shape(1, 1))
+    plain_s = plain.report(grid).cost["total_s"]
+    layer_s = 3 * LAYER_FLOPS / 1e12
+    # With one micro-batch in flight, recomputing one layer saves nothing (the backward pass rebuilds one): two
+    # is the fewest that helps.
+    assert fixed + 3 * full + recomputed + rebuilt > fixed + 4 * full
+    for k in (2, 3, 4):
+        need = fixed + (4 - k) * full + k * recomputed + rebuilt
+        problem = Problem.from_topology(topology([1.0], 1.0, 1.0, [need * 1.0001 / 1e9]), workload)
+        report = make_model(problem, PlannerConfig(stages=1, group_size=1, memory_reserve=0.0), Shape(1, 1)).report(grid)
+        assert report.fits_memory and report.recompute == (k,)
+        assert report.cost["total_s"] == pytest.approx(plain_s + k * layer_s / 3, rel=1e-9)  # one more forward each
+        never = make_model(problem, PlannerConfig(stages=1, group_size=1, memory_reserve=0.0, recompute="never"), Shape(1, 1))
+        assert not never.report(grid).fits_memory
+    always = make_model(Problem.from_topology(topology([1.0], 1.0, 1.0), workload),
+                        PlannerConfig(stages=1, group_size=1, recompute="always"), Shape(1, 1)).report(grid)
+    assert always.recompute == (4,) and always.cost["total_s"] == pytest.approx(plain_s + 4 * layer_s / 3, rel=1e-9)
+    # Too small even with every layer recomputed: it overflows, by what recomputing everything still needs.
+    need = fixed + 4 * recomputed + rebuilt
+    problem = Problem.from_topology(topology([1.0], 1.0, 1.0, [need * 0.999 / 1e9]), workload)
+    report = make_model(problem, PlannerConfig(stages=1, group_size=1, memory_reserve=0.0), Shape(1, 1)).report(grid)
+    assert not report.fits_memory and report.recompute == (4,)
+
+
 def test_memory_caps_a_fast_stage():
-    # d0 is 10x faster but, as stage 0 with 2 micro-batches in flight, has room for one layer only:
-    # 409_600 fixed (embeddings) + 1_278_208 per layer <= 2e6 < 409_600 + 2 x 1_278_208.
-    per_layer = 20 * LAYER_PARAMS + 2 * 34 * SEQ * H
-    fixed = 20 * EMBEDDING_PARAMS
-    assert fixed + per_layer <= 2e6 < fixed + 2 * per_layer
+    # d0 is 10x faster but, as stage 0 with 2 micro-batches in flight, has room for one layer only
+    # (without recomputation; with it, two fit): fixed (embeddings) + per layer <= 2.3e6 < fixed + 2 per layer.
+    per_layer = 16 * LAYER_PARAMS + 2 * (ACTIVATIONS + COPIES)
+    fixed = 16 * EMBEDDING_PARAMS + EMBEDDING_GRADIENT
+    recomputed, rebuilt = 16 * LAYER_PARAMS + 2 * 4 * SEQ * H, ACTIVATIONS + COPIES
+    assert fixed + per_layer <= 2.4e6 < fixed + 2 * per_layer
+    assert fixed + 2 * recomputed + rebuilt <= 2.4e6
     problem = Problem.from_topology(
-        topology([1e-2, 1e-3], 1.0, 10.0, [2e-3, 100.0]), Workload(preset("tiny", 4), batch=4)
+        topology([1e-2, 1e-3], 1.0, 10.0, [2.4e-3, 100.0]), Workload(preset("tiny", 4), batch=4)
     )
-    config = PlannerConfig(stages=2, group_size=1, memory_reserve=0.0)
+    config = PlannerConfig(stages=2, group_size=1, memory_reserve=0.0, recompute="never")
     report = make_model(problem, config, Shape(2, 1)).report(np.array([[0], [1]]))
     assert report.layers == (1, 3)
     assert report.fits_memory
-    # Without the cap the fast stage would take more layers.
+    # Without the cap the fast stage would take more layers; recomputing, it takes more and fits.
     free = Problem.from_topology(topology([1e-2, 1e-3], 1.0, 10.0), Workload(preset("tiny", 4), batch=4))
     assert make_model(free, config, Shape(2, 1)).report(np.array([[0], [1]])).layers[0] > 1
+    recomputing = make_model(problem, PlannerConfig(stages=2, group_size=1, memory_reserve=0.0), Shape(2, 1))
+    report = recomputing.report(np.array([[0], [1]]))
+    assert report.layers == (2, 2) and report.recompute == (2, 0) and report.fits_memory
 
 
 def test_moving_weights_from_the_current_plan_is_amortised():
@@ -266,7 +305,7 @@ def test_a_device_that_moves_must_fit_its_old_stage_beside_its_new_one():
     # room for either stage of a 2-stage split, not for the whole model: a device that changes stages keeps
     # the one it held (its successor downloads it) while it fills the new one, and that overflows
     workload = Workload(preset("tiny", 4), batch=4)
-    whole = 4 * (20 * LAYER_PARAMS + 34 * SEQ * H) + 20 * (EMBEDDING_PARAMS + HEAD_PARAMS) + 2 * 4 * SEQ * VOCAB
+    whole = WHOLE
     config = PlannerConfig(stages=2, group_size=1, memory_reserve=0.0)
     devices = topology([1e-3, 1e-3], 1.0, 10.0, [0.75 * whole / 1e9] * 2)
     fresh = make_model(Problem.from_topology(devices, workload), config, Shape(2, 1))
@@ -286,7 +325,7 @@ def test_a_device_that_moves_must_also_fit_the_state_it_downloads_staged_beside_
     # room for the whole model and then some (1.1x): the old stage and the new one fit side by side, but
     # not with the new stage's download staged until it is complete (16 bytes a parameter of 2 layers)
     workload = Workload(preset("tiny", 4), batch=4)
-    whole = 4 * (20 * LAYER_PARAMS + 34 * SEQ * H) + 20 * (EMBEDDING_PARAMS + HEAD_PARAMS) + 2 * 4 * SEQ * VOCAB
+    whole = WHOLE
     current = Plan(
         cost_model="time", model="tiny", layers=4, batch=4, micro_batch=1, micro_batches=4, dtype="fp16",
         stages=(StagePlan(0, 0, 2, ("d0",), "none"), StagePlan(1, 2, 4, ("d1",), "none")),

@@ -140,13 +140,14 @@ def test_layer_split_respects_memory_caps(seed):
     rng = np.random.default_rng(2000 + seed)
     S, m, layers = int(rng.integers(2, 5)), 2, int(rng.integers(6, 13))
     base = random_problem(S * m, seed, layers, batch=4)
-    config = PlannerConfig(stages=S, group_size=m, memory_reserve=0.0)
+    config = PlannerConfig(stages=S, group_size=m, memory_reserve=0.0, recompute="never")
     grid = rng.permutation(S * m).reshape(S, m)
-    # Per stage: bytes that do not depend on layers, and bytes per layer (test_timemodel.py works one out).
+    # Per stage: bytes that do not depend on layers, and bytes per layer (test_timemodel.py works one out): state
+    # and a neighbour's parameters (20 a parameter), and per micro-batch in flight activations and fp16 weights.
     M = base.micro_batches(m)
     inflight = [min(M, S - s) for s in range(S)]
-    per_layer = [20 * LAYER_PARAMS + inflight[s] * 34 * SEQ * H for s in range(S)]
-    fixed = [20 * EMBEDDING_PARAMS * (s == 0) + (20 * HEAD_PARAMS + 2 * 4 * SEQ * VOCAB) * (s == S - 1)
+    per_layer = [20 * LAYER_PARAMS + inflight[s] * (38 * SEQ * H + 2 * LAYER_PARAMS) for s in range(S)]
+    fixed = [20 * EMBEDDING_PARAMS * (s == 0) + (20 * HEAD_PARAMS + 12 * SEQ * VOCAB + 2 * VOCAB * H) * (s == S - 1)
              for s in range(S)]  # fmt: skip
     caps = [int(c) for c in rng.integers(1, layers, size=S)]
     while sum(caps) < layers:
@@ -163,6 +164,50 @@ def test_layer_split_respects_memory_caps(seed):
     assert sum(report.layers) == layers
     best = min_max_stage_time(problem, grid, caps)
     assert stage_time(problem, grid, report.layers) == pytest.approx(best, rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_layer_split_with_recomputation_is_min_max_over_every_split_that_fits(seed):
+    """Devices too small for their layers' activations: each stage recomputes the fewest layers that make it fit
+    (`Workload.stage_memory`, counted here layer by layer), and the split is min-max among all splits, a stage's
+    time growing by a third of a layer for each layer it recomputes."""
+    rng = np.random.default_rng(3000 + seed)
+    S, m, layers = int(rng.integers(2, 4)), 2, int(rng.integers(5, 10))
+    base = random_problem(S * m, seed, layers, batch=8, micro_batch=2)
+    w, M = base.workload, base.micro_batches(m)
+    grid = rng.permutation(S * m).reshape(S, m)
+
+    def need(s: int, c: int, k: int) -> float:
+        parts = w.stage_memory(c, first=s == 0, last=s == S - 1, in_flight=min(M, S - s), micro_batch=w.micro_batch,
+                               group_size=m, recompute=k)
+        return sum(parts.values())
+
+    memory = np.empty(S * m)
+    for s in range(S):  # room for a few layers with their activations, more when recomputed
+        room = need(s, int(rng.integers(1, layers)), 0) * float(rng.uniform(1.0, 1.6))
+        memory[grid[s]] = room * np.array([1.0, 1.3])[rng.permutation(2)]
+    problem = Problem(base.device_ids, base.latency_s, base.bandwidth_bytes_per_s, w, tflops=base.tflops,
+                      memory_bytes=memory)
+    per_layer = [max(3 * w.micro_batch * w.layer_fwd_flops_per_seq / (problem.tflops[d] * 1e12) for d in row) for row in grid]
+    extra = [0.0] * (S - 1) + [max(3 * w.micro_batch * w.head_fwd_flops_per_seq / (problem.tflops[d] * 1e12) for d in grid[-1])]
+
+    def fewest(s: int, c: int) -> int | None:
+        smallest = memory[grid[s]].min()
+        return next((k for k in range(c + 1) if need(s, c, k) <= smallest), None)
+
+    best = np.inf
+    for split in itertools.product(range(1, layers + 1), repeat=S):
+        ks = [fewest(s, c) for s, c in enumerate(split)]
+        if sum(split) == layers and None not in ks:
+            best = min(best, max((c + k / 3) * p + e for c, k, p, e in zip(split, ks, per_layer, extra)))
+    report = make_model(problem, PlannerConfig(stages=S, group_size=m, memory_reserve=0.0), Shape(S, m)).report(grid)
+    if not np.isfinite(best):
+        assert not report.fits_memory
+        return
+    assert report.fits_memory
+    assert list(report.recompute) == [fewest(s, c) for s, c in enumerate(report.layers)]
+    time = max((c + k / 3) * p + e for c, k, p, e in zip(report.layers, report.recompute, per_layer, extra))
+    assert time == pytest.approx(best, rel=1e-12)
 
 
 def simulate_lane(fwd: list[float], bwd: list[float], latency: list[float], occupancy: list[float], M: int) -> float:

@@ -48,8 +48,8 @@ def test_derived_per_sequence_counts_for_tiny():
     assert w.layer_fwd_flops_per_seq == seq * (24 * h * h + 4 * seq * h) == 7_340_032
     assert w.head_fwd_flops_per_seq == seq * 2 * h * vocab
     assert w.boundary_bytes_per_seq == seq * h * 2 == 8192
-    assert w.stored_activation_bytes_per_layer_per_seq == 34 * seq * h
-    assert w.logits_bytes_per_seq == 2 * 4 * seq * vocab
+    assert w.stored_activation_bytes_per_layer_per_seq == 38 * seq * h  # 8 h norms, 4 h their copies, 10 h attention, 16 h MLP
+    assert w.logits_bytes_per_seq == 12 * seq * vocab
     assert Workload(preset("tiny"), batch=8, dtype="fp32").boundary_bytes_per_seq == seq * h * 4
 
 

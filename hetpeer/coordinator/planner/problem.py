@@ -47,6 +47,7 @@ class Report:
     cost: dict[str, float]
     objective: float
     fits_memory: bool = True
+    recompute: tuple[int, ...] = ()  # per stage, layers that recompute their activations (none when empty)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

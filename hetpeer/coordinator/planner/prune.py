@@ -4,8 +4,9 @@ A swarm of strangers holds devices no plan should use: a Raspberry Pi among V100
 memory than one layer's training state. Searching over them costs time and memory (the search is O(n^2) in
 links) and finds nothing. Two rules, each a proof that no plan the time model would choose uses the device:
 
-- too small: its usable memory (less the reserve) is below one layer's training state and wire copies,
-  which every stage holds at least (activations only add to it), so every plan with it overflows;
+- too small: its usable memory (less the reserve) is below one layer's training state, which every stage
+  holds at least (activations, even recomputed, and a group's exchange only add to it), so every plan with
+  it overflows;
 - too slow: in any plan with m lanes, a device processes its lane's ceil(batch / m) sequences through at
   least one layer, forward and backward, and the lane's step takes at least that long (the time model's lane
   is round trip + (M - 1) x bottleneck, at least M micro-batches of its compute). With the most lanes any
@@ -35,7 +36,7 @@ class Pruned:
     kept: np.ndarray  # indices into the problem's devices, ascending
     too_small: np.ndarray
     too_slow: np.ndarray
-    layer_gb: float  # one layer's training state and wire copies: what the smallest stage holds
+    layer_gb: float  # one layer's training state: what the smallest stage holds at least
     reference_s: float  # the predicted step of the plan the slow devices were measured against (inf: none)
 
     def reasons(self, device_ids: tuple[str, ...]) -> dict[str, list[str]]:
@@ -55,7 +56,7 @@ def prune(
     is the cost model's account of a grid (used for the reference plan)."""
     n, w = problem.n, problem.workload
     everyone = np.arange(n)
-    layer_bytes = (STATE_BYTES_PER_PARAM + 2 * w.dtype_bytes) * w.model.layer_params
+    layer_bytes = STATE_BYTES_PER_PARAM * w.model.layer_params
     if problem.memory_bytes is None:
         too_small = np.zeros(n, dtype=bool)
     else:

@@ -46,11 +46,11 @@ class Screens:
             self._screened = self._screen_base(grid)
         base = self._screened
         K, m = len(batch), grid.shape[1]
-        counts = base.evaluation["counts"]  # (1, S)
+        work = base.evaluation["work"]  # (1, S)
         pick = np.arange(K)[:, None]
         rows, lanes = cells // m, cells % m  # (K, 2)
         lane = np.repeat(base.evaluation["lane"], K, axis=0)
-        lane[pick, lanes] = self._lanes(batch[pick, :, lanes], counts[:, None, :])[0]
+        lane[pick, lanes] = self._lanes(batch[pick, :, lanes], work[:, None, :])[0]
         lane_s = lane.max(axis=1)
         allreduce = np.repeat(base.evaluation["allreduce"], K, axis=0)
         gossip = np.repeat(base.evaluation["gossip"], K, axis=0)
@@ -58,7 +58,7 @@ class Screens:
             allreduce[pick, rows], gossip[pick, rows] = self._screen_groups(base, batch[pick, rows], rows, lanes)
         sync_s, _ = self._sync(allreduce, gossip, lane_s)
         overflow = np.repeat(base.evaluation["row_overflow"], K, axis=0)
-        need = self.mem_fixed + counts[0] * self.mem_per_layer
+        need = base.evaluation["need"][0]
         overflow[pick, rows] = self._overflow(batch[pick, rows], need[rows])
         return self._objective(lane, sync_s, overflow, np.zeros(K))
 
@@ -87,9 +87,9 @@ class Screens:
         slow = np.zeros(m, dtype=bool)
         slow[np.argsort(-lane, kind="stable")[:EXCHANGED_LANES]] = True
         a, b = np.nonzero(np.triu(slow[:, None] | slow[None, :], 1))
-        counts = evaluation["counts"][0]
+        work = evaluation["work"][0]
         # both lanes of each pair after the exchange, (pairs, segments) each, from one set of lane tables
-        mine, theirs = np.split(self._exchanged_lanes(grid, counts, segments, np.r_[a, b], np.r_[b, a]), 2)
+        mine, theirs = np.split(self._exchanged_lanes(grid, work, segments, np.r_[a, b], np.r_[b, a]), 2)
         # the slowest lane besides a and b: among the three slowest
         top = np.argsort(-lane, kind="stable")[:3]
         others = np.full(len(a), -np.inf)
@@ -110,14 +110,14 @@ class Screens:
         return batch
 
     def _exchanged_lanes(
-        self, grid: np.ndarray, counts: np.ndarray, segments: np.ndarray, a: np.ndarray, b: np.ndarray
+        self, grid: np.ndarray, work: np.ndarray, segments: np.ndarray, a: np.ndarray, b: np.ndarray
     ) -> np.ndarray:
         """(pairs, segments): the time of lane a[k] with stages [s1, s2) of lane b[k] in place of its own,
-        for every pair k and segment (s1, s2), as `_lanes` computes it."""
+        for every pair k and segment (s1, s2), as `_lanes` computes it (`work`: each stage's layers' worth)."""
         S = grid.shape[0]
         M = self.micro_batches
         lanes = grid.T  # (m, S)
-        t = counts * self.layer_s[lanes]
+        t = work * self.layer_s[lanes]
         t[:, -1] += self.head_s[lanes[:, -1]]
         s1, s2 = segments[:, 0], segments[:, 1]  # (segments,)
         zero = np.zeros((len(lanes), 1))

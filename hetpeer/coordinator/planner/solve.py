@@ -28,6 +28,7 @@ class PlannerConfig:
     allow_standby: bool = True
     prune: bool = True  # leave out devices no plan should use before the search (`prune.py`), saying why
     sync: str = "auto"
+    recompute: str = "auto"  # activation recomputation: auto (where a stage fits no other way), never, always
     time_budget_s: float = 2.0
     memory_reserve: float = 0.1
     horizon_steps: int = 100
@@ -40,6 +41,8 @@ class PlannerConfig:
             raise ValueError(f"time budget must be positive, got {self.time_budget_s}")
         if not 0 <= self.memory_reserve < 1:
             raise ValueError(f"memory reserve must be in [0, 1), got {self.memory_reserve}")
+        if self.recompute not in timemodel.RECOMPUTE_CHOICES:
+            raise ValueError(f"recompute must be one of {', '.join(timemodel.RECOMPUTE_CHOICES)}, got {self.recompute!r}")
         if self.horizon_steps < 1:
             raise ValueError(f"horizon must be at least 1 step, got {self.horizon_steps}")
 
@@ -58,7 +61,8 @@ def make_model(problem: Problem, config: PlannerConfig, shape: Shape) -> CostMod
     if config.cost_model == dtfm.NAME:
         return dtfm.DtfmCost(problem, shape)
     return timemodel.TimeCost(
-        problem, shape, sync=config.sync, memory_reserve=config.memory_reserve, horizon_steps=config.horizon_steps
+        problem, shape, sync=config.sync, memory_reserve=config.memory_reserve, horizon_steps=config.horizon_steps,
+        recompute=config.recompute,
     )
 
 
@@ -136,6 +140,7 @@ def to_plan(problem: Problem, cost_model: str, grid: np.ndarray, report: Report)
             layer_end=int(starts[s + 1]),
             devices=tuple(ids[d] for d in grid[s]),
             sync=report.sync[s],
+            recompute=report.recompute[s] if report.recompute else 0,
         )
         for s in range(grid.shape[0])
     )
@@ -165,5 +170,6 @@ def _memory_message(problem: Problem, shape: Shape, config: PlannerConfig) -> st
         f"nothing fits in memory: {model.name} with {model.layers} layers needs {state_gb:.1f} GB of training "
         f"state alone plus activations; the best plan found ({shape}) still overflows. The devices that state their memory have "
         f"{usable_gb:.1f} GB usable together, {largest_gb:.1f} GB at most each. Use fewer layers, a smaller "
-        f"micro-batch, or more devices"
+        f"micro-batch, or more devices" + (", or let stages recompute activations (--recompute auto)"
+                                           if config.recompute == "never" else "")
     )

@@ -29,10 +29,13 @@ For a grid (rows = stages in order, columns = lanes), with M micro-batches per l
   efficiency terms give one); the search minimises the step plus
   TIE_BREAK (1%) of the mean lane time and mean exposed sync, so that swaps which do not move the
   slowest lane or group still show whether they help;
-- memory per device: 16 bytes per parameter of training state, two wire copies of its parameters
-  for sync, and the activations of min(M, S - s) micro-batches in flight at stage s under 1F1B
-  (the last stage also holds fp32 logits); a grid that does not fit is penalised, not dropped, so
-  the search can walk out of it;
+- memory per device: what `Workload.stage_memory` counts for its stage (training state, the group's
+  exchange, the activations of min(M, S - s) micro-batches in flight at stage s under 1F1B, the last
+  stage's logits); a grid that does not fit is penalised, not dropped, so the search can walk out of it;
+- activation recomputation (`recompute`): with `auto`, a stage whose group's smallest device cannot hold
+  its layers' activations recomputes as few of its layers as make it fit, each costing a third more
+  compute (one more forward); `always` recomputes every layer, `never` none. The layer split weighs it:
+  a stage that would need recomputation for one more layer takes it only if that still finishes first;
 - with a current plan, every device that must fetch layers it does not hold pays bytes / its best
   incoming bandwidth from a current holder; the slowest such move, spread over `horizon_steps`
   steps, is added to the objective, so a plan must be worth its move; such a device also keeps its
@@ -52,9 +55,11 @@ import numpy as np
 from hetpeer.coordinator.planner.problem import PlanningError, Problem, Report, Shape
 from hetpeer.coordinator.planner.screens import Screens
 from hetpeer.protocol.plan import SYNC_CHOICES
-from hetpeer.protocol.workload import STATE_BYTES_PER_PARAM
+from hetpeer.protocol.workload import STATE_BYTES_PER_PARAM, SYNC_BYTES_PER_PARAM
 
 NAME = "time"
+RECOMPUTE_CHOICES = ("auto", "never", "always")
+RECOMPUTE_COST = 1 / 3  # a recomputed layer runs its forward once more: a third of its forward and backward
 AUTO_ALLREDUCE_SLACK = 0.02  # all-reduce is preferred while it costs at most this share of a step more
 OVERFLOW_PENALTY_S_PER_GB = 1e4
 # The step is a max over lanes and groups, flat under most swaps; a sliver of the mean lane and
@@ -76,6 +81,7 @@ class TimeCost(Screens):
         sync: str = "auto",
         memory_reserve: float = 0.1,
         horizon_steps: int = 100,
+        recompute: str = "auto",
     ) -> None:
         if problem.tflops is None:
             raise PlanningError(
@@ -84,7 +90,10 @@ class TimeCost(Screens):
             )
         if sync not in SYNC_CHOICES:
             raise PlanningError(f"sync must be one of {', '.join(SYNC_CHOICES)}, got {sync!r}")
+        if recompute not in RECOMPUTE_CHOICES:
+            raise PlanningError(f"recompute must be one of {', '.join(RECOMPUTE_CHOICES)}, got {recompute!r}")
         self.problem, self.shape, self.sync, self.horizon_steps = problem, shape, sync, horizon_steps
+        self.recompute = recompute
         w, model = problem.workload, problem.workload.model
         stages, m = shape.stages, shape.group_size
         mb = problem.lane_micro_batch(m)
@@ -100,17 +109,20 @@ class TimeCost(Screens):
 
         first, last = np.arange(stages) == 0, np.arange(stages) == stages - 1
         wire = w.dtype_bytes
-        # Per stage: bytes every layer adds, bytes the embeddings / head add, and parameters on the wire.
+        # Per stage, `Workload.stage_memory` as its affine pieces: bytes before any layer, bytes a layer adds,
+        # bytes a layer adds when recomputed, and the block rebuilt in backward once any is.
         inflight = np.minimum(self.micro_batches, stages - np.arange(stages))
-        self.mem_per_layer = (
-            (STATE_BYTES_PER_PARAM + 2 * wire) * model.layer_params
-            + inflight * mb * w.stored_activation_bytes_per_layer_per_seq
-        )
-        self.mem_fixed = (
-            first * (STATE_BYTES_PER_PARAM + 2 * wire) * model.embedding_params
-            + last * ((STATE_BYTES_PER_PARAM + 2 * wire) * model.head_params + mb * w.logits_bytes_per_seq)
-        )
-        self.state_per_param = STATE_BYTES_PER_PARAM + 2 * wire
+
+        def memory(layers: int, recomputed: int) -> np.ndarray:
+            parts = w.stage_memory(layers, first=first, last=last, in_flight=inflight, micro_batch=mb, group_size=m,
+                                   recompute=recomputed)
+            return sum(parts.values())
+
+        self.mem_fixed = memory(0, 0)
+        self.mem_per_layer = memory(1, 0) - self.mem_fixed
+        self.mem_per_recomputed = memory(2, 2) - memory(1, 1)
+        self.mem_rebuilt = memory(1, 1) - self.mem_fixed - self.mem_per_recomputed
+        self.state_per_param = STATE_BYTES_PER_PARAM + (SYNC_BYTES_PER_PARAM if m > 1 else 0)
         self.wire_per_layer = float(model.layer_params * wire)
         self.wire_fixed = (first * model.embedding_params + last * model.head_params) * float(wire)
         self.usable_memory = None if problem.memory_bytes is None else problem.memory_bytes * (1 - memory_reserve)
@@ -132,39 +144,61 @@ class TimeCost(Screens):
 
     # -- the model -------------------------------------------------------------------------------
 
-    def _layers(self, grids: np.ndarray) -> np.ndarray:
-        """Greedy min-max allocation of layers to stages, within memory where possible: (K, S)."""
+    def _layers(self, grids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Greedy min-max allocation of layers to stages, within memory where possible: (layers, of them
+        recomputed), (K, S) each. A stage's finish time only grows with its layers (recomputation too), so
+        taking the layer that finishes soonest each time is optimal."""
         K, S, _ = grids.shape
         L = self.problem.layers
         per_layer = self.layer_s[grids].max(axis=2)  # slowest device of each stage
         extra = np.zeros((K, S))
         extra[:, -1] = self.head_s[grids[:, -1]].max(axis=1)
         if self.usable_memory is not None:
-            memory = self.usable_memory[grids].min(axis=2)
-            cap = np.floor((memory - self.mem_fixed) / self.mem_per_layer)
+            room = self.usable_memory[grids].min(axis=2) - self.mem_fixed
+            plain = np.floor(room / self.mem_per_layer)
+            recomputed = np.floor((room - self.mem_rebuilt) / self.mem_per_recomputed)
+            cap = {"never": plain, "always": recomputed, "auto": np.maximum(plain, recomputed)}[self.recompute]
         else:
-            cap = np.full((K, S), np.inf)
+            room, plain = None, np.full((K, S), np.inf)
+            cap = plain
+        rate = 1 + RECOMPUTE_COST if self.recompute == "always" else 1.0
         # Start from the continuous bound: no stage can finish before `floor` in any allocation, so
-        # every count reaching at most `floor` is part of the greedy answer; the greedy then places
-        # the remaining few layers (at most S).
-        floor = (L + (extra / per_layer).sum(axis=1)) / (1 / per_layer).sum(axis=1)
-        counts = np.floor((floor[:, None] - extra) / per_layer).astype(np.int64)
-        counts = np.clip(counts, 1, np.where(np.isfinite(cap), np.maximum(cap, 1), L).astype(np.int64))
+        # every count reaching at most `floor` is part of the greedy answer (the bound of layers that
+        # need no recomputation: recomputed ones only finish later); the greedy then places the
+        # remaining few layers (at most S).
+        floor = (L + (extra / (rate * per_layer)).sum(axis=1)) / (1 / (rate * per_layer)).sum(axis=1)
+        counts = np.floor((floor[:, None] - extra) / (rate * per_layer)).astype(np.int64)
+        first_cap = plain if self.recompute == "auto" else cap
+        counts = np.clip(counts, 1, np.where(np.isfinite(first_cap), np.maximum(first_cap, 1), L).astype(np.int64))
         counts[counts.sum(axis=1) > L] = 1
         rows = np.arange(K)
         for _ in range(L - int(counts.sum(axis=1).min())):
             fill = counts.sum(axis=1) < L
-            finish = (counts + 1) * per_layer + extra
+            finish = self._work(counts + 1, room, plain) * per_layer + extra
             within = np.where(counts + 1 <= cap, finish, np.inf)
             choice = np.where(np.isfinite(within.min(axis=1)), within.argmin(axis=1), finish.argmin(axis=1))
             counts[rows[fill], choice[fill]] += 1
-        return counts
+        return counts, self._recomputed(counts, room, plain)
 
-    def _lanes(self, cols: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Lane times for lanes given as (..., S) device indices with (..., S) layer counts:
-        (lane seconds (...), per-stage compute t (..., S))."""
+    def _recomputed(self, counts: np.ndarray, room: np.ndarray | None, plain: np.ndarray) -> np.ndarray:
+        """Layers of each stage that recompute: none, all, or (auto) the fewest that fit its memory."""
+        if self.recompute == "always":
+            return counts
+        if self.recompute == "never" or room is None:
+            return np.zeros_like(counts)
+        short = counts * self.mem_per_layer + self.mem_rebuilt - room
+        fewest = np.ceil(short / (self.mem_per_layer - self.mem_per_recomputed)).astype(np.int64)
+        return np.where(counts <= plain, 0, np.clip(fewest, 1, counts))
+
+    def _work(self, counts: np.ndarray, room: np.ndarray | None, plain: np.ndarray) -> np.ndarray:
+        """Layers' worth of compute: each recomputed layer costs `RECOMPUTE_COST` more."""
+        return counts + RECOMPUTE_COST * self._recomputed(counts, room, plain)
+
+    def _lanes(self, cols: np.ndarray, work: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Lane times for lanes given as (..., S) device indices with (..., S) layers' worth of compute
+        (layers, recomputation counted): (lane seconds (...), per-stage compute t (..., S))."""
         stages, M = cols.shape[-1], self.micro_batches
-        t = counts * self.layer_s[cols]
+        t = work * self.layer_s[cols]
         t[..., -1] += self.head_s[cols[..., -1]]
         if stages > 1:
             latency, per_byte = self._pairs(cols[..., :-1], cols[..., 1:])
@@ -215,16 +249,22 @@ class TimeCost(Screens):
             return np.zeros(rows.shape[:-1])
         return np.maximum(need - self.usable_memory[rows].min(-1), 0)
 
+    def _need(self, counts: np.ndarray, recompute: np.ndarray) -> np.ndarray:
+        """Bytes each stage's devices need (`Workload.stage_memory`)."""
+        return (self.mem_fixed + counts * self.mem_per_layer - recompute * (self.mem_per_layer - self.mem_per_recomputed)
+                + (recompute > 0) * self.mem_rebuilt)
+
     def _evaluate(self, grids: np.ndarray) -> dict[str, np.ndarray]:
         K = grids.shape[0]
-        counts = self._layers(grids)
-        lane, t = self._lanes(grids.transpose(0, 2, 1), counts[:, None, :])  # lanes: (K, m)
+        counts, recompute = self._layers(grids)
+        work = counts + RECOMPUTE_COST * recompute
+        lane, t = self._lanes(grids.transpose(0, 2, 1), work[:, None, :])  # lanes: (K, m)
         slowest = lane.argmax(axis=1)
         lane_s = lane[np.arange(K), slowest]
         stage_bytes = counts * self.wire_per_layer + self.wire_fixed  # (K, S)
         allreduce, gossip = self._groups(grids, stage_bytes)
         sync_s, use_gossip = self._sync(allreduce, gossip, lane_s)
-        need = self.mem_fixed + counts * self.mem_per_layer  # (K, S)
+        need = self._need(counts, recompute)  # (K, S)
         overflow = self._overflow(grids, need)
         if self._current is not None and self.usable_memory is not None:
             overflow = np.maximum(overflow, self._move_overflow(grids, counts, need))
@@ -232,7 +272,8 @@ class TimeCost(Screens):
         move = self._move_s(grids, counts) if self._current is not None else np.zeros(K)
         objective = self._objective(lane, sync_s, overflow, move)
         return {
-            "counts": counts, "lane": lane, "t": t, "slowest": slowest, "lane_s": lane_s,
+            "counts": counts, "recompute": recompute, "work": work, "need": need, "lane": lane, "t": t,
+            "slowest": slowest, "lane_s": lane_s,
             "allreduce": allreduce, "gossip": gossip, "sync_s": sync_s, "use_gossip": use_gossip, "total": total,
             "move": move, "overflow": overflow.sum(axis=1), "row_overflow": overflow, "objective": objective,
         }  # fmt: skip
@@ -305,6 +346,7 @@ class TimeCost(Screens):
             cost=cost,
             objective=float(e["objective"][0]),
             fits_memory=bool(e["overflow"][0] == 0),
+            recompute=tuple(int(k) for k in e["recompute"][0]),
         )
 
 

@@ -90,7 +90,7 @@ class GroupSync:
         self, plan: Plan, device_id: str, transport: Transport, flat: FlatParams, adam: AdamConfig, config: SyncConfig
     ) -> None:
         self.device_id, self.transport, self.flat, self.adam, self.config = device_id, transport, flat, adam, config
-        self.state = AdamState(flat.size, flat.data.device)
+        self.state = AdamState(flat.size, flat.data.device, windowed=adam.accumulate > 1)
         self.lock = threading.Lock()  # parameters and moments change only under it; state serving reads under it
         self.chunk_elems = max(1, config.chunk_bytes // 4)
         self.step = plan.start_step
@@ -226,7 +226,8 @@ class GroupSync:
                 # neighbour sends: a poisoner heard first would otherwise set it, and every difference would pass under it
                 self.typical_distance = self.adam.lr * math.sqrt(x.numel())
             limit = self.config.clip * self.typical_distance
-        differences = {j: x_j - x for j, x_j in received.items()}
+        # each neighbour's difference in its own received buffer: mixing takes no memory beyond what arrived
+        differences = {j: x_j.sub_(x) for j, x_j in received.items()}
         norms = {j: float(d.norm()) for j, d in differences.items()}
         outliers = self.outliers(step)
         scales, left_out = {}, set()
@@ -243,10 +244,8 @@ class GroupSync:
             else:
                 scales[j] = limit / norms[j]
         total = weights[self.index] + sum(weights[j] for j in scales)
-        mix = torch.zeros_like(x)
-        for j, scale in scales.items():
-            mix.add_(differences[j], alpha=float(weights[j] / total) * scale)
-        x.add_(mix)
+        for j, scale in scales.items():  # every difference was taken from x before it moves
+            x.add_(differences[j], alpha=float(weights[j] / total) * scale)
         kept = [norms[j] for j in scales]
         if kept:
             # what feeds the running scale is capped too, so a steady poisoner can raise it only slowly

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetpeer.peer.model.gpt import INIT_STD, _BLOCK, _HEAD, _POSITIONS, _TOKENS, _generator, _rotate, token_loss
+from hetpeer.peer.model.gpt import INIT_STD, _BLOCK, _HEAD, _POSITIONS, _TOKENS, _generator, _rotate, run_blocks, token_loss
 from hetpeer.protocol.workload import ModelSpec
 
 
@@ -169,6 +169,7 @@ class FamilyStage(nn.Module):
         if seed < 0:
             raise ValueError(f"seed must be non-negative, got {seed}")
         self.spec, self.layer_start, self.layer_end = spec, layer_start, layer_end
+        self.recompute = 0  # the first this many blocks keep only their input and recompute the rest in backward
         h, gpt2 = spec.hidden, spec.family == "gpt2"
         with torch.device("meta"):
             body = nn.Module()
@@ -272,16 +273,14 @@ class FamilyStage(nn.Module):
         else:
             hidden = x
         if spec.family == "gpt2":
-            for block in self.blocks.values():
-                hidden = block(hidden)
+            hidden = run_blocks(self.blocks, hidden, self.recompute)
             if self.last:
                 hidden = self.lm_head(self.body.ln_f(hidden))
             return hidden
         angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), self.inv_freq)
         angles = torch.cat((angles, angles), dim=-1)
         cos, sin = angles.cos().to(hidden.dtype), angles.sin().to(hidden.dtype)  # as transformers casts them
-        for block in self.blocks.values():
-            hidden = block(hidden, cos, sin)
+        hidden = run_blocks(self.blocks, hidden, self.recompute, cos, sin)
         if self.last:
             hidden = self.lm_head(self.body.norm(hidden))
         return hidden

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from hetpeer.protocol.workload import ModelSpec
 
@@ -96,6 +97,7 @@ class Stage(nn.Module):
         self._spec = spec
         self._layer_start = layer_start
         self._layer_end = layer_end
+        self.recompute = 0  # the first this many blocks keep only their input and recompute the rest in backward
         h = spec.hidden
         with torch.device("meta"):  # shapes only; values come from the seeded generators below
             if self.first:
@@ -179,14 +181,26 @@ class Stage(nn.Module):
                 hidden = hidden + self.positions(torch.arange(seq, device=x.device))
         else:
             hidden = x
-        for block in self.blocks.values():
-            hidden = block(hidden)
+        hidden = run_blocks(self.blocks, hidden, self.recompute)
         if self.last:
             hidden = self.head(self.norm(hidden))
         return hidden
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return token_loss(logits, labels, self._spec.vocab)
+
+
+def run_blocks(blocks: nn.ModuleDict, hidden: torch.Tensor, recompute: int, *args: torch.Tensor) -> torch.Tensor:
+    """`hidden` through `blocks` in order (each also given `args`). While gradients are taken, the first
+    `recompute` blocks keep only their input: the backward pass runs each of them forward again, under the
+    same autocast, for one more forward of compute (Chen et al., 2016, "Training deep nets with sublinear
+    memory cost")."""
+    for i, block in enumerate(blocks.values()):
+        if i < recompute and torch.is_grad_enabled():
+            hidden = checkpoint(block, hidden, *args, use_reentrant=False, preserve_rng_state=False)
+        else:
+            hidden = block(hidden, *args)
+    return hidden
 
 
 def token_loss(logits: torch.Tensor, labels: torch.Tensor, vocab: int) -> torch.Tensor:

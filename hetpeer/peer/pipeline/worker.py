@@ -62,6 +62,7 @@ class WorkerConfig:
     slowdown: float = 1.0  # emulate a slower accelerator: compute takes this many times as long
     model: ModelSpec | None = None  # a model read from a folder (plans name presets, or such a model's name)
     weights: str | None = None  # the model folder to read this peer's stage from (its safetensors), if any
+    recompute: bool = False  # recompute every block's activations in backward, whatever the plan says
 
     def __post_init__(self) -> None:
         if self.codec not in CODECS:
@@ -116,6 +117,8 @@ class StageWorker:
             if folder.has_weights:
                 self.loaded_bytes = folder.load_into(self.model)
         self.model.to(config.device)
+        # the plan's count of this stage's layers that recompute their activations, or all of them
+        self.recompute = self.model.recompute = stage_plan.layers if config.recompute else stage_plan.recompute
         self.flat = FlatParams(self.model)
         self.sync = GroupSync(plan, device_id, transport, self.flat, config.adam, config.sync)
         self.layers = (stage_plan.layer_start, stage_plan.layer_end)
@@ -184,7 +187,8 @@ class StageWorker:
                     x, labels = data[micro]
                     inputs = None
                 else:
-                    x = self._recv("activation", self.previous, step, micro).requires_grad_()
+                    # the residual stream stays fp32 on every stage, as on the first: only the wire is 16-bit
+                    x = self._recv("activation", self.previous, step, micro).float().requires_grad_()
                     labels = self._recv("labels", self.previous, step, micro)
                     inputs = x
                 wait_s += time.perf_counter() - tick
@@ -209,7 +213,7 @@ class StageWorker:
                     with self.slowdown.of(("backward", self.sizes[micro])):
                         y.backward(grad.to(y.dtype))
                 if inputs is not None:
-                    self._send("gradient", self.previous, inputs.grad, micro)
+                    self._send("gradient", self.previous, inputs.grad.to(self._dtype), micro)
         tick = time.perf_counter()
         self.transport.flush(timeout, to=[p for p in (self.previous, self.next) if p is not None])
         self._tie_gradients(step)
@@ -284,7 +288,8 @@ class StageWorker:
                     x, labels = data[e]
                 else:
                     tick = time.perf_counter()
-                    x, labels = self._recv("activation", self.previous, step, micro), self._recv("labels", self.previous, step, micro)
+                    x = self._recv("activation", self.previous, step, micro).float()
+                    labels = self._recv("labels", self.previous, step, micro)
                     wait_s += time.perf_counter() - tick
                 with self._autocast(), self.slowdown.of(("forward", size)):
                     y = self.model(x)
