@@ -62,7 +62,7 @@ def train(args: argparse.Namespace) -> None:
 
     from hetpeer.peer.data import Corpus
     from hetpeer.peer.gossip.flat import decays
-    from hetpeer.peer.measure import Slowdown
+    from hetpeer.peer.probe import Slowdown
     from hetpeer.peer.model import build_stage
     from hetpeer.protocol.workload import preset
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from hetpeer.protocol.control import ControlPlane, SignedPlan
 from hetpeer.protocol.plan import Plan
-from hetpeer.protocol.records import device_id
+from hetpeer.protocol.identity import device_id
 
 COORDINATOR_KEY = b"ssh-rsa AAAAbenchmark-coordinator"
 

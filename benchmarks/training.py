@@ -8,7 +8,7 @@ For each model, the `small` GPT preset and a Llama of about its size (hidden 256
 attention, SwiGLU), both runs take the same batches (the corpus's windows of lane 0, step by step) in the
 same micro-batches, and AdamW with the same settings and weight decay rule (matrices only):
 
-- plain: the whole model, `loss.backward()` per micro-batch, `torch.optim.AdamW.step()`;
+- plain: the whole model, `loss.backward()` per micro-batch, torch's fused AdamW (`torch.optim.AdamW(fused=True)`);
 - hetpeer: a `StageWorker` holding the whole model (a plan of one stage and one lane, on the in-memory
   transport): flat parameters, its own Adam, the frame checks; what one peer pays over plain PyTorch.
 
@@ -61,36 +61,47 @@ ADAM = AdamConfig(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
 class Plain:
-    def __init__(self, spec: ModelSpec, corpus: Corpus, batch: int, micro_batch: int) -> None:
-        self.spec, self.corpus, self.batch, self.micro_batch = spec, corpus, batch, micro_batch
-        self.model = build_stage(spec, 0, spec.layers)
+    """The plain PyTorch loop: the same module, torch's fused AdamW, bf16 autocast when `dtype` says; a tied head's
+    two copies add their gradients, as the model defines them (`FamilyStage.tied_parameters`)."""
+
+    def __init__(self, spec: ModelSpec, corpus: Corpus, batch: int, micro_batch: int, device: str = "cpu",
+                 dtype: str = "fp32") -> None:
+        self.spec, self.corpus, self.batch, self.micro_batch, self.device = spec, corpus, batch, micro_batch, device
+        self.model = build_stage(spec, 0, spec.layers, device=device)
         decayed = decays(self.model)
         groups = [{"params": [p for n, p in self.model.named_parameters() if decayed(n, p) == d],
                    "weight_decay": ADAM.weight_decay if d else 0.0} for d in (True, False)]
-        self.optimizer = torch.optim.AdamW(groups, lr=ADAM.lr, betas=ADAM.betas, eps=ADAM.eps)
+        self.optimizer = torch.optim.AdamW(groups, lr=ADAM.lr, betas=ADAM.betas, eps=ADAM.eps, fused=True)
+        self.autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=dtype == "bf16")
         self.step = 0
 
     def train_step(self) -> float:
         data = self.corpus.batch(0, self.step, self.batch, self.spec.seq_len)
         sizes = [self.micro_batch] * (self.batch // self.micro_batch)
-        total = 0.0
+        total = torch.zeros((), device=self.device)
         self.optimizer.zero_grad()
         for part in data.split(sizes):
-            tokens, labels = torch.from_numpy(part.tokens), torch.from_numpy(part.labels)
-            loss = self.model.loss(self.model(tokens), labels) * (len(part.tokens) / self.batch)
+            tokens, labels = torch.from_numpy(part.tokens).to(self.device), torch.from_numpy(part.labels).to(self.device)
+            with self.autocast:
+                loss = self.model.loss(self.model(tokens), labels) * (len(part.tokens) / self.batch)
             loss.backward()
-            total += loss.item()
+            total += loss.detach()
+        if self.spec.tied:
+            embedding, head = self.model.tied_parameters()
+            embedding.grad.add_(head.grad)
+            head.grad.copy_(embedding.grad)
         self.optimizer.step()
         self.step += 1
-        return total
+        return float(total)
 
 
-def hetpeer_worker(spec: ModelSpec, corpus: Corpus, batch: int, micro_batch: int) -> StageWorker:
+def hetpeer_worker(spec: ModelSpec, corpus: Corpus, batch: int, micro_batch: int, device: str = "cpu",
+                   dtype: str = "fp32") -> StageWorker:
     plan = Plan(cost_model="time", model=spec.name, layers=spec.layers, batch=batch, micro_batch=micro_batch,
-                micro_batches=batch // micro_batch, dtype="fp32", stages=(StagePlan(0, 0, spec.layers, ("peer",), "none"),))
+                micro_batches=batch // micro_batch, dtype=dtype, stages=(StagePlan(0, 0, spec.layers, ("peer",), "none"),))
     transport = MemoryTransport("peer", MemoryHub())
     transport.start()
-    return StageWorker(plan, "peer", transport, corpus, WorkerConfig(model=spec, adam=ADAM))
+    return StageWorker(plan, "peer", transport, corpus, WorkerConfig(device=device, model=spec, adam=ADAM))
 
 
 def timed(step, count: int) -> list[float]:

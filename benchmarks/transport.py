@@ -40,7 +40,7 @@ from hetpeer.peer.transport.links import LinkIdentity, P2PLink, TcpLink
 from hetpeer.peer.transport.network import NetworkTransport
 from hetpeer.protocol.addresses import AddressBook, PeerAddress
 from hetpeer.protocol.control import load_or_create_key, public_key_bytes
-from hetpeer.protocol.records import device_id
+from hetpeer.protocol.identity import device_id
 
 GOAL = 0.5
 AUTH_GOAL = 0.9  # the authenticated direct path's speed over the unauthenticated one's

@@ -20,7 +20,7 @@ from hetpeer import __version__, logline, scenarios
 from hetpeer.peer.gossip.topology import TOPOLOGIES
 from hetpeer.protocol.addresses import LINK_CHOICES
 from hetpeer.protocol.frame import CODECS
-from hetpeer.protocol.plan import COST_MODELS, SYNC_CHOICES, Plan
+from hetpeer.protocol.plan import COST_MODELS, RECOMPUTE_CHOICES, SYNC_CHOICES, Plan
 from hetpeer.protocol.wire import SchemaError
 from hetpeer.protocol.workload import DTYPE_BYTES, PRESETS, ModelSpec, Workload, load_model
 
@@ -121,6 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "(by default they are left out first, with the reason in the plan)")
     model.add_argument("--sync", choices=SYNC_CHOICES, default="auto",
                        help="how groups average weights (time model; default auto: per group)")
+    model.add_argument("--recompute", choices=RECOMPUTE_CHOICES, default="auto",
+                       help="activation recomputation (time model): auto (default: a stage recomputes the fewest layers that "
+                       "make it fit its devices' memory, each at the cost of one more forward pass), never, or always "
+                       "(every layer)")
     model.add_argument("--dp-bytes", type=_positive_float, metavar="BYTES", help="dtfm: override c_DP, bytes of one stage's gradients")
     model.add_argument("--pp-bytes", type=_positive_float,
                        metavar="BYTES", help="dtfm: override c_PP, bytes of one lane's activations per step")
@@ -250,7 +254,12 @@ def _add_run_options(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--tokenizer", type=Path, metavar="PATH",
                      help="a tokenizer.json (tokenizers) to turn text into tokens (default: the --model folder's "
                      "tokenizer.json if it has one, else bytes)")
-    run.add_argument("--device", default="cpu", metavar="DEVICE", help="torch device, e.g. cpu or cuda:0 (default cpu)")
+    run.add_argument("--device", default="auto", metavar="DEVICE",
+                     help="what to train on: auto (a CUDA GPU when there is one, else the CPU; the default), cpu, cuda or "
+                     "cuda:N; the peer says what it took and why")
+    run.add_argument("--recompute", action="store_true",
+                     help="recompute every layer's activations in the backward pass (far less memory for a third more "
+                     "compute), whatever the plan says; plans ask for it per stage where a device needs it")
     run.add_argument("--lr", type=_positive_float, default=3e-4, metavar="LR", help="AdamW learning rate (default 3e-4)")
     run.add_argument("--seed", type=_non_negative_int, default=0, metavar="N", help="seed of the initial weights and the data order (default 0)")
     run.add_argument("--timeout", type=_positive_float, default=60.0, metavar="SECONDS",
@@ -308,6 +317,8 @@ def _run_options(args: argparse.Namespace) -> list[str]:
         passed += ["--emulate-latency", ",".join(f"{host}={s * 1e3:g}" for host, s in args.emulate_latency.items())]
     if args.no_overlap:
         passed.append("--no-overlap")
+    if args.recompute:
+        passed.append("--recompute")
     return passed
 
 
@@ -330,7 +341,17 @@ def _worker_config(args: argparse.Namespace, model: ModelSpec | None = None):
         ),
         timeout_s=args.timeout,
         codec=args.compress,
+        recompute=args.recompute,
     )
+
+
+def take_device(args: argparse.Namespace, dtype: str) -> None:
+    """Resolve `--device` (auto: a CUDA GPU when there is one) for training in `dtype`, and say what and why."""
+    from hetpeer.peer.device import choose_device
+
+    choice = choose_device(args.device, dtype)
+    _say(f"device: {choice}")
+    args.device = choice.device
 
 
 def tokenizer_path(args: argparse.Namespace, spec: ModelSpec) -> str | None:
@@ -440,6 +461,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         allow_standby=not args.no_standby,
         prune=not args.no_prune,
         sync=args.sync,
+        recompute=args.recompute,
         time_budget_s=args.time_budget,
     )
 
@@ -485,6 +507,7 @@ def run_join(args: argparse.Namespace) -> int:
     log_to_stdout()
     try:
         plan = _load_plan(args.plan)
+        take_device(args, plan.dtype)
         given = model_spec(args) if args.model is not None else None
         tokenizer = tokenizer_path(args, node.model_for(plan, given))
         setup = node.PeerSetup(

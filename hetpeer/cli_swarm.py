@@ -210,6 +210,7 @@ def run_swarm_join(args: argparse.Namespace) -> int:
         raise cli.UserError(f"--slowdown must be at least 1, got {args.slowdown:g}")
     cli.log_to_stdout()
     try:
+        cli.take_device(args, args.dtype)
         config = SwarmPeerConfig(
             swarm=args.swarm, name=args.name, home=_home(args.home, args.name), coordinator_key=args.coordinator_key.lower(),
             worker=_replace_slowdown(cli._worker_config(args, model), args.slowdown), initial_peers=tuple(args.initial_peers),
@@ -219,7 +220,7 @@ def run_swarm_join(args: argparse.Namespace) -> int:
             data=str(args.data) if args.data else None, tokenizer=cli.tokenizer_path(args, model), threads=args.threads,
             emulation=cli.emulation(args), save=args.save, save_every=args.save_every, token=args.token,
         )
-        from hetpeer.protocol.records import NAME_RE
+        from hetpeer.protocol.identity import NAME_RE
 
         if not NAME_RE.match(args.name):
             raise ValueError(f"--name must be 1-24 of a-z, 0-9 and _, got {args.name!r}")

@@ -49,7 +49,8 @@ from hetpeer.protocol.frame import (
 )
 from hetpeer.protocol.join import JoinInfo
 from hetpeer.protocol.plan import Plan
-from hetpeer.protocol.records import LinkMeasurement, PeerRecord, device_id, plan_from_wire
+from hetpeer.protocol.identity import device_id
+from hetpeer.protocol.records import LinkMeasurement, PeerRecord, plan_from_wire
 from hetpeer.protocol.topology import Topology
 from hetpeer.protocol.wire import SchemaError
 

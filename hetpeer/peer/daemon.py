@@ -36,7 +36,8 @@ from hetpeer import __version__
 from hetpeer.peer.checkpoint import CheckpointError, StageCheckpoint
 from hetpeer.peer.data.corpus import Corpus, open_corpus
 from hetpeer.peer.gossip.state import StateDownloadError, StateServer
-from hetpeer.peer.measure import LinkHistory, LinkProber, MachineProfile, describe_links, pick_targets, profile_machine
+from hetpeer.peer.measure import LinkHistory, LinkProber, describe_links, pick_targets
+from hetpeer.peer.probe import MachineProfile, profile_machine
 from hetpeer.peer.node import format_step
 from hetpeer.peer.pipeline.worker import STALE_STEPS, StageWorker, WorkerConfig
 from hetpeer.peer.suspects import Suspicion
@@ -47,7 +48,8 @@ from hetpeer.protocol.addresses import AddressBook
 from hetpeer.protocol.control import ControlPlane, key_digest
 from hetpeer.protocol.frame import FrameHeader
 from hetpeer.protocol.plan import Plan
-from hetpeer.protocol.records import DEVICE_RE, TTL_HEARTBEATS, PeerRecord, device_id
+from hetpeer.protocol.identity import DEVICE_RE, device_id
+from hetpeer.protocol.records import TTL_HEARTBEATS, PeerRecord
 from hetpeer.protocol.workload import PRESETS, ModelSpec, Workload
 
 log = logging.getLogger("hetpeer.peer")

@@ -27,16 +27,17 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def write_address_book(devices: Sequence[str], out_dir: Path, links: str, host: str = "127.0.0.1") -> Path:
-    """Ports and P2P keys for `devices` on this machine; the book is `out_dir/addresses.json`."""
-    from hivemind.p2p import P2P
-
-    from hetpeer.peer.node import p2p_peer_id
-
+    """Ports and P2P keys for `devices` on this machine; the book is `out_dir/addresses.json`. Direct TCP alone
+    (`links` "tcp") needs no hivemind."""
     peers = {}
     for device in devices:
         direct = (host, free_port(host)) if links in ("auto", "tcp") else None
         p2p: tuple[str, ...] = ()
         if links in ("auto", "p2p"):
+            from hivemind.p2p import P2P
+
+            from hetpeer.peer.node import p2p_peer_id
+
             key = out_dir / f"{device}.key"
             if not key.exists():
                 P2P.generate_identity(str(key))

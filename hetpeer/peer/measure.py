@@ -1,7 +1,7 @@
-"""What a volunteer's peer measures before and while it joins: its machine, and its links to a few peers.
+"""What a volunteer's peer measures of its links to a few peers, before and while it joins (its machine:
+`probe.profile_machine`).
 
-`profile_machine` names the accelerator, times one block of the model in the training dtype and reads
-the free memory. `LinkProber` measures latency and bandwidth to another peer with short active probes
+`LinkProber` measures latency and bandwidth to another peer with short active probes
 over the peer's own transport, so what it measures is the path training frames take:
 
     ping    micro 0, one float32   -> echoed as micro 1            latency = fastest round trip / 2
@@ -33,9 +33,6 @@ fastest of several pings; bandwidth is the median of three frames (`estimate_lin
 short to tell from timing noise counts as `RESOLUTION_S`: a fast link reads as "at least this fast",
 never as a near-infinite rate. `LinkHistory` then announces, per peer, the median of the last few
 rounds, so one bad round does not move the plan.
-
-`Slowdown` emulates a slower accelerator on a fast one (for tests and benchmarks of heterogeneous
-swarms); the machine probe runs under it, so the TFLOPS a slowed peer announces are what it achieves.
 """
 
 from __future__ import annotations
@@ -43,19 +40,15 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import os
-import platform
 import statistics
 import threading
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy
 import torch
 
-from hetpeer.peer.probe import block_tflops
 from hetpeer.peer.ratelimit import Rate, TokenBuckets, in_bytes, refusal
 from hetpeer.peer.transport.base import Transport
 from hetpeer.peer.transport.inbox import Late, PeerUnreachable, TransportError
@@ -78,141 +71,6 @@ _probe_ids_lock = threading.Lock()
 
 class ProbeError(TransportError):
     """A link could not be measured within its budget: the peer did not answer, or is unreachable."""
-
-
-@dataclass(frozen=True, slots=True)
-class MachineProfile:
-    device_name: str
-    tflops: float  # achieved forward + backward throughput of one block in the training dtype
-    memory_bytes: int  # free accelerator memory (cuda) or available system memory (cpu)
-
-    def __post_init__(self) -> None:
-        if not self.device_name:
-            raise ValueError("device_name must not be empty")
-        if not (math.isfinite(self.tflops) and self.tflops > 0):
-            raise ValueError(f"tflops must be finite and positive, got {self.tflops!r}")
-        if self.memory_bytes < 0:
-            raise ValueError(f"memory_bytes must not be negative, got {self.memory_bytes}")
-
-
-class Slowdown:
-    """Emulates an accelerator `factor` times slower: the work inside `with slowdown.of(key):` (or `with
-    slowdown:`, key None) lasts `factor` times the fastest this object has seen that work done, or as long
-    as it took if that is longer. A device runs its kernels at its own pace: scaling each run's own time
-    instead would also scale the host's noise (a busy core, the GIL) `factor`-fold. A key names one kind of
-    work (forward or backward of one micro-batch shape, say); work that changes needs a new key or a new
-    Slowdown. Reusable and thread-safe (each thread times its own blocks)."""
-
-    def __init__(self, factor: float) -> None:
-        if not (math.isfinite(factor) and factor >= 1):
-            raise ValueError(f"slowdown factor must be a finite number >= 1, got {factor!r}")
-        self.factor = float(factor)
-        self._starts = threading.local()
-        self._fastest: dict[object, float] = {}
-        self._lock = threading.Lock()
-
-    def of(self, key: object) -> "_Timed":
-        return _Timed(self, key)
-
-    def __enter__(self) -> "Slowdown":
-        self._begin(None)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._end()
-
-    def _begin(self, key: object) -> None:
-        if self.factor != 1:
-            _sync_cuda()  # time this block's kernels, not the queue left by earlier ones
-            self._stack().append((time.perf_counter(), key))
-
-    def _end(self) -> None:
-        if self.factor != 1:
-            _sync_cuda()  # kernels run asynchronously: wait for them before reading the clock
-            started, key = self._stack().pop()
-            elapsed = time.perf_counter() - started
-            with self._lock:
-                fastest = self._fastest[key] = min(self._fastest.get(key, math.inf), elapsed)
-            time.sleep(max(0.0, self.factor * fastest - elapsed))
-
-    def _stack(self) -> list[tuple[float, object]]:
-        if not hasattr(self._starts, "stack"):
-            self._starts.stack = []
-        return self._starts.stack
-
-
-class _Timed:
-    def __init__(self, slowdown: Slowdown, key: object) -> None:
-        self.slowdown, self.key = slowdown, key
-
-    def __enter__(self) -> "_Timed":
-        self.slowdown._begin(self.key)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.slowdown._end()
-
-
-def profile_machine(
-    spec: ModelSpec, micro_batch: int, dtype: str, device: str, slowdown: float = 1.0, seconds: float = 1.0
-) -> MachineProfile:
-    """What this peer announces about its machine; the compute probe takes about `seconds`.
-
-    TFLOPS are the fastest pass's: what the device achieves for a peer that has it to itself, as a peer
-    of a real swarm has its GPU. (Peers sharing one machine, as in `hetpeer swarm`, start and probe at
-    different moments: a typical pass would credit the first to probe with the whole machine.) They are
-    measured under `Slowdown(slowdown)`, the same emulation the stage worker runs under, so they are what
-    the peer achieves, not a datasheet figure divided by hand."""
-    around = Slowdown(slowdown) if slowdown != 1 else None
-    tflops = block_tflops(spec, micro_batch, device, seconds, dtype=dtype, around=around, best=True)
-    return MachineProfile(device_name(device), tflops, free_memory_bytes(device))
-
-
-def device_name(device: str) -> str:
-    if torch.device(device).type == "cuda":
-        return torch.cuda.get_device_name(torch.device(device))
-    model = ""
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            if line.startswith("model name"):
-                model = line.partition(":")[2].strip()
-                break
-    return f"cpu: {model or platform.processor() or platform.machine() or 'unknown'} x{torch.get_num_threads()}"
-
-
-def free_memory_bytes(device: str) -> int:
-    """Free accelerator memory, or the system memory this process can still use: the machine's available
-    memory, or what its control group (a container's memory limit) leaves, whichever is less."""
-    if torch.device(device).type == "cuda":
-        return int(torch.cuda.mem_get_info(torch.device(device))[0])
-    available = None
-    meminfo = Path("/proc/meminfo")
-    if meminfo.exists():
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
-    if available is None:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    left = cgroup_free_bytes()
-    return available if left is None else min(available, left)
-
-
-def cgroup_free_bytes(root: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """The memory limit of this process's control group less what the group uses now (cgroup v2's
-    memory.max and memory.current, or v1's memory/memory.limit_in_bytes and usage_in_bytes); None without
-    a limit. Reads the group mounted at `root`: inside a container that is the container's own."""
-    for limit_file, usage_file in (("memory.max", "memory.current"),
-                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
-        try:
-            limit_text = (root / limit_file).read_text().strip()
-            usage = int((root / usage_file).read_text().strip())
-        except (OSError, ValueError):
-            continue
-        if limit_text == "max" or not limit_text.isdigit() or int(limit_text) >= 2**60:  # v1 writes "no limit" as ~2^63
-            return None
-        return max(0, int(limit_text) - usage)
-    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -510,8 +368,3 @@ def pick_targets(
 def _peek_probe_id() -> int:
     """The next probe id, without taking it (the caller holds `_probe_ids_lock`)."""
     return int(repr(_probe_ids)[len("count("):-1])
-
-
-def _sync_cuda() -> None:
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()

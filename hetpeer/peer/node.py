@@ -110,11 +110,14 @@ def run(setup: PeerSetup, report: Callable[[str], None]) -> list[StepResult]:
     with build_transport(setup) as transport:
         worker = StageWorker(setup.plan, setup.device_id, transport, corpus, setup.worker)
         params = sum(p.numel() for p in worker.model.parameters())
+        stage_layers = worker.model.layer_end - worker.model.layer_start
         report(
             f"stage {stage + 1}/{len(setup.plan.stages)} (layers {worker.model.layer_start}-"
             f"{worker.model.layer_end - 1}, {params:,} parameters), lane {lane + 1}/{setup.plan.group_size}, "
             f"on {setup.worker.device}, group of {len(worker.sync.members)} ({worker.sync.mode}"
             + (f", {setup.worker.sync.topology})" if worker.sync.mode == "gossip" else ")")
+            + (f", recomputing {worker.recompute} of its {stage_layers} layers' activations in backward"
+               if worker.recompute else "")
         )
         if setup.resume is not None:
             checkpoint = worker.restore(setup.resume / f"{setup.device_id}.safetensors")
@@ -135,7 +138,8 @@ def run(setup: PeerSetup, report: Callable[[str], None]) -> list[StepResult]:
             report(format_step(result, time.perf_counter() - started, last_step))
             if setup.save is not None and (i + 1 == setup.steps or (setup.save_every and worker.step % setup.save_every == 0)):
                 report(f"saved {worker.save(setup.save)} at step {worker.step}")
-        report(f"routes: {', '.join(f'{d} over {link}' for d, link in sorted(transport.routes.items())) or 'none'}")
+        report(f"routes: {', '.join(f'{d} over {link}' for d, link in sorted(transport.routes.items())) or 'none'}; frames "
+               f"sent: {', '.join(f'{n} encoded on {where}' for where, n in sorted(transport.encoded_on.items())) or 'none'}")
         report(format_memory(worker, peak_resident_bytes() - start_bytes))
         if worker.sync.left_out:
             report(f"left out of mixing: {', '.join(f'{d} {n}x' for d, n in sorted(worker.sync.left_out.items()))}")

@@ -1,23 +1,32 @@
 """What this machine can do: achieved TFLOPS and the memory a peer uses.
 
+`profile_machine` is what a joining peer announces: the accelerator's name, one block of the model
+timed in the training dtype (under `Slowdown`, for an emulated slower device: the TFLOPS a slowed peer
+announces are what it achieves), and the free memory.
+
 `block_tflops` times forward and backward passes of one transformer block of the model at the
 plan's micro-batch, in the training dtype (bf16 runs under `torch.autocast` with fp32 weights, as the
 stage worker does), and divides the FLOPs the planner counts for them (3x the forward) by the time.
 It is what the planner's `time` model means by a device's TFLOPS: throughput achieved on this model,
 with its attention, norms and activations, not a datasheet peak. `matmul_tflops` is the plain
 matrix-multiply rate, the usual quick probe, for comparison. `TensorPeak` measures the peak bytes of
-tensors on any device, as `torch.cuda.max_memory_allocated` does on a GPU.
+tensors on any device, as `torch.cuda.max_memory_allocated` does on a GPU. `Slowdown` emulates a slower
+accelerator on a fast one (tests and benchmarks of heterogeneous swarms).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
+import platform
 import resource
 import statistics
 import sys
+import threading
 import time
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ContextManager
 
@@ -34,6 +43,83 @@ TIMING_S = 0.005  # a timing lasts at least this long, however short one call is
 MAX_CALLS_PER_TIMING = 1000
 
 
+@dataclass(frozen=True, slots=True)
+class MachineProfile:
+    device_name: str
+    tflops: float  # achieved forward + backward throughput of one block in the training dtype
+    memory_bytes: int  # free accelerator memory (cuda) or available system memory (cpu)
+
+    def __post_init__(self) -> None:
+        if not self.device_name:
+            raise ValueError("device_name must not be empty")
+        if not (math.isfinite(self.tflops) and self.tflops > 0):
+            raise ValueError(f"tflops must be finite and positive, got {self.tflops!r}")
+        if self.memory_bytes < 0:
+            raise ValueError(f"memory_bytes must not be negative, got {self.memory_bytes}")
+
+
+def profile_machine(
+    spec: ModelSpec, micro_batch: int, dtype: str, device: str, slowdown: float = 1.0, seconds: float = 1.0
+) -> MachineProfile:
+    """What this peer announces about its machine; the compute probe takes about `seconds`.
+
+    TFLOPS are the fastest pass's: what the device achieves for a peer that has it to itself, as a peer
+    of a real swarm has its GPU. (Peers sharing one machine, as in `hetpeer swarm`, start and probe at
+    different moments: a typical pass would credit the first to probe with the whole machine.) They are
+    measured under `Slowdown(slowdown)`, the same emulation the stage worker runs under, so they are what
+    the peer achieves, not a datasheet figure divided by hand."""
+    around = Slowdown(slowdown) if slowdown != 1 else None
+    tflops = block_tflops(spec, micro_batch, device, seconds, dtype=dtype, around=around, best=True)
+    return MachineProfile(device_name(device), tflops, free_memory_bytes(device))
+
+
+def device_name(device: str) -> str:
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    model = ""
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                model = line.partition(":")[2].strip()
+                break
+    return f"cpu: {model or platform.processor() or platform.machine() or 'unknown'} x{torch.get_num_threads()}"
+
+
+def free_memory_bytes(device: str) -> int:
+    """Free accelerator memory, or the system memory this process can still use: the machine's available
+    memory, or what its control group (a container's memory limit) leaves, whichever is less."""
+    if torch.device(device).type == "cuda":
+        return int(torch.cuda.mem_get_info(torch.device(device))[0])
+    available = None
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                available = int(line.split()[1]) * 1024
+    if available is None:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    left = cgroup_free_bytes()
+    return available if left is None else min(available, left)
+
+
+def cgroup_free_bytes(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """The memory limit of this process's control group less what the group uses now (cgroup v2's
+    memory.max and memory.current, or v1's memory/memory.limit_in_bytes and usage_in_bytes); None without
+    a limit. Reads the group mounted at `root`: inside a container that is the container's own."""
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            limit_text = (root / limit_file).read_text().strip()
+            usage = int((root / usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit_text == "max" or not limit_text.isdigit() or int(limit_text) >= 2**60:  # v1 writes "no limit" as ~2^63
+            return None
+        return max(0, int(limit_text) - usage)
+    return None
+
+
 def block_tflops(
     spec: ModelSpec,
     micro_batch: int,
@@ -46,7 +132,7 @@ def block_tflops(
     """Achieved TFLOPS in `dtype` of forward + backward through one block of `spec`, from at least 3
     timed passes: the median pass (what the device gives this process now, sharing it), or with `best`
     the fastest (what it gives a process that has it to itself: other work only ever slows a pass).
-    `around`, a reusable context manager (e.g. a `measure.Slowdown`), is entered around each pass."""
+    `around`, a reusable context manager (e.g. a `Slowdown`), is entered around each pass."""
     if dtype not in AUTOCAST_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(AUTOCAST_DTYPES)}, got {dtype!r}")
     block = build_stage(spec.with_layers(3), 1, 2, device=device)  # one block alone: no embeddings, no head
@@ -151,3 +237,66 @@ class TensorPeak(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         self.now_bytes -= self._live.pop(key)
+
+
+class Slowdown:
+    """Emulates an accelerator `factor` times slower: the work inside `with slowdown.of(key):` (or `with
+    slowdown:`, key None) lasts `factor` times the fastest this object has seen that work done, or as long
+    as it took if that is longer. A device runs its kernels at its own pace: scaling each run's own time
+    instead would also scale the host's noise (a busy core, the GIL) `factor`-fold. A key names one kind of
+    work (forward or backward of one micro-batch shape, say); work that changes needs a new key or a new
+    Slowdown. Reusable and thread-safe (each thread times its own blocks)."""
+
+    def __init__(self, factor: float) -> None:
+        if not (math.isfinite(factor) and factor >= 1):
+            raise ValueError(f"slowdown factor must be a finite number >= 1, got {factor!r}")
+        self.factor = float(factor)
+        self._starts = threading.local()
+        self._fastest: dict[object, float] = {}
+        self._lock = threading.Lock()
+
+    def of(self, key: object) -> "_Timed":
+        return _Timed(self, key)
+
+    def __enter__(self) -> "Slowdown":
+        self._begin(None)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._end()
+
+    def _begin(self, key: object) -> None:
+        if self.factor != 1:
+            _sync_cuda()  # time this block's kernels, not the queue left by earlier ones
+            self._stack().append((time.perf_counter(), key))
+
+    def _end(self) -> None:
+        if self.factor != 1:
+            _sync_cuda()  # kernels run asynchronously: wait for them before reading the clock
+            started, key = self._stack().pop()
+            elapsed = time.perf_counter() - started
+            with self._lock:
+                fastest = self._fastest[key] = min(self._fastest.get(key, math.inf), elapsed)
+            time.sleep(max(0.0, self.factor * fastest - elapsed))
+
+    def _stack(self) -> list[tuple[float, object]]:
+        if not hasattr(self._starts, "stack"):
+            self._starts.stack = []
+        return self._starts.stack
+
+
+class _Timed:
+    def __init__(self, slowdown: Slowdown, key: object) -> None:
+        self.slowdown, self.key = slowdown, key
+
+    def __enter__(self) -> "_Timed":
+        self.slowdown._begin(self.key)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.slowdown._end()
+
+
+def _sync_cuda() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hetpeer.protocol.records import DEVICE_RE, MAX_TOKEN_CHARS, NAME_RE
+from hetpeer.protocol.identity import DEVICE_RE, NAME_RE
+from hetpeer.protocol.records import MAX_TOKEN_CHARS
 
 TOKEN_PREFIX = "hpt1"
 FINGERPRINT_RE = re.compile(r"[0-9a-f]{12}\Z")

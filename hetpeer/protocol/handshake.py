@@ -22,7 +22,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from hetpeer.protocol.records import bound, fingerprint
+from hetpeer.protocol.identity import bound, fingerprint
 
 MAGIC = b"HPA1"
 NONCE_BYTES = 32

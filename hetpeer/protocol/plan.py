@@ -37,6 +37,7 @@ from hetpeer.protocol.wire import (
 PLAN_VERSION = 1
 SYNC_MODES = ("allreduce", "gossip", "none")
 SYNC_CHOICES = ("auto", "allreduce", "gossip")  # what a planner may be asked for: auto chooses per group
+RECOMPUTE_CHOICES = ("auto", "never", "always")  # activation recomputation: auto where a stage fits no other way
 COST_MODELS = ("dtfm", "time")
 MAX_STANDBY_REASONS = 16  # distinct reasons a plan states; each covers many devices
 MAX_REASON_CHARS = 200

@@ -15,7 +15,6 @@ or return it. `PeerRecord.from_wire` then checks meaning: the device id is bound
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import re
@@ -27,6 +26,7 @@ from pydantic import v1 as pydantic
 from pydantic.v1.fields import SHAPE_LIST, SHAPE_SINGLETON
 
 from hetpeer.protocol.addresses import PeerAddress, peer_maddrs
+from hetpeer.protocol.identity import DEVICE_RE, bound, fingerprint
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.wire import SchemaError
 
@@ -34,7 +34,6 @@ from hetpeer.protocol.wire import SchemaError
 # 3: direct links are authenticated and frames padded; records carry an admission token and the peers suspected
 PROTOCOL_VERSION = 3
 OWNER_RE = re.compile(rb"\[owner:(.+)\]\Z", re.DOTALL)  # \Z, not $: $ also matches before a final newline
-NAME_RE = re.compile(r"[a-z0-9][a-z0-9_]{0,23}\Z")
 STATES = ("probing", "waiting", "fetching", "training", "standby", "leaving")
 MAX_LINKS = 64  # measurements one record carries; a peer probes a handful of others
 MAX_DHT_MADDRS = 8
@@ -43,7 +42,6 @@ MAX_PLAN_BYTES = 1 << 20
 MAX_SUSPECTS = 16  # peers one record may report as misbehaving
 MAX_TOKEN_CHARS = 1024
 MAX_TEXT_CHARS = 128  # a device name, a software string: shown to organizers on pages and terminals
-DEVICE_RE = re.compile(r"[a-z0-9][a-z0-9_]{0,23}-[0-9a-f]{12}\Z")
 TTL_HEARTBEATS = 5  # a peer record expires after this many heartbeats without a new one (loaded machines miss some)
 
 
@@ -53,24 +51,6 @@ def peers_key(swarm: str) -> str:
 
 def plan_key(swarm: str) -> str:
     return f"{swarm}_plan"
-
-
-def fingerprint(public_key: bytes) -> str:
-    """Twelve hex digits (48 bits) of the SHA-256 of an RSA public key (OpenSSH form): what binds a device id to a key."""
-    return hashlib.sha256(public_key).hexdigest()[:12]
-
-
-def device_id(name: str, public_key: bytes) -> str:
-    """`name-fingerprint`: readable, and only the key's holder can announce it."""
-    if not NAME_RE.match(name):
-        raise ValueError(f"peer name must be 1-24 of a-z, 0-9 and _ starting with a letter or digit, got {name!r}")
-    return f"{name}-{fingerprint(public_key)}"
-
-
-def bound(device: str, public_key: bytes) -> bool:
-    """Whether `device` is a device id of `public_key`'s holder: a valid name and that key's fingerprint."""
-    name, dash, print_ = device.rpartition("-")
-    return bool(dash) and NAME_RE.match(name) is not None and print_ == fingerprint(public_key)
 
 
 def owner_key(subkey: Any) -> bytes:

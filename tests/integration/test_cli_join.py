@@ -63,10 +63,10 @@ class Cli:
     def __init__(self) -> None:
         self.groups: list[int] = []
 
-    def __call__(self, *args: str, timeout_s: float = HANG_GUARD_S) -> subprocess.CompletedProcess:
+    def __call__(self, *args: str, timeout_s: float = HANG_GUARD_S, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
         process = subprocess.Popen(
             [sys.executable, "-m", "hetpeer", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+            text=True, start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
         )  # fmt: skip
         self.groups.append(process.pid)  # a new session's leader: its pid is the group id
         try:
@@ -141,6 +141,37 @@ def test_launch_runs_every_peer_to_the_end(tmp_path, cli):
     assert live_members(cli.groups[-1]) == []
 
 
+# Imports of these packages fail: what a machine without hivemind (a GPU image, say) gives `hetpeer launch --link tcp`.
+WITHOUT_HIVEMIND = """
+import sys
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("hivemind", "pydantic", "grpc", "multiaddr"):
+            raise ImportError(f"{name} is not installed here")
+sys.meta_path.insert(0, Refuse())
+"""
+
+
+@pytest.mark.slow
+def test_launch_over_tcp_needs_no_hivemind_and_says_where_each_peer_trains(tmp_path, cli):
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(WITHOUT_HIVEMIND)
+    plan_path = write_json(tmp_path / "plan.json", make_plan(lanes=2, dtype="bf16").to_wire())
+    out = tmp_path / "run"
+    done = cli("launch", str(plan_path), "--steps", "2", "--out", str(out), "--link", "tcp", "--recompute",
+               env={"PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT)])})
+    assert done.returncode == 0, done.stdout + done.stderr
+    for device in ("d0", "d1", "d2", "d3"):
+        lines = [unstamp(line) for line in (out / f"{device}.log").read_text().splitlines()]
+        cuda = torch.cuda.is_available()
+        chosen = next(line for line in lines if line.startswith("device: "))
+        assert chosen.startswith("device: cuda:" if cuda else "device: cpu ("), chosen
+        assert any(re.search(r"on (cuda:\d|cpu), .*recomputing 2 of its 2 layers", line) for line in lines), lines
+        sent = next(line for line in lines if line.startswith("routes: "))
+        assert re.search(r"frames sent: \d+ encoded on " + ("cuda" if cuda else "cpu"), sent), sent
+    assert live_members(cli.groups[-1]) == []
+
+
 @pytest.mark.slow
 def test_launch_stops_everyone_when_a_peer_fails(tmp_path, cli):
     plan_path = write_json(tmp_path / "plan.json", make_plan(lanes=1).to_wire())  # d0 -> d1
@@ -192,6 +223,10 @@ def join_case(case: str, tmp_path: Path, keys) -> tuple[list[str], list[str]]:
     elif case == "bad address book entry":
         book["peers"]["d1"]["direct"] = "127.0.0.1"
         words = ["addresses.peers.d1.direct", "HOST:PORT", "'127.0.0.1'"]
+    elif case == "not a device":
+        extra, words = ["--device", "gpu"], ["--device", "auto, cpu, cuda or cuda:N", "'gpu'"]
+    elif case == "a GPU this machine lacks":  # no CUDA at all, or fewer than 100 GPUs: both say so
+        extra, words = ["--device", "cuda:99"], ["--device cuda:99"]
     else:
         raise AssertionError(case)
     if not plan_path.exists():
@@ -202,7 +237,7 @@ def join_case(case: str, tmp_path: Path, keys) -> tuple[list[str], list[str]]:
 
 
 JOIN_CASES = ["device not in the plan", "device not in the address book", "key of another peer", "plan is not JSON",
-              "fp16 plan", "bad --listen", "bad address book entry"]  # fmt: skip
+              "fp16 plan", "bad --listen", "bad address book entry", "not a device", "a GPU this machine lacks"]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", JOIN_CASES)

@@ -14,7 +14,8 @@ import pytest
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.control import ControlError, ControlPlane, key_digest, load_or_create_key
 from hetpeer.protocol.plan import Plan, StagePlan
-from hetpeer.protocol.records import LinkMeasurement, PeerRecord, device_id, peers_key, plan_key
+from hetpeer.protocol.identity import device_id
+from hetpeer.protocol.records import LinkMeasurement, PeerRecord, peers_key, plan_key
 
 SWARM = "cp_test"
 TTL_S = 60.0

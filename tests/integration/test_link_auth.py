@@ -16,7 +16,7 @@ from hetpeer.peer.transport.inbox import PeerUnreachable
 from hetpeer.peer.transport.links import LinkIdentity, TcpLink
 from hetpeer.peer.transport.network import NetworkTransport
 from hetpeer.protocol.addresses import AddressBook, PeerAddress
-from hetpeer.protocol.records import device_id
+from hetpeer.protocol.identity import device_id
 
 KINDS = ("activation", "gradient", "params", "state_request", "probe")
 

@@ -131,7 +131,7 @@ def impersonate(stranger: ControlPlane, victim: str, member: str, address, plan)
     from hetpeer.peer.transport.links import LinkIdentity, TcpLink
     from hetpeer.peer.transport.network import NetworkTransport
     from hetpeer.protocol.addresses import AddressBook
-    from hetpeer.protocol.records import device_id
+    from hetpeer.protocol.identity import device_id
 
     own = device_id("stranger", stranger.public_key)
     for claimed in (member, own):

@@ -8,7 +8,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hetpeer.protocol.handshake import (
     LENGTHS, MAX_DEVICE_BYTES, MAX_KEY_BYTES, HandshakeError, Proof, check, nonce, nonce_of, prove,
 )
-from hetpeer.protocol.records import device_id
+from hetpeer.protocol.identity import device_id
 
 KEY = RSAPrivateKey()
 ME = device_id("alice", KEY.get_public_key().to_bytes())

@@ -22,18 +22,14 @@ from hetpeer.peer.measure import (
     RESOLUTION_S,
     LinkHistory,
     LinkProber,
-    MachineProfile,
     ProbeError,
     ProbeLimits,
-    Slowdown,
     Transfer,
-    cgroup_free_bytes,
     describe_links,
     estimate_link,
     pick_targets,
-    profile_machine,
 )
-from hetpeer.peer.probe import _time_per_call
+from hetpeer.peer.probe import MachineProfile, Slowdown, _time_per_call, cgroup_free_bytes, profile_machine
 from hetpeer.peer.ratelimit import Rate
 from hetpeer.peer.transport import MemoryHub, MemoryTransport
 from hetpeer.peer.transport.inbox import Late

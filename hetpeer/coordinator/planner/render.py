@@ -17,6 +17,10 @@ def format_plan(plan: Plan, baselines: dict[str, float | None], random_samples: 
     for stage in plan.stages:
         span = f"{stage.layer_start}-{stage.layer_end - 1}"
         lines.append(f"{stage.index:<6} {span:<9} {stage.sync:<10} {' '.join(stage.devices)}")
+    recomputing = [stage for stage in plan.stages if stage.recompute]
+    if recomputing:
+        lines += ["", "recomputed in the backward pass, to fit memory (one more forward each):"]
+        lines += [f"  stage {stage.index}: {stage.recompute} of its {stage.layers} layers" for stage in recomputing]
     lines += ["", "lanes (stage 0 first):"]
     lines += [f"  lane {i}: {' -> '.join(lane)}" for i, lane in enumerate(lanes)]
     if plan.standby:

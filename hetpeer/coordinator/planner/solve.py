@@ -12,7 +12,7 @@ from hetpeer.coordinator.planner import dtfm, timemodel
 from hetpeer.coordinator.planner.problem import PlanningError, Problem, Report, Shape
 from hetpeer.coordinator.planner.prune import Pruned, prune
 from hetpeer.coordinator.planner.search import CostModel, Progress, SearchConfig, search
-from hetpeer.protocol.plan import COST_MODELS, Plan, StagePlan, standby_runs
+from hetpeer.protocol.plan import COST_MODELS, RECOMPUTE_CHOICES, Plan, StagePlan, standby_runs
 from hetpeer.protocol.workload import STATE_BYTES_PER_PARAM
 
 
@@ -41,8 +41,8 @@ class PlannerConfig:
             raise ValueError(f"time budget must be positive, got {self.time_budget_s}")
         if not 0 <= self.memory_reserve < 1:
             raise ValueError(f"memory reserve must be in [0, 1), got {self.memory_reserve}")
-        if self.recompute not in timemodel.RECOMPUTE_CHOICES:
-            raise ValueError(f"recompute must be one of {', '.join(timemodel.RECOMPUTE_CHOICES)}, got {self.recompute!r}")
+        if self.recompute not in RECOMPUTE_CHOICES:
+            raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_CHOICES)}, got {self.recompute!r}")
         if self.horizon_steps < 1:
             raise ValueError(f"horizon must be at least 1 step, got {self.horizon_steps}")
 

@@ -54,11 +54,10 @@ import numpy as np
 
 from hetpeer.coordinator.planner.problem import PlanningError, Problem, Report, Shape
 from hetpeer.coordinator.planner.screens import Screens
-from hetpeer.protocol.plan import SYNC_CHOICES
+from hetpeer.protocol.plan import RECOMPUTE_CHOICES, SYNC_CHOICES
 from hetpeer.protocol.workload import STATE_BYTES_PER_PARAM, SYNC_BYTES_PER_PARAM
 
 NAME = "time"
-RECOMPUTE_CHOICES = ("auto", "never", "always")
 RECOMPUTE_COST = 1 / 3  # a recomputed layer runs its forward once more: a third of its forward and backward
 AUTO_ALLREDUCE_SLACK = 0.02  # all-reduce is preferred while it costs at most this share of a step more
 OVERFLOW_PENALTY_S_PER_GB = 1e4

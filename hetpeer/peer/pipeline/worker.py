@@ -33,7 +33,7 @@ from hetpeer.peer.gossip.adam import AdamConfig
 from hetpeer.peer.gossip.flat import FlatParams
 from hetpeer.peer.gossip.group import GroupSync, SyncConfig, SyncReport
 from hetpeer.peer.gossip.state import Download, StateDownloadError, StateServer, fetch_state
-from hetpeer.peer.measure import Slowdown
+from hetpeer.peer.probe import Slowdown
 from hetpeer.peer.model import build_stage
 from hetpeer.peer.model.folder import ModelFolder
 from hetpeer.peer.pipeline.schedule import FORWARD, one_f_one_b

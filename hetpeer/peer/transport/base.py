@@ -25,6 +25,7 @@ class Transport(ABC):
         self.device = device
         self.inbox = Inbox(device, max_frame_bytes=max_frame_bytes)
         self.sent: collections.Counter[str] = collections.Counter()  # payload bytes queued per peer, probes aside
+        self.encoded_on: collections.Counter[str] = collections.Counter()  # frames by the device they were encoded on
 
     def set_policy(self, policy: Policy) -> None:
         """What this peer accepts: a function of the header that returns a reason to refuse, or None."""
@@ -62,6 +63,7 @@ class Transport(ABC):
         )
         if kind != "probe":
             self.sent[to] += payload.nbytes
+        self.encoded_on[tensor.device.type] += 1
         self._send(to, header, payload)
 
     def recv(self, kind: str, sender: str, step: int, micro: int, timeout_s: float) -> torch.Tensor:
