@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import re
 import statistics
@@ -122,6 +121,21 @@ def peak_tflops(name: str | None) -> tuple[float | None, str]:
         if word in name:
             return tflops, f"{name}: {tflops:g} TFLOPS dense bf16 (datasheet)"
     return None, f"{name}: bf16 peak unknown"
+
+
+def workspace_bytes(device: str) -> int:
+    """What a process holds on the GPU once it has run a bf16 product forward and backward, beyond its tensors:
+    the CUDA libraries' workspaces, which the allocator counts in `max_memory_allocated` (0 on the CPU)."""
+    if torch.device(device).type != "cuda":
+        return 0
+    a = torch.randn(256, 256, device=device, requires_grad=True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        (a @ a).float().sum().backward()
+    sync(device)
+    tensors = sum(t.numel() * t.element_size() for t in (a, a.grad))
+    held = torch.cuda.memory_allocated(device) - tensors
+    del a
+    return held
 
 
 def spec_of(folder: Path, config: dict) -> ModelSpec:
@@ -402,7 +416,10 @@ def main() -> int:
     peak, peak_source = peak_tflops(name)
     say(f"device {device}: {name or 'cpu'}, {announced / 2**30:.1f} GiB free; {peak_source}; torch {torch.__version__}; "
         f"files in {out}")
-    results: dict = {"device": name or "cpu", "torch": torch.__version__, "cuda": cuda,
+    workspace = workspace_bytes(device)
+    if cuda:
+        say(f"  the CUDA libraries' workspaces: {workspace / 2**20:.1f} MiB a process")
+    results: dict = {"device": name or "cpu", "torch": torch.__version__, "cuda": cuda, "workspace_bytes": workspace,
                      "announced_free_bytes": announced, "peak_bf16_tflops": peak, "sizes": asdict(sizes)}
     corpus = Corpus.default()
     if set(args.parts) & set("ac"):

@@ -54,7 +54,6 @@ from hetpeer.peer.transport.base import Transport
 from hetpeer.peer.transport.inbox import Late, PeerUnreachable, TransportError
 from hetpeer.protocol.frame import FrameHeader
 from hetpeer.protocol.records import MAX_LINKS, LinkMeasurement
-from hetpeer.protocol.workload import ModelSpec
 
 log = logging.getLogger("hetpeer.peer")
 

@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from hetpeer.protocol.plan import Plan
+from hetpeer.protocol.identity import fingerprint
 from hetpeer.protocol.records import (
     SCHEMA,
     PeerRecord,
-    fingerprint,
     owner_key,
     peers_key,
     plan_from_wire,

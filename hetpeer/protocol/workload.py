@@ -41,7 +41,8 @@ one, a neighbour's fp32 parameters received for mixing (mixed in place; the copy
 the step's activations exist); for every micro-batch in flight
 (min(M, S - s) at stage s under 1F1B), each block's stored activations and, in bf16, the 16-bit copies of
 its weights that autocast makes and the backward pass keeps; on the last stage, 12 bytes per logit at the
-loss's backward (fp32 log-probabilities, the gradient of the loss and theirs) and the head's 16-bit copy; on
+loss's backward (fp32 log-probabilities, the gradient of the loss and theirs) and the head's 16-bit (or, in fp32,
+padded) copy; on
 the first stage, the embedding's dense fp32 gradient before it is added to the stage's own.
 A block whose activations are recomputed (`recompute`) keeps only its input (fp32) for each micro-batch in
 flight, and the backward pass rebuilds one block's activations at a time.
@@ -61,6 +62,11 @@ STATE_BYTES_PER_PARAM = 16
 SYNC_BYTES_PER_PARAM = 4  # a group's exchange: a neighbour's fp32 parameters, mixed in place
 LOGIT_BYTES = 12  # per logit at the loss's backward: fp32 log-probabilities, the loss's gradient and theirs
 RESIDUAL_BYTES = 4  # per value of the residual stream a recomputed block keeps (fp32: autocast leaves it wide)
+# The output head's rows are padded to a multiple of this for its matrix products: tensor cores take a 16-bit
+# matrix whose leading dimension is a multiple of 8, and a vocabulary like GPT-2's 50257 otherwise leaves the
+# head, a quarter of GPT-2 124M's FLOPs, on slow kernels (on an H200 its forward and backward took 42 ms of a
+# 46 ms last layer; nanoGPT pads to 50304 for the same reason).
+HEAD_ROWS = 64
 FAMILIES = ("gpt", "gpt2", "llama")
 HF_FAMILIES = {"gpt2": "gpt2", "llama": "llama"}  # config.json's model_type -> family
 LLAMA_ROPE_TYPES = ("default", "llama3")
@@ -438,6 +444,14 @@ class Workload:
         """The 16-bit copy of a weight autocast makes for a micro-batch (kept for its backward); none in fp32."""
         return 0 if self.dtype == "fp32" else 2
 
+    @property
+    def head_copy_bytes(self) -> int:
+        """The copy of the head's weight its product keeps for the backward pass: 16-bit under autocast; in fp32, the
+        zero-padded copy (`HEAD_ROWS`) where the vocabulary needs padding, else none."""
+        m = self.model
+        rows = m.vocab + -m.vocab % HEAD_ROWS
+        return rows * m.hidden * (self.weight_copy_bytes_per_param or (4 if rows != m.vocab else 0))
+
     def layer_activation_bytes(self, micro_batch: int) -> float:
         """What one block keeps for the backward pass of one micro-batch: stored activations and weight copies."""
         m = self.model
@@ -462,6 +476,5 @@ class Workload:
                                              + recompute * self.layer_recomputed_bytes(micro)) + rebuilt,
             # the last stage's logits and its head's 16-bit copy; the first stage's dense embedding gradient (fp32)
             # before it is added to the stage's own
-            "ends_bytes": last * (micro * self.logits_bytes_per_seq + self.weight_copy_bytes_per_param * m.vocab * m.hidden)
-                          + first * 4 * m.vocab * m.hidden,
+            "ends_bytes": last * (micro * self.logits_bytes_per_seq + self.head_copy_bytes) + first * 4 * m.vocab * m.hidden,
         }

@@ -18,7 +18,8 @@ from hetpeer.peer.transport import MemoryHub, MemoryTransport
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.workload import ModelSpec
 
-GPT2 = {"model_type": "gpt2", "n_embd": 128, "n_head": 4, "n_layer": 4, "n_positions": 64, "vocab_size": 2048}
+# an odd vocabulary, as GPT-2's: the head's product pads it (`HEAD_ROWS`); the Llama's needs no padding
+GPT2 = {"model_type": "gpt2", "n_embd": 128, "n_head": 4, "n_layer": 4, "n_positions": 64, "vocab_size": 2001}
 LLAMA = {"model_type": "llama", "hidden_size": 128, "intermediate_size": 344, "num_attention_heads": 4,
          "num_key_value_heads": 2, "num_hidden_layers": 4, "max_position_embeddings": 64, "vocab_size": 2048}
 

@@ -12,6 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count  # noqa: E
 
 from hetpeer.peer.model import Block, Stage, build_stage  # noqa: E402
 from hetpeer.peer.model.families import rotary_frequencies  # noqa: E402
+from hetpeer.peer.model.gpt import head_logits  # noqa: E402
 from hetpeer.protocol.workload import ModelSpec, Workload, preset  # noqa: E402
 
 SMALL = ModelSpec("small", hidden=48, heads=3, seq_len=32, vocab=97, layers=3)
@@ -253,3 +254,23 @@ def test_cuda_stage_matches_cpu():
     cuda_loss.backward()
     torch.testing.assert_close(cuda_loss.cpu(), cpu_loss, rtol=1e-3, atol=1e-4)
     assert all(torch.isfinite(p.grad).all() for p in cuda.parameters())
+
+
+@pytest.mark.parametrize("vocab", [2001, 2048])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_padded_head_gives_the_logits_and_gradients_of_the_plain_product(vocab, autocast):
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(vocab, 32, generator=generator, requires_grad=True)
+    hidden = torch.randn(2, 5, 32, generator=generator, requires_grad=True)
+    grad = torch.randn(2, 5, vocab, generator=generator)
+    results = []
+    for product in (head_logits, torch.nn.functional.linear):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = product(hidden, weight)
+        assert logits.shape == (2, 5, vocab)
+        weight.grad = hidden.grad = None
+        logits.backward(grad.to(logits.dtype))
+        results.append((logits.detach().float(), weight.grad.clone(), hidden.grad.clone()))
+    tolerance = {"rtol": 2e-2, "atol": 2e-2} if autocast else {"rtol": 1e-5, "atol": 1e-5}
+    for padded, plain in zip(*results):
+        torch.testing.assert_close(padded, plain, **tolerance)

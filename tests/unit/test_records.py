@@ -12,14 +12,13 @@ from hypothesis import given, settings, strategies as st
 
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan, StagePlan
+from hetpeer.protocol.identity import device_id, fingerprint
 from hetpeer.protocol.records import (
     MAX_LINKS,
     MAX_PLAN_BYTES,
     PROTOCOL_VERSION,
     LinkMeasurement,
     PeerRecord,
-    device_id,
-    fingerprint,
     owner_key,
     peers_key,
     plan_from_wire,

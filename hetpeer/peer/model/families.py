@@ -21,7 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetpeer.peer.model.gpt import INIT_STD, _BLOCK, _HEAD, _POSITIONS, _TOKENS, _generator, _rotate, run_blocks, token_loss
+from hetpeer.peer.model.gpt import (
+    INIT_STD, _BLOCK, _HEAD, _POSITIONS, _TOKENS, _generator, _rotate, head_logits, run_blocks, token_loss,
+)
 from hetpeer.protocol.workload import ModelSpec
 
 
@@ -275,14 +277,14 @@ class FamilyStage(nn.Module):
         if spec.family == "gpt2":
             hidden = run_blocks(self.blocks, hidden, self.recompute)
             if self.last:
-                hidden = self.lm_head(self.body.ln_f(hidden))
+                hidden = head_logits(self.body.ln_f(hidden), self.lm_head.weight)
             return hidden
         angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), self.inv_freq)
         angles = torch.cat((angles, angles), dim=-1)
         cos, sin = angles.cos().to(hidden.dtype), angles.sin().to(hidden.dtype)  # as transformers casts them
         hidden = run_blocks(self.blocks, hidden, self.recompute, cos, sin)
         if self.last:
-            hidden = self.lm_head(self.body.norm(hidden))
+            hidden = head_logits(self.body.norm(hidden), self.lm_head.weight)
         return hidden
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

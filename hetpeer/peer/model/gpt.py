@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hetpeer.protocol.workload import ModelSpec
+from hetpeer.protocol.workload import HEAD_ROWS, ModelSpec
 
 INIT_STD = 0.02
 ROTARY_BASE = 10_000.0
@@ -183,11 +183,21 @@ class Stage(nn.Module):
             hidden = x
         hidden = run_blocks(self.blocks, hidden, self.recompute)
         if self.last:
-            hidden = self.head(self.norm(hidden))
+            hidden = head_logits(self.norm(hidden), self.head.weight)
         return hidden
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return token_loss(logits, labels, self._spec.vocab)
+
+
+def head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """hidden @ weight^T, the weight's rows padded with zeros to a multiple of `HEAD_ROWS` for the product and the
+    logits of the padding cut off again (a view: the loss reads it, its gradient flows only to the real rows)."""
+    vocab = weight.shape[0]
+    pad = -vocab % HEAD_ROWS
+    if pad == 0:
+        return F.linear(hidden, weight)
+    return F.linear(hidden, F.pad(weight, (0, 0, 0, pad)))[..., :vocab]
 
 
 def run_blocks(blocks: nn.ModuleDict, hidden: torch.Tensor, recompute: int, *args: torch.Tensor) -> torch.Tensor:
