@@ -36,8 +36,8 @@ def choose_device(requested: str = "auto", dtype: str = "fp32") -> DeviceChoice:
         index = max(range(len(free)), key=free.__getitem__)
         how = "the GPU with the most free memory" if len(free) > 1 else "the only GPU"
         return DeviceChoice(f"cuda:{index}", f"{how}: {_describe(index, dtype)}")
-    kind, _, number = requested.partition(":")
-    if kind != "cuda" or (number and not number.isdigit()):
+    kind, colon, number = requested.partition(":")
+    if kind != "cuda" or (colon and not number.isdigit()):
         raise DeviceError(f"--device must be auto, cpu, cuda or cuda:N, got {requested!r}")
     if not torch.cuda.is_available():
         raise DeviceError(f"--device {requested}: {_no_cuda()}; use --device cpu or auto")

@@ -147,13 +147,19 @@ def run(setup: PeerSetup, report: Callable[[str], None]) -> list[StepResult]:
 
 
 def format_memory(worker: StageWorker, peak_bytes: int) -> str:
-    """Peak memory of the peer beside what the planner counts for its stage (`Workload.stage_memory`)."""
-    if torch.device(worker.config.device).type == "cuda":
-        peak_bytes = torch.cuda.max_memory_allocated(worker.config.device)
+    """Peak memory of the peer beside what the planner counts for its stage (`Workload.stage_memory`): on a GPU
+    what torch allocated (the CUDA libraries' workspaces, 64 MiB on an H200, included), on the CPU how much the
+    process grew (the interpreter and torch's own included)."""
+    device = worker.config.device
+    if torch.device(device).type == "cuda":
+        peak = f"{torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB allocated on {device}"
+        peak_bytes = torch.cuda.max_memory_allocated(device)
+    else:
+        peak = f"{peak_bytes / 2**20:.0f} MiB of the process above its start"
     expected = stage_memory(worker)
     mib = 2**20
     return (
-        f"memory: peak {peak_bytes / mib:.0f} MiB above start; the planner counts {sum(expected.values()) / mib:.0f} MiB "
+        f"memory: peak {peak}; the planner counts {sum(expected.values()) / mib:.0f} MiB "
         f"for this stage: {expected['state_bytes'] / mib:.0f} MiB of weights, gradients and Adam moments, "
         f"{expected['activation_bytes'] / mib:.0f} MiB of activations in flight"
         + f", {expected['ends_bytes'] / mib:.0f} MiB at the model's ends (logits, embedding gradient)"

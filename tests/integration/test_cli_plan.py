@@ -71,7 +71,7 @@ def test_devices_that_cannot_matter_are_left_out_saying_why(tmp_path):
     path = topology_file(tmp_path, fleet)
     done = hetpeer("plan", str(path), "--model", "gpt3-xl", "--batch", "32", "--time-budget", "0.5", "--quiet")
     assert done.returncode == 0, done.stderr
-    assert "1 too small: less usable memory than one layer's training state (1.01 GB) (d7)" in done.stdout
+    assert "1 too small: less usable memory than one layer's training state (0.81 GB) (d7)" in done.stdout
     assert "1 too slow: one layer of its share of the batch takes longer than a whole step without it" in done.stdout
     assert "(d6)" in done.stdout
     plan = Plan.from_wire(json.loads(hetpeer("plan", str(path), "--model", "gpt3-xl", "--batch", "32", "--time-budget",
@@ -160,6 +160,26 @@ def test_a_plan_can_ask_for_validation(tmp_path):
     assert "eval_every" not in json.loads(plain.stdout)
 
 
+def test_stages_recompute_only_where_they_fit_no_other_way(tmp_path):
+    # four 24 GB GPUs and GPT-3 XL in micro-batches of 4: the first stage holds its layers' activations only by
+    # recomputing some of them
+    path = topology_file(tmp_path, [device(i, memory_gb=24.0, tflops=80.0) for i in range(4)])
+    args = [str(path), "--batch", "32", "--micro-batch", "4", "--time-budget", "1", "--quiet"]
+    done = hetpeer("plan", *args, "--json")
+    assert done.returncode == 0, done.stderr
+    plan = Plan.from_wire(json.loads(done.stdout))
+    assert any(stage.recompute for stage in plan.stages)
+    assert all(0 <= stage.recompute <= stage.layers for stage in plan.stages)
+    text = hetpeer("plan", *args)
+    assert "recomputed in the backward pass" in text.stdout
+    never = hetpeer("plan", *args, "--recompute", "never", "--json")
+    assert never.returncode == 0, never.stderr
+    assert not any(stage.recompute for stage in Plan.from_wire(json.loads(never.stdout)).stages)
+    roomy = topology_file(tmp_path, [device(i, memory_gb=80.0, tflops=80.0) for i in range(4)], "roomy.json")
+    done = hetpeer("plan", str(roomy), *args[1:], "--json")
+    assert not any(stage.recompute for stage in Plan.from_wire(json.loads(done.stdout)).stages)
+
+
 def test_help_lists_the_options():
     done = hetpeer("plan", "--help")
     assert done.returncode == 0
@@ -195,6 +215,9 @@ def bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], list[str]]]:
         "unknown region": ([str(unknown_region)], ["topology.devices[1].region", "mars"]),
         "no shape fits": ([*world, "--no-standby", "--stages", "5"], ["no shape fits 64 devices", "5 stages"]),
         "nothing fits in memory": ([str(small_memory), "--time-budget", "0.3"], ["nothing fits in memory", "gpt3-xl"]),
+        "nothing fits without recomputing": ([str(small_memory), "--time-budget", "0.3", "--recompute", "never"],
+                                             ["nothing fits in memory", "--recompute auto"]),
+        "unknown recomputation": ([*world, "--recompute", "some"], ["--recompute", "'some'"]),
         "no device holds a layer": ([str(tiny_memory), "--time-budget", "0.3"], ["no device can hold a stage", "4 too small"]),
         "dp bytes with time model": ([*world, "--dp-bytes", "0.65e9"], ["--dp-bytes", "dtfm"]),
         "time model without tflops": ([str(no_tflops)], ["tflops"]),
@@ -211,7 +234,8 @@ def bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], list[str]]]:
 CASES = ["unparseable json", "missing file", "missing field", "negative tflops", "unknown region", "no shape fits",
          "nothing fits in memory", "no device holds a layer", "dp bytes with time model", "time model without tflops",
          "micro-batch larger than batch", "zero stages", "negative seed", "model folder without config",
-         "unsupported model", "unknown model", "sequence longer than the model"]  # fmt: skip
+         "unsupported model", "unknown model", "sequence longer than the model", "nothing fits without recomputing",
+         "unknown recomputation"]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", CASES)

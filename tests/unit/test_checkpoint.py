@@ -61,6 +61,18 @@ def test_a_restored_stage_trains_on_as_the_saved_one(tmp_path):
         assert torch.equal(second[device].flat.data, first[device].flat.data), device
 
 
+def test_a_plain_adam_checkpoint_resumes_under_accumadam_with_an_empty_window(tmp_path):
+    plain = workers(plan_of(1))
+    train(plain, 2)
+    assert len(plain["s0"].sync.state.tensors()) == 2  # plain Adam keeps no window
+    plain["s0"].save(tmp_path)
+    accumulating = workers(plan_of(1), WorkerConfig(adam=AdamConfig(lr=1e-2, accumulate=4)))["s0"]
+    accumulating.sync.state.window.fill_(7.0)
+    accumulating.restore(tmp_path / "s0.safetensors")
+    assert torch.equal(accumulating.flat.data, plain["s0"].flat.data)
+    assert torch.equal(accumulating.sync.state.window, torch.zeros_like(accumulating.sync.state.window))
+
+
 def test_a_crash_mid_write_leaves_the_previous_checkpoint_whole(tmp_path, monkeypatch):
     worker = workers(plan_of(1))["s0"]
     saved = worker.save(tmp_path)

@@ -51,6 +51,15 @@ def test_validation_settings_round_trip():
     assert not Plan.from_wire(wire()).evaluates(0)  # none unless asked
 
 
+def test_recomputation_round_trips_and_is_left_out_where_none():
+    raw = copy.deepcopy(wire())
+    raw["stages"][0]["recompute"] = 3
+    plan = Plan.from_wire(raw)
+    assert [s.recompute for s in plan.stages] == [3, 0]
+    assert plan.to_wire() == raw
+    assert "recompute" not in plan.to_wire()["stages"][1]  # a plan without it reads as before
+
+
 def test_lanes_may_be_left_out():
     raw = wire()
     del raw["lanes"]
@@ -88,6 +97,9 @@ BAD = [
     ("micro-batch above the batch", lambda r: r.update(micro_batch=r["batch"] + 1), "plan.micro_batch"),
     ("validation without a batch", lambda r: r.update(eval_every=10), "plan.eval_batch"),
     ("negative validation interval", lambda r: r.update(eval_every=-1, eval_batch=2), "plan.eval_every"),
+    ("more layers recomputed than held", lambda r: r["stages"][1].update(recompute=3), "plan.stages[1].recompute"),
+    ("negative recomputation", lambda r: r["stages"][0].update(recompute=-1), "plan.stages[0].recompute"),
+    ("recomputation as a flag", lambda r: r["stages"][0].update(recompute=True), "plan.stages[0].recompute"),
 ]
 
 

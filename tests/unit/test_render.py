@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hetpeer.coordinator.planner.render import format_plan
 from hetpeer.protocol.plan import Plan, StagePlan
 
@@ -21,6 +23,14 @@ def test_text_names_stages_lanes_standby_and_baselines():
     assert "standby:\n  1 without a stated reason (e)" in text
     assert "blocks" in text and "2.00x this plan" in text
     assert "random (mean of 7)" in text and "does not fit in memory" in text
+
+
+def test_stages_that_recompute_are_named_with_how_many_layers():
+    recomputing = replace(plan(2.0), stages=(StagePlan(0, 0, 2, ("a", "b"), "allreduce", recompute=1),
+                                             StagePlan(1, 2, 4, ("c", "d"), "allreduce")))
+    text = format_plan(recomputing, {"blocks": 4.0, "random": None}, 7)
+    assert "recomputed in the backward pass" in text and "stage 0: 1 of its 2 layers" in text and "stage 1:" not in text
+    assert "recomputed" not in format_plan(plan(2.0), {"blocks": 4.0, "random": None}, 7)
 
 
 def test_a_plan_that_costs_nothing_can_be_printed():
