@@ -113,9 +113,10 @@ class Status:
 
 def stage_flops(plan: Plan, me: str, spec: ModelSpec) -> float:
     """The FLOPs of `me`'s training step under `plan` (forward and backward: 3x forward), as the planner's time
-    model counts them: its layers for the lane's batch, and the output head on the last stage."""
+    model counts them: its layers for the lane's batch (a recomputed one a forward more), and the output head on
+    the last stage."""
     stage, _ = plan.position(me)
-    layers = plan.stages[stage].layer_end - plan.stages[stage].layer_start
+    layers = plan.stages[stage].layers + plan.stages[stage].recompute / 3
     workload = Workload(spec, batch=plan.batch, micro_batch=plan.micro_batch, dtype=plan.dtype)
     head = workload.head_fwd_flops_per_seq if stage == len(plan.stages) - 1 else 0.0
     return 3 * plan.lane_batch * (layers * workload.layer_fwd_flops_per_seq + head)

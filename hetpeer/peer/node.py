@@ -152,8 +152,8 @@ def format_memory(worker: StageWorker, peak_bytes: int) -> str:
     process grew (the interpreter and torch's own included)."""
     device = worker.config.device
     if torch.device(device).type == "cuda":
-        peak = f"{torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB allocated on {device}"
         peak_bytes = torch.cuda.max_memory_allocated(device)
+        peak = f"{peak_bytes / 2**20:.0f} MiB allocated on {device}"
     else:
         peak = f"{peak_bytes / 2**20:.0f} MiB of the process above its start"
     expected = stage_memory(worker)

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hetpeer.peer.daemon import FUTURE_EPOCHS, donors_for, fetching, held_epochs, not_arrived, still_fetched, switch_now
+from hetpeer.peer.daemon import FUTURE_EPOCHS, donors_for, fetching, held_epochs, not_arrived, stage_flops, still_fetched, switch_now
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.records import PeerRecord
+from hetpeer.protocol.workload import Workload, preset
 
 
 def make_plan(stages: list[list[str]], *, standby: tuple[str, ...] = (), epoch: int = 1, start_step: int = 0) -> Plan:
@@ -168,3 +169,12 @@ def test_a_neighbour_is_waited_for_only_while_it_announces_fetching_under_the_ru
     assert not fetching(plan, book(replace(downloading, state="training")), "c")  # it has its state: frames are late
     assert not fetching(plan, book(replace(downloading, state="waiting")), "c")
     assert not fetching(plan, {}, "c")  # stopped announcing: gone
+
+
+def test_a_step_counts_the_flops_of_its_layers_a_recomputed_one_a_forward_more():
+    spec = preset("tiny")
+    w = Workload(spec, batch=4)
+    stages = (StagePlan(0, 0, 3, ("a",), "none", recompute=2), StagePlan(1, 3, 4, ("b",), "none"))
+    plan = Plan(cost_model="time", model="tiny", layers=4, batch=4, micro_batch=1, micro_batches=4, dtype="fp32", stages=stages)
+    assert stage_flops(plan, "a", spec) == (3 * 3 + 2) * 4 * w.layer_fwd_flops_per_seq  # 3 layers, 2 of them recomputed
+    assert stage_flops(plan, "b", spec) == 3 * 4 * (w.layer_fwd_flops_per_seq + w.head_fwd_flops_per_seq)

@@ -4,9 +4,10 @@ A swarm of strangers holds devices no plan should use: a Raspberry Pi among V100
 memory than one layer's training state. Searching over them costs time and memory (the search is O(n^2) in
 links) and finds nothing. Two rules, each a proof that no plan the time model would choose uses the device:
 
-- too small: its usable memory (less the reserve) is below one layer's training state, which every stage
-  holds at least (activations, even recomputed, and a group's exchange only add to it), so every plan with
-  it overflows;
+- too small: its usable memory (less the reserve) is below one layer's training state and what it keeps
+  for one sequence's backward pass, which every stage holds at least (a recomputing stage rebuilds a
+  layer's activations at a time; more layers, sequences and a group's exchange only add to it), so every
+  plan with it overflows;
 - too slow: in any plan with m lanes, a device processes its lane's ceil(batch / m) sequences through at
   least one layer, forward and backward, and the lane's step takes at least that long (the time model's lane
   is round trip + (M - 1) x bottleneck, at least M micro-batches of its compute). With the most lanes any
@@ -36,13 +37,13 @@ class Pruned:
     kept: np.ndarray  # indices into the problem's devices, ascending
     too_small: np.ndarray
     too_slow: np.ndarray
-    layer_gb: float  # one layer's training state: what the smallest stage holds at least
+    layer_gb: float  # one layer's training state and one sequence's activations: what the smallest stage holds at least
     reference_s: float  # the predicted step of the plan the slow devices were measured against (inf: none)
 
     def reasons(self, device_ids: tuple[str, ...]) -> dict[str, list[str]]:
         """The pruned devices by reason, in words an organizer reads in the plan."""
         return {
-            f"too small: less usable memory than one layer's training state ({self.layer_gb:.2f} GB)":
+            f"too small: less usable memory than one layer's training state and activations ({self.layer_gb:.2f} GB)":
                 [device_ids[d] for d in self.too_small],
             f"too slow: one layer of its share of the batch takes longer than a whole step without it "
             f"({self.reference_s:.3g} s)": [device_ids[d] for d in self.too_slow],
@@ -56,7 +57,7 @@ def prune(
     is the cost model's account of a grid (used for the reference plan)."""
     n, w = problem.n, problem.workload
     everyone = np.arange(n)
-    layer_bytes = STATE_BYTES_PER_PARAM * w.model.layer_params
+    layer_bytes = STATE_BYTES_PER_PARAM * w.model.layer_params + w.layer_activation_bytes(1)
     if problem.memory_bytes is None:
         too_small = np.zeros(n, dtype=bool)
     else:
