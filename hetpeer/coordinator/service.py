@@ -402,6 +402,13 @@ class Coordinator:
         self._publish(plan, f"resumed from the peers' checkpoints at step {found.step}")
 
     def _publish(self, plan: Plan, why: str) -> bool:
+        steps = self.config.steps
+        if plan is not self.plan and self.plan is not None and steps is not None and plan.start_step >= steps:
+            # the swarm ends before it would take effect; its peers leave under the running plan, whose progress
+            # (and a watcher waiting for the last step) their leaving records then show
+            self._log_once("after the end", f"kept epoch {self.plan.epoch}: a new plan would start at step {plan.start_step}, "
+                           f"when the swarm has done its {steps} steps")
+            return False
         if not self.control.publish_plan(plan, ttl_s=self.config.plan_ttl_s):
             self.report(f"could not store plan epoch {plan.epoch} in the DHT; trying again next round")
             return False

@@ -99,6 +99,22 @@ def test_a_swarm_that_reached_its_last_step_is_never_planned_again(coordinator):
     assert [p.plan.epoch for p in control.plans] == [first.epoch]  # not a plan "from step 1" for the standby peers
 
 
+def test_no_plan_is_published_to_start_once_the_swarm_has_done_its_steps(coordinator):
+    """A plan that would take effect at or past --steps is kept back: the peers leave under the running plan, and its
+    progress counts their last step (a new epoch would leave a watcher waiting for step 80 at step 0)."""
+    control = coordinator.control
+    first = two_stages_of_three_peers(coordinator, steps=80)
+    for d in first.devices:
+        s = first.position(d)[0]
+        control.announce(d, state="training", epoch=first.epoch, layers=(first.stages[s].layer_start, first.stages[s].layer_end), step=79)
+    rounds(coordinator, 1)
+    control.announce(first.stages[1].devices[0], state="leaving")  # a member leaves at the last step but one
+    rounds(coordinator, 1)
+    assert [p.plan.epoch for p in control.plans] == [first.epoch]
+    assert any(line == f"kept epoch {first.epoch}: a new plan would start at step 80, when the swarm has done its 80 steps"
+               for line in coordinator.lines)
+
+
 def test_a_plan_after_every_holder_left_starts_past_the_reached_step_and_says_so(coordinator):
     coordinator.config = replace(coordinator.config, steps=None)
     control = coordinator.control
@@ -149,7 +165,7 @@ def test_each_round_leaves_the_dashboard_a_board_with_the_run_so_far(coordinator
 
 def two_stages_of_three_peers(coordinator, **config):
     """The first plan of peers a, b and c in two stages of one lane (one on standby), with `config` set."""
-    coordinator.config = replace(coordinator.config, steps=None, **config)
+    coordinator.config = replace(coordinator.config, **{"steps": None, **config})
     coordinator.planner = replace(coordinator.planner, stages=2, group_size=1)
     for d in ("a", "b", "c"):
         coordinator.control.announce(d)
