@@ -54,7 +54,7 @@ from hetpeer.peer.gossip.adam import AdamState, adam_update  # noqa: E402
 from hetpeer.peer.model import build_stage  # noqa: E402
 from hetpeer.peer.node import stage_memory  # noqa: E402
 from hetpeer.peer.probe import TensorPeak, _time_per_call, block_tflops, free_memory_bytes  # noqa: E402
-from hetpeer.peer.transport.codec import decode, encode  # noqa: E402
+from hetpeer.peer.transport.codec import checksum, decode, encode  # noqa: E402
 from hetpeer.protocol.frame import CODECS, FrameHeader  # noqa: E402
 from hetpeer.protocol.workload import ModelSpec, Workload, load_model  # noqa: E402
 
@@ -90,7 +90,7 @@ class Sizes:
     steps: int  # timed steps a round
     rounds: int
     launch_steps: int
-    launch_layers: dict
+    launch_model: dict
     codec_mb: int  # megabytes of fp32 activations the codecs move
     probe_s: float
 
@@ -98,9 +98,9 @@ class Sizes:
 # micro-batches of 16 sequences: large enough that recomputation can halve a stage's memory (a Llama's activations
 # outweigh its training state and logits there)
 GPU_SIZES = Sizes({"GPT-2 124M": GPT2_124M, "Llama 300M": LLAMA_300M}, batch=32, micro_batch=16, warmup=3, steps=8, rounds=3,
-                  launch_steps=30, launch_layers=LAUNCH_MODEL, codec_mb=64, probe_s=1.5)
+                  launch_steps=30, launch_model=LAUNCH_MODEL, codec_mb=64, probe_s=1.5)
 SMALL_SIZES = Sizes({"GPT-2 (small)": SMALL_GPT2, "Llama (small)": SMALL_LLAMA}, batch=4, micro_batch=2, warmup=1, steps=2,
-                    rounds=2, launch_steps=4, launch_layers=SMALL_GPT2, codec_mb=4, probe_s=0.2)
+                    rounds=2, launch_steps=4, launch_model=SMALL_GPT2, codec_mb=4, probe_s=0.2)
 
 
 def say(line: str) -> None:
@@ -280,7 +280,7 @@ def step_parts(spec: ModelSpec, sizes: Sizes, device: str, worker, probe_tflops:
 def launch_part(out: Path, sizes: Sizes, cuda: bool) -> dict:
     """(b): the same 2 x 2 plan launched on the GPU and on the CPU in bf16, and on the CPU in fp32."""
     folder = out / "launch-model"
-    spec = spec_of(folder, sizes.launch_layers)
+    spec = spec_of(folder, sizes.launch_model)
     topology = out / "four.json"
     topology.write_text(json.dumps({"devices": [{"id": f"p{i}", "region": "r", "tflops": 1.0} for i in range(4)],
                                     "regions": {"r": {"latency_ms": 0.1, "bandwidth_gbps": 10}}}))
@@ -363,7 +363,7 @@ def codec_part(sizes: Sizes, device: str) -> dict:
                 nonlocal header
                 dtype, payload = encode(tensor, codec)
                 header = FrameHeader(kind="activation", dtype=dtype, shape=tuple(tensor.shape), sender="a", step=0, micro=0,
-                                     epoch=0, codec=codec, checksum=_checksum(payload))
+                                     epoch=0, codec=codec, checksum=checksum(payload))
                 return payload
 
             payload = bytearray(encoded())  # as a receiver holds it
@@ -377,12 +377,6 @@ def codec_part(sizes: Sizes, device: str) -> dict:
         say(f"  (d) {key:<10} encode {row['encode_gbps']:6.2f} GB/s, decode {row['decode_gbps']:6.2f} GB/s, "
             f"{row['wire_share']:.3f} of the bytes, max error {row['max_error']:.2e}")
     return found
-
-
-def _checksum(payload) -> int:
-    from hetpeer.peer.transport.codec import checksum
-
-    return checksum(payload)
 
 
 def guarded(name: str, run, results: dict) -> None:
