@@ -144,12 +144,6 @@ def spec_of(folder: Path, config: dict) -> ModelSpec:
     return load_model(str(folder))
 
 
-def step_flops(spec: ModelSpec, sizes: Sizes) -> float:
-    """What the planner counts for a step of the whole model: forward and backward, 3x the forward."""
-    w = Workload(spec, batch=sizes.batch, micro_batch=sizes.micro_batch)
-    return 3.0 * sizes.batch * (spec.layers * w.layer_fwd_flops_per_seq + w.head_fwd_flops_per_seq)
-
-
 def timed_rounds(systems: dict, sizes: Sizes, device: str) -> dict[str, float]:
     """Median seconds per step of each system, over rounds that alternate between them (after warm-up)."""
     for step in systems.values():
@@ -207,7 +201,7 @@ def model_part(label: str, spec: ModelSpec, sizes: Sizes, device: str, corpus: C
                announced: int) -> dict:
     """(a) and (c) for one model."""
     tokens = sizes.batch * spec.seq_len
-    flops = step_flops(spec, sizes)
+    flops = Workload(spec, batch=sizes.batch).stage_flops(spec.layers, last=True, sequences=sizes.batch)  # the whole model
     found: dict = {"params": spec.params, "seq_len": spec.seq_len, "batch": sizes.batch, "micro_batch": sizes.micro_batch}
     plain = Plain(spec, corpus, sizes.batch, sizes.micro_batch, device=device, dtype="bf16")
     worker = hetpeer_worker(spec, corpus, sizes.batch, sizes.micro_batch, device=device, dtype="bf16")

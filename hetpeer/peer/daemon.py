@@ -116,10 +116,9 @@ def stage_flops(plan: Plan, me: str, spec: ModelSpec) -> float:
     model counts them: its layers for the lane's batch (a recomputed one a forward more), and the output head on
     the last stage."""
     stage, _ = plan.position(me)
-    layers = plan.stages[stage].layers + plan.stages[stage].recompute / 3
     workload = Workload(spec, batch=plan.batch, micro_batch=plan.micro_batch, dtype=plan.dtype)
-    head = workload.head_fwd_flops_per_seq if stage == len(plan.stages) - 1 else 0.0
-    return 3 * plan.lane_batch * (layers * workload.layer_fwd_flops_per_seq + head)
+    return workload.stage_flops(plan.stages[stage].layers, last=stage == len(plan.stages) - 1, sequences=plan.lane_batch,
+                                recompute=plan.stages[stage].recompute)
 
 
 def switch_now(running: Plan | None, new: Plan, step: int) -> bool:

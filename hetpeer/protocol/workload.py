@@ -425,6 +425,12 @@ class Workload:
         m = self.model
         return float(m.seq_len * 2 * m.hidden * m.vocab)
 
+    def stage_flops(self, layers: float, *, last: bool, sequences: int, recompute: int = 0) -> float:
+        """A stage's FLOPs for a step of `sequences` as the planner's time model counts them: forward and backward
+        (3x the forward) through its layers, each recomputed one a forward more, and the head on the last stage."""
+        head = self.head_fwd_flops_per_seq if last else 0.0
+        return sequences * ((3 * layers + recompute) * self.layer_fwd_flops_per_seq + 3 * head)
+
     @property
     def boundary_bytes_per_seq(self) -> float:
         """Bytes of the activation (or its gradient) passed between two stages, per sequence."""

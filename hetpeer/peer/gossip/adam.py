@@ -48,8 +48,6 @@ class AdamState:
     """The optimizer state of one stage: moments (and AccumAdam's window sum), flat, plus the step count. The
     window exists only where AccumAdam needs one (`windowed`): plain Adam holds 4 bytes a parameter less."""
 
-    NAMES = ("m", "v", "window")
-
     def __init__(self, size: int, device: str | torch.device = "cpu", windowed: bool = False) -> None:
         self.m = torch.zeros(size, device=device)
         self.v = torch.zeros(size, device=device)
