@@ -33,8 +33,9 @@ from pathlib import Path
 import numpy as np
 
 from hetpeer.coordinator import gate, policy
+from hetpeer.coordinator.config import CoordinatorConfig
 from hetpeer.coordinator.planner import PlannerConfig, solve, synthetic
-from hetpeer.coordinator.service import Coordinator, CoordinatorConfig
+from hetpeer.coordinator.service import Coordinator
 from hetpeer.protocol.records import MAX_PLAN_BYTES, PROTOCOL_VERSION, PeerSchema, peers_key, plan_from_wire, plan_to_wire
 from hetpeer.protocol.topology import Topology
 from hetpeer.protocol.workload import PRESETS, Workload
@@ -92,7 +93,7 @@ class VolunteerSwarm(SyntheticControlPlane):
             "val_loss": None, "checkpoint": None, "tokens_per_s": 0.0,
             "links": {"peers": list(links), "latency_s": [v[0] for v in links.values()],
                       "bandwidth_bytes_per_s": [v[1] for v in links.values()]},
-            "time": self.clock - 0.5, "token": None, "suspects": [],
+            "time": self.clock - 0.5, "token": None, "suspects": [], "compute_key": None, "compute_share": 1.0, "compute_background": 0.0,
         }  # fmt: skip
 
 

@@ -39,7 +39,8 @@ from typing import Callable
 
 import numpy as np
 
-from hetpeer.coordinator.api import ApiClient, ApiError
+from hetpeer.coordinator.api_client import ApiClient
+from hetpeer.coordinator.api_errors import ApiError
 from hetpeer.coordinator.planner import PlannerConfig, Shape, make_model, to_plan
 from hetpeer.coordinator.planner.baselines import blocks_grid, random_grids
 from hetpeer.coordinator.policy import build_problem

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from swarm import SETTLE_STEPS, baseline, measure, poll, publish  # noqa: E402  (the sibling benchmark's windows)
 
 from hetpeer import scenarios  # noqa: E402
-from hetpeer.coordinator.api import ApiClient  # noqa: E402
+from hetpeer.coordinator.api_client import ApiClient  # noqa: E402
 from hetpeer.coordinator.planner import PlannerConfig  # noqa: E402
 from hetpeer.coordinator.policy import build_problem, predicted_step_s  # noqa: E402
 from hetpeer.peer.launch import free_port  # noqa: E402

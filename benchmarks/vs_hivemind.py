@@ -46,7 +46,8 @@ import numpy as np
 import yaml
 
 from hetpeer import logline
-from hetpeer.coordinator.api import ApiClient, ApiError
+from hetpeer.coordinator.api_client import ApiClient
+from hetpeer.coordinator.api_errors import ApiError
 from hetpeer.peer.launch import free_port
 from hetpeer.protocol.topology import Topology
 from hetpeer.protocol.workload import preset

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from hetpeer.coordinator.api import SwarmView
 from hetpeer.coordinator.board import Board
 from hetpeer.coordinator.gate import Ban
 from hetpeer.coordinator.history import History
+from hetpeer.coordinator.view import SwarmView
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.records import LinkMeasurement, PeerRecord

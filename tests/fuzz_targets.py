@@ -734,7 +734,8 @@ class ApiRig:
     def __init__(self) -> None:
         import grpc
 
-        from hetpeer.coordinator.api import ApiServer, SwarmView
+        from hetpeer.coordinator.api import ApiServer
+        from hetpeer.coordinator.view import SwarmView
 
         peers = {r.device_id: r for r in (peer_record("gpu0"), peer_record("gpu1", state="standby", loss=None))}
         self.view = SwarmView("fuzz", "ab" * 32, Plan.from_wire(PLAN_WIRE), NOW - 5.0, peers, 1, NOW)
@@ -748,7 +749,7 @@ class ApiRig:
 
     def check_serving(self) -> None:
         """A well-formed call still gets the view's answer."""
-        from hetpeer.coordinator.api import ApiClient
+        from hetpeer.coordinator.api_client import ApiClient
 
         with ApiClient(self.server.address) as client:
             plan, _ = client.call_get_plan()

@@ -15,9 +15,9 @@ from typing import Any, Callable, Iterator, Mapping
 from prometheus_client.core import GaugeMetricFamily, CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from hetpeer.coordinator.api import SwarmView, progress
 from hetpeer.coordinator.gate import Ban
 from hetpeer.coordinator.history import Past
+from hetpeer.coordinator.view import SwarmView, progress
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.records import PeerRecord
 

@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from hetpeer import logline
-from hetpeer.coordinator.api import PeerStatus, Progress
+from hetpeer.coordinator.view import PeerStatus, Progress
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.records import PeerRecord
 

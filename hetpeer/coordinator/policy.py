@@ -1,8 +1,10 @@
 """What the coordinator decides, as pure functions of what it read: no DHT, no clock, no threads.
 
 - `build_problem`: the planner's `Problem` from the peers' announcements. Compute is what a peer's
-  training achieved, or its probe corrected by the swarm's achieved-over-probed (`effective_tflops`).
-  Links are what peers measured
+  training achieved, or its probe corrected by the swarm's achieved-over-probed (`effective_tflops`);
+  peers that announce one compute device share it (`Sharing`), and what a peer achieved while sharing
+  is counted as what it would achieve alone (its slowdown under the running plan taken out), since the
+  time model applies the sharing of each plan it weighs. Links are what peers measured
   (a pair measured both ways takes the slower bandwidth and the mean latency of the two); a pair nobody
   measured is guessed no better than the worse end's typical link (the median of its measured links,
   else of all measured links, else `DEFAULT_LINK`) and marked, so the plan can name the links it uses
@@ -29,6 +31,7 @@ from typing import Collection, Mapping, Sequence
 import numpy as np
 
 from hetpeer.coordinator.planner import PlannerConfig, Problem, Shape, make_model
+from hetpeer.coordinator.planner.sharing import Sharing
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.records import PeerRecord
 from hetpeer.protocol.workload import Workload
@@ -94,16 +97,29 @@ def build_problem(
     np.fill_diagonal(estimated, False)
     np.fill_diagonal(latency, 0.0)
     np.fill_diagonal(bandwidth, np.inf)
+    sharing = Sharing.from_keys([records[d].compute_key for d in ids], [records[d].compute_share for d in ids],
+                                [records[d].compute_background for d in ids])
     problem = Problem(
         device_ids=ids,
         latency_s=latency,
         bandwidth_bytes_per_s=bandwidth,
         workload=workload,
-        tflops=effective_tflops([records[d] for d in ids]),
+        tflops=effective_tflops([records[d] for d in ids], _running_slowdowns(ids, sharing, current)),
         memory_bytes=np.array([float(records[d].memory_bytes) for d in ids]),
         current=current,
+        sharing=sharing,
     )
     return problem, estimated
+
+
+def _running_slowdowns(ids: Sequence[str], sharing: Sharing | None, current: Plan | None) -> np.ndarray | None:
+    """The slowdown (n,) each peer's training ran under from sharing its device with the running plan's other
+    peers, or None where no peers share a device or there is no plan. A peer announces what its last steps
+    achieved, so its figure is taken as of the running plan."""
+    if sharing is None or current is None:
+        return None
+    members = np.isin(np.array(ids), np.array(current.devices))[None, :]
+    return sharing.device_slowdowns(members)[0]
 
 
 def estimated_links(plan: Plan, device_ids: Sequence[str], estimated: np.ndarray) -> tuple[tuple[str, str], ...]:
@@ -115,13 +131,16 @@ def estimated_links(plan: Plan, device_ids: Sequence[str], estimated: np.ndarray
     return tuple(sorted(pair for pair in plan.links if estimated[index[pair[0]], index[pair[1]]]))[:MAX_ESTIMATED_LINKS]
 
 
-def effective_tflops(records: Sequence[PeerRecord]) -> np.ndarray:
-    """What each peer's compute will deliver in training: what its training steps achieved, where it has
-    trained; else its probe's figure times the swarm's efficiency, the median of achieved over probed among
+def effective_tflops(records: Sequence[PeerRecord], slowdown: np.ndarray | None = None) -> np.ndarray:
+    """What each peer's compute will deliver in training when it has its device to itself: what its training
+    steps achieved, where it has trained, times the `slowdown` (n,) it trained under from sharing its device
+    (if given); else its probe's figure times the swarm's efficiency, the median of achieved over probed among
     peers that trained (a block timed alone runs faster than a training step: the framework's own
-    overheads, the transport's threads beside it, a shared machine), else its probe's figure."""
+    overheads, the transport's threads beside it), else its probe's figure."""
     probed = np.array([r.tflops for r in records], dtype=float)
     achieved = np.array([r.achieved_tflops if r.achieved_tflops is not None else np.nan for r in records])
+    if slowdown is not None:
+        achieved = achieved * slowdown
     known = ~np.isnan(achieved)
     efficiency = float(np.median(achieved[known] / probed[known])) if known.any() else 1.0
     return np.where(known, achieved, probed * efficiency)

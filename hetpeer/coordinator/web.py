@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from hetpeer.coordinator import board as boards
-from hetpeer.coordinator.api import ServerTls
+from hetpeer.coordinator.tls import ServerTls
 
 ASSETS = {  # name -> content type
     "dashboard.js": "text/javascript; charset=utf-8",

@@ -2,7 +2,8 @@
 
 `profile_machine` is what a joining peer announces: the accelerator's name, one block of the model
 timed in the training dtype (under `Slowdown`, for an emulated slower device: the TFLOPS a slowed peer
-announces are what it achieves), and the free memory.
+announces are what it achieves), the free memory, and which device it computes on (`compute_identity`:
+an opaque key that peers on the same CPU cores or GPU share, and its share of that device).
 
 `block_tflops` times forward and backward passes of one transformer block of the model at the
 plan's micro-batch, in the training dtype (bf16 runs under `torch.autocast` with fp32 weights, as the
@@ -17,6 +18,7 @@ accelerator on a fast one (tests and benchmarks of heterogeneous swarms).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import os
 import platform
@@ -48,6 +50,9 @@ class MachineProfile:
     device_name: str
     tflops: float  # achieved forward + backward throughput of one block in the training dtype
     memory_bytes: int  # free accelerator memory (cuda) or available system memory (cpu)
+    compute_key: str | None = None  # the device it computes on, opaque (`compute_identity`); None: unknown
+    compute_share: float = 1.0  # of that device, what it uses computing flat out
+    compute_background: float = 0.0  # of that device, what other work kept busy while it did not train (`DeviceLoad`)
 
     def __post_init__(self) -> None:
         if not self.device_name:
@@ -56,10 +61,14 @@ class MachineProfile:
             raise ValueError(f"tflops must be finite and positive, got {self.tflops!r}")
         if self.memory_bytes < 0:
             raise ValueError(f"memory_bytes must not be negative, got {self.memory_bytes}")
+        if not (math.isfinite(self.compute_share) and 0 < self.compute_share <= 1):
+            raise ValueError(f"compute_share must be in (0, 1], got {self.compute_share!r}")
+        if not (math.isfinite(self.compute_background) and 0 <= self.compute_background < 1):
+            raise ValueError(f"compute_background must be in [0, 1), got {self.compute_background!r}")
 
 
 def profile_machine(
-    spec: ModelSpec, micro_batch: int, dtype: str, device: str, slowdown: float = 1.0, seconds: float = 1.0
+    spec: ModelSpec, micro_batch: int, dtype: str, device: str, slowdown: float = 1.0, seconds: float = 1.0, swarm: str = ""
 ) -> MachineProfile:
     """What this peer announces about its machine; the compute probe takes about `seconds`.
 
@@ -70,7 +79,72 @@ def profile_machine(
     the peer achieves, not a datasheet figure divided by hand."""
     around = Slowdown(slowdown) if slowdown != 1 else None
     tflops = block_tflops(spec, micro_batch, device, seconds, dtype=dtype, around=around, best=True)
-    return MachineProfile(device_name(device), tflops, free_memory_bytes(device))
+    key, share = compute_identity(device, swarm, slowdown)
+    return MachineProfile(device_name(device), tflops, free_memory_bytes(device), key, share)
+
+
+def compute_identity(device: str, swarm: str, slowdown: float = 1.0) -> tuple[str | None, float]:
+    """(key, share) of the device this peer computes on, for the planner to see peers that share one.
+
+    The key is 16 hex digits of a hash of the swarm's name and what identifies the device: a GPU's UUID, or
+    for CPU threads this kernel's boot id and the cores this process may run on (containers on one host share
+    them). Peers of one swarm on one device announce the same key; it says nothing else about the machine, and
+    the swarm's name in the hash keeps keys of different swarms apart. None where nothing identifies it.
+    The share is what of the device the peer uses computing flat out: its threads over those cores (1 on a
+    GPU), over its emulated slowdown (a slowed peer sleeps the rest of its time)."""
+    if torch.device(device).type == "cuda":
+        identity = str(getattr(torch.cuda.get_device_properties(torch.device(device)), "uuid", "") or "")
+        share = 1.0
+    else:
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        boot = Path("/proc/sys/kernel/random/boot_id")
+        identity = f"{boot.read_text().strip()} {cores}" if boot.exists() else ""
+        share = min(1.0, torch.get_num_threads() / len(cores))
+    key = hashlib.sha256(f"hetpeer compute\0{swarm}\0{identity}".encode()).hexdigest()[:16] if identity else None
+    return key, share / slowdown
+
+
+class DeviceLoad:
+    """What of this peer's CPU cores other work keeps busy: each `sample()` is the share of those cores busy
+    since the last one (the kernel's count, /proc/stat), less this process's own CPU time; the figure is the
+    median of the last `window` samples, so that a neighbour's passing probe does not stand for the load the
+    machine always carries (other peers' control planes, their DHT processes, a coordinator beside them).
+    It reads nothing where the kernel does not say (None), and nothing of a GPU: a GPU's other work is not
+    counted."""
+
+    def __init__(self, device: str, window: int = 8) -> None:
+        stat = Path("/proc/stat")
+        self._cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        self._usable = torch.device(device).type == "cpu" and stat.exists() and bool(self._cores)
+        self._window = window
+        self._samples: list[float] = []
+        self._last = self._read() if self._usable else None
+
+    def _read(self) -> tuple[float, float, float]:
+        """(busy seconds of this peer's cores, all seconds of them, this process's CPU seconds)."""
+        tick = os.sysconf("SC_CLK_TCK")
+        busy = total = 0.0
+        wanted = {f"cpu{c}" for c in self._cores}
+        for line in Path("/proc/stat").read_text().splitlines():
+            name, *fields = line.split()
+            if name in wanted:
+                values = [int(v) for v in fields[:8]]
+                idle = values[3] + values[4]  # idle and iowait
+                total += sum(values)
+                busy += sum(values) - idle
+        own = os.times()
+        return busy / tick, total / tick, own.user + own.system
+
+    def sample(self) -> float | None:
+        """Add a sample; the load now, as a share of the cores in [0, 1), or None where it is not measured."""
+        if not self._usable:
+            return None
+        now = self._read()
+        busy, total, own = (b - a for a, b in zip(self._last, now))
+        self._last = now
+        if total > 0:
+            self._samples = (self._samples + [min(0.95, max(0.0, (busy - own) / total))])[-self._window :]
+        return statistics.median(self._samples) if self._samples else None
 
 
 def device_name(device: str) -> str:

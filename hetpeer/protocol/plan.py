@@ -4,6 +4,7 @@ A plan is what the coordinator publishes and what `hetpeer plan --json` prints. 
 
     {"version": 1, "epoch": int, "start_step": int, "cost_model": "dtfm" | "time",
      "model": str, "layers": int, "batch": int, "micro_batch": int, "micro_batches": int, "dtype": str,
+     "seq_len": int,                                  # optional: tokens per sequence it was made for
      "stages": [{"index": s, "layer_start": int, "layer_end": int (exclusive),
                  "devices": [device id per lane], "sync": "allreduce" | "gossip" | "none",
                  "recompute": int}],                  # optional: its first N layers recompute activations in backward
@@ -77,6 +78,7 @@ class Plan:
     standby_reasons: tuple[tuple[str, int], ...] = ()
     eval_every: int = 0  # every lane measures the validation loss at the steps divisible by this (0: never)
     eval_batch: int = 0  # held-out sequences each lane measures it on
+    seq_len: int = 0  # tokens per training sequence it was made for (0: not stated, the model's own)
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
@@ -174,6 +176,7 @@ class Plan:
             "micro_batch": self.micro_batch,
             "micro_batches": self.micro_batches,
             "dtype": self.dtype,
+            **({"seq_len": self.seq_len} if self.seq_len else {}),
             "stages": [
                 {
                     "index": s.index,
@@ -200,7 +203,7 @@ class Plan:
             root,
             {"version", "epoch", "start_step", "cost_model", "model", "layers", "batch", "micro_batch",
              "micro_batches", "dtype", "stages", "lanes", "standby", "cost", "estimated_links", "standby_reasons",
-             "eval_every", "eval_batch"},
+             "eval_every", "eval_batch", "seq_len"},
             "plan",
         )
         version = need_int(field(root, "version", "plan"), "plan.version")
@@ -254,6 +257,7 @@ class Plan:
             standby_reasons=_reasons(root.get("standby_reasons", [])),
             eval_every=need_int(root.get("eval_every", 0), "plan.eval_every", minimum=0),
             eval_batch=need_int(root.get("eval_batch", 0), "plan.eval_batch", minimum=0),
+            seq_len=need_int(root.get("seq_len", 0), "plan.seq_len", minimum=0),
             version=version,
         )
         if "lanes" in root:

@@ -32,7 +32,9 @@ from hetpeer.protocol.wire import SchemaError
 
 # 2: records carry the DHT multiaddrs of their writer and what its training achieves
 # 3: direct links are authenticated and frames padded; records carry an admission token and the peers suspected
-PROTOCOL_VERSION = 3
+# 4: records say which device a peer computes on (an opaque key peers sharing one device share) and its share of it
+PROTOCOL_VERSION = 4
+COMPUTE_KEY_RE = re.compile(r"[0-9a-f]{16}\Z")
 OWNER_RE = re.compile(rb"\[owner:(.+)\]\Z", re.DOTALL)  # \Z, not $: $ also matches before a final newline
 STATES = ("probing", "waiting", "fetching", "training", "standby", "leaving")
 MAX_LINKS = 64  # measurements one record carries; a peer probes a handful of others
@@ -115,6 +117,9 @@ class PeerSchema(_Strict):
     time: pydantic.StrictFloat
     token: Optional[pydantic.StrictStr] = None
     suspects: List[pydantic.StrictStr] = []
+    compute_key: Optional[pydantic.StrictStr] = None
+    compute_share: pydantic.StrictFloat = 1.0
+    compute_background: pydantic.StrictFloat = 0.0
 
 
 class PlanSchema(_Strict):
@@ -160,6 +165,11 @@ class PeerRecord:
     dht: tuple[str, ...] = ()  # where its DHT node listens (/p2p/<id> included): others bootstrap through it
     token: str | None = None  # the admission token it joined with (`hetpeer invite`), for swarms that need one
     suspects: tuple[str, ...] = ()  # peers it saw misbehave lately: frames refused, parameters clipped round after round
+    # the device it computes on, opaque: peers on one machine's CPU cores or one GPU announce the same key (None:
+    # unknown), and what of that device it uses computing flat out (`coordinator.planner.sharing`)
+    compute_key: str | None = None
+    compute_share: float = 1.0
+    compute_background: float = 0.0  # of that device, what other work kept busy while the peer did not train
     software: str = ""
     version: int = PROTOCOL_VERSION
 
@@ -194,6 +204,9 @@ class PeerRecord:
             "time": float(self.time),
             "token": self.token,
             "suspects": list(self.suspects),
+            "compute_key": self.compute_key,
+            "compute_share": float(self.compute_share),
+            "compute_background": float(self.compute_background),
         }
 
     @staticmethod
@@ -271,6 +284,12 @@ class PeerRecord:
             raise SchemaError("peer.token", f"must be 1 to {MAX_TOKEN_CHARS} characters, got {len(parsed.token)}")
         if len(parsed.suspects) > MAX_SUSPECTS or len(set(parsed.suspects)) != len(parsed.suspects):
             raise SchemaError("peer.suspects", f"at most {MAX_SUSPECTS} different peers, got {len(parsed.suspects)}")
+        if parsed.compute_key is not None and not COMPUTE_KEY_RE.match(parsed.compute_key):
+            raise SchemaError("peer.compute_key", f"must be 16 lowercase hex digits, got {parsed.compute_key[:64]!r}")
+        if not (math.isfinite(parsed.compute_share) and 0 < parsed.compute_share <= 1):
+            raise SchemaError("peer.compute_share", f"must be in (0, 1], got {parsed.compute_share!r}")
+        if not (math.isfinite(parsed.compute_background) and 0 <= parsed.compute_background < 1):
+            raise SchemaError("peer.compute_background", f"must be in [0, 1), got {parsed.compute_background!r}")
         for i, suspect in enumerate(parsed.suspects):
             if not DEVICE_RE.match(suspect) or suspect == parsed.device_id:
                 raise SchemaError(f"peer.suspects[{i}]", f"must be another peer's device id, got {suspect[:64]!r}")
@@ -299,6 +318,9 @@ class PeerRecord:
             dht=dht,
             token=parsed.token,
             suspects=tuple(parsed.suspects),
+            compute_key=parsed.compute_key,
+            compute_share=parsed.compute_share,
+            compute_background=parsed.compute_background,
             software=parsed.software,
             version=parsed.version,
         )

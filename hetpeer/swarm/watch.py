@@ -8,7 +8,9 @@ import math
 import time
 from typing import Callable
 
-from hetpeer.coordinator.api import ApiClient, ApiError, Progress
+from hetpeer.coordinator.api_client import ApiClient
+from hetpeer.coordinator.api_errors import ApiError
+from hetpeer.coordinator.view import Progress
 from hetpeer.protocol.plan import Plan
 
 POLL_S = 0.5

@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import Callable
 
 from hetpeer import logline
-from hetpeer.coordinator.api import ApiClient, ApiError
+from hetpeer.coordinator.api_client import ApiClient
+from hetpeer.coordinator.api_errors import ApiError
 from hetpeer.swarm.report import Event, LaneStep, PeerInfo, PlanUse, RunReport, StageUse, lane_step, samples_from_lanes, summarize
 from hetpeer.swarm.watch import describe, follow
 from hetpeer.testbed.compose import Compose, ComposeError, check_docker, image_exists

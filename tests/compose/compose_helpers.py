@@ -10,7 +10,7 @@ from typing import Callable, TypeVar
 
 import pytest
 
-from hetpeer.coordinator.api import ApiError
+from hetpeer.coordinator.api_errors import ApiError
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE = os.environ.get("HETPEER_TEST_IMAGE", "hetpeer:latest")

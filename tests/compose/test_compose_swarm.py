@@ -11,8 +11,8 @@ import urllib.request
 import pytest
 
 from compose_helpers import ROOT, unique, wait_for
-from hetpeer.coordinator.api import ApiClient
-from hetpeer.coordinator.service import CoordinatorConfig
+from hetpeer.coordinator.api_client import ApiClient
+from hetpeer.coordinator.config import CoordinatorConfig
 from hetpeer.logline import unstamp
 from hetpeer.peer.launch import free_port
 from hetpeer.testbed.compose import Compose

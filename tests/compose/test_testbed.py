@@ -12,7 +12,7 @@ import sys
 import time
 
 from compose_helpers import ROOT, unique, wait_for
-from hetpeer.coordinator.api import ApiClient
+from hetpeer.coordinator.api_client import ApiClient
 from hetpeer.peer.launch import free_port
 from hetpeer.protocol.topology import Topology
 from hetpeer.swarm.report import RunReport

@@ -9,8 +9,11 @@ import time
 import pytest
 
 from hetpeer import logline
-from hetpeer.coordinator.api import ApiClient, ApiError, ApiServer, Progress, SwarmView, progress
+from hetpeer.coordinator.api import ApiServer
+from hetpeer.coordinator.api_client import ApiClient
+from hetpeer.coordinator.api_errors import ApiError
 from hetpeer.coordinator.console import render_status, status_json
+from hetpeer.coordinator.view import Progress, SwarmView, progress
 from hetpeer.protocol import swarm_pb2
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan

@@ -22,7 +22,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from hetpeer.coordinator.api import ApiClient, ApiTlsError, ClientTls, ServerTls, SwarmView
+from hetpeer.coordinator.api_client import ApiClient
+from hetpeer.coordinator.api_errors import ApiTlsError
+from hetpeer.coordinator.tls import ClientTls, ServerTls
+from hetpeer.coordinator.view import SwarmView
 
 ROOT = Path(__file__).resolve().parents[2]
 START_GUARD_S = 120.0  # a hang guard for a coordinator starting its DHT node, not a timing

@@ -279,14 +279,18 @@ DOCUMENTS = [f"def step_{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(
 
 @pytest.mark.slow
 def test_launch_trains_a_model_folder_across_two_stages(tmp_path, cli, gpt2_folder):
-    """`hetpeer plan --model FOLDER` then `hetpeer launch --model FOLDER`: each peer reads its stage's tensors,
-    the tied head's two copies train across the lane, the first loss is the folder's model's own."""
+    """`hetpeer plan --model FOLDER --seq-len 16` then `hetpeer launch --model FOLDER` (the plan's sequence
+    length taken from the plan): each peer reads its stage's tensors, the tied head's two copies train across
+    the lane, the first loss is the folder's model's own."""
     topology = write_json(tmp_path / "two.json", {"devices": [{"id": f"p{i}", "region": "r", "tflops": 1.0} for i in range(2)],
                                                    "regions": {"r": {"latency_ms": 0.1, "bandwidth_gbps": 10}}})
-    planned = cli("plan", str(topology), "--model", str(gpt2_folder), "--batch", "4", "--micro-batch", "2", "--dtype", "fp32",
-                  "--stages", "2", "--group-size", "1", "--json", "--quiet")
+    planned = cli("plan", str(topology), "--model", str(gpt2_folder), "--seq-len", "16", "--batch", "4", "--micro-batch", "2",
+                  "--dtype", "fp32", "--stages", "2", "--group-size", "1", "--json", "--quiet")
     assert planned.returncode == 0, planned.stderr
     plan_path = write_json(tmp_path / "plan.json", json.loads(planned.stdout))
+    assert json.loads(planned.stdout)["seq_len"] == 16
+    other = cli("launch", str(plan_path), "--model", str(gpt2_folder), "--seq-len", "32", "--steps", "1", timeout_s=60)
+    assert other.returncode == 2 and "was made for sequences of 16 tokens, not --seq-len 32" in other.stderr, other.stderr
     saved = tmp_path / "checkpoints"
     data = tmp_path / "code.jsonl"
     data.write_text("".join(json.dumps({"text": text}) + "\n" for text in DOCUMENTS))
@@ -305,7 +309,7 @@ def test_launch_trains_a_model_folder_across_two_stages(tmp_path, cli, gpt2_fold
     from hetpeer.peer.data.corpus import load_tokenizer  # the folder's tokenizer, taken by default
 
     corpus = Corpus.from_folder(data, tokenizer=load_tokenizer(gpt2_folder / "tokenizer.json"))
-    batch = corpus.batch(lane=0, step=0, sequences=4, seq_len=32, seed=0)
+    batch = corpus.batch(lane=0, step=0, sequences=4, seq_len=16, seed=0)
     with torch.no_grad():
         logits = model(torch.from_numpy(batch.tokens)).logits
     expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.from_numpy(batch.labels).flatten()).item()

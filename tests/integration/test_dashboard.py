@@ -24,8 +24,8 @@ from hypothesis import given, strategies as st
 
 from dashboard_boards import board
 from fuzz_targets import fuzz_settings
-from hetpeer.coordinator.api import ServerTls
 from hetpeer.coordinator.history import Past
+from hetpeer.coordinator.tls import ServerTls
 from hetpeer.coordinator.web import DashboardError, DashboardServer, page
 from test_api_tls import make_cert
 

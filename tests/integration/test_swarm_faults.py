@@ -16,7 +16,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from hetpeer.coordinator.api import ApiClient, ApiError
+from hetpeer.coordinator.api_client import ApiClient
+from hetpeer.coordinator.api_errors import ApiError
 from hetpeer.logline import unstamp
 from hetpeer.peer.launch import free_port
 from hetpeer.protocol.control import ControlPlane, key_digest

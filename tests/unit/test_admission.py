@@ -11,7 +11,8 @@ import pytest
 from hivemind.utils.crypto import RSAPrivateKey
 
 from hetpeer.coordinator import gate
-from hetpeer.coordinator.service import Coordinator, CoordinatorConfig
+from hetpeer.coordinator.config import CoordinatorConfig
+from hetpeer.coordinator.service import Coordinator
 from hetpeer.protocol.admission import AdmissionError, Allowlist, mint_token, read_token, token_refusal
 from hetpeer.protocol.plan import Plan, StagePlan
 

@@ -10,8 +10,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from dashboard_boards import NOW, board, make_plan
-from hetpeer.coordinator.api import SwarmView
 from hetpeer.coordinator.board import Board, SwarmCollector, plan_links, state
+from hetpeer.coordinator.view import SwarmView
 
 def test_plan_links_carry_what_either_end_measured():
     links = {(k["from"], k["to"], k["kind"]): k for k in plan_links(make_plan(), board().view.peers)}

@@ -95,7 +95,7 @@ def test_policies_parse_and_refuse_nonsense() -> None:
 
 
 def test_the_chosen_policy_is_the_coordinators_default() -> None:
-    from hetpeer.coordinator.service import CoordinatorConfig
+    from hetpeer.coordinator.config import CoordinatorConfig
 
     defaults = CoordinatorConfig.__dataclass_fields__
     assert churn.CHOSEN.replan_interval_s == defaults["replan_interval_s"].default

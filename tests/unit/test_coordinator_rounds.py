@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from hetpeer.coordinator.config import CoordinatorConfig
 from hetpeer.coordinator.policy import LINKS_WAIT_HEARTBEATS
-from hetpeer.coordinator.service import Coordinator, CoordinatorConfig
+from hetpeer.coordinator.service import Coordinator
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.control import SignedPlan
 from hetpeer.protocol.records import PeerRecord

@@ -51,6 +51,15 @@ def test_validation_settings_round_trip():
     assert not Plan.from_wire(wire()).evaluates(0)  # none unless asked
 
 
+def test_the_sequence_length_round_trips_and_a_plan_without_it_reads_as_before():
+    raw = wire() | {"seq_len": 128}
+    assert Plan.from_wire(raw).seq_len == 128 and Plan.from_wire(raw).to_wire() == raw
+    assert Plan.from_wire(wire()).seq_len == 0 and "seq_len" not in Plan.from_wire(wire()).to_wire()
+    for bad in (-1, 1.5, "128"):
+        with pytest.raises(SchemaError, match="plan.seq_len"):
+            Plan.from_wire(wire() | {"seq_len": bad})
+
+
 def test_recomputation_round_trips_and_is_left_out_where_none():
     raw = copy.deepcopy(wire())
     raw["stages"][0]["recompute"] = 3

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from hetpeer.coordinator.api import Progress
+from hetpeer.coordinator.view import Progress
 from hetpeer.swarm.watch import describe
 
 

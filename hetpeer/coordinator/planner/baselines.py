@@ -13,9 +13,9 @@ import math
 
 import numpy as np
 
+from hetpeer.coordinator.planner.costmodel import CostModel
 from hetpeer.coordinator.planner.grid import layouts
 from hetpeer.coordinator.planner.problem import PlanningError, Problem, Shape
-from hetpeer.coordinator.planner.search import CostModel
 
 EXHAUSTIVE_LIMIT = 2_000_000  # grids; 8 devices in every shape stay well below
 _CHUNK = 20_000

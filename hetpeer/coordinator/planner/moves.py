@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 
+from hetpeer.coordinator.planner.costmodel import IMPROVEMENT, CostModel
 from hetpeer.coordinator.planner.problem import Problem
 
-if TYPE_CHECKING:
-    from hetpeer.coordinator.planner.search import CostModel
-
-IMPROVEMENT = 1e-9  # relative; smaller changes are rounding, not progress
 CONFIRMED = 3  # screened swaps confirmed with the exact cost per cell
 CELLS_PER_MOVE = 8  # cells whose swaps one move screens together
 NUDGE_SWAPS = 3  # random swaps of a nudge: few enough that a descent around them is cheap

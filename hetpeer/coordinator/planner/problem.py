@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hetpeer.coordinator.planner.sharing import Sharing
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.topology import Topology
 from hetpeer.protocol.workload import Workload
@@ -68,6 +69,7 @@ class Problem:
     pp_bytes: float | None = None
     current: Plan | None = None
     step_overhead_s: float = 0.0  # fixed seconds every step takes beyond compute and transfers (`efficiency.py`)
+    sharing: Sharing | None = None  # devices that compute on one device (`sharing.py`); None: each has its own
     # matrices derived once and shared by every shape's cost model: n^2 floats each, gigabytes at 10,000 devices
     _derived: dict = field(default_factory=dict, init=False, repr=False)
 
@@ -148,6 +150,7 @@ class Problem:
             pp_bytes=self.pp_bytes,
             current=self.current,
             step_overhead_s=self.step_overhead_s,
+            sharing=None if self.sharing is None else self.sharing.subset(devices),
         )
 
     def lanes_batch(self, group_size: int) -> int:

@@ -1,7 +1,8 @@
 """The cheap estimates the search screens its moves with, for the time model (`timemodel.py`).
 
 - A swap of two cells: the layer split held at the grid's, only the two lanes and two groups it
-  touches re-evaluated, and in each group only the pairs a changed lane is in.
+  touches re-evaluated, and in each group only the pairs a changed lane is in; devices that share a
+  device keep the slowdown the grid gives them (a swap with standby changes it a little).
 - An exchange of a run of stages between two lanes: every group keeps its devices, so split, memory
   and weights to move stay; the two lanes' new times come exact from prefix sums and range maxima,
   every segment of every pair of lanes with one of the slowest at once.
@@ -50,7 +51,9 @@ class Screens:
         pick = np.arange(K)[:, None]
         rows, lanes = cells // m, cells % m  # (K, 2)
         lane = np.repeat(base.evaluation["lane"], K, axis=0)
-        lane[pick, lanes] = self._lanes(batch[pick, :, lanes], work[:, None, :])[0]
+        changed = batch[pick, :, lanes]
+        slowdown = base.slowdown[changed] if np.ndim(base.slowdown) else 1.0  # the grid's: a swap keeps its devices
+        lane[pick, lanes] = self._lanes(changed, work[:, None, :], slowdown)[0]
         lane_s = lane.max(axis=1)
         allreduce = np.repeat(base.evaluation["allreduce"], K, axis=0)
         gossip = np.repeat(base.evaluation["gossip"], K, axis=0)
@@ -117,8 +120,10 @@ class Screens:
         S = grid.shape[0]
         M = self.micro_batches
         lanes = grid.T  # (m, S)
-        t = work * self.layer_s[lanes]
-        t[:, -1] += self.head_s[lanes[:, -1]]
+        slowdown = self._device_slowdowns(grid)  # an exchange keeps the grid's devices, so their sharing
+        slowdown = slowdown[lanes] if np.ndim(slowdown) else slowdown
+        t = (work * self.layer_s[lanes]) * slowdown
+        t[:, -1] += self.head_s[lanes[:, -1]] * (slowdown[:, -1] if np.ndim(slowdown) else slowdown)
         s1, s2 = segments[:, 0], segments[:, 1]  # (segments,)
         zero = np.zeros((len(lanes), 1))
         t_sum = np.concatenate([zero, np.cumsum(t, axis=1)], axis=1)  # (m, S + 1): stages before k
@@ -188,6 +193,7 @@ class Screens:
             stage_bytes=stage_bytes,
             top_pair=np.concatenate([top, sentinel - 1], axis=-1),
             top_value=np.concatenate([np.take_along_axis(values, top, -1), sentinel - np.inf], axis=-1),
+            slowdown=self._device_slowdowns(grid),
         )
 
     def _screen_groups(
@@ -234,6 +240,7 @@ class _ScreenBase:
     stage_bytes: np.ndarray  # (S,)
     top_pair: np.ndarray  # (S, channels, KEPT_PAIRS + 1)
     top_value: np.ndarray  # (S, channels, KEPT_PAIRS + 1)
+    slowdown: np.ndarray | float  # (n,) each device's from sharing a device with the grid's (1.0: none share)
 
 
 def _segments(stages: int) -> np.ndarray:

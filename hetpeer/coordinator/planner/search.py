@@ -29,33 +29,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable
 
 import numpy as np
 
+from hetpeer.coordinator.planner.costmodel import IMPROVEMENT, CostModel
 from hetpeer.coordinator.planner.grid import Aligner, chain_order, crossover, layouts
-from hetpeer.coordinator.planner.moves import IMPROVEMENT, descend, nudge, perturb, reorder_lanes
-from hetpeer.coordinator.planner.problem import Problem, Report, Shape
+from hetpeer.coordinator.planner.moves import descend, nudge, perturb, reorder_lanes
+from hetpeer.coordinator.planner.problem import Problem, Shape
 
 TRIAL_SHARE = 0.3  # of the budget, spent evolving the most promising shapes before the best goes on
 CLUSTER_SEEDS = 8  # active sets grown around random centres, when some devices may stand by
 POPULATION_CELLS = 4096  # large swarms get a smaller population: each member costs a local search
 ELITES = 2  # best grids every restart's population starts with
-
-
-class CostModel(Protocol):
-    name: str
-    shape: Shape
-    link_cost: np.ndarray  # (n, n): what a lane pays between consecutive stages
-    group_cost: np.ndarray  # (n, n): what sharing a group costs
-
-    def batch_cost(self, grids: np.ndarray) -> np.ndarray: ...
-
-    def screen(self, grid: np.ndarray, batch: np.ndarray, cells: np.ndarray) -> np.ndarray: ...
-
-    def exchanges(self, grid: np.ndarray, count: int) -> np.ndarray: ...
-
-    def report(self, grid: np.ndarray) -> Report: ...
 
 
 @dataclass(frozen=True, slots=True)

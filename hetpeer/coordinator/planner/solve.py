@@ -9,9 +9,10 @@ from typing import Callable
 import numpy as np
 
 from hetpeer.coordinator.planner import dtfm, timemodel
+from hetpeer.coordinator.planner.costmodel import CostModel
 from hetpeer.coordinator.planner.problem import PlanningError, Problem, Report, Shape
 from hetpeer.coordinator.planner.prune import Pruned, prune
-from hetpeer.coordinator.planner.search import CostModel, Progress, SearchConfig, search
+from hetpeer.coordinator.planner.search import Progress, SearchConfig, search
 from hetpeer.protocol.plan import COST_MODELS, RECOMPUTE_CHOICES, Plan, StagePlan, standby_runs
 from hetpeer.protocol.workload import STATE_BYTES_PER_PARAM
 
@@ -154,6 +155,7 @@ def to_plan(problem: Problem, cost_model: str, grid: np.ndarray, report: Report)
         micro_batch=problem.lane_micro_batch(grid.shape[1]),
         micro_batches=problem.micro_batches(grid.shape[1]),
         dtype=w.dtype,
+        seq_len=w.model.seq_len,
         stages=stages,
         standby=tuple(ids[d] for d in range(problem.n) if d not in used),
         cost=dict(report.cost),

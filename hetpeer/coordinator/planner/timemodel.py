@@ -5,7 +5,8 @@ For a grid (rows = stages in order, columns = lanes), with M micro-batches per l
 - layers: each stage gets at least one layer; the rest go one at a time to the stage whose slowest
   device would then finish its micro-batch soonest (optimal for the min-max), within memory;
 - a device's time per micro-batch t = its stage's layers x 3 x forward FLOPs / its TFLOPS (backward
-  is twice the forward), plus the output head on the last stage;
+  is twice the forward), plus the output head on the last stage; devices of the grid that compute on one
+  shared device (one machine's CPU cores, one GPU) are slowed by their fair share of it (`sharing.py`);
 - a hop between consecutive stages of a lane costs h = latency + x, x = micro-batch activation bytes /
   bandwidth (the link's occupancy), once forward (activations) and once backward (their gradients), on a
   full-duplex link;
@@ -143,15 +144,15 @@ class TimeCost(Screens):
 
     # -- the model -------------------------------------------------------------------------------
 
-    def _layers(self, grids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _layers(self, grids: np.ndarray, slowdown: np.ndarray | float) -> tuple[np.ndarray, np.ndarray]:
         """Greedy min-max allocation of layers to stages, within memory where possible: (layers, of them
-        recomputed), (K, S) each. A stage's finish time only grows with its layers (recomputation too), so
+        recomputed), (K, S) each; `slowdown` is each cell's from sharing a device (`_slowdowns`). A stage's finish time only grows with its layers (recomputation too), so
         taking the layer that finishes soonest each time is optimal."""
         K, S, _ = grids.shape
         L = self.problem.layers
-        per_layer = self.layer_s[grids].max(axis=2)  # slowest device of each stage
+        per_layer = (self.layer_s[grids] * slowdown).max(axis=2)  # slowest device of each stage
         extra = np.zeros((K, S))
-        extra[:, -1] = self.head_s[grids[:, -1]].max(axis=1)
+        extra[:, -1] = (self.head_s[grids[:, -1]] * (slowdown[:, -1] if np.ndim(slowdown) else slowdown)).max(axis=1)
         if self.usable_memory is not None:
             room = self.usable_memory[grids].min(axis=2) - self.mem_fixed
             plain = np.floor(room / self.mem_per_layer)
@@ -193,12 +194,13 @@ class TimeCost(Screens):
         """Layers' worth of compute: each recomputed layer costs `RECOMPUTE_COST` more."""
         return counts + RECOMPUTE_COST * self._recomputed(counts, room, plain)
 
-    def _lanes(self, cols: np.ndarray, work: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _lanes(self, cols: np.ndarray, work: np.ndarray, slowdown: np.ndarray | float = 1.0) -> tuple[np.ndarray, np.ndarray]:
         """Lane times for lanes given as (..., S) device indices with (..., S) layers' worth of compute
-        (layers, recomputation counted): (lane seconds (...), per-stage compute t (..., S))."""
+        (layers, recomputation counted), each device slowed by `slowdown` (..., S) from sharing its device:
+        (lane seconds (...), per-stage compute t (..., S))."""
         stages, M = cols.shape[-1], self.micro_batches
-        t = work * self.layer_s[cols]
-        t[..., -1] += self.head_s[cols[..., -1]]
+        t = (work * self.layer_s[cols]) * slowdown
+        t[..., -1] += self.head_s[cols[..., -1]] * (slowdown[..., -1] if np.ndim(slowdown) else slowdown)
         if stages > 1:
             latency, per_byte = self._pairs(cols[..., :-1], cols[..., 1:])
             occupancy = self.hop_bytes * per_byte
@@ -224,6 +226,22 @@ class TimeCost(Screens):
         allreduce = 2 * (m - 1) * (latency.max(-1) + stage_bytes / m * per_byte.max(-1))
         latency, per_byte = self._pairs(rows[..., None, :], rows[..., self.partners])  # (..., rounds, m)
         return allreduce, (latency + stage_bytes[..., None, None] * per_byte).max(-1)
+
+    def _slowdowns(self, grids: np.ndarray) -> np.ndarray | float:
+        """(K, S, m) slowdown of each cell from sharing its device with others of the grid; 1.0 when the
+        problem's devices each have their own."""
+        sharing = self.problem.sharing
+        return 1.0 if sharing is None else sharing.slowdowns(grids)
+
+    def _device_slowdowns(self, grid: np.ndarray) -> np.ndarray | float:
+        """(n,) slowdown of every device from sharing its device with those of `grid` (S, m), a device not in
+        it as if it joined them; 1.0 when the problem's devices each have their own."""
+        sharing = self.problem.sharing
+        if sharing is None:
+            return 1.0
+        members = np.zeros((1, self.problem.n), dtype=bool)
+        members[0, grid.ravel()] = True
+        return sharing.device_slowdowns(members)[0]
 
     def _pairs(self, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(latency seconds, seconds per byte) from devices a to devices b, elementwise."""
@@ -255,9 +273,11 @@ class TimeCost(Screens):
 
     def _evaluate(self, grids: np.ndarray) -> dict[str, np.ndarray]:
         K = grids.shape[0]
-        counts, recompute = self._layers(grids)
+        slowdown = self._slowdowns(grids)
+        counts, recompute = self._layers(grids, slowdown)
         work = counts + RECOMPUTE_COST * recompute
-        lane, t = self._lanes(grids.transpose(0, 2, 1), work[:, None, :])  # lanes: (K, m)
+        lanes_slowdown = slowdown.transpose(0, 2, 1) if np.ndim(slowdown) else slowdown
+        lane, t = self._lanes(grids.transpose(0, 2, 1), work[:, None, :], lanes_slowdown)  # lanes: (K, m)
         slowest = lane.argmax(axis=1)
         lane_s = lane[np.arange(K), slowest]
         stage_bytes = counts * self.wire_per_layer + self.wire_fixed  # (K, S)

@@ -1,7 +1,6 @@
-"""The swarm's commands: `hetpeer join --swarm`, `hetpeer coordinator`, `hetpeer status`, `hetpeer swarm`.
-
-Thin like `cli.py` (which adds them to its parser): parse, build the config, call into the packages.
-"""
+"""The commands that run or watch a whole swarm: `hetpeer coordinator` (plans for the swarm's peers),
+`hetpeer status` (what a coordinator's API says), `hetpeer invite` (join tokens) and `hetpeer swarm` (the demo:
+a coordinator and peers on this machine, and a report). A swarm's peer is `hetpeer join --swarm` (`peer.py`)."""
 
 from __future__ import annotations
 
@@ -16,56 +15,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from hetpeer import logline
-from hetpeer.protocol.workload import PRESETS
-
-SWARM_DTYPES = ("fp32", "bf16")  # what the stage worker computes in
-JOIN_FILE_WAIT_S = 120.0
-
-
-def _cli():
-    import hetpeer.cli as cli
-
-    return cli
-
-
-def add_join_swarm_options(join: argparse.ArgumentParser) -> None:
-    cli = _cli()
-    swarm = join.add_argument_group("a swarm (--swarm)")
-    swarm.add_argument("--swarm", metavar="NAME", help="the swarm to join (letters, digits, - and _)")
-    swarm.add_argument("--join-file", type=Path, metavar="PATH",
-                       help="the file `hetpeer coordinator --join-file` writes: the swarm, the coordinator's key, where to "
-                       "join, the model and dtype, in place of those options (waits up to 2 minutes for it to appear)")
-    swarm.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR",
-                       help="multiaddrs of peers (or the coordinator) already in the swarm's DHT")
-    swarm.add_argument("--coordinator-key", metavar="HEX",
-                       help="SHA-256 of the coordinator's public key (`hetpeer coordinator` prints it); "
-                       "plans signed by any other key are ignored")
-    swarm.add_argument("--token", metavar="TOKEN",
-                       help="a join token from the swarm's organizer (`hetpeer invite`), for a coordinator run with "
-                       "--admission token")
-    swarm.add_argument("--name", default="peer", metavar="NAME",
-                       help="readable part of this peer's id, NAME-<key fingerprint> (a-z, 0-9, _; default peer)")
-    swarm.add_argument("--home", type=Path, metavar="DIR",
-                       help="keeps this peer's key: restarting with the same DIR rejoins as the same peer "
-                       "(default ~/.hetpeer/NAME)")
-    swarm.add_argument("--announce-host", metavar="HOST", help="the host other peers should dial for tensors (default: the --listen host)")
-    swarm.add_argument("--dht-listen", default="/ip4/127.0.0.1/tcp/0", metavar="MADDR",
-                       help="where this peer's DHT node listens (default /ip4/127.0.0.1/tcp/0)")
-    swarm.add_argument("--dht-announce", nargs="+", default=[], metavar="MADDR",
-                       help="DHT multiaddrs others should dial, when they differ from --dht-listen (NAT, containers)")
-    cli.add_model_options(swarm, default=None, default_text="default: the join file's, else tiny; with --plan: the folder "
-                          "of a plan's model that is not a preset")
-    swarm.add_argument("--dtype", choices=SWARM_DTYPES, help="training dtype (default fp32, or the join file's)")
-    swarm.add_argument("--heartbeat", type=cli._positive_float, default=2.0, metavar="SECONDS",
-                       help="seconds between announcements; a record expires after 3 (default 2)")
-    swarm.add_argument("--slowdown", type=cli._positive_float, default=1.0, metavar="X",
-                       help="emulate a slower accelerator: compute takes X times as long (>= 1; default 1)")
-    swarm.add_argument("--probe-targets", type=cli._non_negative_int, default=4, metavar="K",
-                       help="peers whose links are measured each round: lane and group neighbours first (default 4)")
+from hetpeer.cli.common import (
+    SWARM_DTYPES, UserError, add_eval_options, add_model_options, home_dir, log_to_stdout, model_spec, non_negative_float,
+    non_negative_int, positive_float, positive_int, say, stop_on_sigterm,
+)
 
 
 def add_commands(commands) -> None:
-    cli = _cli()
+    """Add `hetpeer coordinator`, `hetpeer status`, `hetpeer invite` and `hetpeer swarm` to the subcommands."""
     coordinator = commands.add_parser(
         "coordinator",
         help="run a swarm's coordinator",
@@ -93,31 +50,31 @@ def add_commands(commands) -> None:
     coordinator.add_argument("--tls-cert", type=Path, metavar="FILE",
                              help="serve the API (and the dashboard) over TLS with this PEM certificate (give --tls-key with it)")
     coordinator.add_argument("--tls-key", type=Path, metavar="FILE", help="the --tls-cert certificate's PEM private key, unencrypted")
-    cli.add_model_options(coordinator, default="tiny")
-    coordinator.add_argument("--batch", type=cli._positive_int, default=16, metavar="N", help="global batch in sequences (default 16)")
-    coordinator.add_argument("--micro-batch", type=cli._positive_int, default=2, metavar="N", help="micro-batch in sequences (default 2)")
+    add_model_options(coordinator, default="tiny")
+    coordinator.add_argument("--batch", type=positive_int, default=16, metavar="N", help="global batch in sequences (default 16)")
+    coordinator.add_argument("--micro-batch", type=positive_int, default=2, metavar="N", help="micro-batch in sequences (default 2)")
     coordinator.add_argument("--dtype", choices=SWARM_DTYPES, default="fp32", help="training dtype (default fp32)")
-    coordinator.add_argument("--heartbeat", type=cli._positive_float, default=2.0, metavar="SECONDS",
+    coordinator.add_argument("--heartbeat", type=positive_float, default=2.0, metavar="SECONDS",
                              help="seconds between rounds; use the peers' heartbeat (default 2)")
-    coordinator.add_argument("--replan-interval", type=cli._positive_float, default=300.0, metavar="SECONDS",
+    coordinator.add_argument("--replan-interval", type=positive_float, default=300.0, metavar="SECONDS",
                              help="re-solve this often even when nothing broke (default 300; a plan a peer left is "
                                   "mended at once: docs/churn.md)")
-    coordinator.add_argument("--min-peers", type=cli._positive_int, default=2, metavar="N", help="peers to wait for before the first plan (default 2)")
+    coordinator.add_argument("--min-peers", type=positive_int, default=2, metavar="N", help="peers to wait for before the first plan (default 2)")
     coordinator.add_argument("--gain", type=float, default=0.1, metavar="FRACTION",
                              help="a new plan must predict a step this much faster than the running one (default 0.1)")
-    coordinator.add_argument("--time-budget", type=cli._positive_float, default=2.0, metavar="SECONDS", help="planner search time (default 2)")
-    coordinator.add_argument("--stages", type=cli._positive_int, metavar="S", help="fix the number of pipeline stages")
-    coordinator.add_argument("--group-size", type=cli._positive_int, metavar="M", help="fix the data-parallel group size")
-    coordinator.add_argument("--seed", type=cli._non_negative_int, default=0, metavar="N", help="planner seed (default 0)")
-    coordinator.add_argument("--steps", type=cli._positive_int, metavar="N",
+    coordinator.add_argument("--time-budget", type=positive_float, default=2.0, metavar="SECONDS", help="planner search time (default 2)")
+    coordinator.add_argument("--stages", type=positive_int, metavar="S", help="fix the number of pipeline stages")
+    coordinator.add_argument("--group-size", type=positive_int, metavar="M", help="fix the data-parallel group size")
+    coordinator.add_argument("--seed", type=non_negative_int, default=0, metavar="N", help="planner seed (default 0)")
+    coordinator.add_argument("--steps", type=positive_int, metavar="N",
                              help="the swarm's last step: once the running plan reaches it, publish no new plan "
                              "(peers leave there with their own --steps; default: train on)")
-    cli.add_eval_options(coordinator)
+    add_eval_options(coordinator)
     coordinator.add_argument("--admission", nargs="+", default=["open"], metavar="MODE",
                              help="who may be planned: 'open' (every peer with a valid record; the default), "
                              "'allowlist FILE' (the device ids or key fingerprints FILE lists, one a line; read again when "
                              "it changes) or 'token' (peers that give a join token of this coordinator: `hetpeer invite`)")
-    coordinator.add_argument("--ban-period", type=cli._non_negative_float, default=300.0, metavar="SECONDS",
+    coordinator.add_argument("--ban-period", type=non_negative_float, default=300.0, metavar="SECONDS",
                              help="leave a peer that most of its group reports as misbehaving out of plans this long, "
                              "doubled on each repeat (default 300; 0: no bans)")
     coordinator.add_argument("--join-file", type=Path, metavar="PATH",
@@ -135,10 +92,10 @@ def add_commands(commands) -> None:
                         help="connect with TLS, trusting the PEM certificate(s) in FILE: the coordinator's own "
                         "(self-signed) certificate, or the CA that signed it")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    status.add_argument("--watch", type=cli._positive_float, nargs="?", const=2.0, metavar="SECONDS",
+    status.add_argument("--watch", type=positive_float, nargs="?", const=2.0, metavar="SECONDS",
                         help="redraw the table every SECONDS (default 2) until Ctrl+C; a coordinator that stops "
                         "answering is waited for")
-    status.add_argument("--timeout", type=cli._positive_float, default=5.0, metavar="SECONDS", help="give up after this long (default 5)")
+    status.add_argument("--timeout", type=positive_float, default=5.0, metavar="SECONDS", help="give up after this long (default 5)")
     status.set_defaults(run=run_status)
 
     invite = commands.add_parser(
@@ -162,152 +119,62 @@ def add_commands(commands) -> None:
         "report.html (the dashboard's page, self-contained), dashboard.png (with Chromium) and loss.png (with "
         "matplotlib). Peers can be made unequal (--slowdowns, --bandwidth-caps), so the planner has something to solve.",
     )
-    swarm.add_argument("--peers", type=cli._positive_int, default=8, metavar="N", help="peers to start (default 8)")
-    swarm.add_argument("--steps", type=cli._positive_int, default=200, metavar="N", help="steps to train (default 200)")
+    swarm.add_argument("--peers", type=positive_int, default=8, metavar="N", help="peers to start (default 8)")
+    swarm.add_argument("--steps", type=positive_int, default=200, metavar="N", help="steps to train (default 200)")
     swarm.add_argument("--slowdowns", default="1,1,1,1,2,2,3,3", metavar="X,X,...",
                        help="compute slowdown of each peer, repeated to cover --peers (default 1,1,1,1,2,2,3,3)")
     swarm.add_argument("--bandwidth-caps", default="none,none,none,none,none,none,40,40", metavar="MBIT,...",
                        help="Mbit/s each peer sends at most to each other peer, 'none' for no cap, repeated to cover "
                        "--peers (default none x6, 40, 40)")
     swarm.add_argument("--out", type=Path, metavar="DIR", help="logs, keys and the report (default: a new temporary folder)")
-    swarm.add_argument("--heartbeat", type=cli._positive_float, default=2.0, metavar="SECONDS", help="peers' and coordinator's heartbeat (default 2)")
-    swarm.add_argument("--replan-interval", type=cli._positive_float, default=30.0, metavar="SECONDS", help="coordinator re-solve interval (default 30)")
-    swarm.add_argument("--lr", type=cli._positive_float, default=3e-3, metavar="LR", help="learning rate (default 3e-3)")
-    swarm.add_argument("--seed", type=cli._non_negative_int, default=0, metavar="N", help="seed (default 0)")
+    swarm.add_argument("--heartbeat", type=positive_float, default=2.0, metavar="SECONDS", help="peers' and coordinator's heartbeat (default 2)")
+    swarm.add_argument("--replan-interval", type=positive_float, default=30.0, metavar="SECONDS", help="coordinator re-solve interval (default 30)")
+    swarm.add_argument("--lr", type=positive_float, default=3e-3, metavar="LR", help="learning rate (default 3e-3)")
+    swarm.add_argument("--seed", type=non_negative_int, default=0, metavar="N", help="seed (default 0)")
     swarm.add_argument("--data", type=Path, metavar="PATH", help="text to train on (default: the Python standard library's sources)")
     swarm.add_argument("--save", type=Path, metavar="DIR",
                        help="peers save their stage checkpoints to DIR when they leave; run again with the same --out and "
                        "--save to resume the swarm from them")
-    swarm.add_argument("--eval-every", type=cli._non_negative_int, default=25, metavar="N",
+    swarm.add_argument("--eval-every", type=non_negative_int, default=25, metavar="N",
                        help="every lane measures its loss on held-out data at every N-th step (default 25; 0: never)")
-    swarm.add_argument("--eval-batch", type=cli._positive_int, default=8, metavar="N", help="held-out sequences per lane for it (default 8)")
+    swarm.add_argument("--eval-batch", type=positive_int, default=8, metavar="N", help="held-out sequences per lane for it (default 8)")
     swarm.add_argument("--verbose", action="store_true", help="show every process's output, not just the progress")
     swarm.set_defaults(run=run_swarm)
 
 
-def _home(path: Path | None, default_name: str) -> Path:
-    return path if path is not None else Path.home() / ".hetpeer" / default_name
-
-
-def run_swarm_join(args: argparse.Namespace) -> int:
-    cli = _cli()
-    from hetpeer.peer.checkpoint import CheckpointError
-    from hetpeer.peer.daemon import SwarmPeer, SwarmPeerConfig
-    from hetpeer.peer.data.corpus import CorpusError
-    from hetpeer.protocol.workload import ModelConfigError
-    from hetpeer.protocol.control import ControlError
-
-    fixed = [flag for flag, value in (("--plan", args.plan), ("--as", args.device_id), ("--peers", args.peers)) if value is not None]
-    if fixed:
-        raise cli.UserError(f"{', '.join(fixed)} run a fixed plan; a swarm peer follows the coordinator's plans (drop them or --swarm)")
-    if args.join_file is not None:
-        _take_join_file(args, cli)
-    if args.coordinator_key is None:
-        raise cli.UserError("--swarm needs --coordinator-key (the coordinator prints it) or --join-file")
-    args.model, args.dtype = args.model or "tiny", args.dtype or "fp32"
-    model = cli.model_spec(args)
-    if not args.slowdown >= 1:
-        raise cli.UserError(f"--slowdown must be at least 1, got {args.slowdown:g}")
-    cli.log_to_stdout()
-    try:
-        cli.take_device(args, args.dtype)
-        config = SwarmPeerConfig(
-            swarm=args.swarm, name=args.name, home=_home(args.home, args.name), coordinator_key=args.coordinator_key.lower(),
-            worker=_replace_slowdown(cli._worker_config(args, model), args.slowdown), initial_peers=tuple(args.initial_peers),
-            model=model, dtype=args.dtype,
-            listen=cli._host_port(args.listen) if args.listen else ("127.0.0.1", 0), announce_host=args.announce_host,
-            dht_maddrs=(args.dht_listen,), dht_announce=tuple(args.dht_announce), heartbeat_s=args.heartbeat, probe_targets=args.probe_targets, steps=args.steps,
-            data=str(args.data) if args.data else None, tokenizer=cli.tokenizer_path(args, model), threads=args.threads,
-            emulation=cli.emulation(args), save=args.save, save_every=args.save_every, token=args.token,
-        )
-        from hetpeer.protocol.identity import NAME_RE
-
-        if not NAME_RE.match(args.name):
-            raise ValueError(f"--name must be 1-24 of a-z, 0-9 and _, got {args.name!r}")
-        peer = SwarmPeer(config, cli._say)  # checks the swarm name
-    except ValueError as error:
-        raise cli.UserError(str(error)) from None
-    cli.stop_on_sigterm()
-    try:
-        peer.start()
-        peer.run()
-    except (ControlError, CorpusError, ModelConfigError, CheckpointError) as error:  # its data, its model folder
-        raise cli.UserError(str(error)) from None
-    except KeyboardInterrupt:
-        cli._say("interrupted: leaving the swarm")
-    finally:
-        peer.shutdown()
-    return 0
-
-
-def _take_join_file(args: argparse.Namespace, cli) -> None:
-    """Fill the swarm's options from the join file, waiting for it to appear (a coordinator starting beside
-    this peer writes it once its DHT node runs); an option also given on the command line must agree."""
-    from hetpeer.protocol.join import JoinInfo
-    from hetpeer.protocol.wire import SchemaError
-
-    path, waited = args.join_file, 0.0
-    while not path.exists():
-        if waited >= JOIN_FILE_WAIT_S:
-            raise cli.UserError(f"no join file at {path} after {JOIN_FILE_WAIT_S:g} s (`hetpeer coordinator --join-file` writes it)")
-        if waited % 10 == 0:
-            cli._say(f"waiting for the join file {path} (`hetpeer coordinator --join-file` writes it)")
-        time.sleep(1.0)
-        waited += 1.0
-    try:
-        info = JoinInfo.load(path)
-    except SchemaError as error:
-        raise cli.UserError(f"bad join file: {error}") from None
-    model = cli.model_spec(args).name if args.model is not None else None
-    for flag, given, wanted in (("--swarm", args.swarm, info.swarm), ("--coordinator-key", args.coordinator_key, info.coordinator_key),
-                                ("--model", model, info.model), ("--dtype", args.dtype, info.dtype)):
-        if given is not None and given.lower() != wanted:
-            raise cli.UserError(f"{flag} {given} disagrees with the join file {path}, which says {wanted}")
-    if args.model is None and info.model not in PRESETS:
-        raise cli.UserError(f"the swarm of {path} trains model {info.model} from a model folder: give --model with that "
-                            "folder (and --seq-len if the coordinator was given one)")
-    args.swarm, args.coordinator_key, args.dtype = info.swarm, info.coordinator_key, info.dtype
-    args.model = args.model or info.model
-    args.initial_peers = list(dict.fromkeys([*args.initial_peers, *info.initial_peers]))
-
-
-def _replace_slowdown(worker, slowdown: float):
-    return replace(worker, slowdown=slowdown)
-
-
 def run_coordinator(args: argparse.Namespace) -> int:
-    cli = _cli()
-    from hetpeer.coordinator.api import ApiError
-    from hetpeer.coordinator.service import Coordinator, CoordinatorConfig
+    from hetpeer.coordinator.api_errors import ApiError
+    from hetpeer.coordinator.config import CoordinatorConfig
+    from hetpeer.coordinator.service import Coordinator
     from hetpeer.coordinator.web import DashboardError
     from hetpeer.protocol.admission import AdmissionError
     from hetpeer.protocol.control import ControlError
 
-    cli.log_to_stdout()
+    log_to_stdout()
     api_tls = _api_tls(args)
     http = _http_listen(args.http, api_tls is not None)
     try:
         config = CoordinatorConfig(
-            swarm=args.swarm, home=_home(args.home, f"coordinator-{args.swarm}"), initial_peers=tuple(args.initial_peers),
+            swarm=args.swarm, home=home_dir(args.home, f"coordinator-{args.swarm}"), initial_peers=tuple(args.initial_peers),
             dht_maddrs=(args.host_maddr,), dht_announce=tuple(args.announce_maddr), api_listen=None if args.api == "off" else args.api,
-            api_tls=api_tls, http_listen=http, model=cli.model_spec(args),
+            api_tls=api_tls, http_listen=http, model=model_spec(args),
             batch=args.batch, micro_batch=args.micro_batch, dtype=args.dtype, heartbeat_s=args.heartbeat,
             replan_interval_s=args.replan_interval, min_peers=args.min_peers, gain=args.gain,
             time_budget_s=args.time_budget, stages=args.stages, group_size=args.group_size, seed=args.seed,
             steps=args.steps, join_file=args.join_file, eval_every=args.eval_every, eval_batch=args.eval_batch,
             **_admission(args.admission), ban_period_s=args.ban_period,
         )
-        coordinator = Coordinator(config, cli._say)  # checks the swarm name
+        coordinator = Coordinator(config, say)  # checks the swarm name
     except ValueError as error:
-        raise cli.UserError(str(error)) from None
-    cli.stop_on_sigterm()
+        raise UserError(str(error)) from None
+    stop_on_sigterm()
     try:
         coordinator.start()
         coordinator.run()
     except (ControlError, ApiError, AdmissionError, DashboardError) as error:
-        raise cli.UserError(str(error)) from None
+        raise UserError(str(error)) from None
     except KeyboardInterrupt:
-        cli._say("interrupted: the peers go on with the plan they have")
+        say("interrupted: the peers go on with the plan they have")
     finally:
         coordinator.shutdown()
     return 0
@@ -317,7 +184,6 @@ DURATION_UNITS_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 def run_invite(args: argparse.Namespace) -> int:
-    cli = _cli()
     from hetpeer.protocol.admission import mint_token
     from hetpeer.protocol.control import ControlError, load_or_create_key
 
@@ -325,17 +191,17 @@ def run_invite(args: argparse.Namespace) -> int:
     try:
         seconds = float(text[:-1]) * DURATION_UNITS_S[text[-1]]
     except (KeyError, ValueError, IndexError):
-        raise cli.UserError(f"--expires must be a number with s, m, h or d (like 12h), got {args.expires!r}") from None
+        raise UserError(f"--expires must be a number with s, m, h or d (like 12h), got {args.expires!r}") from None
     if not 0 < seconds < 10 * 365 * 86400:
-        raise cli.UserError(f"--expires must be more than nothing and under ten years, got {args.expires!r}")
-    key_path = _home(args.home, f"coordinator-{args.swarm}") / "coordinator.key"
+        raise UserError(f"--expires must be more than nothing and under ten years, got {args.expires!r}")
+    key_path = home_dir(args.home, f"coordinator-{args.swarm}") / "coordinator.key"
     if not key_path.exists():  # never make a key here: a token signed by a new key admits no one
-        raise cli.UserError(f"no coordinator key at {key_path}: give the coordinator's --home (it is made when "
-                            "`hetpeer coordinator` first starts)")
+        raise UserError(f"no coordinator key at {key_path}: give the coordinator's --home (it is made when "
+                        "`hetpeer coordinator` first starts)")
     try:
         token = mint_token(load_or_create_key(key_path), args.swarm, time.time() + seconds, args.name)
     except (ControlError, ValueError) as error:
-        raise cli.UserError(str(error)) from None
+        raise UserError(str(error)) from None
     expires = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(time.time() + seconds))
     print(f"join token for swarm {args.swarm}" + (f", peer name {args.name}" if args.name else "") + f", until {expires}:",
           file=sys.stderr)
@@ -350,7 +216,7 @@ def _admission(words: list[str]) -> dict:
         return {"admission": mode, "allowlist": Path(rest[0])}
     if mode in ("open", "token") and not rest:
         return {"admission": mode}
-    raise _cli().UserError(f"--admission takes 'open', 'allowlist FILE' or 'token', got {' '.join(words)!r}")
+    raise UserError(f"--admission takes 'open', 'allowlist FILE' or 'token', got {' '.join(words)!r}")
 
 
 def _http_listen(text: str | None, tls: bool) -> str | None:
@@ -360,7 +226,7 @@ def _http_listen(text: str | None, tls: bool) -> str | None:
         return None
     host, _, port = text.rpartition(":")
     if not port.isdigit() or not 0 <= int(port) < 65536:
-        raise _cli().UserError(f"--http takes [HOST:]PORT with a port from 0 to 65535, got {text!r}")
+        raise UserError(f"--http takes [HOST:]PORT with a port from 0 to 65535, got {text!r}")
     listen = f"{host or '127.0.0.1'}:{int(port)}"
     if not tls:
         _warn_unencrypted("dashboard", listen)
@@ -369,40 +235,41 @@ def _http_listen(text: str | None, tls: bool) -> str | None:
 
 def _warn_unencrypted(what: str, listen: str) -> None:
     if listen.rsplit(":", 1)[0].strip("[]") not in ("localhost", "127.0.0.1", "::1"):
-        _cli()._say(f"warning: the {what} on {listen} is served without TLS: anyone who reaches it reads the swarm's "
-                    "plan and peers, unencrypted (give --tls-cert and --tls-key)")
+        say(f"warning: the {what} on {listen} is served without TLS: anyone who reaches it reads the swarm's "
+            "plan and peers, unencrypted (give --tls-cert and --tls-key)")
 
 
 def _api_tls(args: argparse.Namespace):
     """The coordinator API's `ServerTls` from --tls-cert and --tls-key (both or neither), checked; a warning
     when the API is served beyond this host without it."""
-    cli = _cli()
-    from hetpeer.coordinator.api import ApiTlsError, ServerTls
+    from hetpeer.coordinator.api_errors import ApiTlsError
+    from hetpeer.coordinator.tls import ServerTls
 
     if (args.tls_cert is None) != (args.tls_key is None):
-        raise cli.UserError("give --tls-cert and --tls-key together (the API's certificate and its key), or neither")
+        raise UserError("give --tls-cert and --tls-key together (the API's certificate and its key), or neither")
     if args.tls_cert is None:
         if args.api != "off":
             _warn_unencrypted("API", args.api)
         return None
     if args.api == "off" and args.http is None:
-        raise cli.UserError("--tls-cert and --tls-key secure the API and the dashboard: leave them out with --api off "
-                            "and no --http")
+        raise UserError("--tls-cert and --tls-key secure the API and the dashboard: leave them out with --api off "
+                        "and no --http")
     try:
         return ServerTls.load(args.tls_cert, args.tls_key)
     except ApiTlsError as error:
-        raise cli.UserError(str(error)) from None
+        raise UserError(str(error)) from None
 
 
 def run_status(args: argparse.Namespace) -> int:
-    cli = _cli()
     # before grpc loads: its own log lines (a failed TLS handshake, say) would follow the one line of error
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-    from hetpeer.coordinator.api import ApiClient, ApiError, ApiTlsError, ClientTls
+    from hetpeer.coordinator.api_client import ApiClient
+    from hetpeer.coordinator.api_errors import ApiError, ApiTlsError
+    from hetpeer.coordinator.tls import ClientTls
     from hetpeer.coordinator.console import status_json, status_view
 
     if args.watch is not None and args.json:
-        raise cli.UserError("--watch redraws the table: leave out --json (or --watch, for one JSON document)")
+        raise UserError("--watch redraws the table: leave out --json (or --watch, for one JSON document)")
     try:
         tls = ClientTls.load(args.tls_ca) if args.tls_ca is not None else None
         with ApiClient(args.api, timeout_s=args.timeout, tls=tls) as client:
@@ -414,7 +281,7 @@ def run_status(args: argparse.Namespace) -> int:
             if args.watch is not None:
                 return _watch(read, (plan, peers, progress, plan_time), args.watch)
     except ApiTlsError as error:  # the flags do not fit the server or the files: the user's to fix
-        raise cli.UserError(str(error)) from None
+        raise UserError(str(error)) from None
     except ApiError as error:
         print(f"hetpeer status: {error}", file=sys.stderr)
         return 1
@@ -437,7 +304,7 @@ def _watch(read, first, every_s: float) -> int:
     terminal's table is redrawn in place; a pipe gets each one after the last, a blank line between."""
     from rich.live import Live
 
-    from hetpeer.coordinator.api import ApiError, ApiTlsError
+    from hetpeer.coordinator.api_errors import ApiError, ApiTlsError
     from hetpeer.coordinator.console import status_view
 
     console = _console()
@@ -468,7 +335,6 @@ def _watch(read, first, every_s: float) -> int:
 
 
 def run_swarm(args: argparse.Namespace) -> int:
-    cli = _cli()
     from hetpeer.peer.launch import free_port
     from hetpeer.swarm.launcher import LocalSwarm, SwarmConfig, SwarmError, parse_per_peer
     from hetpeer.swarm.report import write_report
@@ -482,7 +348,7 @@ def run_swarm(args: argparse.Namespace) -> int:
             save=args.save.resolve() if args.save else None, coordinator_args=("--eval-every", str(args.eval_every), "--eval-batch", str(args.eval_batch)),
         )
     except ValueError as error:
-        raise cli.UserError(str(error)) from None
+        raise UserError(str(error)) from None
     out = args.out or Path(tempfile.mkdtemp(prefix="hetpeer-swarm-"))
     config = replace(config, out=out)
     lock = threading.Lock()
@@ -495,7 +361,7 @@ def run_swarm(args: argparse.Namespace) -> int:
 
     print(f"a swarm of {config.peers} peers and a coordinator on this machine; logs and report in {out}", flush=True)
     swarm = LocalSwarm(config, echo, free_port(), http_port=free_port())
-    cli.stop_on_sigterm()
+    stop_on_sigterm()
     try:
         swarm.start()
         print(f"dashboard: {swarm.dashboard_url} (open it while the swarm trains)", flush=True)

@@ -1,5 +1,5 @@
-"""`hetpeer testbed`: a swarm in containers whose links are shaped like a topology file's. Thin like `cli.py`
-(which adds it to its parser): parse, build the config, call into `hetpeer/testbed`."""
+"""`hetpeer testbed`: a swarm in containers whose links are shaped like a topology file's. Thin: parse, build
+the config, call into `hetpeer/testbed`."""
 
 from __future__ import annotations
 
@@ -13,15 +13,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from hetpeer import logline, scenarios
+from hetpeer.cli.common import SWARM_DTYPES, UserError, positive_float, positive_int, read_json, stop_on_sigterm
 from hetpeer.protocol.workload import PRESETS
 
 PROJECT_RE = re.compile(r"[a-z0-9][a-z0-9_-]*\Z")
 
 
-def add_command(commands) -> None:
-    import hetpeer.cli as cli
-    from hetpeer.cli_swarm import SWARM_DTYPES
-
+def add_commands(commands) -> None:
+    """Add `hetpeer testbed` to the subcommands."""
     testbed = commands.add_parser(
         "testbed", help="run a swarm in containers with links shaped like a topology file's",
         description="Write a Docker Compose project with one container per device of TOPOLOGY.json (or --scenario) and "
@@ -35,35 +34,34 @@ def add_command(commands) -> None:
     source = testbed.add_mutually_exclusive_group(required=True)
     source.add_argument("topology", nargs="?", type=Path, metavar="TOPOLOGY.json", help="topology file (docs/topology.md)")
     source.add_argument("--scenario", choices=scenarios.NAMES, help="a built-in scenario of Yuan et al. (2022)")
-    testbed.add_argument("--scale", type=cli._positive_float, default=1.0, metavar="F",
+    testbed.add_argument("--scale", type=positive_float, default=1.0, metavar="F",
                          help="every link's bandwidth times F, so the swarm fits this machine (default 1)")
-    testbed.add_argument("--slowdown", type=cli._positive_float, default=1.0, metavar="X",
+    testbed.add_argument("--slowdown", type=positive_float, default=1.0, metavar="X",
                          help="the fastest device computes X times slower than this machine, slower devices in "
                          "proportion to their TFLOPS (>= 1; default 1)")
     testbed.add_argument("--no-latency", action="store_true", help="do not emulate the topology's latency")
     testbed.add_argument("--out", type=Path, metavar="DIR", help="the project folder: compose file, scripts, homes, logs, "
                          "report (default: a new temporary folder)")
-    testbed.add_argument("--steps", type=cli._positive_int, metavar="N", help="train N steps, then stop (default: until Ctrl+C)")
+    testbed.add_argument("--steps", type=positive_int, metavar="N", help="train N steps, then stop (default: until Ctrl+C)")
     testbed.add_argument("--keep", action="store_true", help="leave the containers running at the end")
     testbed.add_argument("--image", default="hetpeer:latest", metavar="IMAGE", help="the hetpeer image (default hetpeer:latest)")
     testbed.add_argument("--project", default="hetpeer-testbed", metavar="NAME",
                          help="compose project name (default hetpeer-testbed)")
     testbed.add_argument("--subnet", metavar="CIDR", help="the containers' network (default: a free /24 of 10.213.0.0/16)")
-    testbed.add_argument("--api-port", type=cli._positive_int, default=50051, metavar="PORT",
+    testbed.add_argument("--api-port", type=positive_int, default=50051, metavar="PORT",
                          help="the coordinator's API on 127.0.0.1 (default 50051)")
-    testbed.add_argument("--http-port", type=cli._positive_int, default=8080, metavar="PORT",
+    testbed.add_argument("--http-port", type=positive_int, default=8080, metavar="PORT",
                          help="the coordinator's dashboard on 127.0.0.1 (default 8080)")
     testbed.add_argument("--model", choices=sorted(PRESETS), default="tiny", help="model preset (default tiny)")
-    testbed.add_argument("--batch", type=cli._positive_int, default=16, metavar="N", help="global batch in sequences (default 16)")
-    testbed.add_argument("--micro-batch", type=cli._positive_int, default=2, metavar="N", help="micro-batch (default 2)")
+    testbed.add_argument("--batch", type=positive_int, default=16, metavar="N", help="global batch in sequences (default 16)")
+    testbed.add_argument("--micro-batch", type=positive_int, default=2, metavar="N", help="micro-batch (default 2)")
     testbed.add_argument("--dtype", choices=SWARM_DTYPES, default="fp32", help="training dtype (default fp32)")
-    testbed.add_argument("--heartbeat", type=cli._positive_float, default=2.0, metavar="SECONDS", help="heartbeat (default 2)")
+    testbed.add_argument("--heartbeat", type=positive_float, default=2.0, metavar="SECONDS", help="heartbeat (default 2)")
     testbed.add_argument("--verbose", action="store_true", help="every plan's stages, not just the progress")
     testbed.set_defaults(run=run_testbed)
 
 
 def run_testbed(args: argparse.Namespace) -> int:
-    import hetpeer.cli as cli
     from hetpeer.protocol.topology import Topology
     from hetpeer.swarm.report import write_report
     from hetpeer.swarm.watch import StalledError
@@ -72,10 +70,10 @@ def run_testbed(args: argparse.Namespace) -> int:
     from hetpeer.testbed.run import Testbed
 
     if not PROJECT_RE.match(args.project):
-        raise cli.UserError(f"--project must be lower-case letters, digits, - and _, got {args.project!r}")
+        raise UserError(f"--project must be lower-case letters, digits, - and _, got {args.project!r}")
     if args.slowdown < 1:
-        raise cli.UserError(f"--slowdown must be at least 1, got {args.slowdown:g}")
-    raw = scenarios.load(args.scenario) if args.scenario else cli._read_json(args.topology, "topology file")
+        raise UserError(f"--slowdown must be at least 1, got {args.slowdown:g}")
+    raw = scenarios.load(args.scenario) if args.scenario else read_json(args.topology, "topology file")
     topology = Topology.from_wire(raw)
     out = (args.out or Path(tempfile.mkdtemp(prefix="hetpeer-testbed-"))).resolve()
     try:
@@ -86,7 +84,7 @@ def run_testbed(args: argparse.Namespace) -> int:
         )
         config = replace(config, subnet=args.subnet or free_subnet())
     except (TestbedError, ComposeError) as error:
-        raise cli.UserError(str(error)) from None
+        raise UserError(str(error)) from None
     lock = threading.Lock()
 
     def echo(line: str) -> None:
@@ -99,7 +97,7 @@ def run_testbed(args: argparse.Namespace) -> int:
           f"project in {out}", flush=True)
     bed = Testbed(config, echo)
     ended = 1
-    cli.stop_on_sigterm()  # `kill`, a CI's timeout: the containers are removed as after Ctrl+C
+    stop_on_sigterm()  # `kill`, a CI's timeout: the containers are removed as after Ctrl+C
     try:
         bed.start()
         print(f"watch it: hetpeer status --api {bed.api_address}, or http://127.0.0.1:{config.http_port}/", flush=True)

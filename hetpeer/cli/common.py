@@ -1,0 +1,238 @@
+"""What the `hetpeer` commands share, below every command module: the argument types, the options several
+commands take (and how `launch` passes the training options on to `join`), `UserError`, and small helpers
+(reading JSON, SIGTERM, log lines). Imports nothing else of `hetpeer.cli`, and nothing heavier than the
+protocol's constants: building the parser must stay cheap."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable
+
+from hetpeer import logline
+from hetpeer.peer.gossip.topology import TOPOLOGIES
+from hetpeer.protocol.addresses import LINK_CHOICES
+from hetpeer.protocol.frame import CODECS
+from hetpeer.protocol.workload import PRESETS, ModelSpec, load_model
+
+DEFAULT_STEPS = 20
+SWARM_DTYPES = ("fp32", "bf16")  # what the stage worker computes in
+
+
+class UserError(Exception):
+    """Bad input from the person at the keyboard: reported in one line, exit code 2."""
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a non-negative number, got {text!r}")
+    return value
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {text!r}")
+        return value
+
+    return parse
+
+
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)
+
+
+def _latency_map(text: str) -> dict[str, float]:
+    """`HOST=MS,HOST:PORT=MS,*=MS` -> one-way seconds by host."""
+    found = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        host, sep, ms = part.rpartition("=")
+        try:
+            seconds = float(ms) / 1e3
+        except ValueError:
+            seconds = float("nan")
+        if not sep or not host or not 0 <= seconds <= 10:
+            raise argparse.ArgumentTypeError(f"expected HOST=MS with MS from 0 to 10000, got {part!r}")
+        found[host] = seconds
+    return found
+
+
+def add_model_options(parser, default: str | None, default_text: str | None = None,
+                      seq_len_text: str = "the model's context") -> None:
+    """--model (a preset or a model folder) and --seq-len, for every command that names the model."""
+    parser.add_argument("--model", default=default, metavar="NAME|PATH",
+                        help=f"a preset ({', '.join(PRESETS)}) or a model folder with a GPT-2 or Llama config.json "
+                        "(and safetensors: peers load their stage's weights from it)"
+                        f" ({default_text or f'default {default}'})")
+    parser.add_argument("--seq-len", type=positive_int, metavar="N",
+                        help=f"tokens per training sequence, for a model folder (default: {seq_len_text})")
+
+
+def add_eval_options(parser) -> None:
+    """--eval-every and --eval-batch: the validation the plans ask every lane for."""
+    parser.add_argument("--eval-every", type=non_negative_int, default=0, metavar="N",
+                        help="every lane measures its loss on held-out data at every N-th step (default 0: never)")
+    parser.add_argument("--eval-batch", type=positive_int, default=8, metavar="N",
+                        help="held-out sequences per lane for it (default 8)")
+
+
+def add_link_option(parser: argparse.ArgumentParser) -> None:
+    """--link, for `hetpeer join` and `hetpeer launch`."""
+    parser.add_argument("--link", choices=LINK_CHOICES, default="auto",
+                        help="how peers reach each other: auto (direct TCP, falling back to hivemind P2P; default), tcp or p2p")
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """How a peer trains and averages, for `hetpeer join` and `hetpeer launch` (which passes them on to each
+    `hetpeer join`: keep `run_options_argv` in step with this one)."""
+    run = parser.add_argument_group("training")
+    run.add_argument("--steps", type=positive_int, metavar="N",
+                     help="optimizer steps to run (default 20; with --swarm: until Ctrl+C, else leave at step N)")
+    run.add_argument("--data", type=Path, metavar="PATH",
+                     help="what to train on: a folder or file of text, .jsonl (a \"text\" string a line) or .parquet (a \"text\" "
+                     "column) files (default: the Python standard library's sources)")
+    run.add_argument("--tokenizer", type=Path, metavar="PATH",
+                     help="a tokenizer.json (tokenizers) to turn text into tokens (default: the --model folder's "
+                     "tokenizer.json if it has one, else bytes)")
+    run.add_argument("--device", default="auto", metavar="DEVICE",
+                     help="what to train on: auto (a CUDA GPU when there is one, else the CPU; the default), cpu, cuda or "
+                     "cuda:N; the peer says what it took and why")
+    run.add_argument("--recompute", action="store_true",
+                     help="recompute every layer's activations in the backward pass (far less memory for a third more "
+                     "compute), whatever the plan says; plans ask for it per stage where a device needs it")
+    run.add_argument("--lr", type=positive_float, default=3e-4, metavar="LR", help="AdamW learning rate (default 3e-4)")
+    run.add_argument("--seed", type=non_negative_int, default=0, metavar="N", help="seed of the initial weights and the data order (default 0)")
+    run.add_argument("--timeout", type=positive_float, default=60.0, metavar="SECONDS",
+                     help="deadline for every tensor a peer waits for (default 60)")
+    run.add_argument("--compress", choices=CODECS, default="raw",
+                     help="how activations and gradients travel: raw (default), fp16, bf16 or int8")
+    run.add_argument("--threads", type=positive_int, metavar="N", help="torch threads per peer (default: torch's)")
+    run.add_argument("--save", type=Path, metavar="DIR",
+                     help="write each peer's stage checkpoint (weights, Adam moments, step, plan epoch) to DIR/DEVICE.safetensors "
+                     "at the end (a swarm peer: when it leaves) and every --save-every steps, atomically; a swarm peer "
+                     "started again offers it, and loads it when no live peer holds its layers; `hetpeer export` joins "
+                     "them into one model")
+    run.add_argument("--save-every", type=positive_int, metavar="N", help="steps between checkpoints (default: only at the end)")
+    run.add_argument("--bandwidth-cap", type=positive_float, metavar="MBIT",
+                     help="emulate slow links: each peer sends at most MBIT Mbit/s to each other peer")
+    run.add_argument("--emulate-latency", type=_latency_map, default={}, metavar="HOST=MS,...",
+                     help="emulate far links: hold each frame to HOST (or HOST:PORT; * for any other) back MS milliseconds "
+                     "before it leaves (one way; the DHT's own traffic is not delayed)")
+    group = parser.add_argument_group("averaging within groups (gossip mode)")
+    group.add_argument("--topology", choices=TOPOLOGIES, default="one-peer-exp",
+                       help="who mixes with whom each step (default one-peer-exp)")
+    group.add_argument("--accumulate", type=positive_int, default=1, metavar="A",
+                       help="AccumAdam: update the Adam moments every A steps from the mean gradient (default 1: Adam)")
+    group.add_argument("--mix-deadline", type=positive_float, default=10.0, metavar="SECONDS",
+                       help="how long to wait for a neighbour's parameters before leaving it out of the step (default 10)")
+    group.add_argument("--sync-compress", choices=CODECS, default="raw",
+                       help="how parameters travel: raw (default), fp16, bf16 or int8")
+    group.add_argument("--robust", type=positive_float, metavar="CLIP",
+                       help="robust mixing: clip each neighbour's difference at CLIP x the typical distance, and leave "
+                       "out (and report to the coordinator) a neighbour far past that round after round (2 is a start)")
+    group.add_argument("--no-overlap", action="store_true",
+                       help="send parameters after the gradient instead of during it (to measure what overlap hides)")
+
+
+def run_options_argv(args: argparse.Namespace) -> list[str]:
+    """The training options (`add_run_options`'s, and the model), as `hetpeer launch` passes them on to each
+    `hetpeer join`."""
+    passed = ["--steps", str(args.steps or DEFAULT_STEPS), "--device", args.device, "--lr", repr(args.lr), "--seed", str(args.seed),
+              "--timeout", repr(args.timeout), "--compress", args.compress, "--topology", args.topology,
+              "--accumulate", str(args.accumulate), "--mix-deadline", repr(args.mix_deadline),
+              "--sync-compress", args.sync_compress]
+    if args.data is not None:
+        passed += ["--data", str(args.data.resolve())]
+    if args.tokenizer is not None:
+        passed += ["--tokenizer", str(args.tokenizer.resolve())]
+    if args.model is not None:
+        model = args.model if args.model in PRESETS else str(Path(args.model).resolve())  # the peers' own working folder
+        passed += ["--model", model] + (["--seq-len", str(args.seq_len)] if args.seq_len else [])
+    if args.robust is not None:
+        passed += ["--robust", repr(args.robust)]
+    if args.save is not None:
+        passed += ["--save", str(args.save.resolve())] + (["--save-every", str(args.save_every)] if args.save_every else [])
+    if args.bandwidth_cap is not None:
+        passed += ["--bandwidth-cap", repr(args.bandwidth_cap)]
+    if args.emulate_latency:
+        passed += ["--emulate-latency", ",".join(f"{host}={s * 1e3:g}" for host, s in args.emulate_latency.items())]
+    if args.no_overlap:
+        passed.append("--no-overlap")
+    if args.recompute:
+        passed.append("--recompute")
+    return passed
+
+
+def model_spec(args: argparse.Namespace, layers: int | None = None) -> ModelSpec:
+    """The model `--model` and `--seq-len` name; a bad one is a user error naming it."""
+    try:
+        return load_model(args.model, layers, args.seq_len)
+    except ValueError as error:
+        raise UserError(str(error)) from None
+
+
+def read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except OSError as error:
+        raise UserError(f"cannot read {what} {path}: {error.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise UserError(f"{what} {path} is not valid JSON: {error}") from None
+
+
+def home_dir(path: Path | None, default_name: str) -> Path:
+    """`--home`, or ~/.hetpeer/`default_name`: where a peer or a coordinator keeps its key."""
+    return path if path is not None else Path.home() / ".hetpeer" / default_name
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (docker stop, the launcher) leaves the way Ctrl+C does: announcing it. Processes forked
+    later (hivemind's DHT node, which its owner stops with SIGTERM) inherit the handler: they just exit."""
+    main = os.getpid()
+
+    def stop(signum, frame):
+        if os.getpid() != main:
+            os._exit(0)
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, stop)
+
+
+def log_to_stdout() -> None:
+    """Log records to stdout, stamped like the lines `say` prints (`hetpeer.logline`)."""
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logline.Formatter())
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
+    logging.getLogger("hivemind").setLevel(logging.WARNING)
+
+
+def say(line: str) -> None:
+    """Print one stamped line to stdout."""
+    # one write per line: the transport's log lines share stdout and must not land inside it
+    sys.stdout.write(logline.stamp(line) + "\n")
+    sys.stdout.flush()

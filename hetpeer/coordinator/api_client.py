@@ -1,0 +1,179 @@
+"""The client of the coordinator's gRPC API (`api.py`): what `hetpeer status --api HOST:PORT`, the swarm
+demo and the testbed read the plan, the peers and the progress with (`console.py` draws what it reads).
+
+It parses every reply as strictly as a peer parses a DHT record, and turns every failure into one
+`ApiError` line; over TLS (`tls.ClientTls`), a client and server that do not agree are one
+`ApiTlsError` that says which flag to change.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Callable
+
+import grpc
+
+from hetpeer.coordinator.api_errors import ApiError, ApiTlsError
+from hetpeer.coordinator.tls import ClientTls
+from hetpeer.coordinator.view import PeerStatus, Progress
+from hetpeer.protocol import swarm_pb2, swarm_pb2_grpc
+from hetpeer.protocol.addresses import PeerAddress
+from hetpeer.protocol.plan import Plan
+from hetpeer.protocol.records import MAX_PLAN_BYTES, STATES, LinkMeasurement, PeerRecord
+from hetpeer.protocol.wire import SchemaError
+
+
+def _peer_from_pb(pb: swarm_pb2.Peer) -> PeerStatus:
+    """A peer as the server describes it; SchemaError for what no coordinator would serve."""
+    path = f"peers[{pb.device_id!r}]"
+    if not pb.device_id:
+        raise SchemaError("peers", "a peer without a device id")
+    if pb.state not in STATES:
+        raise SchemaError(f"{path}.state", f"must be one of {', '.join(STATES)}, got {pb.state!r}")
+    numbers = [pb.tflops, pb.tokens_per_s, pb.time, pb.age_s]
+    numbers += [x for link in pb.links for x in (link.latency_s, link.bandwidth_bytes_per_s)]
+    numbers += [getattr(pb, name) for name in ("loss", "val_loss") if pb.HasField(name)]
+    if pb.HasField("achieved_tflops"):
+        numbers.append(pb.achieved_tflops)
+    if not all(math.isfinite(x) for x in numbers):
+        raise SchemaError(path, "carries a number that is not finite")
+    if pb.HasField("layer_start") != pb.HasField("layer_end"):
+        raise SchemaError(f"{path}.layers", "has a start without an end, or an end without a start")
+    address = PeerAddress.from_wire(
+        {"p2p": list(pb.p2p), **({"direct": pb.direct} if pb.HasField("direct") else {})}, f"{path}.address"
+    )
+    record = PeerRecord(
+        device_id=pb.device_id,
+        model=pb.model,
+        dtype=pb.dtype,
+        device_name=pb.device_name,
+        tflops=pb.tflops,
+        memory_bytes=pb.memory_bytes,
+        address=address,
+        state=pb.state,
+        time=pb.time,
+        epoch=pb.epoch,
+        layers=(pb.layer_start, pb.layer_end) if pb.HasField("layer_start") else None,
+        step=pb.step,
+        loss=pb.loss if pb.HasField("loss") else None,
+        val_loss=pb.val_loss if pb.HasField("val_loss") else None,
+        tokens_per_s=pb.tokens_per_s,
+        links={link.peer: LinkMeasurement(link.latency_s, link.bandwidth_bytes_per_s) for link in pb.links},
+        achieved_tflops=pb.achieved_tflops if pb.HasField("achieved_tflops") else None,
+        dht=tuple(pb.dht),
+        software=pb.software,
+        version=pb.version,
+    )
+    return PeerStatus(record=record, age_s=pb.age_s)
+
+
+class ApiClient:
+    """A client of the API at `address`; over TLS, trusting `tls.ca_pem`, when given `tls`."""
+
+    def __init__(self, address: str, timeout_s: float = 5.0, tls: ClientTls | None = None) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.tls = tls
+        if tls is None:
+            self._channel = grpc.insecure_channel(address)
+        else:
+            self._channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=tls.ca_pem))
+        self._stub = swarm_pb2_grpc.CoordinatorStub(self._channel)
+
+    def __enter__(self) -> "ApiClient":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def _call(self, method: Callable, request: Any) -> Any:
+        try:
+            return method(request, timeout=self.timeout_s)
+        except grpc.RpcError as error:
+            mismatch = self._tls_mismatch(error)
+            raise mismatch if mismatch is not None else ApiError(self._explain(error)) from None
+        except ValueError as error:  # grpc refuses some malformed targets before dialling
+            raise ApiError(f"cannot reach the coordinator API at {self.address}: {error}") from None
+
+    def _tls_mismatch(self, error: grpc.RpcError) -> ApiTlsError | None:
+        """The failure as the TLS disagreement it shows, or None. grpc tells only in the text of its details."""
+        if not hasattr(error, "code") or error.code() != grpc.StatusCode.UNAVAILABLE:
+            return None
+        details = " ".join(str(error.details() if hasattr(error, "details") else error).split())
+        at, lower = f"the coordinator API at {self.address}", details.lower()
+        if self.tls is None:
+            # a TLS server closes a connection that does not open with a TLS handshake
+            if "socket closed" in lower or "connection reset" in lower:
+                return ApiTlsError(f"{at} closed the connection unanswered: does it serve TLS? Then give --tls-ca with "
+                                   "its certificate")
+            return None
+        if "wrong_version_number" in lower or "wrong version number" in lower:
+            return ApiTlsError(f"{at} does not speak TLS: leave out --tls-ca")
+        if "certificate_verify_failed" in lower:
+            reason = lower.rsplit("certificate_verify_failed", 1)[1].strip(" :").removesuffix(": ok").strip(" :")
+            return ApiTlsError(
+                f"{at} presented a certificate the --tls-ca certificates do not vouch for ({reason or 'verify failed'})"
+            )
+        if "hostname verification" in lower or "not in peer certificate" in lower:
+            host = self.address.rsplit(":", 1)[0]
+            return ApiTlsError(f"{at} presented a certificate that does not name {host}: dial a name or address it lists")
+        if "handshake" in lower:
+            return ApiTlsError(f"{at}: the TLS handshake failed: {details}")
+        return None
+
+    def _explain(self, error: grpc.RpcError) -> str:
+        code = error.code() if hasattr(error, "code") else None
+        details = " ".join(str(error.details() if hasattr(error, "details") else error).split())
+        if code == grpc.StatusCode.UNAVAILABLE:
+            reason = details.rsplit(": ", 1)[-1].lower() if "refused" in details.lower() else details
+            return f"cannot reach the coordinator API at {self.address}: {reason}"
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return f"cannot reach the coordinator API at {self.address}: no answer within {self.timeout_s:g} s"
+        name = code.name if code is not None else "error"
+        return f"the coordinator API at {self.address} failed: {name}: {details}"
+
+    def _refuse(self, what: str, error: object) -> ApiError:
+        return ApiError(f"the coordinator API at {self.address} sent {what} that does not parse: {error}")
+
+    def call_get_plan(self) -> tuple[Plan | None, float | None]:
+        """(plan, publication time), or (None, None) when the coordinator has no plan yet."""
+        reply = self._call(self._stub.GetPlan, swarm_pb2.GetPlanRequest())
+        if not reply.has_plan:
+            return None, None
+        try:
+            if len(reply.plan_json) > MAX_PLAN_BYTES:
+                raise SchemaError("plan", f"{len(reply.plan_json)} bytes, at most {MAX_PLAN_BYTES}")
+            plan = Plan.from_wire(json.loads(reply.plan_json))
+            if (plan.epoch, plan.start_step) != (reply.epoch, reply.start_step):
+                raise SchemaError("plan.epoch", f"the plan says epoch {plan.epoch}, the reply {reply.epoch}")
+        except (SchemaError, json.JSONDecodeError) as error:
+            raise self._refuse("a plan", error) from None
+        return plan, reply.time if math.isfinite(reply.time) else None
+
+    def call_list_peers(self) -> list[PeerStatus]:
+        reply = self._call(self._stub.ListPeers, swarm_pb2.ListPeersRequest())
+        try:
+            return [_peer_from_pb(pb) for pb in reply.peers]
+        except SchemaError as error:
+            raise self._refuse("a peer", error) from None
+
+    def call_get_progress(self) -> Progress:
+        reply = self._call(self._stub.GetProgress, swarm_pb2.GetProgressRequest())
+        optional = [getattr(reply, name) for name in ("loss", "val_loss") if reply.HasField(name)]
+        if not all(math.isfinite(x) for x in [reply.tokens_per_s, *optional]):
+            raise self._refuse("progress", "a number that is not finite")
+        return Progress(
+            swarm=reply.swarm,
+            coordinator_key=reply.coordinator_key,
+            epoch=reply.epoch,
+            step=reply.step,
+            loss=reply.loss if reply.HasField("loss") else None,
+            tokens_per_s=reply.tokens_per_s,
+            peers_by_state=dict(sorted(reply.peers_by_state.items())),
+            dropped=reply.dropped,
+            val_loss=reply.val_loss if reply.HasField("val_loss") else None,
+        )

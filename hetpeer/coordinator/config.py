@@ -1,0 +1,66 @@
+"""What a coordinator is told (`hetpeer coordinator`'s options): `CoordinatorConfig`, plain data checked
+when it is made. The live objects it names (the DHT, the API, the dashboard) are made by
+`service.Coordinator` when it starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from hetpeer.coordinator import gate
+from hetpeer.coordinator.tls import ServerTls
+from hetpeer.protocol.workload import PRESETS, ModelSpec, Workload
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorConfig:
+    swarm: str
+    home: Path  # keeps the coordinator's key: peers trust plans signed by it
+    initial_peers: tuple[str, ...] = ()
+    dht_maddrs: tuple[str, ...] = ("/ip4/127.0.0.1/tcp/0",)
+    dht_announce: tuple[str, ...] = ()  # DHT multiaddrs peers should dial, when they differ from dht_maddrs
+    api_listen: str | None = "127.0.0.1:0"  # None: no gRPC API
+    api_tls: ServerTls | None = None  # the API's certificate and key: serve it (and the dashboard) over TLS
+    http_listen: str | None = None  # where to serve the web dashboard and /metrics; None: nowhere
+    model: ModelSpec = PRESETS["tiny"]  # a preset, or a model folder's spec (`workload.load_model`)
+    batch: int = 16
+    micro_batch: int = 2
+    dtype: str = "fp32"
+    heartbeat_s: float = 2.0
+    replan_interval_s: float = 300.0  # docs/churn.md: breaks are repaired at once; a full re-solve this often
+    settle_s: float | None = None  # default: two heartbeats
+    min_peers: int = 2
+    gain: float = 0.1  # a new plan must predict a step this much faster (moving weights included)
+    time_budget_s: float = 2.0
+    stages: int | None = None
+    group_size: int | None = None
+    seed: int = 0
+    plan_ttl_s: float = 3600.0  # the plan stays in the DHT this long after its last (re)publication
+    steps: int | None = None  # the swarm's last step: no new plan once the running one reaches it
+    join_file: Path | None = None  # where to write what peers need to join (`hetpeer join --join-file`)
+    eval_every: int = 0  # plans ask every lane for its validation loss at the steps divisible by this (0: never)
+    eval_batch: int = 8  # held-out sequences per lane for it
+    admission: str = "open"  # who may be planned: open, allowlist (of `allowlist`) or token (`hetpeer invite`)
+    allowlist: Path | None = None  # read again whenever it changes
+    ban_period_s: float = 300.0  # the first ban of a peer its group reports; doubles on each repeat; 0: no bans
+
+    def __post_init__(self) -> None:
+        self.workload  # a ValueError naming what does not fit
+        if self.admission not in gate.ADMISSIONS or (self.admission == "allowlist") != (self.allowlist is not None):
+            raise ValueError(f"admission must be one of {', '.join(gate.ADMISSIONS)}, with an allow-list file exactly "
+                             f"for 'allowlist'; got {self.admission!r} and {self.allowlist}")
+        if not self.ban_period_s >= 0:
+            raise ValueError(f"ban period must be a non-negative number of seconds, got {self.ban_period_s}")
+        if not self.heartbeat_s > 0 or not self.replan_interval_s > 0 or not self.time_budget_s > 0:
+            raise ValueError("heartbeat, re-plan interval and time budget must be positive")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"steps must be at least 1, got {self.steps}")
+        if self.eval_every < 0 or self.eval_batch < 1:
+            raise ValueError(f"eval_every must be >= 0 and eval_batch >= 1, got {self.eval_every}, {self.eval_batch}")
+        if self.min_peers < 1 or not 0 <= self.gain < 1:
+            raise ValueError(f"min_peers must be >= 1 and gain in [0, 1), got {self.min_peers}, {self.gain}")
+
+    @property
+    def workload(self) -> Workload:
+        return Workload(self.model, batch=self.batch, micro_batch=self.micro_batch, dtype=self.dtype)

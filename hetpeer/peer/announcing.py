@@ -1,0 +1,88 @@
+"""What a swarm peer announces of itself on every heartbeat: its `PeerRecord` (what it measured, what it
+holds, where it is, how its training goes) and the peers it reports as misbehaving (`suspects.py`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from hetpeer import __version__
+from hetpeer.protocol.identity import DEVICE_RE
+from hetpeer.protocol.plan import Plan
+from hetpeer.protocol.records import PeerRecord
+from hetpeer.protocol.workload import ModelSpec, Workload
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    """What this peer announces about its training; replaced whole, so readers never see half an update."""
+
+    state: str = "probing"
+    epoch: int = -1
+    layers: tuple[int, int] | None = None
+    step: int = 0
+    loss: float | None = None
+    val_loss: float | None = None  # its lane's latest validation loss (last stage)
+    tokens_per_s: float = 0.0
+    achieved_tflops: float | None = None  # of its training steps: the stage's FLOPs over the median compute time
+
+
+def stage_flops(plan: Plan, me: str, spec: ModelSpec) -> float:
+    """The FLOPs of `me`'s training step under `plan` (forward and backward: 3x forward), as the planner's time
+    model counts them: its layers for the lane's batch (a recomputed one a forward more), and the output head on
+    the last stage."""
+    stage, _ = plan.position(me)
+    workload = Workload(spec, batch=plan.batch, micro_batch=plan.micro_batch, dtype=plan.dtype)
+    return workload.stage_flops(plan.stages[stage].layers, last=stage == len(plan.stages) - 1, sequences=plan.lane_batch,
+                                recompute=plan.stages[stage].recompute)
+
+
+class Announcing:
+    """The part of `SwarmPeer` that writes its record (`_record`: on the control thread, and once more as
+    it leaves) from its `status`, `machine`, `links` and `checkpoint`, and keeps the `suspects` it reports."""
+
+    def _record(self) -> PeerRecord:
+        status, machine = self.status, self.machine
+        with self.lock:
+            links = self.links.current()
+        self._suspect()
+        return PeerRecord(
+            device_id=self.device_id,
+            model=self.spec.name,
+            dtype=self.config.dtype,
+            device_name=machine.device_name,
+            tflops=machine.tflops,
+            memory_bytes=machine.memory_bytes,
+            address=self.transport.address(),
+            state=status.state,
+            time=self.control.now(),
+            epoch=status.epoch,
+            layers=status.layers,
+            step=status.step,
+            loss=status.loss,
+            val_loss=status.val_loss,
+            checkpoint=(*checkpoint.layers, checkpoint.step) if (checkpoint := self.checkpoint) is not None else None,
+            tokens_per_s=status.tokens_per_s,
+            achieved_tflops=status.achieved_tflops,
+            links=links,
+            dht=self.control.dialable_maddrs(),
+            token=self.config.token,
+            suspects=self.suspects,
+            compute_key=machine.compute_key,
+            compute_share=machine.compute_share,
+            compute_background=machine.compute_background,
+            software=f"hetpeer {__version__}",
+        )
+
+    def _suspect(self) -> None:
+        """Update the peers this peer reports (`suspects.py`); say so when one is reported first."""
+        worker = self.worker
+        streaks = worker.sync.outliers(worker.sync.step) if worker is not None else {}
+        misbehaving = {d: n for d, n in self.transport.inbox.misbehaving.items() if DEVICE_RE.match(d) and d != self.device_id}
+        suspects = self.suspicion.update(misbehaving, streaks, time.monotonic())
+        for device in set(suspects) - set(self.suspects):
+            clipped = streaks.get(device, 0)
+            self.report(f"reports {device} as misbehaving: " + (f"its parameters far past the clipping bound {clipped} rounds in a row"
+                        if clipped else f"{self.transport.inbox.misbehaving[device]} frame(s) refused so far"))
+        self.suspects = suspects

@@ -1,0 +1,82 @@
+"""What a swarm peer measures while it runs, on its own probe thread: latency and bandwidth to a few
+peers every few heartbeats (lane and group neighbours first: `measure.py`), and its device's speed again
+now and then while it does not train (`probe.py`); and on the control thread, each heartbeat until the
+swarm's first plan reaches it, the load other work puts on its device (`probe.DeviceLoad`): what the
+planner must leave out of what peers sharing one machine can compute.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from hetpeer.peer.measure import describe_links, pick_targets
+from hetpeer.peer.probe import MachineProfile, profile_machine
+
+REPROFILE_S = 60.0  # a peer not training times its device again this often
+
+
+class Probing:
+    """The part of `SwarmPeer` that runs its probe thread (`_probe_loop`): it adds what it measures to the
+    peer's `links` under `lock`, and keeps its `machine` profile."""
+
+    def _probe_loop(self) -> None:
+        config = self.config
+        self.stopping.wait(config.heartbeat_s)  # the first read of the swarm comes first
+        while not self.stopping.is_set():
+            self._profile_again()
+            with self.lock:
+                known = [d for d in self.records if d != self.device_id]
+                preferred = self._neighbours()
+                oldest = self.links.oldest_first()
+            targets = pick_targets(self.device_id, known, preferred, config.probe_targets, self._rng, oldest)
+            measured = self.prober.measure_many(targets, budget_bytes=config.probe_bytes, budget_s=config.heartbeat_s)
+            with self.lock:
+                self.links.add(measured)
+                if set(self.records) - {self.device_id}:  # a peer cut off sees no one: it keeps what it knew
+                    self.links.keep_only(self.records)
+            if measured:
+                self.report(f"links measured: {describe_links(measured)}")
+            self.stopping.wait(config.probe_every * config.heartbeat_s)
+
+    def _neighbours(self) -> list[str]:
+        """Lane neighbours, then group members, under the running plan (the caller holds the lock)."""
+        plan = self.running
+        if plan is None or self.device_id not in plan.devices:
+            return []
+        stage, lane = plan.position(self.device_id)
+        chain = plan.lanes[lane]
+        near = [chain[s] for s in (stage - 1, stage + 1) if 0 <= s < len(chain)]
+        return near + [d for d in plan.stages[stage].devices if d != self.device_id]
+
+    def _measure_load(self) -> None:
+        """Sample the device's background load while no plan has set anyone here to train: once peers train,
+        what they compute is no longer the load that was there without them."""
+        if self.running is not None or self.machine is None:
+            return
+        load = self.device_load.sample()
+        if load is not None:
+            self.machine = replace(self.machine, compute_background=load)
+
+    def _profile(self) -> MachineProfile:
+        config = self.config
+        self._profiled_at = time.monotonic()
+        return profile_machine(self.spec, config.micro_batch, config.dtype, config.worker.device, config.worker.slowdown, config.probe_s,
+                               swarm=config.swarm)
+
+    def _profile_again(self) -> None:
+        """While not training (its device idle, and no peer sharing it training), time the device again now and
+        then and keep the faster figure: a machine busy when the peer started (other programs, or peers starting
+        beside it) read too slow."""
+        if self.status.state not in ("waiting", "standby") or time.monotonic() - self._profiled_at < REPROFILE_S:
+            return
+        key = self.machine.compute_key
+        with self.lock:
+            busy = key is not None and any(r.compute_key == key and r.state == "training"
+                                           for d, r in self.records.items() if d != self.device_id)
+        if busy:  # its device is training others' stages: timing it would slow them, and read their load
+            return
+        again = self._profile()
+        if again.tflops > self.machine.tflops:
+            self.report(f"machine: {again.tflops * 1e3:.2f} GFLOPS achieved now (was {self.machine.tflops * 1e3:.2f} when busier)")
+            self.machine = replace(self.machine, tflops=again.tflops)
