@@ -68,7 +68,8 @@ from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.records import TTL_HEARTBEATS, PeerRecord
 from hetpeer.protocol.topology import Topology
-from hetpeer.protocol.workload import Workload, preset
+from hetpeer.protocol.modelspec import preset
+from hetpeer.protocol.workload import Workload
 
 HEARTBEAT_S = 2.0
 SETTLE_S = 2 * HEARTBEAT_S  # the coordinator's default settling

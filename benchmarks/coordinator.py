@@ -38,7 +38,8 @@ from hetpeer.coordinator.planner import PlannerConfig, solve, synthetic
 from hetpeer.coordinator.service import Coordinator
 from hetpeer.protocol.records import MAX_PLAN_BYTES, PROTOCOL_VERSION, PeerSchema, peers_key, plan_from_wire, plan_to_wire
 from hetpeer.protocol.topology import Topology
-from hetpeer.protocol.workload import PRESETS, Workload
+from hetpeer.protocol.modelspec import PRESETS
+from hetpeer.protocol.workload import Workload
 from synthetic_swarm import SyntheticControlPlane
 
 MODEL = PRESETS["gpt3-xl"]

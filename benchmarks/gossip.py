@@ -46,7 +46,7 @@ from hetpeer.peer.transport.links import TcpLink
 from hetpeer.peer.transport.network import Emulation, NetworkTransport
 from hetpeer.protocol.addresses import AddressBook, PeerAddress
 from hetpeer.protocol.plan import Plan, StagePlan
-from hetpeer.protocol.workload import preset
+from hetpeer.protocol.modelspec import preset
 
 HIDDEN_GOAL = 0.8
 STEP_LINE = re.compile(r"^\[(\S+)\] step (\d+)/\d+ .* ([0-9.]+) s \(compute")

@@ -56,7 +56,9 @@ from hetpeer.peer.node import stage_memory  # noqa: E402
 from hetpeer.peer.probe import TensorPeak, _time_per_call, block_tflops, free_memory_bytes  # noqa: E402
 from hetpeer.peer.transport.codec import checksum, decode, encode  # noqa: E402
 from hetpeer.protocol.frame import CODECS, FrameHeader  # noqa: E402
-from hetpeer.protocol.workload import ModelSpec, Workload, load_model  # noqa: E402
+from hetpeer.protocol.modelspec import ModelSpec
+from hetpeer.protocol.modelspec import load_model  # noqa: E402
+from hetpeer.protocol.workload import Workload  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP_GOAL = 1.05  # hetpeer's step at most this many times the plain loop's

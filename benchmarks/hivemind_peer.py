@@ -64,7 +64,7 @@ def train(args: argparse.Namespace) -> None:
     from hetpeer.peer.gossip.flat import decays
     from hetpeer.peer.probe import Slowdown
     from hetpeer.peer.model import build_stage
-    from hetpeer.protocol.workload import preset
+    from hetpeer.protocol.modelspec import preset
 
     torch.set_num_threads(args.threads)
     spec = preset(args.model)

@@ -42,7 +42,7 @@ PROBE = """
 import json, sys, torch
 torch.set_num_threads(1)
 from hetpeer.peer.probe import block_tflops, matmul_tflops
-from hetpeer.protocol.workload import preset
+from hetpeer.protocol.modelspec import preset
 print(json.dumps({"block": block_tflops(preset(sys.argv[1]), int(sys.argv[2]), seconds=3.0),
                   "matmul": matmul_tflops(seconds=3.0)}))
 """

@@ -33,7 +33,8 @@ from hetpeer.coordinator.planner import PlannerConfig, PlanningError, Problem, S
 from hetpeer.coordinator.planner import baselines, synthetic
 from hetpeer.coordinator.planner.grid import Aligner
 from hetpeer.protocol.topology import Topology
-from hetpeer.protocol.workload import Workload, preset
+from hetpeer.protocol.modelspec import preset
+from hetpeer.protocol.workload import Workload
 
 # The paper's c_DP and c_PP for GPT3-XL (bytes), as in their scheduler's configuration.
 PAPER_DP_BYTES = 0.65e9

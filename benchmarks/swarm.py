@@ -48,7 +48,8 @@ from hetpeer.logline import unstamp
 from hetpeer.peer.launch import free_port
 from hetpeer.protocol.control import ControlPlane
 from hetpeer.protocol.plan import Plan
-from hetpeer.protocol.workload import Workload, preset
+from hetpeer.protocol.modelspec import preset
+from hetpeer.protocol.workload import Workload
 from hetpeer.swarm.launcher import LocalSwarm, SwarmConfig
 
 LEAD_S = 8.0  # a published plan takes effect this far ahead, so every peer has read it

@@ -52,7 +52,8 @@ from hetpeer.protocol.control import ControlPlane  # noqa: E402
 from hetpeer.protocol.join import JoinInfo  # noqa: E402
 from hetpeer.protocol.plan import Plan  # noqa: E402
 from hetpeer.protocol.topology import Topology  # noqa: E402
-from hetpeer.protocol.workload import Workload, preset  # noqa: E402
+from hetpeer.protocol.modelspec import preset  # noqa: E402
+from hetpeer.protocol.workload import Workload  # noqa: E402
 from hetpeer.testbed.compose import free_subnet  # noqa: E402
 from hetpeer.testbed.project import TestbedConfig, peer_name, service_name  # noqa: E402
 from hetpeer.testbed.run import Testbed  # noqa: E402

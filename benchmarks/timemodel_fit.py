@@ -39,7 +39,8 @@ from hetpeer.coordinator.planner.efficiency import Efficiency, fit_compute, fit_
 from hetpeer.coordinator.policy import predicted_step_s  # noqa: E402
 from hetpeer.protocol.plan import Plan  # noqa: E402
 from hetpeer.protocol.topology import Topology  # noqa: E402
-from hetpeer.protocol.workload import Workload, preset  # noqa: E402
+from hetpeer.protocol.modelspec import preset  # noqa: E402
+from hetpeer.protocol.workload import Workload  # noqa: E402
 from hetpeer.testbed.project import TestbedConfig, peer_name  # noqa: E402
 
 GOAL = 0.15  # |measured / predicted - 1| for every plan kind

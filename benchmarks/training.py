@@ -46,7 +46,7 @@ from hetpeer.peer.model import build_stage
 from hetpeer.peer.pipeline.worker import StageWorker, WorkerConfig
 from hetpeer.peer.transport import MemoryHub, MemoryTransport
 from hetpeer.protocol.plan import Plan, StagePlan
-from hetpeer.protocol.workload import ModelSpec, preset
+from hetpeer.protocol.modelspec import ModelSpec, preset
 
 GOAL = 1.10
 PIPELINE_GOAL = 0.05  # the 2 x 2 run's validation loss within 5% of the 1 x 1 run's at equal tokens

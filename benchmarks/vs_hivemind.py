@@ -26,7 +26,8 @@ slowed (`--slowdown` for the fast site, twice that for the slow one) with the sa
     `--memory-gb`: hivemind's peers hold the whole model with its optimizer state; hetpeer's hold a stage.
 
 Output folder: the two compose projects with every container's log, `loss_vs_time.png`,
-`loss_vs_tokens.png` (matplotlib: `pip install -e '.[plots]'`) and `result.json`. `--json` prints one
+`loss_vs_tokens.png` (matplotlib: `pip install -e '.[plots]'`), `curves.json` (the loss curves they are
+drawn from: `--replot CURVES.json` draws them again) and `result.json`. `--json` prints one
 JSON object as the last line: `hetpeer` and `hivemind`, each with `tokens_per_s` and `loss_at_equal_time`,
 and `memory` for case (b).
 """
@@ -50,7 +51,7 @@ from hetpeer.coordinator.api_client import ApiClient
 from hetpeer.coordinator.api_errors import ApiError
 from hetpeer.peer.launch import free_port
 from hetpeer.protocol.topology import Topology
-from hetpeer.protocol.workload import preset
+from hetpeer.protocol.modelspec import preset
 from hetpeer.swarm.plots import available, charts_png
 from hetpeer.swarm.report import samples_from_lanes
 from hetpeer.testbed.compose import Compose, ComposeError, check_docker, free_subnet, image_exists, run
@@ -308,6 +309,20 @@ def plots(out: Path, outcomes: list[Outcome], duration_s: float) -> None:
                                               "testbed", "x_label": label, "y_label": "loss"}]))
 
 
+def replot(path: Path, duration_s: float, parser: argparse.ArgumentParser) -> int:
+    """The pictures of a finished run, from the curves it saved (what docs/images holds beside them)."""
+    if not available():
+        parser.error("the loss pictures need matplotlib: pip install -e '.[plots]'")
+    try:
+        curves = json.loads(path.read_text())
+        outcomes = [Outcome(system, [tuple(float(v) for v in p) for p in curves[system]]) for system in ("hetpeer", "hivemind")]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        parser.error(f"{path} is not a run's curves.json ({{'hetpeer': [[s, tokens, loss], ...], 'hivemind': ...}}): {error}")
+    plots(path.parent, outcomes, duration_s)
+    print(f"drawn: {path.parent / 'loss_vs_time.png'} and {path.parent / 'loss_vs_tokens.png'} from {path}")
+    return 0
+
+
 # -- main ------------------------------------------------------------------------------------------
 
 
@@ -328,7 +343,11 @@ def main() -> int:
     parser.add_argument("--image", default="hetpeer:latest", help="the testbed's image, from docker/build.sh (default hetpeer:latest)")
     parser.add_argument("--out", type=Path, help="output folder (default: a temporary folder)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.add_argument("--replot", type=Path, metavar="CURVES.json",
+                        help="run nothing: draw loss_vs_time.png and loss_vs_tokens.png again, beside it, from a run's curves.json")
     args = parser.parse_args()
+    if args.replot is not None:
+        return replot(args.replot, args.duration, parser)
     for name in ("duration", "memory_duration", "intra_mbit", "inter_mbit", "fast_tflops", "memory_gb", "heartbeat", "lr"):
         if not np.isfinite(getattr(args, name)) or getattr(args, name) <= 0:
             parser.error(f"--{name.replace('_', '-')} must be a positive number, not {getattr(args, name)!r}")
@@ -374,7 +393,8 @@ def main() -> int:
         for o in (het, hm):
             result[o.system] = {**figures(o, args.duration, equal_time, equal_tokens), "notes": o.notes}
         result["equal_time_s"], result["equal_tokens"] = equal_time, equal_tokens
-        result["speedup"] = result["hetpeer"]["tokens_per_s"] / max(result["hivemind"]["tokens_per_s"], 1e-9)
+        trained = all(result[o.system]["tokens"] > 0 for o in (het, hm))  # a system that never trained has no speed to compare
+        result["speedup"] = result["hetpeer"]["tokens_per_s"] / result["hivemind"]["tokens_per_s"] if trained else None
         result["goal"] = {"speedup": GOAL_SPEEDUP, "loss": "hetpeer's loss at equal time <= hivemind's"}
         plots(out, [het, hm], args.duration)
         (out / "curves.json").write_text(json.dumps({o.system: o.points for o in (het, hm)}))
@@ -417,7 +437,11 @@ def print_summary(result: dict) -> None:
         averaging = result["hivemind"]["notes"].get("averaging", {})
         print(f"hivemind's rounds: {averaging.get('averaged', 0)} averaged (mean group {np.mean(averaging.get('peers') or [0]):.1f} "
               f"peers), {averaging.get('local', 0)} with local gradients only")
-        print(f"hetpeer over hivemind: {result['speedup']:.2f}x tokens/s (goal >= {GOAL_SPEEDUP:g}x at equal or lower loss)")
+        if result["speedup"] is None:
+            silent = [name for name in ("hetpeer", "hivemind") if not result[name]["tokens"]]
+            print(f"no comparison: {' and '.join(silent)} never trained (its containers' last lines are in result.json)")
+        else:
+            print(f"hetpeer over hivemind: {result['speedup']:.2f}x tokens/s (goal >= {GOAL_SPEEDUP:g}x at equal or lower loss)")
     if "memory" in result:
         m = result["memory"]
         print(f"\n(b) memory, the medium GPT, {m['memory_gb']:g} GB per container:")

@@ -12,7 +12,8 @@ from hetpeer import scenarios
 from hetpeer.coordinator.planner import Problem, Solution
 from hetpeer.protocol.plan import SYNC_MODES, Plan
 from hetpeer.protocol.topology import Topology
-from hetpeer.protocol.workload import Workload, preset
+from hetpeer.protocol.modelspec import preset
+from hetpeer.protocol.workload import Workload
 
 # The paper's c_DP and c_PP for GPT-3 XL (bytes), as in the authors' scheduler configuration.
 PAPER_DP_BYTES = 0.65e9

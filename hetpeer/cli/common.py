@@ -19,7 +19,7 @@ from hetpeer import logline
 from hetpeer.peer.gossip.topology import TOPOLOGIES
 from hetpeer.protocol.addresses import LINK_CHOICES
 from hetpeer.protocol.frame import CODECS
-from hetpeer.protocol.workload import PRESETS, ModelSpec, load_model
+from hetpeer.protocol.modelspec import PRESETS, ModelSpec, load_model
 
 DEFAULT_STEPS = 20
 SWARM_DTYPES = ("fp32", "bf16")  # what the stage worker computes in

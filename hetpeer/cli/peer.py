@@ -17,7 +17,8 @@ from hetpeer.cli.common import (
     model_spec, non_negative_int, positive_float, positive_int, read_json, run_options_argv, say, stop_on_sigterm,
 )
 from hetpeer.protocol.plan import Plan
-from hetpeer.protocol.workload import PRESETS, ModelSpec, Workload
+from hetpeer.protocol.modelspec import PRESETS, ModelSpec
+from hetpeer.protocol.workload import Workload
 
 JOIN_FILE_WAIT_S = 120.0
 
@@ -251,7 +252,7 @@ def run_swarm_join(args: argparse.Namespace) -> int:
     from hetpeer.peer.checkpoint import CheckpointError
     from hetpeer.peer.daemon import SwarmPeer, SwarmPeerConfig
     from hetpeer.peer.data.corpus import CorpusError
-    from hetpeer.protocol.workload import ModelConfigError
+    from hetpeer.protocol.modelspec import ModelConfigError
     from hetpeer.protocol.control import ControlError
 
     fixed = [flag for flag, value in (("--plan", args.plan), ("--as", args.device_id), ("--peers", args.peers)) if value is not None]

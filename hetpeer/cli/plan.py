@@ -15,7 +15,8 @@ from hetpeer.cli.common import (
     UserError, add_eval_options, add_model_options, model_spec, non_negative_int, positive_float, positive_int, read_json,
 )
 from hetpeer.protocol.plan import COST_MODELS, RECOMPUTE_CHOICES, SYNC_CHOICES, Plan
-from hetpeer.protocol.workload import DTYPE_BYTES, Workload
+from hetpeer.protocol.modelspec import DTYPE_BYTES
+from hetpeer.protocol.workload import Workload
 
 
 def _efficiency(text: str):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from hetpeer import logline, scenarios
 from hetpeer.cli.common import SWARM_DTYPES, UserError, positive_float, positive_int, read_json, stop_on_sigterm
-from hetpeer.protocol.workload import PRESETS
+from hetpeer.protocol.modelspec import PRESETS
 
 PROJECT_RE = re.compile(r"[a-z0-9][a-z0-9_-]*\Z")
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from hetpeer.coordinator import gate
 from hetpeer.coordinator.tls import ServerTls
-from hetpeer.protocol.workload import PRESETS, ModelSpec, Workload
+from hetpeer.protocol.modelspec import PRESETS, ModelSpec
+from hetpeer.protocol.workload import Workload
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,7 +24,7 @@ class CoordinatorConfig:
     api_listen: str | None = "127.0.0.1:0"  # None: no gRPC API
     api_tls: ServerTls | None = None  # the API's certificate and key: serve it (and the dashboard) over TLS
     http_listen: str | None = None  # where to serve the web dashboard and /metrics; None: nowhere
-    model: ModelSpec = PRESETS["tiny"]  # a preset, or a model folder's spec (`workload.load_model`)
+    model: ModelSpec = PRESETS["tiny"]  # a preset, or a model folder's spec (`modelspec.load_model`)
     batch: int = 16
     micro_batch: int = 2
     dtype: str = "fp32"

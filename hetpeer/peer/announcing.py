@@ -11,7 +11,8 @@ from hetpeer import __version__
 from hetpeer.protocol.identity import DEVICE_RE
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.records import PeerRecord
-from hetpeer.protocol.workload import ModelSpec, Workload
+from hetpeer.protocol.modelspec import ModelSpec
+from hetpeer.protocol.workload import Workload
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from hetpeer.protocol.workload import ModelSpec
+from hetpeer.protocol.modelspec import ModelSpec
 
 FORMAT = "hetpeer-stage-1"
 OPTIMIZER = ("m", "v", "window")

@@ -50,7 +50,7 @@ from hetpeer.protocol.control import ControlPlane
 from hetpeer.protocol.identity import device_id
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.records import TTL_HEARTBEATS, PeerRecord
-from hetpeer.protocol.workload import PRESETS, ModelSpec
+from hetpeer.protocol.modelspec import PRESETS, ModelSpec
 
 log = logging.getLogger("hetpeer.peer")
 RATE_STEPS = 10  # the tokens/s a peer announces is its rate over this many steps

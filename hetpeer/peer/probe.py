@@ -37,7 +37,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from hetpeer.peer.model import build_stage
-from hetpeer.protocol.workload import ModelSpec, Workload
+from hetpeer.protocol.modelspec import ModelSpec
+from hetpeer.protocol.workload import Workload
 
 
 AUTOCAST_DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # what the stage worker computes in
@@ -107,8 +108,9 @@ def compute_identity(device: str, swarm: str, slowdown: float = 1.0) -> tuple[st
 class DeviceLoad:
     """What of this peer's CPU cores other work keeps busy: each `sample()` is the share of those cores busy
     since the last one (the kernel's count, /proc/stat), less this process's own CPU time; the figure is the
-    median of the last `window` samples, so that a neighbour's passing probe does not stand for the load the
-    machine always carries (other peers' control planes, their DHT processes, a coordinator beside them).
+    mean of the last `window` samples: the load the machine carries on average (other peers' control planes
+    and link probes, their DHT processes, a coordinator beside them), bursts included, since a training step
+    that meets one waits for it.
     It reads nothing where the kernel does not say (None), and nothing of a GPU: a GPU's other work is not
     counted."""
 
@@ -144,7 +146,7 @@ class DeviceLoad:
         self._last = now
         if total > 0:
             self._samples = (self._samples + [min(0.95, max(0.0, (busy - own) / total))])[-self._window :]
-        return statistics.median(self._samples) if self._samples else None
+        return statistics.fmean(self._samples) if self._samples else None
 
 
 def device_name(device: str) -> str:

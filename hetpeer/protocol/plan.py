@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field as dataclass_field
 from typing import Any, Mapping
 
-from hetpeer.protocol.workload import DTYPE_BYTES
+from hetpeer.protocol.modelspec import DTYPE_BYTES
 from hetpeer.protocol.wire import (
     SchemaError,
     field,

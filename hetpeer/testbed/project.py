@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from hetpeer.protocol.topology import Device, Topology
-from hetpeer.protocol.workload import Workload, preset
+from hetpeer.protocol.modelspec import preset
+from hetpeer.protocol.workload import Workload
 
 COORDINATOR = "coordinator"
 API_PORT = 50051  # inside the coordinator's container

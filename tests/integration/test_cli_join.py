@@ -26,7 +26,7 @@ from hetpeer.peer.launch import free_port
 from hetpeer.peer.model import build_stage
 from hetpeer.protocol.addresses import AddressBook
 from hetpeer.protocol.plan import Plan, StagePlan
-from hetpeer.protocol.workload import preset
+from hetpeer.protocol.modelspec import preset
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = preset("tiny")

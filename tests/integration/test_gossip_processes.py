@@ -231,7 +231,7 @@ def fresh_loss(lane: int, step: int) -> float:
 
     from hetpeer.peer.data.corpus import Corpus
     from hetpeer.peer.model import build_stage
-    from hetpeer.protocol.workload import preset
+    from hetpeer.protocol.modelspec import preset
 
     spec, plan = preset("tiny"), make_plan("gossip")
     model = build_stage(spec, 0, spec.layers)

@@ -33,7 +33,7 @@ from hetpeer.peer.transport.network import NetworkTransport
 from hetpeer.protocol.addresses import AddressBook, PeerAddress
 from hetpeer.protocol.frame import PREFIX, FrameHeader, decode_header, header_length
 from hetpeer.protocol.plan import Plan, StagePlan
-from hetpeer.protocol.workload import preset
+from hetpeer.protocol.modelspec import preset
 
 ROOT = Path(__file__).resolve().parents[2]
 PEER = Path(__file__).with_name("pipeline_peer.py")

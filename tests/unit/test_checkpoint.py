@@ -16,7 +16,7 @@ from hetpeer.peer.model import build_stage
 from hetpeer.peer.pipeline.worker import StageWorker, WorkerConfig
 from hetpeer.peer.transport import MemoryHub, MemoryTransport
 from hetpeer.protocol.plan import Plan, StagePlan
-from hetpeer.protocol.workload import ModelSpec, load_model, preset
+from hetpeer.protocol.modelspec import ModelSpec, load_model, preset
 from in_threads import results
 
 SPEC = preset("tiny")

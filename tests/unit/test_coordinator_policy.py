@@ -16,7 +16,8 @@ from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.records import LinkMeasurement, PeerRecord
 from hetpeer.protocol.wire import SchemaError
-from hetpeer.protocol.workload import Workload, preset
+from hetpeer.protocol.modelspec import preset
+from hetpeer.protocol.workload import Workload
 
 WORKLOAD = Workload(preset("tiny"), batch=16, micro_batch=2, dtype="fp32")
 SEQ_LEN = WORKLOAD.model.seq_len

@@ -12,7 +12,8 @@ from hetpeer.peer.handover import donors_for, still_fetched
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.records import PeerRecord
-from hetpeer.protocol.workload import Workload, preset
+from hetpeer.protocol.modelspec import preset
+from hetpeer.protocol.workload import Workload
 
 
 def make_plan(stages: list[list[str]], *, standby: tuple[str, ...] = (), epoch: int = 1, start_step: int = 0) -> Plan:

@@ -14,7 +14,8 @@ from hetpeer.coordinator.planner.baselines import exhaustive
 from hetpeer.coordinator.planner.dtfm import DtfmCost
 from hetpeer.coordinator.planner.grid import Aligner
 from hetpeer.protocol.topology import Topology
-from hetpeer.protocol.workload import Workload, preset
+from hetpeer.protocol.modelspec import preset
+from hetpeer.protocol.workload import Workload
 
 WORKLOAD = Workload(preset("tiny"), batch=8)
 

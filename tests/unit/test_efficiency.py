@@ -8,7 +8,8 @@ import pytest
 from hetpeer.coordinator.planner import Problem, synthetic
 from hetpeer.coordinator.planner.efficiency import Efficiency, fit_compute, fit_link, fit_overhead
 from hetpeer.protocol.topology import Topology
-from hetpeer.protocol.workload import Workload, preset
+from hetpeer.protocol.modelspec import preset
+from hetpeer.protocol.workload import Workload
 
 
 def test_a_stream_gets_its_share_of_a_link_and_no_more_than_its_window_per_round_trip():

@@ -21,7 +21,9 @@ from hetpeer.peer.model.folder import ModelFolder  # noqa: E402
 from hetpeer.peer.pipeline.worker import StageWorker, WorkerConfig  # noqa: E402
 from hetpeer.peer.transport import MemoryHub, MemoryTransport  # noqa: E402
 from hetpeer.protocol.plan import Plan, StagePlan  # noqa: E402
-from hetpeer.protocol.workload import ModelConfigError, ModelSpec, Workload, load_model  # noqa: E402
+from hetpeer.protocol.modelspec import ModelConfigError, ModelSpec
+from hetpeer.protocol.modelspec import load_model  # noqa: E402
+from hetpeer.protocol.workload import Workload  # noqa: E402
 from in_threads import results  # noqa: E402
 
 GPT2 = {"model_type": "gpt2", "n_embd": 32, "n_head": 4, "n_layer": 3, "n_positions": 24, "vocab_size": 300,

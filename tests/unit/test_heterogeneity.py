@@ -6,7 +6,8 @@ import numpy as np
 
 from hetpeer.coordinator.planner import PlannerConfig, Problem, solve
 from hetpeer.protocol.topology import Topology
-from hetpeer.protocol.workload import Workload, preset
+from hetpeer.protocol.modelspec import preset
+from hetpeer.protocol.workload import Workload
 
 
 def one_region(tflops: list[float]) -> Topology:

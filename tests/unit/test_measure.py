@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import re
+import subprocess
+import sys
 import threading
 import time
 
@@ -35,7 +39,7 @@ from hetpeer.peer.transport import MemoryHub, MemoryTransport
 from hetpeer.peer.transport.inbox import Late
 from hetpeer.protocol.frame import FrameHeader
 from hetpeer.protocol.records import MAX_LINKS, LinkMeasurement
-from hetpeer.protocol.workload import preset
+from hetpeer.protocol.modelspec import preset
 from test_ratelimit import Clock
 
 WORK_S = 0.05
@@ -559,3 +563,34 @@ def test_a_containers_memory_limit_bounds_the_free_memory_a_peer_announces(tmp_p
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     assert cgroup_free_bytes(tmp_path) == free
+
+
+def test_peers_of_one_swarm_on_one_device_announce_one_key_and_their_share_of_it(one_thread):
+    from hetpeer.peer.probe import compute_identity
+
+    key, share = compute_identity("cpu", "demo")
+    cores = len(os.sched_getaffinity(0))
+    assert re.fullmatch(r"[0-9a-f]{16}", key) and share == pytest.approx(min(1.0, 1 / cores))
+    assert compute_identity("cpu", "demo", slowdown=4.0) == (key, pytest.approx(share / 4))  # a slowed peer sleeps
+    assert compute_identity("cpu", "another")[0] != key  # keys of different swarms do not link machines
+    profile = profile_machine(preset("tiny"), micro_batch=1, dtype="fp32", device="cpu", seconds=0.05, swarm="demo")
+    assert (profile.compute_key, profile.compute_share) == (key, pytest.approx(share))
+    with pytest.raises(ValueError, match="compute_share"):
+        MachineProfile(device_name="cpu", tflops=1.0, memory_bytes=0, compute_share=0.0)
+
+
+def test_the_load_of_other_processes_counts():
+    from hetpeer.peer.probe import DeviceLoad
+
+    assert DeviceLoad("cuda").sample() is None  # a GPU's other work is not counted
+    load = DeviceLoad("cpu", window=3)
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        for _ in range(3):
+            time.sleep(0.3)
+            busy = load.sample()
+    finally:
+        spinner.kill()
+        spinner.wait()
+    # another process spinning a core: near one core's share of them, more on a busy machine, never all of them
+    assert busy is not None and 0.4 / len(os.sched_getaffinity(0)) <= busy <= 0.95

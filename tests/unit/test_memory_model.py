@@ -16,7 +16,7 @@ from hetpeer.peer.pipeline.worker import StageWorker, WorkerConfig
 from hetpeer.peer.probe import TensorPeak
 from hetpeer.peer.transport import MemoryHub, MemoryTransport
 from hetpeer.protocol.plan import Plan, StagePlan
-from hetpeer.protocol.workload import ModelSpec
+from hetpeer.protocol.modelspec import ModelSpec
 
 # an odd vocabulary, as GPT-2's: the head's product pads it (`HEAD_ROWS`); the Llama's needs no padding
 GPT2 = {"model_type": "gpt2", "n_embd": 128, "n_head": 4, "n_layer": 4, "n_positions": 64, "vocab_size": 2001}

@@ -13,7 +13,9 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count  # noqa: E
 from hetpeer.peer.model import Block, Stage, build_stage  # noqa: E402
 from hetpeer.peer.model.families import rotary_frequencies  # noqa: E402
 from hetpeer.peer.model.gpt import head_logits  # noqa: E402
-from hetpeer.protocol.workload import ModelSpec, Workload, preset  # noqa: E402
+from hetpeer.protocol.modelspec import ModelSpec
+from hetpeer.protocol.modelspec import preset  # noqa: E402
+from hetpeer.protocol.workload import Workload  # noqa: E402
 
 SMALL = ModelSpec("small", hidden=48, heads=3, seq_len=32, vocab=97, layers=3)
 SPECS = [

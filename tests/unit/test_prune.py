@@ -14,7 +14,8 @@ from hetpeer.coordinator.planner.solve import SPARE
 from hetpeer.protocol.plan import MAX_STANDBY_REASONS, Plan, StagePlan, standby_runs
 from hetpeer.protocol.topology import Topology
 from hetpeer.protocol.wire import SchemaError
-from hetpeer.protocol.workload import Workload, preset
+from hetpeer.protocol.modelspec import preset
+from hetpeer.protocol.workload import Workload
 
 WORKLOAD = Workload(preset("gpt3-xl"), batch=64)
 

@@ -397,3 +397,16 @@ def test_a_plan_that_breaks_its_own_rules_is_refused():
     wire_plan["version"] = 99
     with pytest.raises(SchemaError, match="plan.version"):
         plan_from_wire({"plan": json.dumps(wire_plan), "time": NOW})
+
+
+def test_the_device_a_peer_computes_on_is_checked():
+    record = parse(wire(compute_key="0123456789abcdef", compute_share=0.25, compute_background=0.4))
+    assert (record.compute_key, record.compute_share, record.compute_background) == ("0123456789abcdef", 0.25, 0.4)
+    assert parse(wire()).compute_key is None
+    for bad in ("0123456789ABCDEF", "0123", "x" * 16, "0123456789abcdef0"):
+        refused(wire(compute_key=bad), "peer.compute_key")
+    for bad in (0.0, -0.5, 1.5, math.inf):
+        refused(wire(compute_share=bad), "peer.compute_share")
+    for bad in (-0.1, 1.0, math.nan):
+        refused(wire(compute_background=bad), "peer.compute_background")
+    refused(wire(compute_share=1), "peer.compute_share")  # an int where a float belongs

@@ -11,7 +11,8 @@ from hetpeer.coordinator.planner import PlannerConfig, Problem, Shape, make_mode
 from hetpeer.coordinator.repair import DROPPED, KEPT, SLOWER, repair
 from hetpeer.protocol.plan import Plan, standby_runs
 from hetpeer.protocol.topology import Topology
-from hetpeer.protocol.workload import Workload, preset
+from hetpeer.protocol.modelspec import preset
+from hetpeer.protocol.workload import Workload
 
 CONFIG = PlannerConfig(stages=2, group_size=3, time_budget_s=0.5)
 

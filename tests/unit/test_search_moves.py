@@ -22,7 +22,8 @@ from hetpeer.coordinator.planner.moves import (
 from hetpeer.coordinator.planner.search import _start_order
 from hetpeer.coordinator.planner.synthetic import random_topology
 from hetpeer.protocol.topology import Topology
-from hetpeer.protocol.workload import Workload, preset
+from hetpeer.protocol.modelspec import preset
+from hetpeer.protocol.workload import Workload
 
 
 def problem(n: int, seed: int) -> Problem:

@@ -12,7 +12,8 @@ from hetpeer.coordinator.planner.sharing import Sharing, fair_level
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.records import LinkMeasurement, PeerRecord
 from hetpeer.protocol.topology import Topology
-from hetpeer.protocol.workload import Workload, preset
+from hetpeer.protocol.modelspec import preset
+from hetpeer.protocol.workload import Workload
 from hetpeer.protocol.addresses import PeerAddress
 
 WORKLOAD = Workload(preset("tiny", 4), batch=16, micro_batch=2)
@@ -151,3 +152,15 @@ def test_screens_hold_the_grids_sharing():
             g[s1:s2, a[k]], g[s1:s2, b[k]] = grid[s1:s2, b[k]], grid[s1:s2, a[k]]
             lanes, _ = model._lanes(g.T[None], counts[None, None, :], model._slowdowns(g[None]).transpose(0, 2, 1))
             assert new[k, j] == pytest.approx(lanes[0, a[k]], rel=1e-12)
+
+
+def test_other_work_on_a_device_leaves_its_peers_less():
+    np.testing.assert_allclose(fair_level(np.array([[0.5, 0.5], [0.2, 0.2]]), np.array([0.6, 0.6])), [0.3, np.inf])
+    # two peers each asking half the machine, which other work keeps 40% busy (the median of what its peers saw)
+    sharing = Sharing.from_keys(["m", "m", "m"], [0.5, 0.5, 0.5], [0.4, 0.35, 0.9])
+    assert sharing.capacity.tolist() == pytest.approx([0.6])
+    np.testing.assert_allclose(sharing.slowdowns(np.array([[[0, 1]]])), 0.5 / 0.3)
+    np.testing.assert_allclose(sharing.slowdowns(np.array([[[0]]])), 1.0)  # alone, it fits in what is left
+    assert "3 peers compute on 1 shared device(s); other work takes 40%" in sharing.describe()
+    with pytest.raises(ValueError, match="background"):
+        Sharing.from_keys(["m", "m"], [0.5, 0.5], [0.4, 1.0])

@@ -9,7 +9,8 @@ import pytest
 from hetpeer.coordinator.planner import PlannerConfig, Problem, SearchConfig, solve
 from hetpeer.coordinator.planner.synthetic import random_topology
 from hetpeer.protocol.topology import Topology
-from hetpeer.protocol.workload import Workload, preset
+from hetpeer.protocol.modelspec import preset
+from hetpeer.protocol.workload import Workload
 
 
 def problem(devices: int, regions: int, seed: int, layers: int = 8) -> Problem:

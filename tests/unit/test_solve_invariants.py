@@ -9,7 +9,8 @@ import pytest
 from hetpeer.coordinator.planner import PlannerConfig, PlanningError, Problem, solve
 from hetpeer.coordinator.planner.synthetic import random_topology
 from hetpeer.protocol.topology import Topology
-from hetpeer.protocol.workload import Workload, preset
+from hetpeer.protocol.modelspec import preset
+from hetpeer.protocol.workload import Workload
 
 
 def random_problem(devices: int, regions: int, seed: int, workload: Workload, **kwargs) -> Problem:

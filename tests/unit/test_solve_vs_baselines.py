@@ -10,7 +10,8 @@ from hetpeer.coordinator.planner.baselines import baseline_costs, blocks_grid, r
 from hetpeer.coordinator.planner.grid import Aligner
 from hetpeer.coordinator.planner.synthetic import random_topology
 from hetpeer.protocol.topology import Topology
-from hetpeer.protocol.workload import Workload, preset
+from hetpeer.protocol.modelspec import preset
+from hetpeer.protocol.workload import Workload
 
 
 def random_problem(devices: int, regions: int, seed: int) -> Problem:

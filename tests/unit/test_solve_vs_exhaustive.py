@@ -9,7 +9,8 @@ from hetpeer.coordinator.planner import PlannerConfig, Problem, Shape, make_mode
 from hetpeer.coordinator.planner.baselines import exhaustive
 from hetpeer.coordinator.planner.synthetic import random_topology
 from hetpeer.protocol.topology import Topology
-from hetpeer.protocol.workload import Workload, preset
+from hetpeer.protocol.modelspec import preset
+from hetpeer.protocol.workload import Workload
 
 SEEDS = [0, 1, 2]
 CASES = [("dtfm", 2, 4), ("dtfm", 4, 2), ("time", 2, 4), ("time", 4, 2), ("time", 2, 3)]

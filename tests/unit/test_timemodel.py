@@ -11,7 +11,8 @@ from hetpeer.coordinator.planner import PlannerConfig, PlanningError, Problem, S
 from hetpeer.coordinator.planner.timemodel import TIE_BREAK
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.topology import Topology
-from hetpeer.protocol.workload import Workload, preset
+from hetpeer.protocol.modelspec import preset
+from hetpeer.protocol.workload import Workload
 
 # tiny: hidden 64, seq 64, vocab 256.
 H, SEQ, VOCAB = 64, 64, 256
@@ -344,7 +345,7 @@ def test_a_device_that_moves_must_also_fit_the_state_it_downloads_staged_beside_
 def test_a_tied_head_adds_its_gradient_exchange_between_the_lane_ends():
     """A tied model's two-stage lane pays latency + vocab x hidden x dtype bytes / bandwidth once a step (both
     ways at once); one stage holds both copies and pays nothing; an untied model pays nothing."""
-    from hetpeer.protocol.workload import ModelSpec
+    from hetpeer.protocol.modelspec import ModelSpec
 
     latency_ms, gbps = 5.0, 0.1
     gpt2 = {"model_type": "gpt2", "n_embd": H, "n_head": 4, "n_layer": 4, "n_positions": SEQ, "vocab_size": VOCAB}
@@ -439,7 +440,7 @@ def test_exchanged_lanes_are_the_full_evaluation_of_the_exchanged_grid(shape, ti
     """Every lane a with stages [s1, s2) of lane b: what the prefix sums and range maxima give is what
     evaluating the lanes of the grid with those stages exchanged gives, with the split held."""
     from hetpeer.coordinator.planner.screens import _segments
-    from hetpeer.protocol.workload import ModelSpec
+    from hetpeer.protocol.modelspec import ModelSpec
 
     rng = np.random.default_rng(shape.devices + tied + per_lane)
     spec = ModelSpec.from_config({"model_type": "gpt2", "n_embd": H, "n_head": 4, "n_layer": 8, "n_positions": SEQ,

@@ -12,7 +12,8 @@ from hetpeer.coordinator.planner import PlannerConfig, Problem, Shape, make_mode
 from hetpeer.coordinator.planner.timemodel import TIE_BREAK
 from hetpeer.peer.pipeline.schedule import FORWARD, one_f_one_b
 from hetpeer.protocol.topology import Topology
-from hetpeer.protocol.workload import Workload, preset
+from hetpeer.protocol.modelspec import preset
+from hetpeer.protocol.workload import Workload
 
 # tiny: hidden 64, seq 64, vocab 256.
 H, SEQ, VOCAB = 64, 64, 256

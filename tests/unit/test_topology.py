@@ -10,7 +10,8 @@ import pytest
 from hetpeer.coordinator.planner import Problem
 from hetpeer.protocol.topology import Link, Topology
 from hetpeer.protocol.wire import SchemaError
-from hetpeer.protocol.workload import Workload, preset
+from hetpeer.protocol.modelspec import preset
+from hetpeer.protocol.workload import Workload
 
 
 def base() -> dict:

@@ -21,7 +21,7 @@ from hetpeer.peer.transport import MemoryHub, MemoryTransport, TransportTimeout
 from hetpeer.peer.transport.codec import checksum, encode
 from hetpeer.protocol.frame import FrameHeader, payload_bytes
 from hetpeer.protocol.plan import Plan, StagePlan
-from hetpeer.protocol.workload import preset
+from hetpeer.protocol.modelspec import preset
 
 SPEC = preset("tiny")  # 4 layers, hidden 64, seq_len 64, bytes as tokens
 HIDDEN, SEQ = SPEC.hidden, SPEC.seq_len

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from hetpeer.protocol.workload import PRESETS, ModelSpec, Workload, preset
+from hetpeer.protocol.modelspec import PRESETS, ModelSpec, preset
+
+from hetpeer.protocol.workload import Workload
 
 
 def test_gpt3_xl_preset_shape():

@@ -7,7 +7,7 @@ import torch
 
 from hetpeer.peer.model.families import FamilyStage
 from hetpeer.peer.model.gpt import Block, Stage
-from hetpeer.protocol.workload import ModelSpec
+from hetpeer.protocol.modelspec import ModelSpec
 
 __all__ = ["Block", "FamilyStage", "Stage", "build_stage"]
 

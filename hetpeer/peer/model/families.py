@@ -24,7 +24,7 @@ from torch import nn
 from hetpeer.peer.model.gpt import (
     INIT_STD, _BLOCK, _HEAD, _POSITIONS, _TOKENS, _generator, _rotate, head_logits, run_blocks, token_loss,
 )
-from hetpeer.protocol.workload import ModelSpec
+from hetpeer.protocol.modelspec import ModelSpec
 
 
 class Conv1D(nn.Module):

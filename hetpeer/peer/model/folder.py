@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from hetpeer.protocol.workload import ModelConfigError, ModelSpec
+from hetpeer.protocol.modelspec import ModelConfigError, ModelSpec
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -31,7 +31,7 @@ class ModelFolder:
 
     @classmethod
     def open(cls, path: str | Path, spec: ModelSpec) -> "ModelFolder":
-        """The folder of `spec` (read with `workload.load_model`), and where each of its tensors lies."""
+        """The folder of `spec` (read with `modelspec.load_model`), and where each of its tensors lies."""
         root = Path(path)
         index = root / INDEX
         if index.is_file():

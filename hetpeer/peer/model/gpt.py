@@ -22,7 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from hetpeer.protocol.workload import HEAD_ROWS, ModelSpec
+from hetpeer.protocol.modelspec import ModelSpec
+
+from hetpeer.protocol.workload import HEAD_ROWS
 
 INIT_STD = 0.02
 ROTARY_BASE = 10_000.0

@@ -42,7 +42,7 @@ from hetpeer.peer.transport.inbox import Late, TransportTimeout
 from hetpeer.peer.transport.codec import TORCH_DTYPES
 from hetpeer.protocol.frame import CODECS, FrameHeader
 from hetpeer.protocol.plan import Plan
-from hetpeer.protocol.workload import PRESETS, ModelSpec, preset
+from hetpeer.protocol.modelspec import PRESETS, ModelSpec, preset
 
 COMPUTE_DTYPES = ("fp32", "bf16")
 # A peer this many steps behind its group (stopped, cut off) downloads the group's state rather than mix in
