@@ -44,7 +44,7 @@ def wait_for(condition, what: str) -> None:
 def test_a_poisoner_is_left_out_reported_banned_and_the_group_trains_on(tmp_path):
     config = SwarmConfig(
         out=tmp_path, peers=4, steps=100_000, batch=64, heartbeat_s=1.0, replan_interval_s=3600, mix_deadline_s=2.0,
-        time_budget_s=1.0, coordinator_args=("--stages", "1", "--min-peers", "4"), peer_args=("--robust", "2"),
+        time_budget_s=1.0, coordinator_args=("--stages", "1", "--group-size", "4", "--min-peers", "4"), peer_args=("--robust", "2"),
     )
     swarm = PoisonedSwarm(config, lambda line: None, free_port(), http_port=free_port())
     try:
