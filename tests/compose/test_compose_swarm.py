@@ -25,7 +25,10 @@ def swarm(image):
     port, http = free_port(), free_port()
     compose = Compose(ROOT / "docker" / "compose.yaml", unique("hetpeer-compose"),
                       env={"HETPEER_IMAGE": image, "HETPEER_API_PORT": str(port), "HETPEER_HTTP_PORT": str(http),
-                           "HETPEER_SWARM": "ci"})
+                           "HETPEER_SWARM": "ci",
+                           # the four containers compute on this host's cores, and announce it (planner/sharing.py):
+                           # slowed as GPUs slower than the cores, they leave them room, so the plan has groups to fault
+                           "HETPEER_SLOWDOWN": "4", "HETPEER_PEER3_SLOWDOWN": "8"})
     try:
         compose.up()
         with ApiClient(f"127.0.0.1:{port}", timeout_s=5.0) as client:

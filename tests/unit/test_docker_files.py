@@ -21,6 +21,8 @@ PLAUSIBLE = {
     "HETPEER_SWARM": "docker",
     "HETPEER_IMAGE": "hetpeer:latest",
     "HETPEER_API_PORT": "50051",
+    "HETPEER_SLOWDOWN": "1",
+    "HETPEER_PEER3_SLOWDOWN": "2",
 }
 VARIABLE = re.compile(r"\$\{(\w+)(?::?[-?][^}]*)?\}|\$(\w+)")
 
