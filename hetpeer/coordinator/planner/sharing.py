@@ -22,7 +22,8 @@ O(K (n + cells log cells)) for K grids, and nothing at all for a problem whose p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -54,6 +55,19 @@ class Sharing:
     group: np.ndarray  # (n,) int
     share: np.ndarray  # (n,) float in (0, 1]
     capacity: np.ndarray  # (groups,) float in (0, 1]
+    # per shared device its devices' indices, a row each padded with -1: every batch of grids evaluates all
+    # shared devices at once (a swarm of 10,000 peers two to a machine has 5,000 of them)
+    members: np.ndarray = field(init=False, repr=False)  # (groups, most devices on one) int
+
+    def __post_init__(self) -> None:
+        order = np.argsort(self.group, kind="stable")
+        order = order[self.group[order] >= 0]
+        bounds = np.searchsorted(self.group[order], np.arange(len(self.capacity) + 1))
+        sizes = np.diff(bounds)
+        members = np.full((len(self.capacity), int(sizes.max(initial=0))), -1, dtype=np.int64)
+        rows = np.repeat(np.arange(len(sizes)), sizes)
+        members[rows, np.arange(len(order)) - bounds[rows]] = order
+        object.__setattr__(self, "members", members)
 
     @staticmethod
     def from_keys(
@@ -62,8 +76,8 @@ class Sharing:
         """The grouping of peers by announced device key; None when no two peers share one (the common case:
         the planner then pays nothing for it). A shared device's capacity is 1 less the median of the background
         load its peers measured (`backgrounds`, each in [0, 1); none: 0): one peer's figure does not set it."""
-        named = [k for k in keys if k is not None]
-        shared = sorted({k for k in named if named.count(k) > 1}) if len(set(named)) < len(named) else []
+        counts = Counter(k for k in keys if k is not None)
+        shared = sorted(k for k, count in counts.items() if count > 1)
         if not shared:
             return None
         index = {k: g for g, k in enumerate(shared)}
@@ -74,8 +88,9 @@ class Sharing:
         background = np.zeros(len(group)) if backgrounds is None else np.asarray(backgrounds, dtype=float)
         if background.shape != group.shape or not np.all((background >= 0) & (background < 1)):
             raise ValueError(f"a device's background load must be in [0, 1), one per device, got {background.tolist()}")
-        capacity = np.array([1.0 - float(np.median(background[group == g])) for g in range(len(shared))])
-        return Sharing(group, share, capacity)
+        members = Sharing(group, share, np.ones(len(shared))).members
+        padded = np.where(members >= 0, background[np.maximum(members, 0)], np.nan)
+        return Sharing(group, share, 1.0 - np.nanmedian(padded, axis=1))
 
     @property
     def groups(self) -> int:
@@ -95,11 +110,14 @@ class Sharing:
         share / level where its share is over its device's level. A device not marked is given the level of
         the others, as if it joined them (what a screen of a swap from standby needs, near enough)."""
         K, n = members.shape
+        valid = self.members >= 0
+        index = np.maximum(self.members, 0)
+        demand = members[:, index] * np.where(valid, self.share[index], 0.0)  # (K, groups, most on one)
+        level = fair_level(demand, self.capacity)  # (K, groups)
+        rows = np.nonzero(valid)[0]
+        devices = self.members[valid]
         slowdown = np.ones((K, n))
-        for g in range(self.groups):
-            mine = np.flatnonzero(self.group == g)
-            level = fair_level(members[:, mine] * self.share[mine], self.capacity[g])  # (K,)
-            slowdown[:, mine] = np.maximum(1.0, self.share[mine] / level[:, None])
+        slowdown[:, devices] = np.maximum(1.0, self.share[devices] / level[:, rows])
         return slowdown
 
     def slowdowns(self, grids: np.ndarray) -> np.ndarray:
