@@ -97,12 +97,17 @@ def compute_identity(device: str, swarm: str, slowdown: float = 1.0) -> tuple[st
         identity = str(getattr(torch.cuda.get_device_properties(torch.device(device)), "uuid", "") or "")
         share = 1.0
     else:
-        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        cores = usable_cores()
         boot = Path("/proc/sys/kernel/random/boot_id")
         identity = f"{boot.read_text().strip()} {cores}" if boot.exists() else ""
         share = min(1.0, torch.get_num_threads() / len(cores))
     key = hashlib.sha256(f"hetpeer compute\0{swarm}\0{identity}".encode()).hexdigest()[:16] if identity else None
     return key, share / slowdown
+
+
+def usable_cores() -> list[int]:
+    """The CPU cores this process may run on (all of them where the system does not say)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
 class DeviceLoad:
@@ -116,7 +121,7 @@ class DeviceLoad:
 
     def __init__(self, device: str, window: int = 8) -> None:
         stat = Path("/proc/stat")
-        self._cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        self._cores = usable_cores()
         self._usable = torch.device(device).type == "cpu" and stat.exists() and bool(self._cores)
         self._window = window
         self._samples: list[float] = []
