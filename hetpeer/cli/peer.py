@@ -16,11 +16,13 @@ from hetpeer.cli.common import (
     DEFAULT_STEPS, SWARM_DTYPES, UserError, add_link_option, add_model_options, add_run_options, home_dir, log_to_stdout,
     model_spec, non_negative_int, positive_float, positive_int, read_json, run_options_argv, say, stop_on_sigterm,
 )
+from hetpeer.protocol.addresses import maddr_host
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.modelspec import PRESETS, ModelSpec
 from hetpeer.protocol.workload import Workload
 
 JOIN_FILE_WAIT_S = 120.0
+TENSOR_PORT, DHT_PORT = 7000, 7001  # a swarm peer's default ports off this machine: the ones to forward on a home router
 
 
 def add_commands(commands) -> None:
@@ -46,8 +48,8 @@ def add_commands(commands) -> None:
     static.add_argument("--resume", type=Path, metavar="DIR",
                         help="start from this peer's checkpoint DIR/DEVICE.safetensors (weights, Adam moments and step)")
     join.add_argument("--listen", metavar="HOST:PORT",
-                      help="where to accept direct connections (default: this peer's address in the book; "
-                      "with --swarm: 127.0.0.1 on a free port)")
+                      help="where to accept direct connections (default: this peer's address in the book; with --swarm: "
+                      f"127.0.0.1 on a free port for a swarm on this machine, else 0.0.0.0:{TENSOR_PORT})")
     add_link_option(join)
     add_run_options(join)
     join.set_defaults(run=run_join)
@@ -104,9 +106,15 @@ def _add_swarm_options(join: argparse.ArgumentParser) -> None:
     swarm.add_argument("--home", type=Path, metavar="DIR",
                        help="keeps this peer's key: restarting with the same DIR rejoins as the same peer "
                        "(default ~/.hetpeer/NAME)")
-    swarm.add_argument("--announce-host", metavar="HOST", help="the host other peers should dial for tensors (default: the --listen host)")
-    swarm.add_argument("--dht-listen", default="/ip4/127.0.0.1/tcp/0", metavar="MADDR",
-                       help="where this peer's DHT node listens (default /ip4/127.0.0.1/tcp/0)")
+    swarm.add_argument("--announce-host", metavar="HOST",
+                       help="the host other peers should dial for tensors (default: the address the reach service saw when "
+                       "listening on all interfaces, else the --listen host)")
+    swarm.add_argument("--reach", metavar="HOST:PORT",
+                       help="the coordinator's reach service, which tells this peer whether others can dial it (default: "
+                       "the join file's)")
+    swarm.add_argument("--dht-listen", metavar="MADDR",
+                       help="where this peer's DHT node listens (default /ip4/127.0.0.1/tcp/0 for a swarm on this machine, "
+                       f"else /ip4/0.0.0.0/tcp/{DHT_PORT})")
     swarm.add_argument("--dht-announce", nargs="+", default=[], metavar="MADDR",
                        help="DHT multiaddrs others should dial, when they differ from --dht-listen (NAT, containers)")
     add_model_options(swarm, default=None, default_text="default: the join file's, else tiny; with --plan: the folder "
@@ -193,10 +201,10 @@ def _load_plan(path: Path, args: argparse.Namespace) -> Plan:
     return plan
 
 
-def _host_port(text: str) -> tuple[str, int]:
+def _host_port(text: str, flag: str = "--listen") -> tuple[str, int]:
     host, sep, port = text.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise UserError(f"--listen must be HOST:PORT, got {text!r}")
+        raise UserError(f"{flag} must be HOST:PORT, got {text!r}")
     return host or "0.0.0.0", int(port)
 
 
@@ -252,6 +260,7 @@ def run_swarm_join(args: argparse.Namespace) -> int:
     from hetpeer.peer.checkpoint import CheckpointError
     from hetpeer.peer.daemon import SwarmPeer, SwarmPeerConfig
     from hetpeer.peer.data.corpus import CorpusError
+    from hetpeer.peer.reach import ReachError
     from hetpeer.protocol.modelspec import ModelConfigError
     from hetpeer.protocol.control import ControlError
 
@@ -264,6 +273,7 @@ def run_swarm_join(args: argparse.Namespace) -> int:
         raise UserError("--swarm needs --coordinator-key (the coordinator prints it) or --join-file")
     args.model, args.dtype = args.model or "tiny", args.dtype or "fp32"
     model = model_spec(args)
+    here = on_this_machine(args.initial_peers)
     if not args.slowdown >= 1:
         raise UserError(f"--slowdown must be at least 1, got {args.slowdown:g}")
     log_to_stdout()
@@ -273,8 +283,9 @@ def run_swarm_join(args: argparse.Namespace) -> int:
             swarm=args.swarm, name=args.name, home=home_dir(args.home, args.name), coordinator_key=args.coordinator_key.lower(),
             worker=replace(_worker_config(args, model), slowdown=args.slowdown), initial_peers=tuple(args.initial_peers),
             model=model, dtype=args.dtype,
-            listen=_host_port(args.listen) if args.listen else ("127.0.0.1", 0), announce_host=args.announce_host,
-            dht_maddrs=(args.dht_listen,), dht_announce=tuple(args.dht_announce), heartbeat_s=args.heartbeat, probe_targets=args.probe_targets, steps=args.steps,
+            listen=_host_port(args.listen) if args.listen else (("127.0.0.1", 0) if here else ("0.0.0.0", TENSOR_PORT)),
+            announce_host=args.announce_host, reach=_host_port(args.reach, "--reach") if args.reach else None,
+            dht_maddrs=(args.dht_listen or ("/ip4/127.0.0.1/tcp/0" if here else f"/ip4/0.0.0.0/tcp/{DHT_PORT}"),), dht_announce=tuple(args.dht_announce), heartbeat_s=args.heartbeat, probe_targets=args.probe_targets, steps=args.steps,
             data=str(args.data) if args.data else None, tokenizer=_tokenizer_path(args, model), threads=args.threads,
             emulation=_emulation(args), save=args.save, save_every=args.save_every, token=args.token,
         )
@@ -289,7 +300,7 @@ def run_swarm_join(args: argparse.Namespace) -> int:
     try:
         peer.start()
         peer.run()
-    except (ControlError, CorpusError, ModelConfigError, CheckpointError) as error:  # its data, its model folder
+    except (ControlError, CorpusError, ModelConfigError, CheckpointError, ReachError) as error:  # its data, model folder, ports
         raise UserError(str(error)) from None
     except KeyboardInterrupt:
         say("interrupted: leaving the swarm")
@@ -327,6 +338,14 @@ def _take_join_file(args: argparse.Namespace) -> None:
     args.swarm, args.coordinator_key, args.dtype = info.swarm, info.coordinator_key, info.dtype
     args.model = args.model or info.model
     args.initial_peers = list(dict.fromkeys([*args.initial_peers, *info.initial_peers]))
+    if args.reach is None and info.reach is not None:
+        args.reach = f"{info.reach[0]}:{info.reach[1]}"
+
+
+def on_this_machine(maddrs: list[str]) -> bool:
+    """Whether a swarm reached through `maddrs` runs on this machine alone (every address a loopback one)."""
+    hosts = [maddr_host(m) for m in maddrs]
+    return all(h is not None and (h == "localhost" or h.startswith("127.") or h == "::1") for h in hosts)
 
 
 def run_export(args: argparse.Namespace) -> int:

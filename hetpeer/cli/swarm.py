@@ -78,8 +78,11 @@ def add_commands(commands) -> None:
                              help="leave a peer that most of its group reports as misbehaving out of plans this long, "
                              "doubled on each repeat (default 300; 0: no bans)")
     coordinator.add_argument("--join-file", type=Path, metavar="PATH",
-                             help="write what peers need to join (swarm, key digest, DHT address, model, dtype) to PATH, "
-                             "for `hetpeer join --join-file PATH`")
+                             help="write what peers need to join (swarm, key digest, DHT address, model, dtype, reach "
+                             "service) to PATH, for `hetpeer join --join-file PATH`")
+    coordinator.add_argument("--reach-port", type=_reach_port, default=0, metavar="PORT",
+                             help="port of the reach service on the DHT's host, which dials joining peers back to tell them "
+                             "whether others can dial them (docs/nat.md; default: a free port; 'off' for none)")
     coordinator.set_defaults(run=run_coordinator)
 
     status = commands.add_parser(
@@ -161,7 +164,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
             batch=args.batch, micro_batch=args.micro_batch, dtype=args.dtype, heartbeat_s=args.heartbeat,
             replan_interval_s=args.replan_interval, min_peers=args.min_peers, gain=args.gain,
             time_budget_s=args.time_budget, stages=args.stages, group_size=args.group_size, seed=args.seed,
-            steps=args.steps, join_file=args.join_file, eval_every=args.eval_every, eval_batch=args.eval_batch,
+            steps=args.steps, join_file=args.join_file, reach_port=args.reach_port, eval_every=args.eval_every, eval_batch=args.eval_batch,
             **_admission(args.admission), ban_period_s=args.ban_period,
         )
         coordinator = Coordinator(config, say)  # checks the swarm name
@@ -217,6 +220,14 @@ def _admission(words: list[str]) -> dict:
     if mode in ("open", "token") and not rest:
         return {"admission": mode}
     raise UserError(f"--admission takes 'open', 'allowlist FILE' or 'token', got {' '.join(words)!r}")
+
+
+def _reach_port(text: str) -> int | None:
+    if text == "off":
+        return None
+    if not (text.isascii() and text.isdigit()) or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port (0 for any free one) or 'off', got {text!r}")
+    return int(text)
 
 
 def _http_listen(text: str | None, tls: bool) -> str | None:

@@ -40,6 +40,7 @@ class CoordinatorConfig:
     plan_ttl_s: float = 3600.0  # the plan stays in the DHT this long after its last (re)publication
     steps: int | None = None  # the swarm's last step: no new plan once the running one reaches it
     join_file: Path | None = None  # where to write what peers need to join (`hetpeer join --join-file`)
+    reach_port: int | None = 0  # the reach service's port on the DHT's host (0: any free one; None: no service)
     eval_every: int = 0  # plans ask every lane for its validation loss at the steps divisible by this (0: never)
     eval_batch: int = 8  # held-out sequences per lane for it
     admission: str = "open"  # who may be planned: open, allowlist (of `allowlist`) or token (`hetpeer invite`)

@@ -8,7 +8,9 @@
   (a pair measured both ways takes the slower bandwidth and the mean latency of the two); a pair nobody
   measured is guessed no better than the worse end's typical link (the median of its measured links,
   else of all measured links, else `DEFAULT_LINK`) and marked, so the plan can name the links it uses
-  that were estimated (`estimated_links`).
+  that were estimated (`estimated_links`). Two peers that both announce nobody can dial them have no path:
+  their pair is `ABSENT_LINK`, slow enough that the search shuns it, and `without_path` names the pairs a
+  plan would still make neighbours.
 - `broken`: why the running plan cannot go on (a member stopped announcing, or announces that its lane
   stalled under this plan), or None.
 - `decide`: whether to run the planner now, and why.
@@ -37,6 +39,7 @@ from hetpeer.protocol.records import PeerRecord
 from hetpeer.protocol.workload import Workload
 
 DEFAULT_LINK = (1e-3, 100e6)  # (latency s, bytes/s) assumed when no link at all has been measured
+ABSENT_LINK = (10.0, 1e3)  # (latency s, bytes/s) of a pair with no path: any plan crossing it predicts hours a step
 MAX_ESTIMATED_LINKS = 2048  # a plan names at most this many of its estimated links (about 100 kB)
 MAX_LEAD_STEPS = 1000
 LEAD_HEARTBEATS = 5  # a plan that keeps membership takes effect this far ahead: peers read plans once a heartbeat
@@ -94,6 +97,9 @@ def build_problem(
     latency.flat[flat], bandwidth.flat[flat] = measured_latency, slowest
     estimated = np.ones((n, n), dtype=bool)
     estimated.flat[flat] = False
+    hidden = np.array([records[d].reachable == "none" for d in ids], dtype=bool)
+    absent = np.outer(hidden, hidden)  # neither can dial the other: no path (not an estimate: a fact)
+    latency[absent], bandwidth[absent], estimated[absent] = ABSENT_LINK[0], ABSENT_LINK[1], False
     np.fill_diagonal(estimated, False)
     np.fill_diagonal(latency, 0.0)
     np.fill_diagonal(bandwidth, np.inf)
@@ -120,6 +126,21 @@ def _running_slowdowns(ids: Sequence[str], sharing: Sharing | None, current: Pla
         return None
     members = np.isin(np.array(ids), np.array(current.devices))[None, :]
     return sharing.device_slowdowns(members)[0]
+
+
+def without_path(plan: Plan, records: Mapping[str, PeerRecord]) -> list[tuple[str, str]]:
+    """The pairs the plan's traffic crosses (`Plan.links`) whose peers both announce that nobody can dial them."""
+    hidden = {d for d, r in records.items() if r.reachable == "none"}
+    return sorted(pair for pair in plan.links if pair[0] in hidden and pair[1] in hidden)
+
+
+def least_served(pairs: Sequence[tuple[str, str]]) -> str:
+    """Of the peers in `pairs`, the one in most of them (ties: the first by id): the one to leave out first."""
+    counts: dict[str, int] = {}
+    for pair in pairs:
+        for device in pair:
+            counts[device] = counts.get(device, 0) + 1
+    return min(counts, key=lambda d: (-counts[d], d))
 
 
 def estimated_links(plan: Plan, device_ids: Sequence[str], estimated: np.ndarray) -> tuple[tuple[str, str], ...]:

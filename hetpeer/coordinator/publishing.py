@@ -39,20 +39,26 @@ class Publisher:
             return
         self.report(f"solving: {decision.reason}")
         usable = current if current is not None and not decision.broken else None
-        problem, estimated = policy.build_problem(live, config.workload, current)
-        if problem.sharing is not None:
-            self._log_once("sharing", problem.sharing.describe())
-        rng = np.random.default_rng(self._rng.integers(2**32))
         started = time.perf_counter()
-        try:
-            future = self.executor.submit(solve, problem, self.planner, rng)
-            solution = future.result(timeout=config.time_budget_s * 3 + 10)
-        except PlanningError as error:
-            self._event("coordinator", f"no plan: {error}")
-            return
-        except concurrent.futures.TimeoutError:
-            self._event("coordinator", f"the planner did not finish within {config.time_budget_s * 3 + 10:g} s")
-            return
+        left_out: list[str] = []  # peers behind NAT that the plan would make neighbours of one another
+        while True:
+            planned = {d: r for d, r in live.items() if d not in left_out}
+            problem, estimated = policy.build_problem(planned, config.workload, current)
+            solution = self._search(problem)
+            if solution is None:
+                return
+            crossing = policy.without_path(solution.plan, planned)
+            if not crossing:
+                break
+            out = policy.least_served(crossing)
+            left_out.append(out)
+            others = sorted({d for pair in crossing if out in pair for d in pair} - {out})
+            self._log_once(f"no-path {out}", f"{out} stays on standby: nobody can dial it, nor {', '.join(others)}, whom the "
+                           "plan needed as its neighbours (a forwarded port on either side would give them a path)", "coordinator")
+        if left_out:
+            solution = replace(solution, plan=replace(solution.plan, standby=(*solution.plan.standby, *left_out)))
+            if usable is not None and set(usable.devices) & set(left_out):
+                usable = None  # the running plan holds a peer this one cannot serve: not comparable, and to be replaced
         searched_s = time.perf_counter() - started
         current_s = policy.predicted_step_s(problem, self.planner, usable) if usable is not None else None
         same = usable is not None and solution.plan.stages == usable.stages
@@ -77,6 +83,21 @@ class Publisher:
         if self._publish(plan, f"{why}; searched {searched_s:.1f} s"):
             self.considered.clear()
 
+    def _search(self, problem):
+        """The planner's solution for `problem` within the time budget, or None (said as an event)."""
+        config = self.config
+        if problem.sharing is not None:
+            self._log_once("sharing", problem.sharing.describe())
+        rng = np.random.default_rng(self._rng.integers(2**32))
+        try:
+            future = self.executor.submit(solve, problem, self.planner, rng)
+            return future.result(timeout=config.time_budget_s * 3 + 10)
+        except PlanningError as error:
+            self._event("coordinator", f"no plan: {error}")
+        except concurrent.futures.TimeoutError:
+            self._event("coordinator", f"the planner did not finish within {config.time_budget_s * 3 + 10:g} s")
+        return None
+
     def _say_orphans(self, plan: Plan, live: dict[str, PeerRecord]) -> None:
         """An event when the plan holds layers no live peer holds: they start again from fresh weights."""
         lost = policy.orphaned_layers(live, plan.layers) if self.reached > 0 else []
@@ -93,7 +114,7 @@ class Publisher:
             return False
         problem, estimated = policy.build_problem(live, config.workload, current)
         repaired = repair(current, problem, self.planner)
-        if repaired is None:
+        if repaired is None or policy.without_path(repaired, live):
             return False
         step = policy.start_step(current, ours, True, config.heartbeat_s, config.workload.model.seq_len, self.reached)
         plan = replace(repaired, start_step=step, estimated_links=policy.estimated_links(repaired, problem.device_ids, estimated))

@@ -28,8 +28,10 @@ from hetpeer.coordinator.gatekeeper import Gatekeeper
 from hetpeer.coordinator.history import History
 from hetpeer.coordinator.planner import PlannerConfig
 from hetpeer.coordinator.publishing import Publisher
+from hetpeer.coordinator.reach import ReachServer
 from hetpeer.coordinator.view import SwarmView, progress
 from hetpeer.coordinator.web import DashboardServer
+from hetpeer.protocol.addresses import maddr_host
 from hetpeer.protocol.control import ControlPlane, key_digest
 from hetpeer.protocol.join import JoinInfo
 from hetpeer.protocol.plan import Plan
@@ -50,6 +52,7 @@ class Coordinator(Gatekeeper, Publisher):
         )
         self.api: ApiServer | None = None
         self.dashboard: DashboardServer | None = None
+        self.reach: ReachServer | None = None
         self.history = History()
         self.board: Board | None = None  # what the dashboard shows: taken at the end of each round
         self.executor: concurrent.futures.ThreadPoolExecutor | None = None
@@ -89,6 +92,9 @@ class Coordinator(Gatekeeper, Publisher):
             self.api.start()
         if self.config.http_listen is not None:
             self.dashboard = DashboardServer(lambda: self.board, self.config.http_listen, tls=self.config.api_tls).start()
+        if self.config.reach_port is not None:
+            self.reach = ReachServer(maddr_host(self.config.dht_maddrs[0]) or "127.0.0.1", self.config.reach_port,
+                                     clock=self.control.now).start()
         self.view = replace(self.view, coordinator_key=self.key)
         self.last_solve = self.control.now()  # a (re)started coordinator waits a full interval before a periodic re-solve
         self.report(f"coordinator of swarm {self.config.swarm}; its key (give peers --coordinator-key): {self.key}")
@@ -99,10 +105,14 @@ class Coordinator(Gatekeeper, Publisher):
             self.report(f"API: {self.api.address} (hetpeer status --api {self.api.address})")
         if self.dashboard is not None:
             self.report(f"dashboard: {self.dashboard.url} (Prometheus: {self.dashboard.url}metrics)")
+        if self.reach is not None:
+            self.report(f"reach service: port {self.reach.port} (peers learn there whether others can dial them: docs/nat.md)")
         self.history.event(self.control.now(), "coordinator", "coordinator started")
         if self.config.join_file is not None:
             c = self.config
-            JoinInfo(c.swarm, self.key, self.control.dialable_maddrs(), c.model.name, c.dtype).write(c.join_file)
+            dialable = self.control.dialable_maddrs()
+            reach = None if self.reach is None else ((maddr_host(dialable[0]) if dialable else None) or "127.0.0.1", self.reach.port)
+            JoinInfo(c.swarm, self.key, self.control.dialable_maddrs(), c.model.name, c.dtype, reach).write(c.join_file)
             self.report(f"join file: {c.join_file} (hetpeer join --join-file {c.join_file})")
         return self
 
@@ -112,6 +122,8 @@ class Coordinator(Gatekeeper, Publisher):
             self.api.shutdown()
         if self.dashboard is not None:
             self.dashboard.shutdown()
+        if self.reach is not None:
+            self.reach.shutdown()
         if self.executor is not None:
             self.executor.shutdown(wait=False, cancel_futures=True)
         self.control.shutdown()

@@ -41,6 +41,7 @@ from hetpeer.peer.node import format_step
 from hetpeer.peer.pipeline.worker import StageWorker, WorkerConfig
 from hetpeer.peer.probe import DeviceLoad, MachineProfile
 from hetpeer.peer.probing import Probing
+from hetpeer.peer.reaching import Reaching
 from hetpeer.peer.suspects import Suspicion
 from hetpeer.peer.transport.inbox import Interrupted, PeerUnreachable, TransportError, TransportTimeout
 from hetpeer.peer.transport.links import LinkIdentity, TcpLink
@@ -84,6 +85,7 @@ class SwarmPeerConfig:
     save: Path | None = None  # folder for this peer's stage checkpoints (DEVICE.safetensors)
     save_every: int | None = None  # steps between checkpoints (and when it leaves); None: only when it leaves
     token: str | None = None  # a join token from the swarm's organizer (`hetpeer invite`), for swarms that need one
+    reach: tuple[str, int] | None = None  # the coordinator's reach service (the join file names it); None: not checked
 
     def __post_init__(self) -> None:
         if len(self.coordinator_key) != 64 or not all(c in "0123456789abcdef" for c in self.coordinator_key):
@@ -94,7 +96,7 @@ class SwarmPeerConfig:
             raise ValueError(f"steps must be at least 1, got {self.steps}")
 
 
-class SwarmPeer(Following, Handover, Announcing, Probing):
+class SwarmPeer(Following, Handover, Announcing, Probing, Reaching):
     def __init__(self, config: SwarmPeerConfig, report: Callable[[str], None]) -> None:
         self.config, self.report = config, report
         self.spec = config.model
@@ -133,12 +135,12 @@ class SwarmPeer(Following, Handover, Announcing, Probing):
         config = self.config
         if config.threads is not None:
             torch.set_num_threads(config.threads)
+        (host, port), announce_host = self._check_reach()  # before the DHT node: it decides how the node runs
         self.control.start()
         self.device_id = device_id(config.name, self.control.public_key)
-        host, port = config.listen
         self.transport = NetworkTransport(
             self.device_id, AddressBook({}),
-            [TcpLink(host, port, advertise_host=config.announce_host, identity=LinkIdentity(self.device_id, self.control.private_key))],
+            [TcpLink(host, port, advertise_host=announce_host, identity=LinkIdentity(self.device_id, self.control.private_key))],
             connect_timeout_s=min(10.0, config.worker.timeout_s), emulation=config.emulation,
         )
         self.transport.start()
@@ -264,6 +266,7 @@ class SwarmPeer(Following, Handover, Announcing, Probing):
             with self.lock:
                 self.records = records
             self._take_plans()
+            self._keep_paths()
             self._measure_load()
             self.control.announce(self._record(), ttl_s=ttl_s)
             healed = self.control.heal()  # after a partition: find the swarm again

@@ -26,8 +26,8 @@ class Probing:
         while not self.stopping.is_set():
             self._profile_again()
             with self.lock:
-                known = [d for d in self.records if d != self.device_id]
-                preferred = self._neighbours()
+                known = [d for d in self.records if d != self.device_id and self._has_path(d)]
+                preferred = self.running.neighbours(self.device_id) if self.running is not None else []
                 oldest = self.links.oldest_first()
             targets = pick_targets(self.device_id, known, preferred, config.probe_targets, self._rng, oldest)
             measured = self.prober.measure_many(targets, budget_bytes=config.probe_bytes, budget_s=config.heartbeat_s)
@@ -38,16 +38,6 @@ class Probing:
             if measured:
                 self.report(f"links measured: {describe_links(measured)}")
             self.stopping.wait(config.probe_every * config.heartbeat_s)
-
-    def _neighbours(self) -> list[str]:
-        """Lane neighbours, then group members, under the running plan (the caller holds the lock)."""
-        plan = self.running
-        if plan is None or self.device_id not in plan.devices:
-            return []
-        stage, lane = plan.position(self.device_id)
-        chain = plan.lanes[lane]
-        near = [chain[s] for s in (stage - 1, stage + 1) if 0 <= s < len(chain)]
-        return near + [d for d in plan.stages[stage].devices if d != self.device_id]
 
     def _measure_load(self) -> None:
         """Sample the device's background load while no plan has set anyone here to train: once peers train,

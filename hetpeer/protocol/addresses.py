@@ -13,6 +13,7 @@ A peer with neither kind of address cannot be reached and is refused at parse ti
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -20,6 +21,7 @@ from typing import Any, Mapping
 from hetpeer.protocol.wire import SchemaError, field, need_int, need_list, need_mapping, need_str, no_extra_fields
 
 BOOK_VERSION = 1
+MADDR_TCP_RE = re.compile(r"/(ip4|ip6|dns4|dns6|dns)/([^/]+)/tcp/(\d+)")  # protocol, host, port of a TCP multiaddr
 LINK_CHOICES = ("auto", "tcp", "p2p")  # how peers reach each other: direct TCP falling back to P2P, or only one
 
 
@@ -42,7 +44,7 @@ class PeerAddress:
     def from_wire(raw: Any, path: str) -> "PeerAddress":
         record = need_mapping(raw, path)
         no_extra_fields(record, {"direct", "p2p"}, path)
-        direct = _host_port(record["direct"], f"{path}.direct") if "direct" in record else None
+        direct = host_port(record["direct"], f"{path}.direct") if "direct" in record else None
         p2p = peer_maddrs(record.get("p2p", []), f"{path}.p2p")
         if direct is None and not p2p:
             raise SchemaError(path, "has neither a direct address nor a p2p multiaddr")
@@ -91,6 +93,12 @@ class AddressBook:
         return AddressBook.from_wire(raw)
 
 
+def maddr_host(maddr: str) -> str | None:
+    """The host of a TCP multiaddr (/ip4/HOST/tcp/..., /dns4/HOST/tcp/..., ...), None for others."""
+    match = MADDR_TCP_RE.match(maddr)
+    return match.group(2) if match else None
+
+
 def peer_maddrs(raw: Any, path: str) -> tuple[str, ...]:
     """Multiaddrs of one libp2p peer: each ends in /p2p/<peer id>, all with the same id."""
     maddrs = tuple(need_str(maddr, f"{path}[{i}]") for i, maddr in enumerate(need_list(raw, path)))
@@ -104,7 +112,8 @@ def peer_maddrs(raw: Any, path: str) -> tuple[str, ...]:
     return maddrs
 
 
-def _host_port(raw: Any, path: str) -> tuple[str, int]:
+def host_port(raw: Any, path: str) -> tuple[str, int]:
+    """(host, port) from "HOST:PORT" (or "[IPv6]:PORT"); SchemaError at `path` when it is not one."""
     text = need_str(raw, path)
     host, sep, port = text.rpartition(":")
     host = host.strip("[]")  # [IPv6]:PORT

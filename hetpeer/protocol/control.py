@@ -16,6 +16,7 @@ no other node for `ISOLATED_ROUNDS` rounds.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import hashlib
 import json
 import logging
@@ -125,6 +126,9 @@ class ControlPlane:
         self.remember_path = Path(remember_path) if remember_path is not None else None
         self.remembered: list[tuple[str, ...]] = []  # other nodes' multiaddrs, one tuple per node, newest first
         self.maddrs: list[str] = []  # where this node can be dialed, once started
+        # a node others cannot dial stores no keys (as Petals learned, a key on it is a key nobody can read)
+        self.client_mode = False
+        self.clock_offset_s = 0.0  # add to this machine's clock to read the swarm's (the coordinator's)
         self.dht = None
         self.private_key = None
         self._lock = None
@@ -170,7 +174,8 @@ class ControlPlane:
             try:
                 self.dht = DHT(
                     initial_peers=peers or None, start=True, record_validators=self._validators, host_maddrs=self.host_maddrs,
-                    announce_maddrs=self.announce_maddrs or None, ensure_bootstrap_success=False, **identity, **DHT_OPTIONS,
+                    announce_maddrs=self.announce_maddrs or None, ensure_bootstrap_success=False, client_mode=self.client_mode,
+                    **identity, **DHT_OPTIONS,
                 )
                 break
             except Exception as error:  # hivemind raises plain exceptions when no initial peer answers
@@ -178,6 +183,8 @@ class ControlPlane:
                     raise ControlError(f"cannot join the DHT through {', '.join(self.initial_peers)}: {error}") from None
                 log.warning("none of the %d known DHT address(es) answered (%s): starting a DHT node of its own",
                             len(peers), str(error).splitlines()[0][:200])
+        if self.clock_offset_s:
+            self.dht.run_coroutine(functools.partial(_set_clock, offset_s=self.clock_offset_s))
         self.maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
 
     def shutdown(self) -> None:
@@ -259,15 +266,18 @@ class ControlPlane:
         return list(self.maddrs)
 
     def dialable_maddrs(self) -> tuple[str, ...]:
-        """What others should dial: loopback addresses only when there are no others (one machine)."""
+        """What others should dial: loopback addresses only when there are no others (one machine); nothing
+        for a node in client mode (nobody can dial it: its addresses are on its own side of a NAT)."""
+        if self.client_mode:
+            return ()
         outside = [m for m in self.maddrs if not m.startswith(("/ip4/127.", "/ip6/::1/"))]
         return tuple(outside or self.maddrs)
 
-    @staticmethod
-    def now() -> float:
+    def now(self) -> float:
+        """The swarm's time: this machine's clock corrected by `clock_offset_s`."""
         from hivemind.utils import get_dht_time
 
-        return get_dht_time()
+        return get_dht_time() + self.clock_offset_s
 
     # -- writes -------------------------------------------------------------------------------------
     def announce(self, record: PeerRecord, ttl_s: float, timeout_s: float | None = None) -> bool:
@@ -324,6 +334,20 @@ class ControlPlane:
         if found is None or not isinstance(found.value, dict):
             return []
         return [(subkey, entry.value) for subkey, entry in found.value.items()]
+
+
+async def _set_clock(dht, node, offset_s: float) -> None:
+    """Run in the DHT's process: its node reads the swarm's time, so what it stores and returns expires by the
+    swarm's clocks, not by this machine's (hivemind reads `get_dht_time` from each module that imported it)."""
+    import sys
+    import time
+
+    def swarm_time() -> float:
+        return time.time() + offset_s
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("hivemind") and hasattr(module, "get_dht_time"):
+            module.get_dht_time = swarm_time
 
 
 async def _routing_table_size(dht, node) -> int:

@@ -5,7 +5,11 @@ it instead of `--swarm`, `--coordinator-key`, `--initial-peers`, `--model` and `
 hands it to volunteers; containers of one compose project share it through a volume.
 
     {"version": 1, "swarm": "docker", "coordinator_key": "<64 hex digits>",
-     "initial_peers": ["/dns4/coordinator/tcp/31337/p2p/12D3KooW..."], "model": "tiny", "dtype": "fp32"}
+     "initial_peers": ["/dns4/coordinator/tcp/31337/p2p/12D3KooW..."], "model": "tiny", "dtype": "fp32",
+     "reach": "coordinator:31339"}
+
+`reach` (optional) is the coordinator's reach service (`protocol/reach.py`): a peer asks it whether others
+can dial it, the address they see, and the swarm's clock.
 
 The key digest is what a peer trusts plans by, so the file is trusted like the flag it replaces: read it
 from where the organizer put it, never from another peer.
@@ -19,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hetpeer.protocol.addresses import peer_maddrs
+from hetpeer.protocol.addresses import host_port, peer_maddrs
 from hetpeer.protocol.wire import SchemaError, field, need_int, need_mapping, need_str, no_extra_fields
 
 JOIN_VERSION = 1
@@ -33,17 +37,21 @@ class JoinInfo:
     initial_peers: tuple[str, ...]  # DHT multiaddrs with /p2p/<id>, of the coordinator's node
     model: str
     dtype: str
+    reach: tuple[str, int] | None = None  # the coordinator's reach service
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        wire = {
             "version": JOIN_VERSION, "swarm": self.swarm, "coordinator_key": self.coordinator_key,
             "initial_peers": list(self.initial_peers), "model": self.model, "dtype": self.dtype,
         }  # fmt: skip
+        if self.reach is not None:
+            wire["reach"] = f"{self.reach[0]}:{self.reach[1]}"
+        return wire
 
     @staticmethod
     def from_wire(raw: Any) -> "JoinInfo":
         root = need_mapping(raw, "join")
-        no_extra_fields(root, {"version", "swarm", "coordinator_key", "initial_peers", "model", "dtype"}, "join")
+        no_extra_fields(root, {"version", "swarm", "coordinator_key", "initial_peers", "model", "dtype", "reach"}, "join")
         version = need_int(field(root, "version", "join"), "join.version")
         if version != JOIN_VERSION:
             raise SchemaError("join.version", f"must be {JOIN_VERSION}, got {version}")
@@ -56,6 +64,7 @@ class JoinInfo:
         return JoinInfo(
             swarm=need_str(field(root, "swarm", "join"), "join.swarm"), coordinator_key=key, initial_peers=peers,
             model=need_str(field(root, "model", "join"), "join.model"), dtype=need_str(field(root, "dtype", "join"), "join.dtype"),
+            reach=host_port(root["reach"], "join.reach") if "reach" in root else None,
         )
 
     @staticmethod

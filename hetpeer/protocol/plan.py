@@ -146,6 +146,16 @@ class Plan:
                 return stage.index, stage.devices.index(device)
         raise KeyError(f"device {device!r} holds no stage in plan epoch {self.epoch}")
 
+    def neighbours(self, device: str) -> list[str]:
+        """Whom `device` exchanges frames with: its lane neighbours, then its group's other members (a device
+        that holds no stage has none)."""
+        if device not in self.devices:
+            return []
+        stage, lane = self.position(device)
+        chain = self.lanes[lane]
+        near = [chain[s] for s in (stage - 1, stage + 1) if 0 <= s < len(chain)]
+        return near + [d for d in self.stages[stage].devices if d != device]
+
     @property
     def eval_sizes(self) -> tuple[int, ...]:
         """Sequences in each of a lane's validation micro-batches (micro-batch numbers after the training ones)."""

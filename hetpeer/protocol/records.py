@@ -28,12 +28,14 @@ from pydantic.v1.fields import SHAPE_LIST, SHAPE_SINGLETON
 from hetpeer.protocol.addresses import PeerAddress, peer_maddrs
 from hetpeer.protocol.identity import DEVICE_RE, bound, fingerprint
 from hetpeer.protocol.plan import Plan
+from hetpeer.protocol.reach import REACHABLE
 from hetpeer.protocol.wire import SchemaError
 
 # 2: records carry the DHT multiaddrs of their writer and what its training achieves
 # 3: direct links are authenticated and frames padded; records carry an admission token and the peers suspected
 # 4: records say which device a peer computes on (an opaque key peers sharing one device share) and its share of it
-PROTOCOL_VERSION = 4
+# 5: records say whether others can dial the peer (`reachable`); connections carry frames both ways
+PROTOCOL_VERSION = 5
 COMPUTE_KEY_RE = re.compile(r"[0-9a-f]{16}\Z")
 OWNER_RE = re.compile(rb"\[owner:(.+)\]\Z", re.DOTALL)  # \Z, not $: $ also matches before a final newline
 STATES = ("probing", "waiting", "fetching", "training", "standby", "leaving")
@@ -120,6 +122,7 @@ class PeerSchema(_Strict):
     compute_key: Optional[pydantic.StrictStr] = None
     compute_share: pydantic.StrictFloat = 1.0
     compute_background: pydantic.StrictFloat = 0.0
+    reachable: pydantic.StrictStr = "unknown"
 
 
 class PlanSchema(_Strict):
@@ -170,6 +173,7 @@ class PeerRecord:
     compute_key: str | None = None
     compute_share: float = 1.0
     compute_background: float = 0.0  # of that device, what other work kept busy while the peer did not train
+    reachable: str = "unknown"  # others can dial it ("direct"), cannot ("none": it dials them), or it could not tell
     software: str = ""
     version: int = PROTOCOL_VERSION
 
@@ -207,6 +211,7 @@ class PeerRecord:
             "compute_key": self.compute_key,
             "compute_share": float(self.compute_share),
             "compute_background": float(self.compute_background),
+            "reachable": self.reachable,
         }
 
     @staticmethod
@@ -290,6 +295,8 @@ class PeerRecord:
             raise SchemaError("peer.compute_share", f"must be in (0, 1], got {parsed.compute_share!r}")
         if not (math.isfinite(parsed.compute_background) and 0 <= parsed.compute_background < 1):
             raise SchemaError("peer.compute_background", f"must be in [0, 1), got {parsed.compute_background!r}")
+        if parsed.reachable not in REACHABLE:
+            raise SchemaError("peer.reachable", f"must be one of {', '.join(REACHABLE)}, got {parsed.reachable[:64]!r}")
         for i, suspect in enumerate(parsed.suspects):
             if not DEVICE_RE.match(suspect) or suspect == parsed.device_id:
                 raise SchemaError(f"peer.suspects[{i}]", f"must be another peer's device id, got {suspect[:64]!r}")
@@ -321,6 +328,7 @@ class PeerRecord:
             compute_key=parsed.compute_key,
             compute_share=parsed.compute_share,
             compute_background=parsed.compute_background,
+            reachable=parsed.reachable,
             software=parsed.software,
             version=parsed.version,
         )

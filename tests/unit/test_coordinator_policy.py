@@ -546,3 +546,31 @@ def test_a_tiling_the_most_held_range_does_not_start_is_still_found():
     peers = {"a": fresh("a", (0, 2, 5)), "b": fresh("b", (0, 2, 5)), "c": fresh("c", (0, 1, 5)), "d": fresh("d", (1, 4, 5))}
     found = policy.resume_from_checkpoints(peers, 4)
     assert found.stages == ((0, 1, ("c",)), (1, 4, ("d",))) and found.standby == ("a", "b")
+
+
+def test_a_pair_that_neither_side_can_dial_has_no_path_and_is_no_estimate():
+    records = {d: record(d, reachable=r) for d, r in (("a", "none"), ("b", "none"), ("c", "direct"))}
+    problem, estimated = policy.build_problem(records, WORKLOAD, None)
+    i, j, k = (problem.device_ids.index(d) for d in "abc")
+    assert (problem.latency_s[i, j], problem.bandwidth_bytes_per_s[i, j]) == policy.ABSENT_LINK
+    assert not estimated[i, j] and estimated[i, k]  # a-c: not measured, guessed as before
+    assert problem.bandwidth_bytes_per_s[i, k] > 1e6 and problem.latency_s[i, i] == 0.0
+
+
+def test_without_path_names_the_pairs_a_plan_needs_that_have_none():
+    records = {d: record(d, reachable=r) for d, r in (("a", "none"), ("b", "direct"), ("c", "none"))}
+    assert policy.without_path(make_plan([["a", "b"], ["b2", "c"]]), records) == []  # b2: no record, no claim
+    assert policy.without_path(make_plan([["a"], ["c"]]), records) == [("a", "c")]  # lane neighbours
+    assert policy.without_path(make_plan([["b", "a", "c"]]), records) == [("a", "c")]  # group members
+    assert policy.least_served([("a", "c"), ("c", "d")]) == "c"
+    assert policy.least_served([("b", "a")]) == "a"  # a tie: the first by id
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_search_puts_a_peer_others_can_dial_between_two_that_nobody_can(seed):
+    """Three stages of one lane: only the order with the public peer in the middle gives every hop a path."""
+    records = {d: record(d, reachable=r) for d, r in (("a", "direct"), ("b", "none"), ("c", "none"))}
+    workload = Workload(preset("tiny"), batch=4, micro_batch=2, dtype="fp32")
+    problem, _ = policy.build_problem(records, replace(workload, model=replace(workload.model, layers=3)), None)
+    plan = solve(problem, PlannerConfig(stages=3, group_size=1, time_budget_s=0.2), np.random.default_rng(seed)).plan
+    assert plan.lanes[0][1] == "a", plan.lanes

@@ -210,3 +210,17 @@ def test_the_first_solve_after_a_repair_publishes_any_better_plan(coordinator):
     kept = any(line.startswith(f"kept epoch {mended.epoch}: predicted") for line in coordinator.lines)
     assert latest.epoch == mended.epoch + 1 or not kept  # published, or the planner chose the mended plan again
     assert not any("is not 99% better" in line for line in coordinator.lines)
+
+
+def test_a_plan_that_cannot_avoid_a_pair_without_a_path_leaves_a_peer_out_and_says_why(coordinator):
+    """A group of three fixed, two of them behind NAT: every such group needs their pair. Nothing is published
+    that makes them neighbours; the coordinator says who stays out and why."""
+    control = coordinator.control
+    coordinator.planner = replace(coordinator.planner, stages=1, group_size=3)
+    coordinator.config = replace(coordinator.config, steps=None, min_peers=3)
+    for device, reachable in (("a", "none"), ("b", "none"), ("c", "direct")):
+        control.announce(device, reachable=reachable)
+    rounds(coordinator, FIRST_PLAN_ROUNDS)
+    assert not any(("a", "b") in p.plan.links for p in control.plans)
+    assert any(line.startswith("a stays on standby: nobody can dial it, nor b, whom the plan needed as its neighbours")
+               for line in coordinator.lines), coordinator.lines[-10:]

@@ -37,6 +37,15 @@ HANDSHAKE_TIMEOUT_S = 10.0  # a connection that has not proved who it is by then
 class Stream(ABC):
     remote: str  # for logs
     authenticated: str | None  # the device at the other end, when the link proves it
+    closed = False
+    _lock: asyncio.Lock | None = None
+
+    @property
+    def lock(self) -> asyncio.Lock:
+        """Held while a whole frame is written: two channels may share a stream."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
 
     @abstractmethod
     async def read_exactly(self, n: int, progress: Progress | None = None) -> memoryview | bytearray:
@@ -136,6 +145,7 @@ class _SocketStream(Stream):
             return 0
 
     def close(self) -> None:
+        self.closed = True
         self.sock.close()
 
 
@@ -256,6 +266,7 @@ class _P2PStream(Stream):
         return self.writer.transport.get_write_buffer_size()  # what the daemon holds is out of sight
 
     def close(self) -> None:
+        self.closed = True
         self.writer.close()
 
 

@@ -1,9 +1,14 @@
 """The networked transport: one asyncio loop thread per peer moves frames over the links it has (`links.py`).
 
 Links are tried in order for each destination, so `[TcpLink(), P2PLink()]` means: use the direct TCP
-path when the peer is reachable at its direct address, fall back to hivemind P2P (which works behind
-NAT through relays) when it is not. Frames to one destination leave in the order they were sent, from
-a queue of their own, so compute never waits for the network; `flush` waits for the queues.
+path when the peer is reachable at its direct address, fall back to hivemind P2P when it is not. Frames
+to one destination leave in the order they were sent, from a queue of their own, so compute never waits
+for the network; `flush` waits for the queues.
+
+A connection carries frames both ways, whichever side dialled it: a peer behind NAT (which nobody can
+dial) dials the peers it works with (`keep_connected`), and frames to it travel back over those
+connections. Peers that announce they cannot be dialled are `passive`: frames to them wait, up to the
+connect timeout, for a connection of theirs instead of dialling.
 """
 
 from __future__ import annotations
@@ -88,6 +93,11 @@ class NetworkTransport(Transport):
         self._streams: dict[tuple[str, str], Stream] = {}  # each pump's connection, to see what it has not sent
         self._written: collections.Counter[str] = collections.Counter()  # of `sent`, the payload bytes written
         self._incoming: dict[str, set[Stream]] = collections.defaultdict(set)  # streams carrying a peer's frames
+        self._accepted: dict[str, list[Stream]] = collections.defaultdict(list)  # live streams a peer opened, oldest first
+        self._opening: dict[tuple[str, str], asyncio.Lock] = {}
+        self.passive: frozenset[str] = frozenset()  # peers that cannot be dialled: frames to them use their connections
+        self.keep: frozenset[str] = frozenset()  # peers this one keeps a connection open to (it must be the one to dial)
+        self.keep_every_s = 1.0
 
     # -- life cycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -99,11 +109,12 @@ class NetworkTransport(Transport):
         except BaseException:
             self.shutdown()
             raise
+        self._loop.call_soon_threadsafe(lambda: spawn(self._keep_loop(), f"{self.device}-keep"))
 
     async def _start_links(self) -> None:
         for link in self.links:
-            await link.start(self.device, lambda peer_id: self.book.device_of_p2p_id(peer_id), self._serve,
-                             self.inbox.refuse_connection)
+            await link.start(self.device, lambda peer_id: self.book.device_of_p2p_id(peer_id),
+                             lambda stream: self._serve(stream, accepted=True), self.inbox.refuse_connection)
 
     def address(self) -> PeerAddress:
         """This peer's entry for the address book: every link's address together."""
@@ -155,13 +166,14 @@ class NetworkTransport(Transport):
         self._queues[key].put_nowait(parts)
 
     async def _pump(self, to: str, channel: str, queue: asyncio.Queue) -> None:
-        key, stream = (to, channel), None
+        key = (to, channel)
         while True:
             *parts, sent_at = await queue.get()
+            stream = self._streams.get(key)
             try:
-                reused = stream is not None
-                if stream is None:
-                    stream = self._streams[key] = await self._connect(to)
+                reused = stream is not None and not stream.closed
+                if not reused:
+                    stream = await self._stream_to(to, channel)
                 emulation = self.emulation
                 if emulation.latency_s:  # its time in flight, counted from when it was sent: frames overlap
                     await asyncio.sleep(sent_at + emulation.latency_to(self.book.peers.get(to)) - time.monotonic())
@@ -173,8 +185,7 @@ class NetworkTransport(Transport):
                     # a connection that carried earlier frames broke (its peer restarted, say): one fresh one
                     # before the frame counts as lost; a receiver drops a frame cut short on the old one
                     stream.close()
-                    stream = None
-                    stream = self._streams[key] = await self._connect(to)
+                    stream = await self._stream_to(to, channel)
                     await self._write(to, stream, parts)
                 if channel == "frames":
                     self._written[to] += memoryview(parts[1]).nbytes
@@ -184,7 +195,6 @@ class NetworkTransport(Transport):
                 log.warning("%s", self._failures[to])
                 if stream is not None:
                     stream.close()
-                    stream = None
                 self._streams.pop(key, None)
                 while not queue.empty():
                     queue.get_nowait()
@@ -192,11 +202,24 @@ class NetworkTransport(Transport):
             finally:
                 queue.task_done()
 
+    async def _stream_to(self, to: str, channel: str) -> Stream:
+        """A live stream to `to` for `channel`: the one kept for it, else a new one (dialled, or one `to` opened)."""
+        key = (to, channel)
+        async with self._opening.setdefault(key, asyncio.Lock()):  # the pump and the keeper never both dial
+            stream = self._streams.get(key)
+            if stream is None or stream.closed:
+                stream = self._streams[key] = await self._connect(to, channel)
+            return stream
+
     async def _write(self, to: str, stream: Stream, parts: Sequence[bytes | memoryview]) -> None:
         rate = self.emulation.rate_bytes_per_s
-        if rate is None:
-            await stream.write(parts)
-            return
+        async with stream.lock:  # a stream may serve two channels (one a peer behind NAT opened): whole frames each
+            if rate is None:
+                await stream.write(parts)
+            else:
+                await self._write_paced(to, stream, parts, rate)
+
+    async def _write_paced(self, to: str, stream: Stream, parts: Sequence[bytes | memoryview], rate: float) -> None:
         # one emulated link per destination, whatever the channel: each piece waits for its turn on it and
         # leaves when it would have crossed, so a receiver sees the frame arrive at the emulated rate
         piece = max(1 << 12, int(rate * EMULATED_CHUNK_S))
@@ -217,7 +240,7 @@ class NetworkTransport(Transport):
         stream = self._streams.get((to, "frames"))  # read from another thread: a moment's view is all it needs
         return self.sent[to] - self._written[to] + (stream.unsent_bytes() if stream is not None else 0)
 
-    async def _connect(self, to: str) -> Stream:
+    async def _connect(self, to: str, channel: str) -> Stream:
         try:
             address = self.book.get(to)
         except KeyError as error:
@@ -225,24 +248,63 @@ class NetworkTransport(Transport):
         deadline = time.monotonic() + self.connect_timeout_s
         tried: dict[str, str] = {}
         while True:
-            for link in self.links:
-                if not link.reaches(address):
-                    continue
-                try:
-                    stream = await asyncio.wait_for(link.open(to, address), max(0.1, deadline - time.monotonic()))
-                except link.errors as error:
-                    tried[link.name] = str(error) or type(error).__name__
-                    continue
-                if self.routes.get(to) != link.name:
-                    log.info("%s reaches %s over %s", self.device, to, link.name)
-                self.routes[to] = link.name
-                return stream
+            if to in self.passive:
+                tried["dial"] = f"{to} cannot be dialled (it announced so) and has no connection to this peer"
+            else:
+                for link in self.links:
+                    if not link.reaches(address):
+                        continue
+                    try:
+                        stream = await asyncio.wait_for(link.open(to, address), max(0.1, deadline - time.monotonic()))
+                    except link.errors as error:
+                        tried[link.name] = str(error) or type(error).__name__
+                        continue
+                    if self.routes.get(to) != link.name:
+                        log.info("%s reaches %s over %s", self.device, to, link.name)
+                    self.routes[to] = link.name
+                    spawn(self._serve(stream), f"{self.device}<-{to} (dialled)")  # frames come back over it too
+                    return stream
+            accepted = self._accepted_stream(to, channel)
+            if accepted is not None:  # `to` dialled this peer: answer over its connection
+                if self.routes.get(to) != "back":
+                    log.info("%s reaches %s over the connection %s opened", self.device, to, to)
+                self.routes[to] = "back"
+                return accepted
             if not tried:
                 raise PeerUnreachable(f"no link of {self.device} can use the addresses of {to}")
             if time.monotonic() >= deadline:
                 reasons = "; ".join(f"{name}: {reason}" for name, reason in tried.items())
                 raise PeerUnreachable(f"cannot reach {to} within {self.connect_timeout_s:g} s ({reasons})")
-            await asyncio.sleep(0.1)  # the peer may still be starting
+            await asyncio.sleep(0.1)  # the peer may still be starting, or about to dial this one
+
+    def _accepted_stream(self, to: str, channel: str) -> Stream | None:
+        """A live stream `to` opened to this peer: for probes its newest, for frames its oldest (a peer behind NAT
+        opens one for frames when it takes a plan, and one for probes when it probes)."""
+        streams = [stream for stream in self._accepted.get(to, ()) if not stream.closed]
+        if not streams:
+            return None
+        return streams[-1] if channel == "probe" else streams[0]
+
+    def connected(self, peer: str) -> bool:
+        """Whether a live connection joins this peer and `peer` (either side dialled it)."""
+        return any(not s.closed for s in self._accepted.get(peer, ())) or any(
+            not s.closed for (to, _), s in list(self._streams.items()) if to == peer)
+
+    def keep_connected(self, peers: Iterable[str]) -> None:
+        """Keep a connection open to each of `peers` (none passive: two peers that cannot be dialled have no path),
+        redialled within `keep_every_s` when it drops: how a peer that cannot be dialled stays reachable to them."""
+        self.keep = frozenset(peers) - {self.device}
+
+    async def _keep_loop(self) -> None:
+        while True:
+            for peer in sorted(self.keep - self.passive):
+                if self.connected(peer) or peer not in self.book.peers:
+                    continue
+                try:
+                    await self._stream_to(peer, "frames")
+                except (PeerUnreachable, ConnectionError, OSError) as error:
+                    log.info("%s: cannot keep a connection to %s: %s", self.device, peer, error)
+            await asyncio.sleep(self.keep_every_s)
 
     def flush(self, timeout_s: float, to: Iterable[str] | None = None) -> None:
         wanted = None if to is None else set(to)
@@ -266,9 +328,13 @@ class NetworkTransport(Transport):
                 await queue.join()
 
     # -- receiving ----------------------------------------------------------------------------
-    async def _serve(self, stream: Stream) -> None:
-        """Read frames off one stream until it ends; garbage or an oversize frame closes it."""
+    async def _serve(self, stream: Stream, accepted: bool = False) -> None:
+        """Read frames off one stream until it ends; garbage or an oversize frame closes it. A stream accepted
+        from a peer that proved who it is may carry frames back to it (`_accepted_stream`)."""
         inbox, incoming = self.inbox, set()
+        opener = stream.authenticated if accepted else None
+        if opener is not None:
+            self._accepted[opener].append(stream)
         try:
             while True:
                 try:
@@ -306,6 +372,8 @@ class NetworkTransport(Transport):
         finally:
             for sender in incoming:
                 self._incoming[sender].discard(stream)
+            if opener is not None:
+                self._accepted[opener].remove(stream)
             stream.close()
 
 

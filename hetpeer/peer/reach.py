@@ -1,0 +1,88 @@
+"""What a peer learns of its own reachability when it joins: it asks the coordinator's reach service
+(`protocol/reach.py`) to dial its ports back, and reads the address others see and its clock's offset.
+
+A port others could dial means a direct link; none means the peer sits behind NAT or a firewall: it dials
+the peers it works with, and they answer over its connections (`transport/network.py`). A peer that cannot
+ask (no reach service named, or it does not answer) says its reachability is unknown and is dialled as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from hetpeer.protocol.reach import MAX_LINE_BYTES, ReachReply, ReachRequest
+from hetpeer.protocol.wire import SchemaError
+
+log = logging.getLogger("hetpeer.peer")
+CLOCK_SAY_S = 5.0  # a clock further off than this is said to the volunteer
+
+
+@dataclass(frozen=True, slots=True)
+class Reach:
+    """The reach check's answer: the address the coordinator saw, which ports it could dial, the clock."""
+
+    observed: str
+    open: tuple[bool, ...]  # per port asked, in order
+    clock_offset_s: float  # add to this machine's clock to read the coordinator's
+    round_trip_s: float
+
+
+class ReachError(Exception):
+    """The reach service could not be asked, or answered nonsense."""
+
+
+def ask(service: tuple[str, int], ports: Sequence[int], timeout_s: float = 15.0,
+        clock: Callable[[], float] = time.time) -> Reach:
+    """Ask the reach service at `service` (HOST, PORT) to dial `ports` back; ReachError when it cannot."""
+    host, port = service
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            sent = clock()
+            sock.sendall(ReachRequest(tuple(ports), sent).encode())
+            line = sock.makefile("rb").readline(MAX_LINE_BYTES + 1)
+            received = clock()
+    except OSError as error:
+        raise ReachError(f"cannot ask the reach service at {host}:{port}: {error.strerror or error}") from None
+    if not line.endswith(b"\n"):
+        raise ReachError(f"the reach service at {host}:{port} closed without a whole answer")
+    try:
+        reply = ReachReply.decode(line, len(ports))
+    except SchemaError as error:
+        raise ReachError(f"the reach service at {host}:{port} answered nonsense: {error}") from None
+    return Reach(reply.observed, reply.open, reply.time - (sent + received) / 2, received - sent)
+
+
+def listening(host: str, port: int) -> socket.socket:
+    """A bare listener on (host, port) (port 0: a free one) for the reach check of a port whose server starts
+    after it; close it before the server starts."""
+    try:
+        return socket.create_server((host, port))
+    except OSError as error:
+        raise ReachError(f"cannot listen on {host}:{port}: {error.strerror or error}"
+                         + (" (another peer on this machine? give it another port)" if port else "")) from None
+
+
+def advice(reach: Reach, ports: Sequence[int], names: Sequence[str]) -> str:
+    """One line for the volunteer: how others reach this peer, and what would make it faster."""
+    closed = [f"{port} ({name})" for port, name, ok in zip(ports, names, reach.open) if not ok]
+    if not closed:
+        return f"reachable: others can dial this peer at {reach.observed}; nothing to do"
+    if len(closed) == len(ports):
+        return (f"reachable: no, others cannot dial this peer at {reach.observed} (behind NAT or a firewall): it dials "
+                f"the peers it works with and they answer over its connections; to be dialled directly (and be a "
+                f"neighbour of other peers behind NAT), forward TCP port(s) {', '.join(closed)} to this machine")
+    return (f"reachable: partly, others can dial {reach.observed} but not port(s) {', '.join(closed)}: forward them to "
+            f"this machine")
+
+
+def clock_words(offset_s: float) -> str | None:
+    """A line when this machine's clock is far from the coordinator's (the peer corrects for it)."""
+    if abs(offset_s) < CLOCK_SAY_S:
+        return None
+    way = "behind" if offset_s > 0 else "ahead of"
+    return (f"clock: this machine's clock is {abs(offset_s):.0f} s {way} the coordinator's; hetpeer corrects its records "
+            "and plans for it, but set the clock right (NTP) for everything else")

@@ -1,0 +1,91 @@
+"""The reach check: a peer asks the coordinator to dial it back, and learns what the swarm sees of it.
+
+A peer behind a home router can dial out but nobody can dial in, and it does not know its public address.
+It opens a TCP connection to the coordinator's reach service and sends one line of JSON:
+
+    {"version": 1, "ports": [7000, 31338], "time": <the peer's clock>}
+
+The service dials each port back *at the address the request came from* (never anywhere else: the
+service cannot be pointed at a third party) and answers one line:
+
+    {"version": 1, "observed": "203.0.113.7", "open": [true, false], "time": <the coordinator's clock>}
+
+From it the peer learns the address others see (`observed`), which of its ports others can dial
+(`open`), and how far its clock is from the coordinator's (`time`, with the round trip's midpoint).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from hetpeer.protocol.wire import SchemaError, field, need_int, need_list, need_mapping, need_number, need_str, no_extra_fields
+
+REACH_VERSION = 1
+MAX_PORTS = 4
+MAX_LINE_BYTES = 1024
+REACHABLE = ("direct", "none", "unknown")  # what a peer's record says of it: others can dial it, cannot, not checked
+
+
+@dataclass(frozen=True, slots=True)
+class ReachRequest:
+    ports: tuple[int, ...]
+    time: float
+
+    def encode(self) -> bytes:
+        return json.dumps({"version": REACH_VERSION, "ports": list(self.ports), "time": self.time}).encode() + b"\n"
+
+    @staticmethod
+    def decode(line: bytes) -> "ReachRequest":
+        root = _line(line, "reach_request")
+        no_extra_fields(root, {"version", "ports", "time"}, "reach_request")
+        _version(root, "reach_request")
+        ports = tuple(need_int(p, f"reach_request.ports[{i}]", minimum=1) for i, p in
+                      enumerate(need_list(field(root, "ports", "reach_request"), "reach_request.ports")))
+        if not 0 < len(ports) <= MAX_PORTS or max(ports) > 65535:
+            raise SchemaError("reach_request.ports", f"1 to {MAX_PORTS} ports in 1..65535, got {list(ports)[:8]}")
+        return ReachRequest(ports, need_number(field(root, "time", "reach_request"), "reach_request.time"))
+
+
+@dataclass(frozen=True, slots=True)
+class ReachReply:
+    observed: str  # the address the request came from, as the coordinator saw it
+    open: tuple[bool, ...]  # per port asked, whether a connection to observed:port opened
+    time: float  # the coordinator's clock when it answered
+
+    def encode(self) -> bytes:
+        return json.dumps({"version": REACH_VERSION, "observed": self.observed, "open": list(self.open),
+                           "time": self.time}).encode() + b"\n"
+
+    @staticmethod
+    def decode(line: bytes, ports: int) -> "ReachReply":
+        root = _line(line, "reach_reply")
+        no_extra_fields(root, {"version", "observed", "open", "time"}, "reach_reply")
+        _version(root, "reach_reply")
+        observed = need_str(field(root, "observed", "reach_reply"), "reach_reply.observed")
+        try:
+            ipaddress.ip_address(observed)
+        except ValueError:
+            raise SchemaError("reach_reply.observed", f"must be an IP address, got {observed[:64]!r}") from None
+        opened = need_list(field(root, "open", "reach_reply"), "reach_reply.open")
+        if len(opened) != ports or not all(isinstance(o, bool) for o in opened):
+            raise SchemaError("reach_reply.open", f"must be {ports} booleans, one per port asked, got {opened[:8]!r}")
+        return ReachReply(observed, tuple(opened), need_number(field(root, "time", "reach_reply"), "reach_reply.time"))
+
+
+def _line(line: bytes, path: str) -> dict[str, Any]:
+    if len(line) > MAX_LINE_BYTES:
+        raise SchemaError(path, f"longer than {MAX_LINE_BYTES} bytes")
+    try:
+        raw = json.loads(line)
+    except (ValueError, RecursionError) as error:
+        raise SchemaError(path, f"is not JSON: {str(error)[:80]}") from None
+    return dict(need_mapping(raw, path))
+
+
+def _version(root: dict[str, Any], path: str) -> None:
+    version = need_int(field(root, "version", path), f"{path}.version")
+    if version != REACH_VERSION:
+        raise SchemaError(f"{path}.version", f"must be {REACH_VERSION}, got {version}")

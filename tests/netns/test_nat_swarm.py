@@ -1,0 +1,102 @@
+"""Peers behind home routers join with no address flags and train: a coordinator and a public peer on the
+"internet", one peer behind a cone NAT and one behind a symmetric NAT (real namespaces, real MASQUERADE).
+
+Each peer learns from the coordinator's reach service whether others can dial it and says so; the peers
+behind NAT run their DHT nodes in client mode, dial the peers they work with, and frames to them travel
+back over those connections. The two NATed peers cannot reach each other, so a plan of three stages must
+put the public peer between them: the planner knows the pair has no path."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+from lab import Host, Lab
+
+STEPS = 6
+DEADLINE_S = 300.0
+Start = Callable[..., subprocess.Popen]
+
+
+@pytest.fixture
+def run(lab: Lab, tmp_path: Path) -> Iterator[Start]:
+    """run(host, name, *hetpeer_args): `hetpeer` in the host's namespace, its output in tmp_path/name.log;
+    stopped (its whole process group, p2pd included) before the lab closes."""
+    started: list[subprocess.Popen] = []
+
+    def start(host: Host, name: str, *args: str) -> subprocess.Popen:
+        log = open(tmp_path / f"{name}.log", "wb")
+        argv = host.argv([sys.executable, "-m", "hetpeer.cli", *args])
+        started.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+        log.close()
+        return started[-1]
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in started:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def wait_for_line(path: Path, pattern: str, proc: subprocess.Popen, deadline: float) -> re.Match:
+    """The first line of the log at `path` matching `pattern`; fails when the process ends or time runs out first."""
+    regex = re.compile(pattern, re.MULTILINE)
+    while True:
+        text = path.read_text(errors="replace") if path.exists() else ""
+        found = regex.search(text)
+        if found:
+            return found
+        assert proc.poll() is None or regex.search(path.read_text(errors="replace")), (
+            f"{path.name} ended (exit {proc.returncode}) without a line matching {pattern!r}:\n{text[-3000:]}")
+        assert time.monotonic() < deadline, f"no line matching {pattern!r} in {path.name} in time:\n{text[-3000:]}"
+        time.sleep(0.5)
+
+
+def test_peers_behind_cone_and_symmetric_nat_train_with_a_public_peer_between_them(lab: Lab, run: Start, tmp_path: Path):
+    deadline = time.monotonic() + DEADLINE_S
+    coordinator_host = lab.public("coord")
+    hosts = {"pub": lab.public("pub"), "cone": lab.behind_nat("cone", "cone"), "sym": lab.behind_nat("sym", "symmetric")}
+    join = tmp_path / "join.json"
+    coordinator = run(
+        coordinator_host, "coordinator", "coordinator", "--swarm", "nat", "--home", str(tmp_path / "coordinator"),
+        "--host-maddr", "/ip4/0.0.0.0/tcp/31337", "--announce-maddr", f"/ip4/{coordinator_host.address}/tcp/31337",
+        "--join-file", str(join), "--min-peers", "3", "--stages", "3", "--group-size", "1", "--heartbeat", "1",
+        "--steps", str(STEPS),
+    )
+    wait_for_line(tmp_path / "coordinator.log", r"join file:", coordinator, deadline)
+    peers = {name: run(host, name, "join", "--join-file", str(join), "--name", name, "--home", str(tmp_path / name),
+                       "--heartbeat", "1", "--steps", str(STEPS))
+             for name, host in hosts.items()}  # no address flag: what a volunteer at home types
+
+    said = {name: wait_for_line(tmp_path / f"{name}.log", r"^.*reachable: .*$", proc, deadline).group(0)
+            for name, proc in peers.items()}
+    assert f"others can dial this peer at {hosts['pub'].address}; nothing to do" in said["pub"]
+    for name in ("cone", "sym"):
+        assert f"reachable: no, others cannot dial this peer at {hosts[name].public_address}" in said[name], said[name]
+        assert "forward TCP port(s) 7000 (tensors), 7001 (DHT)" in said[name]
+        wait_for_line(tmp_path / f"{name}.log", r"DHT: client mode", peers[name], deadline)
+
+    for name, proc in peers.items():  # every peer trains to the swarm's last step
+        wait_for_line(tmp_path / f"{name}.log", rf"step {STEPS}/", proc, deadline)
+    middle = wait_for_line(tmp_path / "pub.log", r"plan epoch \d+.*: stage (\d)/3", peers["pub"], deadline)
+    assert middle.group(1) == "2", "the public peer must sit between the two that cannot reach each other"
+    for name in ("cone", "sym"):
+        log = (tmp_path / f"{name}.log").read_text()
+        assert re.search(r"plan epoch \d+.*: stage [13]/3", log), log[-2000:]
+        assert "rejected a frame" not in log and "refused connection" not in log, log[-3000:]
+    pub_log = (tmp_path / "pub.log").read_text()
+    assert "over the connection" in pub_log, "frames to the NATed peers go back over their connections"

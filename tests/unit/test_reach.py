@@ -1,0 +1,62 @@
+"""The reach check's wire format (`protocol/reach.py`) and what a peer says of its answer (`peer/reach.py`)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hetpeer.peer.reach import Reach, advice, clock_words
+from hetpeer.protocol.reach import MAX_LINE_BYTES, ReachReply, ReachRequest
+from hetpeer.protocol.wire import SchemaError
+
+
+def test_request_and_reply_round_trip():
+    assert ReachRequest.decode(ReachRequest((7000, 7001), 12.5).encode()) == ReachRequest((7000, 7001), 12.5)
+    reply = ReachReply("203.0.113.7", (True, False), 99.0)
+    assert ReachReply.decode(reply.encode(), 2) == reply
+
+
+@pytest.mark.parametrize("line, where", [
+    (b"not json\n", "reach_request"),
+    (json.dumps({"version": 2, "ports": [1], "time": 0.0}).encode(), "reach_request.version"),
+    (json.dumps({"version": 1, "ports": [], "time": 0.0}).encode(), "reach_request.ports"),
+    (json.dumps({"version": 1, "ports": [1, 2, 3, 4, 5], "time": 0.0}).encode(), "reach_request.ports"),
+    (json.dumps({"version": 1, "ports": [70000], "time": 0.0}).encode(), "reach_request.ports"),
+    (json.dumps({"version": 1, "ports": [0], "time": 0.0}).encode(), "reach_request.ports[0]"),
+    (json.dumps({"version": 1, "ports": [True], "time": 0.0}).encode(), "reach_request.ports[0]"),
+    (json.dumps({"version": 1, "ports": [1], "time": "now"}).encode(), "reach_request.time"),
+    (json.dumps({"version": 1, "ports": [1], "time": 0.0, "to": "10.0.0.1"}).encode(), "reach_request.to"),
+    (b"{" + b" " * MAX_LINE_BYTES + b"}", "reach_request"),
+])
+def test_a_bad_request_is_refused_naming_what_is_wrong(line, where):
+    with pytest.raises(SchemaError) as error:
+        ReachRequest.decode(line)
+    assert error.value.path == where
+
+
+@pytest.mark.parametrize("raw, ports, where", [
+    ({"version": 1, "observed": "not-an-ip", "open": [True], "time": 1.0}, 1, "reach_reply.observed"),
+    ({"version": 1, "observed": "10.0.0.1", "open": [True], "time": 1.0}, 2, "reach_reply.open"),
+    ({"version": 1, "observed": "10.0.0.1", "open": ["yes"], "time": 1.0}, 1, "reach_reply.open"),
+    ({"version": 1, "observed": "10.0.0.1", "open": [True]}, 1, "reach_reply.time"),
+])
+def test_a_bad_reply_is_refused_naming_what_is_wrong(raw, ports, where):
+    with pytest.raises(SchemaError) as error:
+        ReachReply.decode(json.dumps(raw).encode(), ports)
+    assert error.value.path == where
+
+
+def test_the_volunteer_is_told_what_would_help():
+    ports, names = (7000, 7001), ("tensors", "DHT")
+    assert advice(Reach("198.51.100.4", (True, True), 0.0, 0.01), ports, names).endswith("nothing to do")
+    closed = advice(Reach("198.51.100.4", (False, False), 0.0, 0.01), ports, names)
+    assert "cannot dial this peer at 198.51.100.4" in closed and "forward TCP port(s) 7000 (tensors), 7001 (DHT)" in closed
+    partly = advice(Reach("198.51.100.4", (True, False), 0.0, 0.01), ports, names)
+    assert "partly" in partly and "7001 (DHT)" in partly and "7000" not in partly
+
+
+def test_a_clock_far_off_is_said_and_a_close_one_is_not():
+    assert clock_words(1.5) is None
+    assert "90 s behind" in clock_words(90.0)
+    assert "120 s ahead of" in clock_words(-120.0)
