@@ -36,7 +36,8 @@ import torch
 from hetpeer.peer.launch import free_port
 from hetpeer.peer.node import p2p_peer_id
 from hetpeer.peer.transport.inbox import TransportTimeout
-from hetpeer.peer.transport.links import LinkIdentity, P2PLink, TcpLink
+from hetpeer.peer.transport.links import P2PLink, TcpLink
+from hetpeer.peer.transport.stream import LinkIdentity
 from hetpeer.peer.transport.network import NetworkTransport
 from hetpeer.protocol.addresses import AddressBook, PeerAddress
 from hetpeer.protocol.control import load_or_create_key, public_key_bytes

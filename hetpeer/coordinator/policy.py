@@ -97,9 +97,7 @@ def build_problem(
     latency.flat[flat], bandwidth.flat[flat] = measured_latency, slowest
     estimated = np.ones((n, n), dtype=bool)
     estimated.flat[flat] = False
-    hidden = np.array([records[d].reachable == "none" for d in ids], dtype=bool)
-    absent = np.outer(hidden, hidden)  # neither can dial the other: no path (not an estimate: a fact)
-    latency[absent], bandwidth[absent], estimated[absent] = ABSENT_LINK[0], ABSENT_LINK[1], False
+    _relayed(records, ids, latency, bandwidth, estimated)
     np.fill_diagonal(estimated, False)
     np.fill_diagonal(latency, 0.0)
     np.fill_diagonal(bandwidth, np.inf)
@@ -116,6 +114,31 @@ def build_problem(
         sharing=sharing,
     )
     return problem, estimated
+
+
+def _relayed(records: Mapping[str, PeerRecord], ids: Sequence[str], latency: np.ndarray, bandwidth: np.ndarray,
+             estimated: np.ndarray) -> None:
+    """Pairs of peers that nobody can dial, in place: through the relay of either (its two hops: latencies
+    added, the slower bandwidth; the better relay where both have one), else `ABSENT_LINK` (no path, a fact).
+    O(relayed peers x peers behind NAT)."""
+    index = {d: i for i, d in enumerate(ids)}
+    behind = np.array([records[d].behind_nat for d in ids], dtype=bool)
+    hidden = np.array([records[d].reachable == "none" for d in ids], dtype=bool)
+    absent = np.outer(hidden, hidden)  # neither can dial the other nor has a relay: no path
+    latency[absent], bandwidth[absent], estimated[absent] = ABSENT_LINK[0], ABSENT_LINK[1], False
+    nat = np.flatnonzero(behind)
+    via_latency, via_bandwidth = np.full(latency.shape, np.inf), np.zeros(bandwidth.shape)  # [i, j]: through j's relay
+    for j in nat:
+        r = index.get(records[ids[j]].relay)
+        if r is not None:
+            via_latency[nat, j] = latency[nat, r] + latency[r, j]
+            via_bandwidth[nat, j] = np.minimum(bandwidth[nat, r], bandwidth[r, j])
+    own = via_bandwidth >= via_bandwidth.T
+    best_latency = np.where(own, via_latency, via_latency.T)
+    best_bandwidth = np.where(own, via_bandwidth, via_bandwidth.T)
+    pair = np.outer(behind, behind) & (best_bandwidth > 0)
+    np.fill_diagonal(pair, False)
+    latency[pair], bandwidth[pair], estimated[pair] = best_latency[pair], best_bandwidth[pair], False
 
 
 def _running_slowdowns(ids: Sequence[str], sharing: Sharing | None, current: Plan | None) -> np.ndarray | None:

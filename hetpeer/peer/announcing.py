@@ -73,7 +73,7 @@ class Announcing:
             compute_key=machine.compute_key,
             compute_share=machine.compute_share,
             compute_background=machine.compute_background,
-            reachable=self.reachable,
+            reachable=self.announced_reachable,
             software=f"hetpeer {__version__}",
         )
 

@@ -44,8 +44,10 @@ from hetpeer.peer.probing import Probing
 from hetpeer.peer.reaching import Reaching
 from hetpeer.peer.suspects import Suspicion
 from hetpeer.peer.transport.inbox import Interrupted, PeerUnreachable, TransportError, TransportTimeout
-from hetpeer.peer.transport.links import LinkIdentity, TcpLink
+from hetpeer.peer.transport.links import TcpLink
+from hetpeer.peer.transport.stream import LinkIdentity
 from hetpeer.peer.transport.network import Emulation, NetworkTransport
+from hetpeer.peer.transport.relay import Relay, RelayLink
 from hetpeer.protocol.addresses import AddressBook
 from hetpeer.protocol.control import ControlPlane
 from hetpeer.protocol.identity import device_id
@@ -138,9 +140,12 @@ class SwarmPeer(Following, Handover, Announcing, Probing, Reaching):
         (host, port), announce_host = self._check_reach()  # before the DHT node: it decides how the node runs
         self.control.start()
         self.device_id = device_id(config.name, self.control.public_key)
+        identity = LinkIdentity(self.device_id, self.control.private_key)
+        tcp = TcpLink(host, port, advertise_host=announce_host, identity=identity)
+        tcp.relay = self.relay = Relay(self.device_id)  # serves only where others can dial this peer
+        self.relay_link = RelayLink(identity, book=lambda: self.transport.book)
         self.transport = NetworkTransport(
-            self.device_id, AddressBook({}),
-            [TcpLink(host, port, advertise_host=announce_host, identity=LinkIdentity(self.device_id, self.control.private_key))],
+            self.device_id, AddressBook({}), [tcp, self.relay_link],
             connect_timeout_s=min(10.0, config.worker.timeout_s), emulation=config.emulation,
         )
         self.transport.start()
@@ -260,7 +265,7 @@ class SwarmPeer(Following, Handover, Announcing, Probing, Reaching):
             started = time.monotonic()
             records, _ = self.control.read_peers(max_age_s=ttl_s + config.heartbeat_s)
             self.control.remember(r.dht for r in sorted(records.values(), key=lambda r: -r.time))
-            book = {d: r.address for d, r in records.items()}
+            book = {d: replace(r.address, relay=r.relay) for d, r in records.items()}
             book[self.device_id] = self.transport.address()
             self.transport.book = AddressBook(book)
             with self.lock:

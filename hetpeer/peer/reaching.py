@@ -14,19 +14,25 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import time
 
 from hetpeer.peer.reach import ReachError, advice, ask, clock_words, listening
 from hetpeer.protocol.addresses import MADDR_TCP_RE
+from hetpeer.protocol.reach import VIA
+from hetpeer.protocol.records import PeerRecord
 
 log = logging.getLogger("hetpeer.peer")
 WILDCARDS = ("0.0.0.0", "::")
+RELAY_SAY_S = 30.0
 
 
 class Reaching:
     """The part of `SwarmPeer` that checks its reachability (`_check_reach`, once, as it starts; sets
     `reachable`) and keeps its paths to other peers (`_keep_paths`, on the control thread)."""
 
-    reachable = "unknown"
+    reachable = "unknown"  # what the reach check found: "direct", "none" or "unknown"
+    relay_at: str | None = None  # the relay this peer registered at, when nobody can dial it
+    _relay_said = (0, 0.0)  # (bytes relayed when last said, when)
 
     def _check_reach(self) -> tuple[tuple[str, int], str | None]:
         """Where the transport listens and the host it announces; sets the DHT node's ports, client mode and clock.
@@ -72,19 +78,45 @@ class Reaching:
             self.report(said)
         return (host, port), announce_host
 
+    @property
+    def announced_reachable(self) -> str:
+        """What the record says: through the relay it is registered at, once it is, when nobody can dial it."""
+        if self.reachable == "none" and self.relay_link.registered is not None:
+            return VIA + self.relay_link.registered
+        return self.reachable
+
     def _keep_paths(self) -> None:
-        """Tell the transport who cannot be dialled, and, when this peer cannot be, whom to stay connected to."""
+        """Tell the transport who cannot be dialled; when this peer cannot be, pick its relay and the peers to
+        stay connected to; say now and then what this peer relayed for others."""
         with self.lock:
             records = dict(self.records)
             wanted = self._plan_neighbours() if self.reachable == "none" else set()
         transport = self.transport
-        transport.passive = frozenset(d for d, r in records.items() if r.reachable == "none" and d != self.device_id)
-        transport.keep_connected(wanted - transport.passive)
+        transport.passive = frozenset(d for d, r in records.items() if r.behind_nat and d != self.device_id)
+        transport.keep_connected(d for d in wanted if d in records and records[d].reachable != "none")
+        if self.reachable == "none":
+            self.relay_link.via = self._pick_relay(records)
+        carried, said_at = self._relay_said
+        if self.relay.relayed_bytes > carried and time.monotonic() - said_at > RELAY_SAY_S:
+            self._relay_said = (self.relay.relayed_bytes, time.monotonic())
+            self.report(f"relay: carried {self.relay.relayed_bytes / 2**20:.1f} MiB so far, for "
+                        f"{', '.join(f'{d} ({n} call(s))' for d, n in sorted(self.relay.calls.items()))}")
+
+    def _pick_relay(self, records: dict[str, PeerRecord]) -> str | None:
+        """The peer to relay for this one: the one it has now while that one stays, else the public peer with the
+        fastest link this peer measured (unmeasured ones after, by id). None while there is no public peer."""
+        public = [d for d, r in records.items() if r.reachable == "direct" and r.state != "leaving" and d != self.device_id]
+        if self.relay_link.via in public:
+            return self.relay_link.via
+        with self.lock:
+            measured = self.links.current()
+        fastest = sorted(public, key=lambda d: (-measured[d].bandwidth_bytes_per_s if d in measured else 0.0, d))
+        return fastest[0] if fastest else None
 
     def _has_path(self, peer: str) -> bool:
-        """Whether this peer can reach `peer` now: by dialling it, or over a connection `peer` opened."""
+        """Whether this peer can reach `peer` now: by dialling it or its relay, or over a connection it opened."""
         record = self.records.get(peer)
-        if record is None or record.reachable != "none":
+        if record is None or not record.behind_nat or (record.relay is not None and record.relay != self.device_id):
             return True
         return self.transport.connected(peer)
 

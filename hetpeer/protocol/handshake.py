@@ -1,18 +1,23 @@
-"""The direct link's handshake: binds a TCP connection to the swarm keys of the peers at its two ends.
+"""The direct link's handshake: binds a TCP connection to the swarm keys of the peers at its two ends, and
+gives them the keys that seal everything after it (`peer/transport/sealed.py`).
 
 A device id is `NAME-<fingerprint of the peer's RSA key>` (records.py), so a peer proves it is the device
-it claims by signing a fresh nonce with that key. Both ends prove themselves, each over the other's nonce:
+it claims by signing a fresh nonce with that key. Both ends prove themselves, each over the other's nonce,
+and each brings a fresh X25519 key for this connection alone:
 
-    listener -> dialer    b"HPA1" + 32-byte nonce                      (the challenge)
-    dialer -> listener    proof(role "dialer", the listener's nonce) + 32-byte nonce of its own
+    listener -> dialer    b"HPA2" + 32-byte nonce + 32-byte X25519 key        (the challenge)
+    dialer -> listener    proof(role "dialer", the listener's nonce) + 32-byte nonce + 32-byte X25519 key
     listener -> dialer    proof(role "listener", the dialer's nonce)
 
 A proof is three little-endian uint16 lengths, then the prover's device id (UTF-8), its public key
 (OpenSSH form, as in its record) and the signature (RSA-PSS over SHA-256, base64, as hivemind signs records)
-of `signed_bytes(role, nonce, prover, verifier)`. Naming both devices and the role in what is signed means a
-proof cannot be replayed to another peer, on another connection, or in the other direction. Lengths are
-bounded before anything is read past them, so a stranger cannot make a peer allocate more than a few KiB.
-A connection whose handshake fails is closed before a frame is read; nothing on it reaches the inbox.
+of `signed_bytes(role, nonce, prover, verifier, keys)`, `keys` being both X25519 keys (the dialer's first).
+Naming both devices, the role and both X25519 keys in what is signed means a proof cannot be replayed to
+another peer, on another connection, or in the other direction, and that nobody between the two (a relay,
+anyone on the path) can put keys of its own in: the two ends' Diffie-Hellman secret is theirs alone, and
+`session_keys` derives from it one AES-256-GCM key per direction. Lengths are bounded before anything is
+read past them, so a stranger cannot make a peer allocate more than a few KiB. A connection whose handshake
+fails is closed before a frame is read; nothing on it reaches the inbox.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ from typing import Any
 
 from hetpeer.protocol.identity import bound, fingerprint
 
-MAGIC = b"HPA1"
+MAGIC = b"HPA2"
 NONCE_BYTES = 32
-CHALLENGE_BYTES = len(MAGIC) + NONCE_BYTES
+KEY_BYTES = 32  # an X25519 public key
+CHALLENGE_BYTES = len(MAGIC) + NONCE_BYTES + KEY_BYTES
 LENGTHS = struct.Struct("<HHH")
 MAX_DEVICE_BYTES = 128
 MAX_KEY_BYTES = 2048  # an RSA-4096 key in OpenSSH form is about 720 bytes
@@ -42,22 +48,53 @@ def nonce() -> bytes:
     return os.urandom(NONCE_BYTES)
 
 
-def challenge(fresh: bytes) -> bytes:
-    """The listener's first message: the magic and its nonce."""
-    return MAGIC + fresh
+class Ephemeral:
+    """This end's X25519 key for one connection."""
+
+    def __init__(self) -> None:
+        from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+        from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+        self._private = X25519PrivateKey.generate()
+        self.public = self._private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+    def secret(self, theirs: bytes) -> bytes:
+        from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
+
+        try:
+            return self._private.exchange(X25519PublicKey.from_public_bytes(theirs))
+        except ValueError as error:  # a low-order point: no secret to share
+            raise HandshakeError(f"the other end's X25519 key is unusable: {error}") from None
 
 
-def nonce_of(message: bytes) -> bytes:
-    """The nonce in a challenge; HandshakeError when the message is not one (a peer that does not handshake)."""
+def challenge(fresh: bytes, key: bytes) -> bytes:
+    """The listener's first message: the magic, its nonce and its X25519 key."""
+    return MAGIC + fresh + key
+
+
+def read_challenge(message: bytes) -> tuple[bytes, bytes]:
+    """(nonce, X25519 key) of a challenge; HandshakeError when the message is not one (a peer that does not
+    handshake, or speaks an older version of it)."""
     if len(message) != CHALLENGE_BYTES or message[:len(MAGIC)] != MAGIC:
         raise HandshakeError(f"expected a link challenge starting {MAGIC!r}, got {bytes(message[:8])!r}")
-    return bytes(message[len(MAGIC):])
+    return bytes(message[len(MAGIC):len(MAGIC) + NONCE_BYTES]), bytes(message[len(MAGIC) + NONCE_BYTES:])
 
 
-def signed_bytes(role: str, nonce: bytes, prover: str, verifier: str) -> bytes:
+def signed_bytes(role: str, nonce: bytes, prover: str, verifier: str, keys: bytes) -> bytes:
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-    return b"\0".join((b"hetpeer link 1", role.encode(), nonce, prover.encode(), verifier.encode()))
+    return b"\0".join((b"hetpeer link 2", role.encode(), nonce, prover.encode(), verifier.encode(), keys))
+
+
+def session_keys(secret: bytes, dialer_nonce: bytes, listener_nonce: bytes, dialer: str, listener: str) -> tuple[bytes, bytes]:
+    """(dialer-to-listener key, listener-to-dialer key): HKDF-SHA256 over the X25519 secret, salted with both
+    nonces and bound to both devices."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    info = b"\0".join((b"hetpeer link 2 keys", dialer.encode(), listener.encode()))
+    both = HKDF(hashes.SHA256(), 64, salt=dialer_nonce + listener_nonce, info=info).derive(secret)
+    return both[:32], both[32:]
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,13 +129,14 @@ class Proof:
         return cls(name, bytes(body[device:device + key]), bytes(body[device + key:]))
 
 
-def prove(private_key: Any, role: str, nonce: bytes, prover: str, verifier: str) -> Proof:
-    """`prover`'s proof (signed with its hivemind RSAPrivateKey) for the peer that sent `nonce`."""
+def prove(private_key: Any, role: str, nonce: bytes, prover: str, verifier: str, keys: bytes) -> Proof:
+    """`prover`'s proof (signed with its hivemind RSAPrivateKey) for the peer that sent `nonce`, over the
+    connection's two X25519 keys (`keys`, the dialer's first)."""
     public_key = private_key.get_public_key().to_bytes()
-    return Proof(prover, public_key, private_key.sign(signed_bytes(role, nonce, prover, verifier)))
+    return Proof(prover, public_key, private_key.sign(signed_bytes(role, nonce, prover, verifier, keys)))
 
 
-def check(proof: Proof, role: str, nonce: bytes, verifier: str, expected: str | None = None) -> str:
+def check(proof: Proof, role: str, nonce: bytes, verifier: str, keys: bytes, expected: str | None = None) -> str:
     """The device `proof` proves (HandshakeError saying why not): its id is bound to the key (`device_id`),
     the key signed this connection's nonce for `verifier` in `role`, and, given `expected`, it is that device."""
     from cryptography.exceptions import UnsupportedAlgorithm
@@ -113,7 +151,7 @@ def check(proof: Proof, role: str, nonce: bytes, verifier: str, expected: str | 
         key = RSAPublicKey.from_bytes(proof.public_key)
     except (ValueError, TypeError, UnsupportedAlgorithm) as error:  # what cryptography raises for keys it cannot load
         raise HandshakeError(f"{proof.device}'s public key does not parse: {error}") from None
-    if not key.verify(signed_bytes(role, nonce, proof.device, verifier), proof.signature):
-        raise HandshakeError(f"{proof.device!r}'s signature over this connection's nonce does not verify: "
-                             "it does not hold that device's key, or meant another peer")
+    if not key.verify(signed_bytes(role, nonce, proof.device, verifier, keys), proof.signature):
+        raise HandshakeError(f"{proof.device!r}'s signature over this connection's nonce and keys does not verify: "
+                             "it does not hold that device's key, meant another peer, or someone between swapped a key")
     return proof.device

@@ -26,7 +26,8 @@ from hetpeer.protocol.wire import SchemaError, field, need_int, need_list, need_
 REACH_VERSION = 1
 MAX_PORTS = 4
 MAX_LINE_BYTES = 1024
-REACHABLE = ("direct", "none", "unknown")  # what a peer's record says of it: others can dial it, cannot, not checked
+REACHABLE = ("direct", "none", "unknown")  # what a peer's record says of it: others can dial it, cannot, not checked,
+VIA = "via:"  # or "via:<device>": others reach it through that peer's relay
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,7 +28,7 @@ from pydantic.v1.fields import SHAPE_LIST, SHAPE_SINGLETON
 from hetpeer.protocol.addresses import PeerAddress, peer_maddrs
 from hetpeer.protocol.identity import DEVICE_RE, bound, fingerprint
 from hetpeer.protocol.plan import Plan
-from hetpeer.protocol.reach import REACHABLE
+from hetpeer.protocol.reach import REACHABLE, VIA
 from hetpeer.protocol.wire import SchemaError
 
 # 2: records carry the DHT multiaddrs of their writer and what its training achieves
@@ -173,9 +173,21 @@ class PeerRecord:
     compute_key: str | None = None
     compute_share: float = 1.0
     compute_background: float = 0.0  # of that device, what other work kept busy while the peer did not train
-    reachable: str = "unknown"  # others can dial it ("direct"), cannot ("none": it dials them), or it could not tell
+    # others can dial it ("direct"), cannot ("none": it dials them), only through a relay ("via:<device>"), or it
+    # could not tell ("unknown")
+    reachable: str = "unknown"
     software: str = ""
     version: int = PROTOCOL_VERSION
+
+    @property
+    def relay(self) -> str | None:
+        """The peer that relays for this one, when others reach it only through a relay."""
+        return self.reachable.removeprefix(VIA) if self.reachable.startswith(VIA) else None
+
+    @property
+    def behind_nat(self) -> bool:
+        """Nobody can dial it: it dials others, and peers like it reach it through its relay, if any."""
+        return self.reachable == "none" or self.relay is not None
 
     def to_wire(self) -> dict[str, Any]:
         direct = self.address.direct
@@ -295,8 +307,10 @@ class PeerRecord:
             raise SchemaError("peer.compute_share", f"must be in (0, 1], got {parsed.compute_share!r}")
         if not (math.isfinite(parsed.compute_background) and 0 <= parsed.compute_background < 1):
             raise SchemaError("peer.compute_background", f"must be in [0, 1), got {parsed.compute_background!r}")
-        if parsed.reachable not in REACHABLE:
-            raise SchemaError("peer.reachable", f"must be one of {', '.join(REACHABLE)}, got {parsed.reachable[:64]!r}")
+        relay = parsed.reachable.removeprefix(VIA)
+        if parsed.reachable not in REACHABLE and not (relay != parsed.reachable and DEVICE_RE.match(relay) and relay != parsed.device_id):
+            raise SchemaError("peer.reachable", f"must be one of {', '.join(REACHABLE)} or {VIA}<another peer's device id>, "
+                                                f"got {parsed.reachable[:64]!r}")
         for i, suspect in enumerate(parsed.suspects):
             if not DEVICE_RE.match(suspect) or suspect == parsed.device_id:
                 raise SchemaError(f"peer.suspects[{i}]", f"must be another peer's device id, got {suspect[:64]!r}")

@@ -13,7 +13,8 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from hetpeer.peer.launch import free_port
 from hetpeer.peer.transport.inbox import PeerUnreachable
-from hetpeer.peer.transport.links import LinkIdentity, TcpLink
+from hetpeer.peer.transport.links import TcpLink
+from hetpeer.peer.transport.stream import LinkIdentity
 from hetpeer.peer.transport.network import NetworkTransport
 from hetpeer.protocol.addresses import AddressBook, PeerAddress
 from hetpeer.protocol.identity import device_id
@@ -134,7 +135,7 @@ def test_a_silent_connection_is_closed_after_the_handshake_deadline(members, mon
     host, port = book.get(b.device).direct
     with socket.create_connection((host, port)) as idle:
         idle.settimeout(5)
-        assert idle.recv(4) == b"HPA1"  # the challenge, then nothing from us
+        assert idle.recv(4) == b"HPA2"  # the challenge, then nothing from us
         wait_for(lambda: tb.inbox.unauthenticated >= 1)
         idle.recv(1 << 10)  # the rest of the challenge
         assert idle.recv(1) == b"", "the listener closed the connection"

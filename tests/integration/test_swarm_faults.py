@@ -132,7 +132,8 @@ def impersonate(stranger: ControlPlane, victim: str, member: str, address, plan)
     """Send `victim` every kind of frame a member sends, in `member`'s name: first over a link that claims
     `member`'s device id with the stranger's key, then over one that proves the stranger's own id."""
     from hetpeer.peer.transport.inbox import PeerUnreachable
-    from hetpeer.peer.transport.links import LinkIdentity, TcpLink
+    from hetpeer.peer.transport.links import TcpLink
+    from hetpeer.peer.transport.stream import LinkIdentity
     from hetpeer.peer.transport.network import NetworkTransport
     from hetpeer.protocol.addresses import AddressBook
     from hetpeer.protocol.identity import device_id

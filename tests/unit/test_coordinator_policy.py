@@ -574,3 +574,21 @@ def test_the_search_puts_a_peer_others_can_dial_between_two_that_nobody_can(seed
     problem, _ = policy.build_problem(records, replace(workload, model=replace(workload.model, layers=3)), None)
     plan = solve(problem, PlannerConfig(stages=3, group_size=1, time_budget_s=0.2), np.random.default_rng(seed)).plan
     assert plan.lanes[0][1] == "a", plan.lanes
+
+
+def test_two_peers_behind_nat_reach_each_other_through_a_relay_at_its_two_hops():
+    """a and b cannot be dialled; b registered at relay r: a-b costs a-r plus r-b, at the slower of the two."""
+    records = {
+        "a": record("a", reachable="none", links={"r": link(0.02, 50e6)}),
+        "b": record("b", reachable="via:r", links={"r": link(0.03, 20e6)}),
+        "c": record("c", reachable="none", links={"r": link(0.01, 80e6)}),
+        "r": record("r", reachable="direct"),
+    }
+    problem, estimated = policy.build_problem(records, WORKLOAD, None)
+    i = {d: problem.device_ids.index(d) for d in records}
+    assert problem.latency_s[i["a"], i["b"]] == pytest.approx(0.05) == problem.latency_s[i["b"], i["a"]]
+    assert problem.bandwidth_bytes_per_s[i["a"], i["b"]] == 20e6 and not estimated[i["a"], i["b"]]
+    assert problem.bandwidth_bytes_per_s[i["c"], i["b"]] == 20e6
+    assert (problem.latency_s[i["a"], i["c"]], problem.bandwidth_bytes_per_s[i["a"], i["c"]]) == policy.ABSENT_LINK
+    assert policy.without_path(make_plan([["a"], ["b"]]), records) == []  # through b's relay
+    assert policy.without_path(make_plan([["a"], ["c"]]), records) == [("a", "c")]

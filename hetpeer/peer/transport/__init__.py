@@ -2,7 +2,8 @@
 
 from hetpeer.peer.transport.base import Transport
 from hetpeer.peer.transport.inbox import Interrupted, PeerUnreachable, TransportError, TransportTimeout
-from hetpeer.peer.transport.links import LinkIdentity, P2PLink, TcpLink
+from hetpeer.peer.transport.links import P2PLink, TcpLink
+from hetpeer.peer.transport.stream import LinkIdentity
 from hetpeer.peer.transport.memory import MemoryHub, MemoryTransport
 from hetpeer.peer.transport.network import NetworkTransport
 

@@ -17,69 +17,21 @@ import socket
 import struct
 import termios
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Awaitable, Callable, Sequence
+from typing import Awaitable, Sequence
 
 import numpy
 
+from hetpeer.peer.transport.sealed import Hello, answer, dial
+from hetpeer.peer.transport.stream import Identify, LinkIdentity, Progress, Refuse, Serve, Stream
 from hetpeer.protocol.addresses import PeerAddress
-from hetpeer.protocol.handshake import (
-    CHALLENGE_BYTES, LENGTHS, NONCE_BYTES, HandshakeError, Proof, challenge, check, nonce, nonce_of, prove,
-)
+from hetpeer.protocol.handshake import LENGTHS, HandshakeError
 
 log = logging.getLogger("hetpeer.transport")
 P2P_PROTOCOL = "/hetpeer/frames/1"
+RELAY_MAGIC = b"HPR1"  # sent in place of a proof: a relay request (`relay.py`); a proof's first length is never this
 SOCKET_BUFFER_BYTES = 4 << 20
 HANDSHAKE_TIMEOUT_S = 10.0  # a connection that has not proved who it is by then is closed
-
-
-class Stream(ABC):
-    remote: str  # for logs
-    authenticated: str | None  # the device at the other end, when the link proves it
-    closed = False
-    _lock: asyncio.Lock | None = None
-
-    @property
-    def lock(self) -> asyncio.Lock:
-        """Held while a whole frame is written: two channels may share a stream."""
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        return self._lock
-
-    @abstractmethod
-    async def read_exactly(self, n: int, progress: Progress | None = None) -> memoryview | bytearray:
-        """Exactly n bytes in a writable buffer, or ConnectionError when the stream ends first;
-        `progress(buffer, end)` hears of the bytes as they arrive."""
-
-    @abstractmethod
-    async def write(self, parts: Sequence[bytes]) -> None: ...
-
-    @abstractmethod
-    def close(self) -> None: ...
-
-    def unsent_bytes(self) -> int:
-        """Bytes written but not yet across (as far as this end can tell)."""
-        return 0
-
-    def unread_bytes(self) -> int:
-        """Bytes arrived but not yet read (as far as this end can tell)."""
-        return 0
-
-
-Serve = Callable[[Stream], Awaitable[None]]
-Progress = Callable[[memoryview, int], None]
-Identify = Callable[[str], "str | None"]
-Refuse = Callable[[str, str], None]  # (remote, reason): a connection closed before it carried a frame
-
-
-@dataclass(frozen=True, slots=True)
-class LinkIdentity:
-    """What a peer proves itself with on direct links: its device id and the swarm key it is bound to
-    (a hivemind RSAPrivateKey, the one that signs its records)."""
-
-    device: str
-    private_key: object
 
 
 class Link(ABC):
@@ -106,7 +58,7 @@ class Link(ABC):
     async def shutdown(self) -> None: ...
 
 
-class _SocketStream(Stream):
+class SocketStream(Stream):
     def __init__(self, sock: socket.socket, remote: str) -> None:
         self.sock, self.remote, self.authenticated = sock, remote, None
         sock.setblocking(False)
@@ -149,6 +101,18 @@ class _SocketStream(Stream):
         self.sock.close()
 
 
+async def connect(host: str, port: int) -> SocketStream:
+    """A TCP connection to (host, port), as a stream."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        await asyncio.get_running_loop().sock_connect(sock, (host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return SocketStream(sock, f"tcp {host}:{port}")
+
+
 class TcpLink(Link):
     """The direct path: TCP to the peer's announced host and port. With an `identity`, every connection
     starts with the handshake of `protocol/handshake.py`, and only a connection whose other end proved its
@@ -161,6 +125,7 @@ class TcpLink(Link):
     def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
                  identity: LinkIdentity | None = None) -> None:
         self.host, self.port, self.advertise_host, self.identity = host, port, advertise_host, identity
+        self.relay = None  # a `relay.Relay` when this peer relays for peers nobody can dial
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task | None = None
 
@@ -176,42 +141,25 @@ class TcpLink(Link):
         loop = asyncio.get_running_loop()
         while True:
             sock, peer = await loop.sock_accept(self._listener)
-            stream = _SocketStream(sock, f"tcp {peer[0]}:{peer[1]}")
+            stream = SocketStream(sock, f"tcp {peer[0]}:{peer[1]}")
             spawn(serve(stream) if self.identity is None else self._answer(stream, serve, refuse), "tcp-serve")
 
-    async def _answer(self, stream: _SocketStream, serve: Serve, refuse: Refuse) -> None:
-        """The listener's side of the handshake, then `serve` the stream as the device it proved."""
-        identity = self.identity
-
-        async def exchange() -> str:
-            mine = nonce()
-            await stream.write([challenge(mine)])
-            proof = await _read_proof(stream)
-            theirs = bytes(await stream.read_exactly(NONCE_BYTES))
-            device = check(proof, "dialer", mine, identity.device)
-            await stream.write([prove(identity.private_key, "listener", theirs, identity.device, device).encode()])
-            return device
-
+    async def _answer(self, stream: SocketStream, serve: Serve, refuse: Refuse) -> None:
+        """The listener's side of the handshake, then `serve` the stream, sealed, as the device it proved. A relay
+        request in place of a proof goes to the relay (`relay.py`), where this peer serves as one."""
+        hello = Hello()
         try:
-            device = await asyncio.wait_for(exchange(), HANDSHAKE_TIMEOUT_S)
+            await stream.write([hello.challenge()])
+            head = bytes(await asyncio.wait_for(stream.read_exactly(LENGTHS.size), HANDSHAKE_TIMEOUT_S))
+            if head.startswith(RELAY_MAGIC) and self.relay is not None:
+                await self.relay.handle(stream, head, hello, self.identity)
+                return
+            sealed = await asyncio.wait_for(answer(stream, self.identity, hello, head), HANDSHAKE_TIMEOUT_S)
         except (HandshakeError, ConnectionError, OSError, asyncio.TimeoutError) as error:
             refuse(stream.remote, f"link handshake failed: {str(error) or f'no proof within {HANDSHAKE_TIMEOUT_S:g} s'}")
             stream.close()
             return
-        stream.authenticated = device
-        await serve(stream)
-
-    async def _dial(self, stream: _SocketStream, to: str) -> None:
-        """The dialer's side: prove this peer to `to`, and make `to` prove itself (HandshakeError if not)."""
-        identity = self.identity
-
-        async def exchange() -> str:
-            theirs = nonce_of(bytes(await stream.read_exactly(CHALLENGE_BYTES)))
-            mine = nonce()
-            await stream.write([prove(identity.private_key, "dialer", theirs, identity.device, to).encode(), mine])
-            return check(await _read_proof(stream), "listener", mine, identity.device, expected=to)
-
-        stream.authenticated = await asyncio.wait_for(exchange(), HANDSHAKE_TIMEOUT_S)
+        await serve(sealed)
 
     def address(self) -> PeerAddress:
         return PeerAddress(direct=(self.advertise_host or self.host, self.port))
@@ -221,19 +169,16 @@ class TcpLink(Link):
 
     async def open(self, to: str, address: PeerAddress) -> Stream:
         host, port = address.direct
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setblocking(False)
+        stream = await connect(host, port)
         try:
-            await asyncio.get_running_loop().sock_connect(sock, (host, port))
-            stream = _SocketStream(sock, f"tcp {host}:{port}")
             if self.identity is not None:
-                await self._dial(stream, to)
+                return await asyncio.wait_for(dial(stream, self.identity, to), HANDSHAKE_TIMEOUT_S)
         except ConnectionError as error:  # closed during the handshake: the listener refused this peer's proof
-            sock.close()
+            stream.close()
             raise ConnectionError(f"{to} closed the connection during the link handshake: the peer listening there "
                                   f"refused this peer's proof, or is not {to} ({error})") from None
         except BaseException:
-            sock.close()
+            stream.close()
             raise
         return stream
 
@@ -325,11 +270,6 @@ class P2PLink(Link):
         await self.p2p.shutdown()
         for maddr in sockets:  # p2pd leaves its unix sockets behind
             Path(str(maddr).removeprefix("/unix")).unlink(missing_ok=True)
-
-
-async def _read_proof(stream: Stream) -> Proof:
-    lengths = bytes(await stream.read_exactly(LENGTHS.size))
-    return Proof.decode(lengths, bytes(await stream.read_exactly(Proof.body_bytes(lengths))))
 
 
 _tasks: set[asyncio.Task] = set()

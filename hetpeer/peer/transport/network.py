@@ -25,7 +25,8 @@ from typing import Awaitable, Iterable, Mapping, Sequence
 from hetpeer.peer.transport.base import DEFAULT_MAX_FRAME_BYTES, Transport
 from hetpeer.peer.transport.codec import PayloadCheck
 from hetpeer.peer.transport.inbox import Arrival, PeerUnreachable, TransportError, TransportTimeout
-from hetpeer.peer.transport.links import Link, Progress, Stream, spawn
+from hetpeer.peer.transport.links import Link, spawn
+from hetpeer.peer.transport.stream import Progress, Stream
 from hetpeer.protocol.addresses import AddressBook, PeerAddress
 from hetpeer.protocol.frame import PREFIX, FrameError, FrameHeader, decode_header, header_length
 
@@ -241,41 +242,45 @@ class NetworkTransport(Transport):
         return self.sent[to] - self._written[to] + (stream.unsent_bytes() if stream is not None else 0)
 
     async def _connect(self, to: str, channel: str) -> Stream:
+        """A stream to `to`: dialled, else over a connection `to` opened. A passive peer is never dialled on its
+        direct address: a connection of its own first, else its relay's (`relay.py`), while any lasts."""
         try:
             address = self.book.get(to)
         except KeyError as error:
             raise PeerUnreachable(str(error.args[0])) from None
         deadline = time.monotonic() + self.connect_timeout_s
         tried: dict[str, str] = {}
+        passive = to in self.passive
         while True:
-            if to in self.passive:
+            if passive and (accepted := self._accepted_stream(to, channel)) is not None:
+                return self._route(to, "back", accepted)
+            for link in self.links:
+                if not link.reaches(address) or (passive and link.name == "tcp"):
+                    continue
+                try:
+                    stream = await asyncio.wait_for(link.open(to, address), max(0.1, deadline - time.monotonic()))
+                except link.errors as error:
+                    tried[link.name] = str(error) or type(error).__name__
+                    continue
+                spawn(self._serve(stream), f"{self.device}<-{to} ({link.name})")  # frames come back over it too
+                return self._route(to, link.name, stream)
+            if passive and not tried:
                 tried["dial"] = f"{to} cannot be dialled (it announced so) and has no connection to this peer"
-            else:
-                for link in self.links:
-                    if not link.reaches(address):
-                        continue
-                    try:
-                        stream = await asyncio.wait_for(link.open(to, address), max(0.1, deadline - time.monotonic()))
-                    except link.errors as error:
-                        tried[link.name] = str(error) or type(error).__name__
-                        continue
-                    if self.routes.get(to) != link.name:
-                        log.info("%s reaches %s over %s", self.device, to, link.name)
-                    self.routes[to] = link.name
-                    spawn(self._serve(stream), f"{self.device}<-{to} (dialled)")  # frames come back over it too
-                    return stream
-            accepted = self._accepted_stream(to, channel)
-            if accepted is not None:  # `to` dialled this peer: answer over its connection
-                if self.routes.get(to) != "back":
-                    log.info("%s reaches %s over the connection %s opened", self.device, to, to)
-                self.routes[to] = "back"
-                return accepted
+            if (accepted := self._accepted_stream(to, channel)) is not None:  # `to` dialled this peer meanwhile
+                return self._route(to, "back", accepted)
             if not tried:
                 raise PeerUnreachable(f"no link of {self.device} can use the addresses of {to}")
             if time.monotonic() >= deadline:
                 reasons = "; ".join(f"{name}: {reason}" for name, reason in tried.items())
                 raise PeerUnreachable(f"cannot reach {to} within {self.connect_timeout_s:g} s ({reasons})")
             await asyncio.sleep(0.1)  # the peer may still be starting, or about to dial this one
+
+    def _route(self, to: str, route: str, stream: Stream) -> Stream:
+        if self.routes.get(to) != route:
+            log.info("%s reaches %s %s", self.device, to,
+                     "over the connection it opened" if route == "back" else f"over {route}")
+        self.routes[to] = route
+        return stream
 
     def _accepted_stream(self, to: str, channel: str) -> Stream | None:
         """A live stream `to` opened to this peer: for probes its newest, for frames its oldest (a peer behind NAT
@@ -291,13 +296,13 @@ class NetworkTransport(Transport):
             not s.closed for (to, _), s in list(self._streams.items()) if to == peer)
 
     def keep_connected(self, peers: Iterable[str]) -> None:
-        """Keep a connection open to each of `peers` (none passive: two peers that cannot be dialled have no path),
-        redialled within `keep_every_s` when it drops: how a peer that cannot be dialled stays reachable to them."""
+        """Keep a connection open to each of `peers` (each with a path: dialable, or through its relay), redialled
+        within `keep_every_s` when it drops: how a peer that cannot be dialled stays reachable to them."""
         self.keep = frozenset(peers) - {self.device}
 
     async def _keep_loop(self) -> None:
         while True:
-            for peer in sorted(self.keep - self.passive):
+            for peer in sorted(self.keep):
                 if self.connected(peer) or peer not in self.book.peers:
                     continue
                 try:
