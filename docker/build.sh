@@ -13,7 +13,7 @@ usage: docker/build.sh [--image NAME] [--base IMAGE | --rebuild-base] [--online]
 
 Builds the hetpeer image from docker/Dockerfile, in three steps, each skipped when already done:
   1. the base image hetpeer-base:bookworm, when missing: debootstrap (minbase, with python3,
-     python3-venv, python3-pip, ca-certificates, iproute2) from the Debian mirror in this machine's
+     python3-venv, python3-pip, ca-certificates, iproute2, iptables) from the Debian mirror in this machine's
      apt sources, then `docker import`. Needs root and the debootstrap package.
   2. a wheelhouse in docker/wheels/: torch==2.13.0 (CPU) and every dependency in pyproject.toml,
      gathered by the host's pip (its python must be the base image's, e.g. 3.11 for bookworm).
@@ -36,10 +36,10 @@ EOF
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 SUITE=bookworm
-PACKAGES=python3,python3-venv,python3-pip,ca-certificates,iproute2
+PACKAGES=python3,python3-venv,python3-pip,ca-certificates,iproute2,iptables
 TORCH=torch==2.13.0          # the same pin as docker/Dockerfile's
 WHEELS=docker/wheels         # relative to ROOT: the Dockerfile's WHEELS and the dockerignore's folder
-DEFAULT_BASE=hetpeer-base:$SUITE
+DEFAULT_BASE=hetpeer-base:$SUITE-2  # -2: iptables added (the testbed's NAT routers); a new list, a new tag
 PYTHON=${PYTHON:-python3}
 
 image=hetpeer:latest

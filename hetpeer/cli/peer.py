@@ -124,6 +124,9 @@ def _add_swarm_options(join: argparse.ArgumentParser) -> None:
                        help="seconds between announcements; a record expires after 3 (default 2)")
     swarm.add_argument("--slowdown", type=positive_float, default=1.0, metavar="X",
                        help="emulate a slower accelerator: compute takes X times as long (>= 1; default 1)")
+    swarm.add_argument("--emulate-clock-skew", type=float, default=0.0, metavar="SECONDS",
+                       help="emulate a machine whose clock is off: every time this peer reads for the swarm is SECONDS "
+                       "ahead (negative: behind); for tests and demos of the clock correction (docs/nat.md)")
     swarm.add_argument("--probe-targets", type=non_negative_int, default=4, metavar="K",
                        help="peers whose links are measured each round: lane and group neighbours first (default 4)")
 
@@ -288,6 +291,7 @@ def run_swarm_join(args: argparse.Namespace) -> int:
             dht_maddrs=(args.dht_listen or ("/ip4/127.0.0.1/tcp/0" if here else f"/ip4/0.0.0.0/tcp/{DHT_PORT}"),), dht_announce=tuple(args.dht_announce), heartbeat_s=args.heartbeat, probe_targets=args.probe_targets, steps=args.steps,
             data=str(args.data) if args.data else None, tokenizer=_tokenizer_path(args, model), threads=args.threads,
             emulation=_emulation(args), save=args.save, save_every=args.save_every, token=args.token,
+            clock_skew_s=args.emulate_clock_skew,
         )
         from hetpeer.protocol.identity import NAME_RE
 

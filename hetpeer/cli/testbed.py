@@ -27,7 +27,8 @@ def add_commands(commands) -> None:
         "one for the coordinator, start it and follow the swarm until --steps (or Ctrl+C). Each container shapes what "
         "it sends to each other device to the topology's bandwidth times --scale (htb, per destination); the "
         "topology's latency is added by the peers' transport (emulated: this kernel has no netem); compute is slowed "
-        "in proportion to each device's TFLOPS; a device's memory_gb limits its container. Peers measure their links themselves and the coordinator plans from "
+        "in proportion to each device's TFLOPS; a device's memory_gb limits its container, and its nat (cone or "
+        "symmetric) puts it behind a router container of its own that masquerades it (docs/nat.md). Peers measure their links themselves and the coordinator plans from "
         "what they measured. At the end the containers' logs and a run report are kept in --out and the containers "
         "removed (--keep leaves them running). Needs Docker and the hetpeer image (docker/build.sh).",
     )
@@ -83,6 +84,9 @@ def run_testbed(args: argparse.Namespace) -> int:
             micro_batch=args.micro_batch, dtype=args.dtype, heartbeat_s=args.heartbeat, steps=args.steps,
         )
         config = replace(config, subnet=args.subnet or free_subnet())
+        nated = sum(d.nat != "none" for d in topology.devices)
+        if nated:  # one private /24 per device behind NAT, in a block no other Docker network uses
+            config = replace(config, lan_subnets=free_subnet("10.214.0.0/16", prefix=max(16, 24 - (nated - 1).bit_length())))
     except (TestbedError, ComposeError) as error:
         raise UserError(str(error)) from None
     lock = threading.Lock()

@@ -160,4 +160,5 @@ def _peer_to_pb(record: PeerRecord, age_s: float) -> swarm_pb2.Peer:
         version=record.version,
         age_s=age_s,
         dht=list(record.dht),
+        reachable=record.reachable,
     )

@@ -62,6 +62,7 @@ def _peer_from_pb(pb: swarm_pb2.Peer) -> PeerStatus:
         links={link.peer: LinkMeasurement(link.latency_s, link.bandwidth_bytes_per_s) for link in pb.links},
         achieved_tflops=pb.achieved_tflops if pb.HasField("achieved_tflops") else None,
         dht=tuple(pb.dht),
+        reachable=pb.reachable or "unknown",
         software=pb.software,
         version=pb.version,
     )

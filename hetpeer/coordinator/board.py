@@ -131,7 +131,7 @@ def peer_rows(board: Board) -> list[dict[str, Any]]:
                 "loss": _finite(record.loss), "val_loss": _finite(record.val_loss), "tokens_per_s": record.tokens_per_s,
                 "tflops": record.tflops, "achieved_tflops": record.achieved_tflops, "memory_bytes": record.memory_bytes,
                 "device_name": record.device_name, "software": record.software, "age_s": max(0.0, view.now - record.time),
-                "links": len(record.links), "suspects": list(record.suspects),
+                "links": len(record.links), "suspects": list(record.suspects), "reachable": record.reachable,
             })
         rows.append(row)
     return rows
@@ -232,7 +232,8 @@ def _peer_families(view: SwarmView, plan: Plan | None) -> Iterator:
         "suspects": GaugeMetricFamily("hetpeer_peer_suspects", "peers a peer reports as misbehaving (reporting peers only)",
                                       labels=labels),
     }
-    info = GaugeMetricFamily("hetpeer_peer_info", "a peer's state and device (always 1)", labels=["peer", "state", "device", "software"])
+    info = GaugeMetricFamily("hetpeer_peer_info", "a peer's state, device and whether others can dial it (always 1)",
+                             labels=["peer", "state", "device", "software", "reachable"])
     places = positions(plan)
     last = len(plan.stages) - 1 if plan is not None else None
     for device, r in sorted(view.peers.items()):
@@ -246,6 +247,6 @@ def _peer_families(view: SwarmView, plan: Plan | None) -> Iterator:
         for key, value in values.items():
             if value is not None:
                 families[key].add_metric([device], value)
-        info.add_metric([device, r.state, r.device_name, r.software], 1)
+        info.add_metric([device, r.state, r.device_name, r.software, r.reachable], 1)
     yield from families.values()
     yield info

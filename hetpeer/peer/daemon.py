@@ -88,6 +88,7 @@ class SwarmPeerConfig:
     save_every: int | None = None  # steps between checkpoints (and when it leaves); None: only when it leaves
     token: str | None = None  # a join token from the swarm's organizer (`hetpeer invite`), for swarms that need one
     reach: tuple[str, int] | None = None  # the coordinator's reach service (the join file names it); None: not checked
+    clock_skew_s: float = 0.0  # emulated: this machine's clock reads this far off (tests and demos of the correction)
 
     def __post_init__(self) -> None:
         if len(self.coordinator_key) != 64 or not all(c in "0123456789abcdef" for c in self.coordinator_key):
@@ -106,6 +107,7 @@ class SwarmPeer(Following, Handover, Announcing, Probing, Reaching):
             config.swarm, config.home / "peer.key", config.initial_peers, config.dht_maddrs, config.dht_announce,
             identity_path=config.home / "dht.key", remember_path=config.home / "known_dht.json",
         )
+        self.control.skew_s = config.clock_skew_s
         self.device_id = ""
         self.transport: NetworkTransport | None = None
         self.prober: LinkProber | None = None

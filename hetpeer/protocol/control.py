@@ -129,6 +129,7 @@ class ControlPlane:
         # a node others cannot dial stores no keys (as Petals learned, a key on it is a key nobody can read)
         self.client_mode = False
         self.clock_offset_s = 0.0  # add to this machine's clock to read the swarm's (the coordinator's)
+        self.skew_s = 0.0  # emulated: this machine's clock reads this far off (tests and demos)
         self.dht = None
         self.private_key = None
         self._lock = None
@@ -183,8 +184,8 @@ class ControlPlane:
                     raise ControlError(f"cannot join the DHT through {', '.join(self.initial_peers)}: {error}") from None
                 log.warning("none of the %d known DHT address(es) answered (%s): starting a DHT node of its own",
                             len(peers), str(error).splitlines()[0][:200])
-        if self.clock_offset_s:
-            self.dht.run_coroutine(functools.partial(_set_clock, offset_s=self.clock_offset_s))
+        if self.skew_s + self.clock_offset_s:
+            self.dht.run_coroutine(functools.partial(_set_clock, offset_s=self.skew_s + self.clock_offset_s))
         self.maddrs = [str(m) for m in self.dht.get_visible_maddrs()]
 
     def shutdown(self) -> None:
@@ -277,7 +278,7 @@ class ControlPlane:
         """The swarm's time: this machine's clock corrected by `clock_offset_s`."""
         from hivemind.utils import get_dht_time
 
-        return get_dht_time() + self.clock_offset_s
+        return get_dht_time() + self.skew_s + self.clock_offset_s
 
     # -- writes -------------------------------------------------------------------------------------
     def announce(self, record: PeerRecord, ttl_s: float, timeout_s: float | None = None) -> bool:

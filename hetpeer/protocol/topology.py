@@ -3,7 +3,7 @@
 Schema (JSON; see docs/topology.md):
 
     {"name": str?, "description": str?,
-     "devices": [{"id": str, "region": str, "tflops": number?, "memory_gb": number?}, ...],
+     "devices": [{"id": str, "region": str, "tflops": number?, "memory_gb": number?, "nat": str?}, ...],
      "regions": {name: {"latency_ms": number, "bandwidth_gbps": number}},     # inside a region
      "region_links": [{"a": region, "b": region, "latency_ms": .., "bandwidth_gbps": ..}],
      "default_link": {"latency_ms": .., "bandwidth_gbps": ..}?,              # unlisted region pairs
@@ -11,7 +11,9 @@ Schema (JSON; see docs/topology.md):
 
 A link listed once is symmetric. A link listed in both directions with different values is
 averaged, as Yuan et al. (NeurIPS 2022) do for asymmetric measurements. Device-level `links`
-override region values. Bandwidth is in Gbit/s (1e9 bit/s), latency in milliseconds.
+override region values. Bandwidth is in Gbit/s (1e9 bit/s), latency in milliseconds. A device's `nat`
+(`hetpeer testbed`) puts it behind a router of that kind: "none" (the default), "cone" (source ports kept
+where it can) or "symmetric" (randomised: only a relay helps).
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ class Device:
     region: str
     tflops: float | None = None
     memory_gb: float | None = None
+    nat: str = "none"
+
+
+NAT_KINDS = ("none", "cone", "symmetric")
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +138,8 @@ class Topology:
                 entry["tflops"] = device.tflops
             if device.memory_gb is not None:
                 entry["memory_gb"] = device.memory_gb
+            if device.nat != "none":
+                entry["nat"] = device.nat
             devices.append(entry)
         wire: dict[str, Any] = {
             "devices": devices,
@@ -164,7 +172,7 @@ def _devices(raw: Any, regions: Mapping[str, Link]) -> tuple[Device, ...]:
     for i, entry in enumerate(entries):
         path = f"topology.devices[{i}]"
         record = need_mapping(entry, path)
-        no_extra_fields(record, {"id", "region", "tflops", "memory_gb"}, path)
+        no_extra_fields(record, {"id", "region", "tflops", "memory_gb", "nat"}, path)
         device_id = need_str(field(record, "id", path), f"{path}.id")
         if device_id in seen:
             raise SchemaError(f"{path}.id", f"duplicate device id {device_id!r}")
@@ -174,7 +182,10 @@ def _devices(raw: Any, regions: Mapping[str, Link]) -> tuple[Device, ...]:
             raise SchemaError(f"{path}.region", f"unknown region {region!r} (not in topology.regions)")
         tflops = need_number(record["tflops"], f"{path}.tflops", positive=True) if "tflops" in record else None
         memory = need_number(record["memory_gb"], f"{path}.memory_gb", positive=True) if "memory_gb" in record else None
-        devices.append(Device(id=device_id, region=region, tflops=tflops, memory_gb=memory))
+        nat = need_str(record["nat"], f"{path}.nat") if "nat" in record else "none"
+        if nat not in NAT_KINDS:
+            raise SchemaError(f"{path}.nat", f"must be one of {', '.join(NAT_KINDS)}, got {nat!r}")
+        devices.append(Device(id=device_id, region=region, tflops=tflops, memory_gb=memory, nat=nat))
     return tuple(devices)
 
 

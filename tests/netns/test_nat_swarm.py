@@ -4,7 +4,9 @@
 Each peer learns from the coordinator's reach service whether others can dial it and says so; the peers
 behind NAT run their DHT nodes in client mode, register at the public peer's relay, dial the peers they
 work with, and frames to them travel back over those connections. Two stages of two lanes over four
-peers need two pairs of NATed peers to exchange frames: they do, through the relay."""
+peers need two pairs of NATed peers to exchange frames: they do, through the relay. One of them sits on a
+link that drops 2% of its packets, as over Wi-Fi. And a machine whose clock is 90 s behind the swarm's
+says so and trains: its records and plans are read on the coordinator's clock."""
 
 from __future__ import annotations
 
@@ -72,6 +74,7 @@ def test_peers_behind_cone_and_symmetric_nat_train_through_direct_links_and_a_re
     hosts = {"pub": lab.public("pub"), "cone": lab.behind_nat("cone", "cone"), "sym": lab.behind_nat("sym", "symmetric"),
              "cone2": lab.behind_nat("cone2", "cone")}
     nated = ("cone", "sym", "cone2")
+    lab.lossy(hosts["cone"], 0.02)  # a Wi-Fi link that drops 2% of packets
     join = tmp_path / "join.json"
     coordinator = run(
         coordinator_host, "coordinator", "coordinator", "--swarm", "nat", "--home", str(tmp_path / "coordinator"),
@@ -103,3 +106,24 @@ def test_peers_behind_cone_and_symmetric_nat_train_through_direct_links_and_a_re
     assert "over the connection it opened" in logs["pub"], "frames to the NATed peers go back over their connections"
     assert re.search(r"relay: carried \d+\.\d MiB so far", logs["pub"]), logs["pub"][-3000:]
     assert any(re.search(r"reaches \S+ over relay", logs[name]) for name in nated), "NATed pairs talk through the relay"
+
+
+def test_a_peer_whose_clock_is_90_s_behind_says_so_and_trains(lab: Lab, run: Start, tmp_path: Path):
+    deadline = time.monotonic() + DEADLINE_S
+    coordinator_host = lab.public("coord")
+    join = tmp_path / "join.json"
+    coordinator = run(
+        coordinator_host, "coordinator", "coordinator", "--swarm", "skew", "--home", str(tmp_path / "coordinator"),
+        "--host-maddr", "/ip4/0.0.0.0/tcp/31337", "--announce-maddr", f"/ip4/{coordinator_host.address}/tcp/31337",
+        "--join-file", str(join), "--min-peers", "2", "--stages", "2", "--group-size", "1", "--heartbeat", "1",
+        "--steps", str(STEPS),
+    )
+    wait_for_line(tmp_path / "coordinator.log", r"join file:", coordinator, deadline)
+    peers = {name: run(lab.public(name), name, "join", "--join-file", str(join), "--name", name, "--home", str(tmp_path / name),
+                       "--heartbeat", "1", "--steps", str(STEPS), *extra)
+             for name, extra in (("early", ()), ("late", ("--emulate-clock-skew", "-90")))}
+    said = wait_for_line(tmp_path / "late.log", r"clock: .*", peers["late"], deadline).group(0)
+    assert "this machine's clock is 90 s behind the coordinator's" in said, said
+    for name, proc in peers.items():
+        wait_for_line(tmp_path / f"{name}.log", rf"step {STEPS}/", proc, deadline)
+    assert "Z clock:" not in (tmp_path / "early.log").read_text()

@@ -80,6 +80,7 @@ def test_metrics_have_swarm_and_per_peer_series():
     assert samples[("hetpeer_peer_plan_link_max_latency_seconds", (("peer", "c"),))] == 0.003  # c-d, as d measured it
     assert ("hetpeer_peer_plan_link_min_bandwidth_bytes_per_second", (("peer", "f"),)) not in samples  # none measured
     info = [labels for (name, labels) in samples if name == "hetpeer_peer_info"]
-    assert (("device", "<img src=x onerror=alert(1)>"), ("peer", "s"), ("software", "hetpeer 0.1.0"), ("state", "standby")) in info
+    assert (("device", "<img src=x onerror=alert(1)>"), ("peer", "s"), ("reachable", "unknown"), ("software", "hetpeer 0.1.0"),
+            ("state", "standby")) in info
     assert not any(name == "hetpeer_peer_loss" and labels == (("peer", "a"),) for name, labels in samples)  # none announced
     assert scrape(None) == {}  # before the first round: nothing, not an error

@@ -127,3 +127,52 @@ def test_devices_need_tflops_and_distinct_service_names():
                                 "regions": {"r": {"latency_ms": 1, "bandwidth_gbps": 1}}})
     with pytest.raises(TestbedError, match="distinct"):
         replace(config(), topology=clash)
+
+
+NATED = Topology.from_wire({
+    "devices": [{"id": "pub", "region": "a", "tflops": 1.0}, {"id": "cone", "region": "a", "tflops": 1.0, "nat": "cone"},
+                {"id": "sym", "region": "a", "tflops": 1.0, "nat": "symmetric"}],
+    "regions": {"a": {"latency_ms": 4, "bandwidth_gbps": 0.2}},
+})  # fmt: skip
+
+
+def test_a_device_behind_nat_sits_alone_on_a_private_network_behind_its_router():
+    made = config(topology=NATED, lan_subnets="10.214.4.0/23")
+    assert made.addresses == {COORDINATOR: "10.213.7.2", "pub": "10.213.7.3", "cone-nat": "10.213.7.4", "sym-nat": "10.213.7.5"}
+    assert made.lans == {"cone": ("10.214.4.0/24", "10.214.4.2", "10.214.4.3"), "sym": ("10.214.5.0/24", "10.214.5.2", "10.214.5.3")}
+    project = compose_project(made)
+    services, networks = project["services"], project["networks"]
+    assert services["cone"]["networks"] == {"lan-cone": {"ipv4_address": "10.214.4.3"}}  # not on the shared network
+    assert services["cone-nat"]["networks"] == {"wan": {"ipv4_address": "10.213.7.4"}, "lan-cone": {"ipv4_address": "10.214.4.2"}}
+    assert networks["lan-cone"] == {"internal": True, "ipam": {"config": [{"subnet": "10.214.4.0/24"}]}}
+    assert services["sym-nat"]["sysctls"] == {"net.ipv4.ip_forward": 1} and "NET_ADMIN" in services["sym-nat"]["cap_add"]
+    run = scripts(made)
+    assert "ip route replace default via 10.214.4.2" in run["cone"]
+    assert "MASQUERADE\n" in run["cone-nat"] and "MASQUERADE --random-fully" in run["sym-nat"]
+    assert "iptables -P FORWARD DROP" in run["sym-nat"] and "exec sleep infinity" in run["sym-nat"]
+
+
+def test_a_peer_behind_nat_joins_with_no_address_flag_and_others_shape_towards_its_router():
+    made = config(topology=NATED, lan_subnets="10.214.4.0/23")
+    parser = build_parser()
+    cone = parser.parse_args(shlex.split(scripts(made)["cone"].splitlines()[-1].removeprefix("exec "))[1:])
+    assert cone.listen is None and cone.announce_host is None and cone.dht_listen is None and not cone.dht_announce
+    pub = NATED.devices[0]
+    assert any("match ip dst 10.213.7.4/32" in line for line in shaping(made, pub))  # cone's router, not cone
+    assert latencies(made, pub) == {"10.213.7.4": 4.0, "10.213.7.5": 4.0}
+
+
+@pytest.mark.parametrize("raw, match", [
+    ({"nat": "full-cone"}, "must be one of none, cone, symmetric"),
+    ({"nat": 1}, "must be a non-empty string"),
+])
+def test_an_unknown_nat_kind_is_refused(raw, match):
+    with pytest.raises(Exception, match=match):
+        Topology.from_wire({"devices": [{"id": "x", "region": "a", **raw}], "regions": {"a": {"latency_ms": 1, "bandwidth_gbps": 1}}})
+
+
+def test_lan_subnets_must_hold_every_nated_device_apart_from_the_shared_network():
+    with pytest.raises(TestbedError, match="room for 2 /24"):
+        config(topology=NATED, lan_subnets="10.214.4.0/24")
+    with pytest.raises(TestbedError, match="apart from 10.213.7.0/24"):
+        config(topology=NATED, lan_subnets="10.213.0.0/16")

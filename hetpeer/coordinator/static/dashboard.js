@@ -199,6 +199,7 @@
     { key: "links", label: "links", num: true, show: (p) => (missing(p.links) ? "-" : p.links) },
     { key: "age_s", label: "age s", num: true, show: (p) => fixed(p.age_s, 0) },
     { key: "device_name", label: "device", show: (p) => p.device_name || "-" },
+    { key: "reachable", label: "reachable", show: (p) => p.reachable || "-" },
     { key: "software", label: "software", show: (p) => p.software || "-" },
     { key: "admission", label: "admission", show: (p) => p.admission + (p.suspects && p.suspects.length ? ` · reports ${p.suspects.join(", ")}` : "") },
   ];
