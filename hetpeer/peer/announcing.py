@@ -10,9 +10,11 @@ from dataclasses import dataclass
 from hetpeer import __version__
 from hetpeer.protocol.identity import DEVICE_RE
 from hetpeer.protocol.plan import Plan
-from hetpeer.protocol.records import PeerRecord
+from hetpeer.protocol.records import MAX_SUSPECTS, PeerRecord
 from hetpeer.protocol.modelspec import ModelSpec
 from hetpeer.protocol.workload import Workload
+
+UNREACHED_HEARTBEATS = 15  # a peer it failed to reach is reported this long after, unless frames cross again
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +76,8 @@ class Announcing:
             compute_share=machine.compute_share,
             compute_background=machine.compute_background,
             reachable=self.announced_reachable,
+            unreachable=tuple(d for d in self.transport.unreachable(UNREACHED_HEARTBEATS * self.config.heartbeat_s)
+                              if d in self.records)[:MAX_SUSPECTS],
             software=f"hetpeer {__version__}",
         )
 

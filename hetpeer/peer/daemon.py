@@ -110,6 +110,8 @@ class SwarmPeer(Following, Handover, Announcing, Probing, Reaching):
         self.control.skew_s = config.clock_skew_s
         self.device_id = ""
         self.transport: NetworkTransport | None = None
+        self.relay: Relay | None = None  # what this peer relays for peers nobody can dial
+        self.relay_link: RelayLink | None = None
         self.prober: LinkProber | None = None
         self.server: StateServer | None = None
         self.machine: MachineProfile | None = None
@@ -186,6 +188,7 @@ class SwarmPeer(Following, Handover, Announcing, Probing, Reaching):
             self.transport.inbox.interrupt("leaving")
         for thread in self.threads:
             thread.join(timeout=10 * self.config.heartbeat_s)
+        self._say_relayed("in all")
         if self.control.dht is not None and self.device_id:
             self._set(state="leaving")
             try:

@@ -31,7 +31,6 @@ class Reaching:
     `reachable`) and keeps its paths to other peers (`_keep_paths`, on the control thread)."""
 
     reachable = "unknown"  # what the reach check found: "direct", "none" or "unknown"
-    relay_at: str | None = None  # the relay this peer registered at, when nobody can dial it
     _relay_said = (0, 0.0)  # (bytes relayed when last said, when)
 
     def _check_reach(self) -> tuple[tuple[str, int], str | None]:
@@ -96,11 +95,16 @@ class Reaching:
         transport.keep_connected(d for d in wanted if d in records and records[d].reachable != "none")
         if self.reachable == "none":
             self.relay_link.via = self._pick_relay(records)
-        carried, said_at = self._relay_said
-        if self.relay.relayed_bytes > carried and time.monotonic() - said_at > RELAY_SAY_S:
-            self._relay_said = (self.relay.relayed_bytes, time.monotonic())
-            self.report(f"relay: carried {self.relay.relayed_bytes / 2**20:.1f} MiB so far, for "
-                        f"{', '.join(f'{d} ({n} call(s))' for d, n in sorted(self.relay.calls.items()))}")
+        if time.monotonic() - self._relay_said[1] > RELAY_SAY_S:
+            self._say_relayed("so far")
+
+    def _say_relayed(self, when: str) -> None:
+        """A line on what this peer relayed for others, when that grew since the last one."""
+        if self.relay is None or self.relay.relayed_bytes <= self._relay_said[0]:
+            return
+        self._relay_said = (self.relay.relayed_bytes, time.monotonic())
+        self.report(f"relay: carried {self.relay.relayed_bytes / 2**20:.1f} MiB {when}, for "
+                    f"{', '.join(f'{d} ({n} call(s))' for d, n in sorted(self.relay.calls.items()))}")
 
     def _pick_relay(self, records: dict[str, PeerRecord]) -> str | None:
         """The peer to relay for this one: the one it has now while that one stays, else the public peer with the

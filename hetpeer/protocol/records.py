@@ -43,7 +43,7 @@ MAX_LINKS = 64  # measurements one record carries; a peer probes a handful of ot
 MAX_DHT_MADDRS = 8
 MAX_MADDR_CHARS = 256
 MAX_PLAN_BYTES = 1 << 20
-MAX_SUSPECTS = 16  # peers one record may report as misbehaving
+MAX_SUSPECTS = 16  # peers one record may report as misbehaving, and as unreachable
 MAX_TOKEN_CHARS = 1024
 MAX_TEXT_CHARS = 128  # a device name, a software string: shown to organizers on pages and terminals
 TTL_HEARTBEATS = 5  # a peer record expires after this many heartbeats without a new one (loaded machines miss some)
@@ -123,6 +123,7 @@ class PeerSchema(_Strict):
     compute_share: pydantic.StrictFloat = 1.0
     compute_background: pydantic.StrictFloat = 0.0
     reachable: pydantic.StrictStr = "unknown"
+    unreachable: List[pydantic.StrictStr] = []
 
 
 class PlanSchema(_Strict):
@@ -176,6 +177,7 @@ class PeerRecord:
     # others can dial it ("direct"), cannot ("none": it dials them), only through a relay ("via:<device>"), or it
     # could not tell ("unknown")
     reachable: str = "unknown"
+    unreachable: tuple[str, ...] = ()  # peers it could not reach lately, neither directly nor through a relay
     software: str = ""
     version: int = PROTOCOL_VERSION
 
@@ -224,6 +226,7 @@ class PeerRecord:
             "compute_share": float(self.compute_share),
             "compute_background": float(self.compute_background),
             "reachable": self.reachable,
+            "unreachable": list(self.unreachable),
         }
 
     @staticmethod
@@ -299,8 +302,6 @@ class PeerRecord:
                 raise SchemaError(f"peer.{name_}", f"must be at most {MAX_TEXT_CHARS} printable characters, got {text[:64]!r}")
         if parsed.token is not None and not 0 < len(parsed.token) <= MAX_TOKEN_CHARS:
             raise SchemaError("peer.token", f"must be 1 to {MAX_TOKEN_CHARS} characters, got {len(parsed.token)}")
-        if len(parsed.suspects) > MAX_SUSPECTS or len(set(parsed.suspects)) != len(parsed.suspects):
-            raise SchemaError("peer.suspects", f"at most {MAX_SUSPECTS} different peers, got {len(parsed.suspects)}")
         if parsed.compute_key is not None and not COMPUTE_KEY_RE.match(parsed.compute_key):
             raise SchemaError("peer.compute_key", f"must be 16 lowercase hex digits, got {parsed.compute_key[:64]!r}")
         if not (math.isfinite(parsed.compute_share) and 0 < parsed.compute_share <= 1):
@@ -311,9 +312,12 @@ class PeerRecord:
         if parsed.reachable not in REACHABLE and not (relay != parsed.reachable and DEVICE_RE.match(relay) and relay != parsed.device_id):
             raise SchemaError("peer.reachable", f"must be one of {', '.join(REACHABLE)} or {VIA}<another peer's device id>, "
                                                 f"got {parsed.reachable[:64]!r}")
-        for i, suspect in enumerate(parsed.suspects):
-            if not DEVICE_RE.match(suspect) or suspect == parsed.device_id:
-                raise SchemaError(f"peer.suspects[{i}]", f"must be another peer's device id, got {suspect[:64]!r}")
+        for name_, peers in (("suspects", parsed.suspects), ("unreachable", parsed.unreachable)):
+            if len(peers) > MAX_SUSPECTS or len(set(peers)) != len(peers):
+                raise SchemaError(f"peer.{name_}", f"at most {MAX_SUSPECTS} different peers, got {len(peers)}")
+            for i, peer in enumerate(peers):
+                if not DEVICE_RE.match(peer) or peer == parsed.device_id:
+                    raise SchemaError(f"peer.{name_}[{i}]", f"must be another peer's device id, got {peer[:64]!r}")
         address = PeerAddress.from_wire(
             {"p2p": parsed.p2p, **({"direct": parsed.direct} if parsed.direct is not None else {})}, "peer.address"
         )
@@ -343,6 +347,7 @@ class PeerRecord:
             compute_share=parsed.compute_share,
             compute_background=parsed.compute_background,
             reachable=parsed.reachable,
+            unreachable=tuple(parsed.unreachable),
             software=parsed.software,
             version=parsed.version,
         )

@@ -592,3 +592,15 @@ def test_two_peers_behind_nat_reach_each_other_through_a_relay_at_its_two_hops()
     assert (problem.latency_s[i["a"], i["c"]], problem.bandwidth_bytes_per_s[i["a"], i["c"]]) == policy.ABSENT_LINK
     assert policy.without_path(make_plan([["a"], ["b"]]), records) == []  # through b's relay
     assert policy.without_path(make_plan([["a"], ["c"]]), records) == [("a", "c")]
+
+
+def test_a_pair_a_peer_reports_it_could_not_reach_has_no_path_from_then_on():
+    """A firewall the reach check did not see: a lane stalled on it, and the next plan does not pair them again."""
+    records = {d: record(d, reachable="direct") for d in "abc"}
+    records["a"] = replace(records["a"], unreachable=("c",))
+    problem, estimated = policy.build_problem(records, WORKLOAD, None)
+    i = {d: problem.device_ids.index(d) for d in "abc"}
+    assert (problem.latency_s[i["c"], i["a"]], problem.bandwidth_bytes_per_s[i["c"], i["a"]]) == policy.ABSENT_LINK
+    assert problem.bandwidth_bytes_per_s[i["a"], i["b"]] > 1e6
+    assert policy.without_path(make_plan([["c"], ["a"]]), records) == [("a", "c")]
+    assert policy.without_path(make_plan([["a"], ["b"]]), records) == []

@@ -41,6 +41,8 @@ def test_round_trip_and_derived_views():
     assert plan.devices == ("a", "b", "c", "d")
     assert plan.total_s == 1.5
     assert [s.layers for s in plan.stages] == [4, 2]
+    assert plan.neighbours("a") == ["c", "b"] and plan.neighbours("d") == ["b", "c"]  # lane first, then group
+    assert plan.neighbours("e") == [] and plan.neighbours("stranger") == []  # standby and unknown: none
 
 
 def test_validation_settings_round_trip():

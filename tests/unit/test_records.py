@@ -410,3 +410,21 @@ def test_the_device_a_peer_computes_on_is_checked():
     for bad in (-0.1, 1.0, math.nan):
         refused(wire(compute_background=bad), "peer.compute_background")
     refused(wire(compute_share=1), "peer.compute_share")  # an int where a float belongs
+
+
+def test_whether_others_can_dial_a_peer_is_checked():
+    assert parse(wire()).reachable == "unknown" and not parse(wire()).behind_nat
+    assert parse(wire(reachable="direct")).relay is None
+    assert not parse(wire(reachable="direct")).behind_nat and parse(wire(reachable="none")).behind_nat
+    relayed = parse(wire(reachable="via:relay-0123456789ab"))
+    assert relayed.relay == "relay-0123456789ab" and relayed.behind_nat
+    own = parse(wire()).device_id
+    for bad in ("maybe", "via:", "via:not a device", f"via:{own}", "VIA:relay-0123456789ab", "direct "):
+        refused(wire(reachable=bad), "peer.reachable")
+
+
+def test_the_peers_a_peer_could_not_reach_are_checked():
+    assert parse(wire(unreachable=["other-0123456789ab"])).unreachable == ("other-0123456789ab",)
+    own = parse(wire()).device_id
+    for bad in ([own], ["x"], ["other-0123456789ab"] * 2, [f"p{i}-0123456789ab" for i in range(17)]):
+        refused(wire(unreachable=bad), "peer.unreachable" if len(set(bad)) != len(bad) or len(bad) > 16 else "peer.unreachable[0]")

@@ -99,6 +99,7 @@ class NetworkTransport(Transport):
         self.passive: frozenset[str] = frozenset()  # peers that cannot be dialled: frames to them use their connections
         self.keep: frozenset[str] = frozenset()  # peers this one keeps a connection open to (it must be the one to dial)
         self.keep_every_s = 1.0
+        self.unreached: dict[str, float] = {}  # destination -> when frames to it last failed to leave (monotonic)
 
     # -- life cycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -190,7 +191,9 @@ class NetworkTransport(Transport):
                     await self._write(to, stream, parts)
                 if channel == "frames":
                     self._written[to] += memoryview(parts[1]).nbytes
+                self.unreached.pop(to, None)
             except (PeerUnreachable, ConnectionError, OSError) as error:
+                self.unreached[to] = time.monotonic()
                 dropped = 1 + queue.qsize()
                 self._failures[to] = f"{self.device}: sending to {to} failed, {dropped} frame(s) dropped: {error}"
                 log.warning("%s", self._failures[to])
@@ -290,6 +293,11 @@ class NetworkTransport(Transport):
             return None
         return streams[-1] if channel == "probe" else streams[0]
 
+    def unreachable(self, within_s: float) -> list[str]:
+        """The peers frames to which failed to leave in the last `within_s` seconds, and have not left or arrived since."""
+        now = time.monotonic()
+        return sorted(d for d, at in list(self.unreached.items()) if now - at <= within_s)
+
     def connected(self, peer: str) -> bool:
         """Whether a live connection joins this peer and `peer` (either side dialled it)."""
         return any(not s.closed for s in self._accepted.get(peer, ())) or any(
@@ -369,6 +377,7 @@ class NetworkTransport(Transport):
                     )
                 # the sender is up (again): a failure to reach it before is history, not news for the next send
                 self._failures.pop(header.sender, None)
+                self.unreached.pop(header.sender, None)
                 inbox.offer(header, payload, check)
         except FrameError as error:
             inbox.reject(stream.authenticated or stream.remote, f"garbage on the stream: {error}; connection closed")

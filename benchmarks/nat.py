@@ -1,0 +1,180 @@
+"""NAT benchmark: the same swarm with none, half and all of its peers behind home routers, on the testbed.
+
+    python3 benchmarks/nat.py [--peers 4] [--window 90] [--slowdown 8] [--json]
+
+One `hetpeer testbed` per variant, each of `--peers` devices in one region (`--bandwidth` Mbit/s and `--latency`
+ms one way between any two, shaped per destination and emulated as in every testbed), compute slowed
+`--slowdown` times so that the containers mostly wait on 2 cores as beside GPUs:
+
+- public: every device on the shared network;
+- half-cone: every other device behind a cone NAT (Linux SNAT keeping ports);
+- all-cone: every device behind a cone NAT (no public peer: nobody can relay);
+- half-symmetric: every other device behind a symmetric NAT (`--random-fully`).
+
+Peers behind NAT join with no address flag, learn from the coordinator's reach service that nobody can dial
+them, and register at a public peer's relay; the coordinator plans with what they announce. Per variant:
+
+- tokens/s: global batches the swarm completes in `--window` seconds once it has run `SETTLE_STEPS`, from the
+  coordinator's progress (the same reading `benchmarks/swarm.py` takes), against the public variant's;
+- join to training: per peer, from its process's first log line to its first step line (the largest);
+- relayed bytes: what the public peers' relays carried (their last "relay: carried" line, written as they leave);
+- longest stall: the largest gap between two consecutive steps of any peer, first step to the window's end;
+- standby: the peers the plan left out, with the coordinator's reason.
+
+`--json` prints one JSON object as the last line: per variant those figures, and the goals' ratios (half-cone
+>= 0.9 of public, half-symmetric >= 0.7 or its unserved peers on standby with a reason; training within 60 s of
+joining; no stall over 60 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from swarm import SETTLE_STEPS, poll  # noqa: E402  (the sibling benchmark's reading of the coordinator)
+
+from hetpeer import logline  # noqa: E402
+from hetpeer.coordinator.api_client import ApiClient  # noqa: E402
+from hetpeer.peer.launch import free_port  # noqa: E402
+from hetpeer.protocol.modelspec import preset  # noqa: E402
+from hetpeer.protocol.topology import Topology  # noqa: E402
+from hetpeer.testbed.compose import free_subnet  # noqa: E402
+from hetpeer.testbed.project import COORDINATOR, TestbedConfig, service_name  # noqa: E402
+from hetpeer.testbed.run import Testbed  # noqa: E402
+
+VARIANTS = {
+    "public": lambda i: "none",
+    "half-cone": lambda i: "cone" if i % 2 else "none",
+    "all-cone": lambda i: "cone",
+    "half-symmetric": lambda i: "symmetric" if i % 2 else "none",
+}
+STEP_RE = re.compile(r" step (\d+)/\d+ ")
+RELAY_RE = re.compile(r"relay: carried ([\d.]+) MiB")
+STANDBY_RE = re.compile(r"(\S+) stays on standby: (.*)")
+PLAN_LIMIT_S = 240.0  # a variant whose swarm has not trained by then is reported as not training
+
+
+def topology(peers: int, kinds, bandwidth_mbit: float, latency_ms: float) -> Topology:
+    return Topology.from_wire({
+        "name": "home",
+        "devices": [{"id": f"d{i}", "region": "net", "tflops": 1.0, "nat": kinds(i)} for i in range(peers)],
+        "regions": {"net": {"latency_ms": latency_ms, "bandwidth_gbps": bandwidth_mbit / 1e3}},
+    })
+
+
+def stamped(path: Path):
+    """(seconds since the epoch, text) of each time-stamped line of a log."""
+    for line in path.read_text(errors="replace").splitlines():
+        when, text = logline.split(line)
+        if when is not None:
+            yield logline.seconds(when), text
+
+
+def from_logs(logs: dict[str, Path], window_end: float) -> dict:
+    """Join to training (per peer, the largest), the longest stall, relayed bytes, standby reasons."""
+    joined, stalls, relayed, standby = {}, [], 0.0, {}
+    for name, path in logs.items():
+        lines = list(stamped(path))
+        if name == COORDINATOR:
+            standby.update({m.group(1): m.group(2) for _, text in lines if (m := STANDBY_RE.search(text))})
+            continue
+        steps = [t for t, text in lines if STEP_RE.search(text) and t <= window_end]
+        if lines and steps:
+            joined[name] = steps[0] - lines[0][0]
+            stalls.append(max([b - a for a, b in zip(steps, steps[1:])] + [window_end - steps[-1]]))
+        carried = [float(m.group(1)) for _, text in lines if (m := RELAY_RE.search(text))]
+        relayed += carried[-1] if carried else 0.0
+    return {
+        "join_to_training_s": max(joined.values()) if joined else None, "peers_training": len(joined),
+        "longest_stall_s": max(stalls) if stalls else None, "relayed_mib": relayed, "standby": standby,
+    }
+
+
+def run_variant(name: str, args, out: Path) -> dict:
+    kinds = VARIANTS[name]
+    config = TestbedConfig(
+        topology=topology(args.peers, kinds, args.bandwidth, args.latency), out=out / name, slowdown=args.slowdown,
+        image=args.image, project=f"hetpeer-bench-nat-{time.time_ns() % 10**8}", subnet=free_subnet(),
+        lan_subnets=free_subnet("10.214.0.0/16", prefix=20), api_port=free_port(), http_port=free_port(), swarm="nat",
+        batch=args.batch, heartbeat_s=args.heartbeat, coordinator_args=("--replan-interval", "1000000"),
+    )
+    tokens_per_step = config.batch * preset(config.model).seq_len
+    bed = Testbed(config, lambda line: None)
+    row: dict = {"variant": name, "nat": [kinds(i) for i in range(args.peers)]}
+    try:
+        bed.start()
+        with ApiClient(bed.api_address, timeout_s=5.0) as client:
+            try:
+                poll(client, lambda: client.call_get_progress().step >= SETTLE_STEPS, "the swarm to train", PLAN_LIMIT_S)
+            except SystemExit as stopped:
+                row.update(tokens_per_s=0.0, note=str(stopped))
+            else:
+                first, started = client.call_get_progress(), time.monotonic()
+                time.sleep(args.window)
+                last = client.call_get_progress()
+                row["tokens_per_s"] = (last.step - first.step) * tokens_per_step / (time.monotonic() - started)
+                plan, _ = client.call_get_plan()
+                row["plan"] = f"{len(plan.stages)} stage(s) x {plan.group_size} lane(s), standby {len(plan.standby)}"
+            window_end = time.time()
+        for service in [service_name(d.id) for d in config.topology.devices]:
+            bed.compose.stop(service)  # as they leave, relays say what they carried in all
+        row.update(from_logs(bed.logs(), window_end))
+    finally:
+        bed.shutdown()
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", type=int, default=4, help="devices in the swarm (default 4)")
+    parser.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--bandwidth", type=float, default=100.0, help="Mbit/s between any two devices (default 100)")
+    parser.add_argument("--latency", type=float, default=10.0, help="one-way ms between any two devices (default 10)")
+    parser.add_argument("--slowdown", type=float, default=8.0, help="compute slowdown of every peer (default 8)")
+    parser.add_argument("--batch", type=int, default=16, help="global batch in sequences (default 16)")
+    parser.add_argument("--heartbeat", type=float, default=2.0, help="heartbeat (default 2)")
+    parser.add_argument("--window", type=float, default=90.0, help="seconds of the throughput window (default 90)")
+    parser.add_argument("--image", default="hetpeer:latest")
+    parser.add_argument("--out", type=Path, help="where the testbeds' folders go (default: a temporary folder)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    args = parser.parse_args()
+    out = (args.out or Path(tempfile.mkdtemp(prefix="hetpeer-bench-nat-"))).resolve()
+    print(f"{args.peers} peers, {args.bandwidth:g} Mbit/s and {args.latency:g} ms between any two, compute "
+          f"{args.slowdown:g}x slower; testbeds in {out}", flush=True)
+    rows = {}
+    for name in args.variants:
+        rows[name] = run_variant(name, args, out)
+        r = rows[name]
+        print(f"  {name:<15} {r['tokens_per_s']:>8.0f} tokens/s  join->training {fmt(r.get('join_to_training_s'))} s  "
+              f"stall {fmt(r.get('longest_stall_s'))} s  relayed {r.get('relayed_mib', 0):.1f} MiB  "
+              f"{r.get('plan', r.get('note', ''))}" + (f"  standby: {r['standby']}" if r.get("standby") else ""), flush=True)
+    result = {"variants": rows}
+    base = rows.get("public", {}).get("tokens_per_s")
+    for name in ("half-cone", "all-cone", "half-symmetric"):
+        if base and name in rows:
+            result[f"{name}_vs_public"] = rows[name]["tokens_per_s"] / base
+    joins = [r["join_to_training_s"] for r in rows.values() if r.get("join_to_training_s") is not None]
+    stalls = [r["longest_stall_s"] for r in rows.values() if r.get("longest_stall_s") is not None]
+    result["slowest_join_to_training_s"] = max(joins) if joins else None
+    result["longest_stall_s"] = max(stalls) if stalls else None
+    print("goals: half-cone >= 0.90 of public: " + fmt(result.get("half-cone_vs_public"), 3)
+          + "; half-symmetric >= 0.70: " + fmt(result.get("half-symmetric_vs_public"), 3)
+          + f"; training within 60 s of joining: {fmt(result['slowest_join_to_training_s'])} s"
+          + f"; no stall over 60 s: {fmt(result['longest_stall_s'])} s", flush=True)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def fmt(value, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
