@@ -44,6 +44,8 @@ def add_commands(commands) -> None:
     testbed.add_argument("--out", type=Path, metavar="DIR", help="the project folder: compose file, scripts, homes, logs, "
                          "report (default: a new temporary folder)")
     testbed.add_argument("--steps", type=positive_int, metavar="N", help="train N steps, then stop (default: until Ctrl+C)")
+    testbed.add_argument("--stages", type=positive_int, metavar="S", help="hold the coordinator to S pipeline stages")
+    testbed.add_argument("--group-size", type=positive_int, metavar="M", help="hold the coordinator to groups of M peers")
     testbed.add_argument("--keep", action="store_true", help="leave the containers running at the end")
     testbed.add_argument("--image", default="hetpeer:latest", metavar="IMAGE", help="the hetpeer image (default hetpeer:latest)")
     testbed.add_argument("--project", default="hetpeer-testbed", metavar="NAME",
@@ -82,6 +84,8 @@ def run_testbed(args: argparse.Namespace) -> int:
             topology=topology, out=out, scale=args.scale, slowdown=args.slowdown, emulate_latency=not args.no_latency,
             image=args.image, project=args.project, api_port=args.api_port, http_port=args.http_port, model=args.model, batch=args.batch,
             micro_batch=args.micro_batch, dtype=args.dtype, heartbeat_s=args.heartbeat, steps=args.steps,
+            coordinator_args=tuple(a for flag, value in (("--stages", args.stages), ("--group-size", args.group_size))
+                                   if value is not None for a in (flag, str(value))),
         )
         config = replace(config, subnet=args.subnet or free_subnet())
         nated = sum(d.nat != "none" for d in topology.devices)

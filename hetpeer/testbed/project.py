@@ -10,7 +10,7 @@ fast at twice that. Memory follows the device's `memory_gb`: its container is li
 from what they measured, as in a swarm of real hosts.
 
 A device with a `nat` kind sits behind a router container of its own: the device on a private network
-(`lan-<device>`, internal to Docker) that only its router joins, the router on the shared network doing
+(`lan-<device>`, which Docker keeps apart from the others) that only its router joins, the router on the shared network doing
 MASQUERADE (`--random-fully` for "symmetric"), forwarding what the device sends and the answers, and
 nothing else towards it. Such a peer joins with no address flag, as a volunteer at home would.
 
@@ -221,7 +221,7 @@ def script(commands: list[str], then: list[str]) -> str:
 
 
 def routing(config: TestbedConfig, device: Device) -> list[str]:
-    """A NATed device's route out: through its router, not Docker's bridge (its network is internal)."""
+    """A NATed device's route out: through its router, not Docker's bridge."""
     if device.nat == "none":
         return []
     _, router, _ = config.lans[service_name(device.id)]
@@ -287,7 +287,9 @@ def compose_project(config: TestbedConfig) -> dict[str, Any]:
         services[name] = service
     networks: dict[str, Any] = {"wan": {"ipam": {"config": [{"subnet": config.subnet}]}}}
     for name, (lan, _, _) in lans.items():
-        networks[f"lan-{name}"] = {"internal": True, "ipam": {"config": [{"subnet": lan}]}}
+        # not `internal`: Docker would drop what the device sends its router for the world (bridged frames pass the
+        # host's iptables); the device's route goes to its router, and Docker keeps other networks off this one
+        networks[f"lan-{name}"] = {"ipam": {"config": [{"subnet": lan}]}}
     return {"services": services, "networks": networks}
 
 

@@ -30,7 +30,8 @@ def test_peers_behind_cone_and_symmetric_routers_join_unaided_and_train(image, t
     path = tmp_path / "home-routers.json"
     path.write_text(json.dumps(TOPOLOGY))
     port, project, out = free_port(), unique("hetpeer-nat"), tmp_path / "bed"
-    command = [sys.executable, "-m", "hetpeer", "testbed", str(path), "--slowdown", "4", "--out", str(out),
+    # one group of all three: the two NATed peers average with each other, through the public peer's relay
+    command = [sys.executable, "-m", "hetpeer", "testbed", str(path), "--slowdown", "4", "--stages", "1", "--group-size", "3", "--out", str(out),
                "--project", project, "--api-port", str(port), "--http-port", str(free_port()), "--image", image]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -69,5 +70,6 @@ def test_peers_behind_cone_and_symmetric_routers_join_unaided_and_train(image, t
     for name in ("cone", "sym"):
         log = (out / "logs" / f"{name}.log").read_text()
         assert "reachable: no, others cannot dial this peer" in log and "DHT: client mode" in log, log[-2000:]
+    assert "relay: carried" in (out / "logs" / "pub.log").read_text()
     left = run(["docker", "ps", "-q", "--filter", f"label=com.docker.compose.project={project}"]).stdout.split()
     assert not left, "the testbed's containers were not removed"

@@ -144,7 +144,7 @@ def test_a_device_behind_nat_sits_alone_on_a_private_network_behind_its_router()
     services, networks = project["services"], project["networks"]
     assert services["cone"]["networks"] == {"lan-cone": {"ipv4_address": "10.214.4.3"}}  # not on the shared network
     assert services["cone-nat"]["networks"] == {"wan": {"ipv4_address": "10.213.7.4"}, "lan-cone": {"ipv4_address": "10.214.4.2"}}
-    assert networks["lan-cone"] == {"internal": True, "ipam": {"config": [{"subnet": "10.214.4.0/24"}]}}
+    assert networks["lan-cone"] == {"ipam": {"config": [{"subnet": "10.214.4.0/24"}]}}
     assert services["sym-nat"]["sysctls"] == {"net.ipv4.ip_forward": 1} and "NET_ADMIN" in services["sym-nat"]["cap_add"]
     run = scripts(made)
     assert "ip route replace default via 10.214.4.2" in run["cone"]
