@@ -79,6 +79,12 @@ class SocketStream(Stream):
                 progress(view, got)
         return view
 
+    async def read_some(self, into: memoryview) -> int:
+        got = await asyncio.get_running_loop().sock_recv_into(self.sock, into)
+        if got == 0:
+            raise ConnectionError(f"{self.remote} closed the connection")
+        return got
+
     async def write(self, parts: Sequence[bytes]) -> None:
         loop = asyncio.get_running_loop()
         for part in parts:

@@ -10,7 +10,8 @@ The length is the record's associated data and the nonce is the record's number 
 record cut, altered, replayed, reordered or moved to the other direction fails its tag: the stream ends
 there (a `ConnectionError` naming it), and nothing of that record reaches the reader. Reads decrypt
 straight into the reader's buffer where a record fits in it, so a large payload costs one pass of AES-GCM
-(about 2-3 GB/s a core with AES-NI) on each side and no extra copy.
+(about 3.6 GB/s a core with AES-NI here) on each side, and what arrives is read in pieces of up to
+`READ_BYTES`, not a record at a time.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from hetpeer.protocol.handshake import (
 
 RECORD_BYTES = 1 << 18
 TAG_BYTES = 16
+READ_BYTES = 1 << 20  # a sealed stream reads up to this much at once: at least one whole record
+WRITE_BYTES = 1 << 19  # and sends what it sealed once it has this much
 HEAD = struct.Struct("<I")
 
 
@@ -38,6 +41,9 @@ class SealedStream(Stream):
         self.inner, self.remote, self.authenticated = inner, inner.remote, inner.authenticated
         self._seal, self._open = AESGCM(send_key), AESGCM(receive_key)
         self._sent = self._received = 0  # records so far in each direction: their nonces
+        # what arrived and is not opened yet: reads take as much as the kernel has, records are opened from here
+        self._raw = memoryview(numpy.empty(READ_BYTES, numpy.uint8))
+        self._start = self._end = 0
         self._left = memoryview(b"")  # of the last record opened, what the reader has not taken yet
 
     @property
@@ -45,17 +51,22 @@ class SealedStream(Stream):
         return self.inner.closed
 
     async def write(self, parts: Sequence[bytes]) -> None:
-        out = []
+        """Seal and send, a few records at a time: the other end opens the first while this one seals the next."""
+        records = []
         for part in parts:
             view = memoryview(part).cast("B")
             for start in range(0, len(view), RECORD_BYTES):
                 chunk = view[start:start + RECORD_BYTES]
+                record = bytearray(HEAD.size + len(chunk) + TAG_BYTES)
                 head = HEAD.pack(len(chunk))
-                sealed = bytearray(len(chunk) + TAG_BYTES)
-                self._seal.encrypt_into(_nonce(self._sent), chunk, head, sealed)
+                record[:HEAD.size] = head
+                self._seal.encrypt_into(_nonce(self._sent), chunk, head, memoryview(record)[HEAD.size:])
                 self._sent += 1
-                out += (head, sealed)
-        await self.inner.write(out)
+                records.append(record)
+                if len(records) * RECORD_BYTES >= WRITE_BYTES:
+                    await self.inner.write(records)
+                    records = []
+        await self.inner.write(records)
 
     async def read_exactly(self, n: int, progress: Progress | None = None) -> memoryview:
         buffer = numpy.empty(n, numpy.uint8)
@@ -71,18 +82,32 @@ class SealedStream(Stream):
                 progress(view, got)
         return view
 
+    async def _arrived(self, n: int) -> memoryview:
+        """The next n bytes of the stream (n <= READ_BYTES), read in as large pieces as the kernel gives."""
+        if self._end - self._start < n:
+            if self._start + n > len(self._raw):  # no room after what is left: move it to the front
+                kept = self._end - self._start
+                self._raw[:kept] = self._raw[self._start:self._end]
+                self._start, self._end = 0, kept
+            while self._end - self._start < n:
+                self._end += await self.inner.read_some(self._raw[self._end:])
+        taken = self._raw[self._start:self._start + n]
+        self._start += n
+        return taken
+
     async def _open_record(self, into: memoryview) -> int:
-        """Read and open the next record: into `into` where it fits (its length returned), else into `_left`
-        with the part that fits copied to `into`."""
-        length = HEAD.unpack(bytes(await self.inner.read_exactly(HEAD.size)))[0]
+        """Open the next record: into `into` where it fits (its length returned), else into `_left` with the part
+        that fits copied to `into`."""
+        head = bytes(await self._arrived(HEAD.size))
+        length = HEAD.unpack(head)[0]
         if length > RECORD_BYTES:
             raise ConnectionError(f"{self.remote}: a sealed record of {length} bytes (at most {RECORD_BYTES})")
-        sealed = await self.inner.read_exactly(length + TAG_BYTES)
+        sealed = await self._arrived(length + TAG_BYTES)
         target = into[:length] if length <= len(into) else memoryview(bytearray(length))
         from cryptography.exceptions import InvalidTag
 
         try:
-            self._open.decrypt_into(_nonce(self._received), sealed, HEAD.pack(length), target)
+            self._open.decrypt_into(_nonce(self._received), sealed, head, target)
         except InvalidTag:
             raise ConnectionError(f"{self.remote}: a sealed record failed its integrity check (altered, cut or "
                                   "replayed on the way): the stream ends here") from None
@@ -97,7 +122,7 @@ class SealedStream(Stream):
         return self.inner.unsent_bytes()
 
     def unread_bytes(self) -> int:
-        return self.inner.unread_bytes()
+        return self.inner.unread_bytes() + self._end - self._start
 
     def close(self) -> None:
         self.inner.close()

@@ -26,6 +26,11 @@ class Stream(ABC):
         """Exactly n bytes in a writable buffer, or ConnectionError when the stream ends first;
         `progress(buffer, end)` hears of the bytes as they arrive."""
 
+    async def read_some(self, into: memoryview) -> int:
+        """Up to len(into) bytes, as many as have arrived (at least one); ConnectionError when the stream ended.
+        Streams that a sealed stream wraps have it."""
+        raise NotImplementedError(f"{type(self).__name__} reads only whole lengths")
+
     @abstractmethod
     async def write(self, parts: Sequence[bytes]) -> None: ...
 
