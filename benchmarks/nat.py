@@ -4,7 +4,8 @@
 
 One `hetpeer testbed` per variant, each of `--peers` devices in one region (`--bandwidth` Mbit/s and `--latency`
 ms one way between any two, shaped per destination and emulated as in every testbed), compute slowed
-`--slowdown` times so that the containers mostly wait on 2 cores as beside GPUs:
+`--slowdown` times so that the containers mostly wait on 2 cores as beside GPUs, the coordinator held to
+`--stages` x `--group-size` (2 x 2: every peer trains, each with two lane or group neighbours):
 
 - public: every device on the shared network;
 - half-cone: every other device behind a cone NAT (Linux SNAT keeping ports);
@@ -16,7 +17,8 @@ them, and register at a public peer's relay; the coordinator plans with what the
 
 - tokens/s: global batches the swarm completes in `--window` seconds once it has run `SETTLE_STEPS`, from the
   coordinator's progress (the same reading `benchmarks/swarm.py` takes), against the public variant's;
-- join to training: per peer, from its process's first log line to its first step line (the largest);
+- join to training: per peer, from its process's first log line (past the testbed's wait for the join file)
+  to its first step line (the largest);
 - relayed bytes: what the public peers' relays carried (their last "relay: carried" line, written as they leave);
 - longest stall: the largest gap between two consecutive steps of any peer, first step to the window's end;
 - standby: the peers the plan left out, with the coordinator's reason.
@@ -54,7 +56,7 @@ VARIANTS = {
     "all-cone": lambda i: "cone",
     "half-symmetric": lambda i: "symmetric" if i % 2 else "none",
 }
-STEP_RE = re.compile(r" step (\d+)/\d+ ")
+STEP_RE = re.compile(r"  step (\d+)\b")
 RELAY_RE = re.compile(r"relay: carried ([\d.]+) MiB")
 STANDBY_RE = re.compile(r"(\S+) stays on standby: (.*)")
 PLAN_LIMIT_S = 240.0  # a variant whose swarm has not trained by then is reported as not training
@@ -85,8 +87,9 @@ def from_logs(logs: dict[str, Path], window_end: float) -> dict:
             standby.update({m.group(1): m.group(2) for _, text in lines if (m := STANDBY_RE.search(text))})
             continue
         steps = [t for t, text in lines if STEP_RE.search(text) and t <= window_end]
-        if lines and steps:
-            joined[name] = steps[0] - lines[0][0]
+        started = [t for t, text in lines if not text.startswith("waiting for the join file")]  # the testbed's own wait
+        if started and steps:
+            joined[name] = steps[0] - started[0]
             stalls.append(max([b - a for a, b in zip(steps, steps[1:])] + [window_end - steps[-1]]))
         carried = [float(m.group(1)) for _, text in lines if (m := RELAY_RE.search(text))]
         relayed += carried[-1] if carried else 0.0
@@ -102,7 +105,8 @@ def run_variant(name: str, args, out: Path) -> dict:
         topology=topology(args.peers, kinds, args.bandwidth, args.latency), out=out / name, slowdown=args.slowdown,
         image=args.image, project=f"hetpeer-bench-nat-{time.time_ns() % 10**8}", subnet=free_subnet(),
         lan_subnets=free_subnet("10.214.0.0/16", prefix=20), api_port=free_port(), http_port=free_port(), swarm="nat",
-        batch=args.batch, heartbeat_s=args.heartbeat, coordinator_args=("--replan-interval", "1000000"),
+        batch=args.batch, heartbeat_s=args.heartbeat,
+        coordinator_args=("--replan-interval", "1000000", "--stages", str(args.stages), "--group-size", str(args.group_size)),
     )
     tokens_per_step = config.batch * preset(config.model).seq_len
     bed = Testbed(config, lambda line: None)
@@ -138,6 +142,8 @@ def main() -> int:
     parser.add_argument("--latency", type=float, default=10.0, help="one-way ms between any two devices (default 10)")
     parser.add_argument("--slowdown", type=float, default=8.0, help="compute slowdown of every peer (default 8)")
     parser.add_argument("--batch", type=int, default=16, help="global batch in sequences (default 16)")
+    parser.add_argument("--stages", type=int, default=2, help="pipeline stages the coordinator must use (default 2)")
+    parser.add_argument("--group-size", type=int, default=2, help="lanes the coordinator must use (default 2)")
     parser.add_argument("--heartbeat", type=float, default=2.0, help="heartbeat (default 2)")
     parser.add_argument("--window", type=float, default=90.0, help="seconds of the throughput window (default 90)")
     parser.add_argument("--image", default="hetpeer:latest")
@@ -152,7 +158,7 @@ def main() -> int:
         rows[name] = run_variant(name, args, out)
         r = rows[name]
         print(f"  {name:<15} {r['tokens_per_s']:>8.0f} tokens/s  join->training {fmt(r.get('join_to_training_s'))} s  "
-              f"stall {fmt(r.get('longest_stall_s'))} s  relayed {r.get('relayed_mib', 0):.1f} MiB  "
+              f"stall {fmt(r.get('longest_stall_s'), 1)} s  relayed {r.get('relayed_mib', 0):.1f} MiB  "
               f"{r.get('plan', r.get('note', ''))}" + (f"  standby: {r['standby']}" if r.get("standby") else ""), flush=True)
     result = {"variants": rows}
     base = rows.get("public", {}).get("tokens_per_s")
@@ -166,7 +172,7 @@ def main() -> int:
     print("goals: half-cone >= 0.90 of public: " + fmt(result.get("half-cone_vs_public"), 3)
           + "; half-symmetric >= 0.70: " + fmt(result.get("half-symmetric_vs_public"), 3)
           + f"; training within 60 s of joining: {fmt(result['slowest_join_to_training_s'])} s"
-          + f"; no stall over 60 s: {fmt(result['longest_stall_s'])} s", flush=True)
+          + f"; no stall over 60 s: {fmt(result['longest_stall_s'], 1)} s", flush=True)
     if args.json:
         print(json.dumps(result))
     return 0

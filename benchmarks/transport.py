@@ -13,6 +13,9 @@ all of them alike; each figure is the median over the rounds:
 - direct, sealed: the same with each end's swarm key (`LinkIdentity`), as swarm peers run it: the
   connection starts with the handshake that proves both device ids and agrees on keys, and every byte
   after it travels in AES-256-GCM records (`hetpeer/peer/transport/sealed.py`);
+- relayed, sealed: the same, but the receiver cannot be dialled: it registered at a relay (a third
+  process, `hetpeer/peer/transport/relay.py`), which splices the sender's connection to one the receiver
+  opens; the two ends' handshake and sealing run through it (how two peers behind NAT meet);
 - p2p: hetpeer's `NetworkTransport` over hivemind's `P2PLink` (libp2p streams through p2pd).
 
 Goals: the direct path at 50% of plain TCP or better, and the sealed path at 1 GB/s or better: sealing
@@ -31,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -39,6 +43,7 @@ from hetpeer.peer.launch import free_port
 from hetpeer.peer.node import p2p_peer_id
 from hetpeer.peer.transport.inbox import TransportTimeout
 from hetpeer.peer.transport.links import P2PLink, TcpLink
+from hetpeer.peer.transport.relay import Relay, RelayLink
 from hetpeer.peer.transport.stream import LinkIdentity
 from hetpeer.peer.transport.network import NetworkTransport
 from hetpeer.protocol.addresses import AddressBook, PeerAddress
@@ -51,8 +56,8 @@ ACK = torch.zeros(1)
 
 
 def device_of(role: str, folder: Path, mode: str) -> str:
-    """A role's device id: bound to its swarm key on the authenticated path, the role's name elsewhere."""
-    if mode != "authenticated":
+    """A role's device id: bound to its swarm key on the sealed paths, the role's name elsewhere."""
+    if mode not in ("authenticated", "relayed"):
         return role
     return device_id(role, public_key_bytes(load_or_create_key(folder / f"{role}.swarm.key")))
 
@@ -61,9 +66,9 @@ def book_for(folder: Path, mode: str) -> tuple[AddressBook, dict[str, str]]:
     from hivemind.p2p import P2P
 
     peers, keys = {}, {}
-    for role in ("sender", "receiver"):
+    for role in ("sender", "receiver") + (("relay",) if mode == "relayed" else ()):
         device = device_of(role, folder, mode)
-        if mode in ("direct", "authenticated"):
+        if mode in ("direct", "authenticated", "relayed"):
             peers[device] = PeerAddress(direct=("127.0.0.1", free_port()))
         else:
             keys[device] = str(folder / f"{device}.key")
@@ -76,12 +81,33 @@ def transport_for(role: str, folder: Path, book: AddressBook, keys: dict[str, st
     device = device_of(role, folder, mode)
     address = book.get(device)
     if mode == "direct":
-        link = TcpLink(*address.direct)
-    elif mode == "authenticated":
-        link = TcpLink(*address.direct, identity=LinkIdentity(device, load_or_create_key(folder / f"{role}.swarm.key")))
+        links = [TcpLink(*address.direct)]
+    elif mode in ("authenticated", "relayed"):
+        identity = LinkIdentity(device, load_or_create_key(folder / f"{role}.swarm.key"))
+        links = [TcpLink(*address.direct, identity=identity)]
     else:
-        link = P2PLink(identity_path=keys[device], host_maddrs=[address.p2p[0].rsplit("/p2p/", 1)[0]])
-    return NetworkTransport(device, book, [link], max_frame_bytes=1 << 31)
+        links = [P2PLink(identity_path=keys[device], host_maddrs=[address.p2p[0].rsplit("/p2p/", 1)[0]])]
+    if mode == "relayed":  # the receiver is reached only through the relay: its book entry names it
+        relay, receiver = device_of("relay", folder, mode), device_of("receiver", folder, mode)
+        links[0].relay = Relay(device)
+        links.append(RelayLink(identity))
+        book = AddressBook({**book.peers, receiver: replace(book.get(receiver), relay=relay)})
+    transport = NetworkTransport(device, book, links, max_frame_bytes=1 << 31)
+    if mode == "relayed":
+        links[1].book = lambda: transport.book
+        transport.passive = frozenset({receiver})
+        if role == "receiver":
+            links[1].via = relay
+    return transport
+
+
+def relay(folder: Path, mode: str) -> None:
+    """The relay between sender and receiver: it only splices, until killed."""
+    book = AddressBook.load(folder / "addresses.json")
+    with transport_for("relay", folder, book, {}, mode):
+        print("ready", flush=True)
+        while True:
+            time.sleep(60)
 
 
 def receiver(folder: Path, mode: str) -> None:
@@ -90,6 +116,10 @@ def receiver(folder: Path, mode: str) -> None:
     torch.set_num_threads(1)
     sender = device_of("sender", folder, mode)
     with transport_for("receiver", folder, book, keys, mode) as transport:
+        if mode == "relayed":
+            deadline = time.monotonic() + 60
+            while transport.links[1].registered is None and time.monotonic() < deadline:
+                time.sleep(0.05)
         print("ready", flush=True)
         step = 0
         while True:
@@ -111,6 +141,12 @@ class Framed:
         self.book, keys = book_for(folder, mode)
         (folder / "addresses.json").write_text(json.dumps(self.book.to_wire()))
         (folder / "keys.json").write_text(json.dumps(keys))
+        self.relay = None
+        if mode == "relayed":
+            self.relay = subprocess.Popen([sys.executable, __file__, "--role", "relay", "--mode", mode, "--folder", str(folder)],
+                                          stdout=subprocess.PIPE, text=True)
+            if self.relay.stdout.readline().strip() != "ready":
+                raise SystemExit("the relay did not start")
         self.child = subprocess.Popen(
             [sys.executable, __file__, "--role", "receiver", "--mode", mode, "--folder", str(folder)],
             stdout=subprocess.PIPE, text=True,
@@ -130,8 +166,10 @@ class Framed:
 
     def close(self) -> None:
         self.transport.shutdown()
-        self.child.kill()
-        self.child.wait()
+        for child in (self.child, self.relay):
+            if child is not None:
+                child.kill()
+                child.wait()
 
 
 class PlainTcp:
@@ -185,8 +223,8 @@ def main() -> int:
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--folder", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.role == "receiver":
-        receiver(args.folder, args.mode)
+    if args.role in ("receiver", "relay"):
+        (receiver if args.role == "receiver" else relay)(args.folder, args.mode)
         return 0
 
     size = args.mbytes * 10**6
@@ -196,6 +234,7 @@ def main() -> int:
     # Every round times each path once, in turn, so that the shared machine's noise falls on all of them.
     paths = {"plain TCP socket": PlainTcp(size), "direct (NetworkTransport, TcpLink)": Framed("direct"),
              "direct, sealed (LinkIdentity)": Framed("authenticated"),
+             "relayed, sealed (RelayLink)": Framed("relayed"),
              "hivemind P2P (NetworkTransport, P2PLink)": Framed("p2p")}
     codecs = ("fp16", "bf16", "int8") if args.codecs else ()
     times: dict[str, list[float]] = {name: [] for name in paths}
@@ -228,6 +267,9 @@ def main() -> int:
     met_sealed = sealed_rate >= SEALED_GOAL_BYTES_PER_S
     print(f"goal: sealed direct path at {SEALED_GOAL_BYTES_PER_S / 1e9:g} GB/s or better: {sealed_rate / 1e9:.2f} GB/s "
           f"({'met' if met_sealed else 'NOT met'}); it runs at {sealed:.0%} of the unsealed path's speed")
+    relayed = statistics.median(rows[2][1]) / statistics.median(rows[3][1])
+    print(f"relayed: {size / statistics.median(rows[3][1]) / 1e9:.2f} GB/s, {relayed:.0%} of the sealed direct path "
+          "(the relay's splice copies every byte once more, on the same machine)")
     return 0 if met and met_sealed else 1
 
 
