@@ -30,8 +30,9 @@ def add_commands(commands) -> None:
     join = commands.add_parser(
         "join",
         help="join a swarm as a peer (or run one peer of a fixed plan)",
-        description="Join a swarm (--swarm): reach it through --initial-peers, measure this machine and the links "
-        "to a few peers, announce them, and train the stage the coordinator's plans give this peer, following "
+        description="Join a swarm (--swarm, or --join-file): reach it through --initial-peers, learn from the "
+        "coordinator's reach service whether others can dial this peer (behind NAT it needs no address option: "
+        "docs/nat.md), measure this machine and the links to a few peers, announce them, and train the stage the coordinator's plans give this peer, following "
         "new plans, until Ctrl+C (or --steps). Without --swarm, run one peer of a fixed plan (--plan, --as, "
         "--peers) for --steps steps: the address book (written by `hetpeer launch`, or by hand for a fixed "
         "set of machines) says where every peer of the plan can be reached.",
