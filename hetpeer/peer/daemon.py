@@ -188,6 +188,7 @@ class SwarmPeer(Following, Handover, Announcing, Probing, Reaching):
             self.transport.inbox.interrupt("leaving")
         for thread in self.threads:
             thread.join(timeout=10 * self.config.heartbeat_s)
+        self._linger_as_relay()
         self._say_relayed("in all")
         if self.control.dht is not None and self.device_id:
             self._set(state="leaving")
@@ -269,6 +270,8 @@ class SwarmPeer(Following, Handover, Announcing, Probing, Reaching):
         while not self.stopping.is_set():
             started = time.monotonic()
             records, _ = self.control.read_peers(max_age_s=ttl_s + config.heartbeat_s)
+            # a peer back after its record lapsed (restarted, or cut off a while) is no longer one this peer failed to reach
+            self.transport.forget_failures(set(records) - set(self.records))
             self.control.remember(r.dht for r in sorted(records.values(), key=lambda r: -r.time))
             book = {d: replace(r.address, relay=r.relay) for d, r in records.items()}
             book[self.device_id] = self.transport.address()

@@ -24,6 +24,7 @@ from hetpeer.protocol.records import PeerRecord
 log = logging.getLogger("hetpeer.peer")
 WILDCARDS = ("0.0.0.0", "::")
 RELAY_SAY_S = 30.0
+RELAY_LINGER_HEARTBEATS = 5
 
 
 class Reaching:
@@ -97,6 +98,18 @@ class Reaching:
             self.relay_link.via = self._pick_relay(records)
         if time.monotonic() - self._relay_said[1] > RELAY_SAY_S:
             self._say_relayed("so far")
+
+    def _linger_as_relay(self) -> None:
+        """A relay that leaves keeps the calls it carries up a little while (until they end, at most
+        `RELAY_LINGER_HEARTBEATS`): its callees may need one more exchange to finish a step, or to find
+        another relay, and the frames in flight through it would be lost."""
+        if self.relay is None or not self.relay.active:
+            return
+        linger_s = RELAY_LINGER_HEARTBEATS * self.config.heartbeat_s
+        self.report(f"relay: keeping {self.relay.active} relayed call(s) up for at most {linger_s:g} s while their peers finish")
+        deadline = time.monotonic() + linger_s
+        while self.relay.active and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def _say_relayed(self, when: str) -> None:
         """A line on what this peer relayed for others, when that grew since the last one."""

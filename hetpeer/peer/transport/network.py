@@ -298,6 +298,11 @@ class NetworkTransport(Transport):
         now = time.monotonic()
         return sorted(d for d, at in list(self.unreached.items()) if now - at <= within_s)
 
+    def forget_failures(self, peers: Iterable[str]) -> None:
+        """Peers no longer counted as unreachable (they came back)."""
+        for peer in peers:
+            self.unreached.pop(peer, None)
+
     def connected(self, peer: str) -> bool:
         """Whether a live connection joins this peer and `peer` (either side dialled it)."""
         return any(not s.closed for s in self._accepted.get(peer, ())) or any(

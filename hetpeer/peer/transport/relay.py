@@ -61,6 +61,7 @@ class Relay:
         self.device = device
         self.relayed_bytes = 0  # both directions, every call
         self.calls: collections.Counter[str] = collections.Counter()  # calls connected, per callee
+        self.active = 0  # spliced pairs now
         self._listening: dict[str, SocketStream] = {}
         self._waiting: dict[bytes, asyncio.Future] = {}
 
@@ -130,9 +131,11 @@ class Relay:
             except OSError:
                 pass
 
+        self.active += 1
         try:
             await asyncio.gather(pump(a, b), pump(b, a))
         finally:
+            self.active -= 1
             a.close()
             b.close()
 
