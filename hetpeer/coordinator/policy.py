@@ -10,8 +10,8 @@
   else of all measured links, else `DEFAULT_LINK`) and marked, so the plan can name the links it uses
   that were estimated (`estimated_links`). Two peers that both announce nobody can dial them have no path:
   their pair is `ABSENT_LINK`, slow enough that the search shuns it, and `without_path` names the pairs a
-  plan would still make neighbours; so is a pair one of whose peers reports it could not reach the other
-  (a lane that stalled on it: the next plan does not pair them again).
+  plan would still make neighbours; so is a pair whose two peers each report they could not reach the
+  other (a lane that stalled on it: the next plan does not pair them again).
 - `broken`: why the running plan cannot go on (a member stopped announcing, or announces that its lane
   stalled under this plan), or None.
 - `decide`: whether to run the planner now, and why.
@@ -126,10 +126,8 @@ def _relayed(records: Mapping[str, PeerRecord], ids: Sequence[str], latency: np.
     behind = np.array([records[d].behind_nat for d in ids], dtype=bool)
     hidden = np.array([records[d].reachable == "none" for d in ids], dtype=bool)
     absent = np.outer(hidden, hidden)  # neither can dial the other nor has a relay: no path
-    for d in ids:  # pairs a peer found it could not reach (a firewall the reach check did not see): no path either
-        for u in records[d].unreachable:
-            if u in index:
-                absent[index[d], index[u]] = absent[index[u], index[d]] = True
+    for a, b in _reported(records):  # pairs whose ends each failed to reach the other: no path either
+        absent[index[a], index[b]] = absent[index[b], index[a]] = True
     latency[absent], bandwidth[absent], estimated[absent] = ABSENT_LINK[0], ABSENT_LINK[1], False
     nat = np.flatnonzero(behind)
     via_latency, via_bandwidth = np.full(latency.shape, np.inf), np.zeros(bandwidth.shape)  # [i, j]: through j's relay
@@ -158,10 +156,17 @@ def _running_slowdowns(ids: Sequence[str], sharing: Sharing | None, current: Pla
 
 def without_path(plan: Plan, records: Mapping[str, PeerRecord]) -> list[tuple[str, str]]:
     """The pairs the plan's traffic crosses (`Plan.links`) that have no path: both peers announce that nobody can
-    dial them, or one reports it could not reach the other."""
+    dial them, or each reports it could not reach the other."""
     hidden = {d for d, r in records.items() if r.reachable == "none"}
-    reported = {tuple(sorted((d, u))) for d, r in records.items() for u in r.unreachable}
+    reported = _reported(records)
     return sorted(pair for pair in plan.links if (pair[0] in hidden and pair[1] in hidden) or pair in reported)
+
+
+def _reported(records: Mapping[str, PeerRecord]) -> set[tuple[str, str]]:
+    """The pairs (sorted) whose two peers each report they could not reach the other. One side's word is not
+    enough: the neighbours of a peer that died and came back report it for a while, and it does not report them."""
+    return {tuple(sorted((d, u))) for d, r in records.items() for u in r.unreachable
+            if u in records and d in records[u].unreachable}
 
 
 def least_served(pairs: Sequence[tuple[str, str]]) -> str:
