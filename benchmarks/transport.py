@@ -91,11 +91,10 @@ def transport_for(role: str, folder: Path, book: AddressBook, keys: dict[str, st
         relay, receiver = device_of("relay", folder, mode), device_of("receiver", folder, mode)
         links[0].relay = Relay(device)
         links.append(RelayLink(identity))
-        book = AddressBook({**book.peers, receiver: replace(book.get(receiver), relay=relay)})
+        book = AddressBook({**book.peers, receiver: replace(book.get(receiver), dialable=False, relay=relay)})
     transport = NetworkTransport(device, book, links, max_frame_bytes=1 << 31)
     if mode == "relayed":
         links[1].book = lambda: transport.book
-        transport.passive = frozenset({receiver})
         if role == "receiver":
             links[1].via = relay
     return transport

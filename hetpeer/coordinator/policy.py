@@ -28,6 +28,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Collection, Mapping, Sequence
 
@@ -171,10 +172,7 @@ def _reported(records: Mapping[str, PeerRecord]) -> set[tuple[str, str]]:
 
 def least_served(pairs: Sequence[tuple[str, str]]) -> str:
     """Of the peers in `pairs`, the one in most of them (ties: the first by id): the one to leave out first."""
-    counts: dict[str, int] = {}
-    for pair in pairs:
-        for device in pair:
-            counts[device] = counts.get(device, 0) + 1
+    counts = Counter(device for pair in pairs for device in pair)
     return min(counts, key=lambda d: (-counts[d], d))
 
 

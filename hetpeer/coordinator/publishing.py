@@ -53,8 +53,9 @@ class Publisher:
             out = policy.least_served(crossing)
             left_out.append(out)
             others = sorted({d for pair in crossing if out in pair for d in pair} - {out})
-            self._log_once(f"no-path {out}", f"{out} stays on standby: nobody can dial it, nor {', '.join(others)}, whom the "
-                           "plan needed as its neighbours (a forwarded port on either side would give them a path)", "coordinator")
+            why = ("nobody can dial it, nor " if planned[out].reachable == "none" else "it and these failed to reach each other: ")
+            self._log_once(f"no-path {out}", f"{out} stays on standby: {why}{', '.join(others)}, whom the plan needed as its "
+                           "neighbours (a forwarded port on either side would give them a path)", "coordinator")
         if left_out:
             solution = replace(solution, plan=replace(solution.plan, standby=(*solution.plan.standby, *left_out)))
             if usable is not None and set(usable.devices) & set(left_out):

@@ -30,7 +30,7 @@ class ReachServer:
                  dial_timeout_s: float = DIAL_TIMEOUT_S) -> None:
         self.host, self.port, self.clock, self.dial_timeout_s = host, port, clock, dial_timeout_s
         self.answered = 0
-        self._server: socketserver.ThreadingTCPServer | None = None
+        self._server: _Server | None = None
         self._thread: threading.Thread | None = None
         self._busy: set[str] = set()
         self._lock = threading.Lock()
@@ -43,9 +43,7 @@ class ReachServer:
             def handle(self) -> None:
                 service._handle(self.connection, self.client_address[0])
 
-        socketserver.ThreadingTCPServer.allow_reuse_address = True
-        self._server = socketserver.ThreadingTCPServer((self.host, self.port), Handler)
-        self._server.daemon_threads = True
+        self._server = _Server((self.host, self.port), Handler)
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="reach", daemon=True)
         self._thread.start()
@@ -93,6 +91,11 @@ class ReachServer:
                 return True
         except OSError:
             return False
+
+
+class _Server(socketserver.ThreadingTCPServer):
+    allow_reuse_address = True
+    daemon_threads = True
 
 
 def _plain(address: str) -> str:

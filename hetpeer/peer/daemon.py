@@ -273,7 +273,7 @@ class SwarmPeer(Following, Handover, Announcing, Probing, Reaching):
             # a peer back after its record lapsed (restarted, or cut off a while) is no longer one this peer failed to reach
             self.transport.forget_failures(set(records) - set(self.records))
             self.control.remember(r.dht for r in sorted(records.values(), key=lambda r: -r.time))
-            book = {d: replace(r.address, relay=r.relay) for d, r in records.items()}
+            book = {d: replace(r.address, dialable=not r.behind_nat, relay=r.relay) for d, r in records.items()}
             book[self.device_id] = self.transport.address()
             self.transport.book = AddressBook(book)
             with self.lock:

@@ -5,9 +5,9 @@ back (`reach.py`), each on a bare listener: from the answer it takes the address
 listens on every interface and no address was given), whether its DHT node can take keys (client mode when its
 port cannot be dialled) and the clock offset to the swarm. It says in one line which and what would help.
 
-While it runs, each heartbeat: peers that announce they cannot be dialled are `passive` to its transport, and a
-peer that cannot be dialled itself keeps connections open to the peers its plans make it work with, so they
-can answer it. Two peers that cannot be dialled have no path: neither probes the other.
+While it runs, each heartbeat, a peer that cannot be dialled keeps connections open to the peers its plans make
+it work with, so they can answer it (the address book marks who cannot be dialled, from their records). Two
+peers that cannot be dialled, neither through a relay, have no path: neither probes the other.
 """
 
 from __future__ import annotations
@@ -86,14 +86,12 @@ class Reaching:
         return self.reachable
 
     def _keep_paths(self) -> None:
-        """Tell the transport who cannot be dialled; when this peer cannot be, pick its relay and the peers to
-        stay connected to; say now and then what this peer relayed for others."""
+        """When this peer cannot be dialled, pick its relay and the peers to stay connected to; say now and then
+        what this peer relayed for others."""
         with self.lock:
             records = dict(self.records)
             wanted = self._plan_neighbours() if self.reachable == "none" else set()
-        transport = self.transport
-        transport.passive = frozenset(d for d, r in records.items() if r.behind_nat and d != self.device_id)
-        transport.keep_connected(d for d in wanted if d in records and records[d].reachable != "none")
+        self.transport.keep_connected(d for d in wanted if d in records and records[d].reachable != "none")
         if self.reachable == "none":
             self.relay_link.via = self._pick_relay(records)
         if time.monotonic() - self._relay_said[1] > RELAY_SAY_S:

@@ -29,7 +29,10 @@ LINK_CHOICES = ("auto", "tcp", "p2p")  # how peers reach each other: direct TCP 
 class PeerAddress:
     direct: tuple[str, int] | None = None  # (host, port)
     p2p: tuple[str, ...] = ()  # multiaddrs that end in /p2p/<peer id>
-    relay: str | None = None  # the device that relays for it, when nobody can dial it (from its record, not the wire)
+    # from its record, not the wire: whether others can dial it (else frames to it use its own connections), and
+    # the device that relays for it
+    dialable: bool = True
+    relay: str | None = None
 
     @property
     def p2p_peer_id(self) -> str | None:

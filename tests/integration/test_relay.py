@@ -36,14 +36,13 @@ def swarm():
     r_port = free_port()
     book = AddressBook({
         r.device: PeerAddress(direct=("127.0.0.1", r_port)),
-        a.device: PeerAddress(direct=("127.0.0.1", free_port()), relay=r.device),
-        b.device: PeerAddress(direct=("127.0.0.1", free_port()), relay=r.device),
+        a.device: PeerAddress(direct=("127.0.0.1", free_port()), dialable=False, relay=r.device),
+        b.device: PeerAddress(direct=("127.0.0.1", free_port()), dialable=False, relay=r.device),
     })
     (tr, relay, _), (ta, _, la), (tb, _, lb) = peer(r, r_port), peer(a), peer(b)
     with tr, ta, tb:
         for t in (tr, ta, tb):
             t.book = book
-            t.passive = frozenset({a.device, b.device}) - {t.device}
         la.via = lb.via = r.device
         wait_for(lambda: la.registered == r.device and lb.registered == r.device, 20)
         yield r, a, b, tr, ta, tb, relay
@@ -120,8 +119,8 @@ def test_a_frame_altered_by_the_relay_never_reaches_the_inbox(swarm, monkeypatch
 def test_a_callee_not_registered_at_the_relay_is_a_clear_error(swarm):
     r, a, b, tr, ta, tb, relay = swarm
     ghost = identity("ghost")
-    ta.book = AddressBook({**ta.book.peers, ghost.device: PeerAddress(direct=("127.0.0.1", free_port()), relay=r.device)})
-    ta.passive = ta.passive | {ghost.device}
+    ta.book = AddressBook({**ta.book.peers, ghost.device: PeerAddress(direct=("127.0.0.1", free_port()), dialable=False,
+                                                                        relay=r.device)})
     ta.send(ghost.device, "activation", PATTERN, step=0)
     with pytest.raises(PeerUnreachable, match=f"{ghost.device} is not registered at relay {r.device}"):
         ta.flush(15)

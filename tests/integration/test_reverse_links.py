@@ -17,10 +17,11 @@ from tests.integration.test_link_auth import identity, transport, wait_for
 
 @pytest.fixture()
 def public_and_hidden():
-    """`public` listens where its book entry says; `hidden` listens elsewhere than it is announced (nobody
-    can dial it), as a peer behind NAT whose public address forwards nothing."""
+    """`public` listens where its book entry says; `hidden` listens elsewhere than it is announced, and its entry
+    says nobody can dial it, as a peer behind NAT whose public address forwards nothing."""
     public, hidden = identity("public"), identity("hidden")
-    book = AddressBook({m.device: PeerAddress(direct=("127.0.0.1", free_port())) for m in (public, hidden)})
+    book = AddressBook({public.device: PeerAddress(direct=("127.0.0.1", free_port())),
+                        hidden.device: PeerAddress(direct=("127.0.0.1", free_port()), dialable=False)})
     with transport(public, book, book.get(public.device).direct[1]) as tp, transport(hidden, book) as th:
         tp.connect_timeout_s = 3.0
         yield public, hidden, tp, th
@@ -28,7 +29,6 @@ def public_and_hidden():
 
 def test_frames_reach_a_peer_that_cannot_be_dialled_over_its_own_connection(public_and_hidden):
     public, hidden, tp, th = public_and_hidden
-    tp.passive = frozenset({hidden.device})
     th.keep_connected([public.device])
     wait_for(lambda: tp.connected(hidden.device))
     tp.send(hidden.device, "activation", torch.arange(4.0), step=0)
@@ -43,7 +43,6 @@ def test_frames_reach_a_peer_that_cannot_be_dialled_over_its_own_connection(publ
 
 def test_a_dropped_connection_is_opened_again_by_the_peer_that_must_dial(public_and_hidden):
     public, hidden, tp, th = public_and_hidden
-    tp.passive = frozenset({hidden.device})
     th.keep_connected([public.device])
     wait_for(lambda: tp.connected(hidden.device))
     for stream in list(tp._accepted[hidden.device]):  # the NAT forgot the mapping, say
@@ -54,9 +53,8 @@ def test_a_dropped_connection_is_opened_again_by_the_peer_that_must_dial(public_
     assert torch.equal(th.recv("activation", public.device, 1, 0, timeout_s=10), torch.arange(2.0))
 
 
-def test_without_its_connection_a_passive_peer_is_unreachable_and_the_error_says_why(public_and_hidden):
+def test_without_its_connection_a_peer_nobody_can_dial_is_unreachable_and_the_error_says_why(public_and_hidden):
     public, hidden, tp, th = public_and_hidden
-    tp.passive = frozenset({hidden.device})
     tp.send(hidden.device, "activation", torch.arange(4.0), step=0)
     with pytest.raises(PeerUnreachable, match="cannot be dialled .* no connection to this peer"):
         tp.flush(10)
@@ -65,7 +63,6 @@ def test_without_its_connection_a_passive_peer_is_unreachable_and_the_error_says
 def test_probes_and_their_answers_cross_to_a_peer_that_cannot_be_dialled(public_and_hidden):
     """The hidden peer probes the public one: the answers come back over the connection the probe opened."""
     public, hidden, tp, th = public_and_hidden
-    tp.passive = frozenset({hidden.device})
     LinkProber(tp, public.device).install()
     prober = LinkProber(th, hidden.device)
     prober.install()

@@ -171,7 +171,7 @@ class TcpLink(Link):
         return PeerAddress(direct=(self.advertise_host or self.host, self.port))
 
     def reaches(self, address: PeerAddress) -> bool:
-        return address.direct is not None
+        return address.direct is not None and address.dialable
 
     async def open(self, to: str, address: PeerAddress) -> Stream:
         host, port = address.direct

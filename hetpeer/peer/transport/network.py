@@ -7,8 +7,8 @@ for the network; `flush` waits for the queues.
 
 A connection carries frames both ways, whichever side dialled it: a peer behind NAT (which nobody can
 dial) dials the peers it works with (`keep_connected`), and frames to it travel back over those
-connections. Peers that announce they cannot be dialled are `passive`: frames to them wait, up to the
-connect timeout, for a connection of theirs instead of dialling.
+connections. Frames to a peer whose address is not `dialable` take a connection of its own, else its
+relay's, waiting up to the connect timeout for one.
 """
 
 from __future__ import annotations
@@ -96,7 +96,6 @@ class NetworkTransport(Transport):
         self._incoming: dict[str, set[Stream]] = collections.defaultdict(set)  # streams carrying a peer's frames
         self._accepted: dict[str, list[Stream]] = collections.defaultdict(list)  # live streams a peer opened, oldest first
         self._opening: dict[tuple[str, str], asyncio.Lock] = {}
-        self.passive: frozenset[str] = frozenset()  # peers that cannot be dialled: frames to them use their connections
         self.keep: frozenset[str] = frozenset()  # peers this one keeps a connection open to (it must be the one to dial)
         self.keep_every_s = 1.0
         self.unreached: dict[str, float] = {}  # destination -> when frames to it last failed to leave (monotonic)
@@ -245,20 +244,19 @@ class NetworkTransport(Transport):
         return self.sent[to] - self._written[to] + (stream.unsent_bytes() if stream is not None else 0)
 
     async def _connect(self, to: str, channel: str) -> Stream:
-        """A stream to `to`: dialled, else over a connection `to` opened. A passive peer is never dialled on its
-        direct address: a connection of its own first, else its relay's (`relay.py`), while any lasts."""
+        """A stream to `to`: dialled, else over a connection `to` opened. A peer that cannot be dialled: a connection
+        of its own first, else its relay's (`relay.py`, the only link that reaches it), while any lasts."""
         try:
             address = self.book.get(to)
         except KeyError as error:
             raise PeerUnreachable(str(error.args[0])) from None
         deadline = time.monotonic() + self.connect_timeout_s
         tried: dict[str, str] = {}
-        passive = to in self.passive
         while True:
-            if passive and (accepted := self._accepted_stream(to, channel)) is not None:
+            if not address.dialable and (accepted := self._accepted_stream(to, channel)) is not None:
                 return self._route(to, "back", accepted)
             for link in self.links:
-                if not link.reaches(address) or (passive and link.name == "tcp"):
+                if not link.reaches(address):
                     continue
                 try:
                     stream = await asyncio.wait_for(link.open(to, address), max(0.1, deadline - time.monotonic()))
@@ -267,7 +265,7 @@ class NetworkTransport(Transport):
                     continue
                 spawn(self._serve(stream), f"{self.device}<-{to} ({link.name})")  # frames come back over it too
                 return self._route(to, link.name, stream)
-            if passive and not tried:
+            if not address.dialable and not tried:
                 tried["dial"] = f"{to} cannot be dialled (it announced so) and has no connection to this peer"
             if (accepted := self._accepted_stream(to, channel)) is not None:  # `to` dialled this peer meanwhile
                 return self._route(to, "back", accepted)

@@ -36,8 +36,10 @@ HEAD = struct.Struct("<I")
 
 class SealedStream(Stream):
     def __init__(self, inner: Stream, send_key: bytes, receive_key: bytes) -> None:
+        from cryptography.exceptions import InvalidTag
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+        self._invalid_tag = InvalidTag  # imported here: a link without a handshake (`hetpeer launch`) never needs it
         self.inner, self.remote, self.authenticated = inner, inner.remote, inner.authenticated
         self._seal, self._open = AESGCM(send_key), AESGCM(receive_key)
         self._sent = self._received = 0  # records so far in each direction: their nonces
@@ -104,11 +106,9 @@ class SealedStream(Stream):
             raise ConnectionError(f"{self.remote}: a sealed record of {length} bytes (at most {RECORD_BYTES})")
         sealed = await self._arrived(length + TAG_BYTES)
         target = into[:length] if length <= len(into) else memoryview(bytearray(length))
-        from cryptography.exceptions import InvalidTag
-
         try:
             self._open.decrypt_into(_nonce(self._received), sealed, head, target)
-        except InvalidTag:
+        except self._invalid_tag:
             raise ConnectionError(f"{self.remote}: a sealed record failed its integrity check (altered, cut or "
                                   "replayed on the way): the stream ends here") from None
         self._received += 1
