@@ -5,18 +5,11 @@ containers."""
 
 from __future__ import annotations
 
-import json
-import signal
-import subprocess
-import sys
 import time
 
-from compose_helpers import ROOT, unique, wait_for
+from compose_helpers import TestbedRun, wait_for
 from hetpeer.coordinator.api_client import ApiClient
-from hetpeer.peer.launch import free_port
 from hetpeer.protocol.topology import Topology
-from hetpeer.swarm.report import RunReport
-from hetpeer.testbed.compose import Compose, run
 from hetpeer.testbed.project import peer_name
 
 TOPOLOGY = {
@@ -35,21 +28,15 @@ SETTLED_S = 40.0
 
 
 def test_a_shaped_testbed_is_measured_as_shaped_and_trains(image, tmp_path):
-    path = tmp_path / "two-sites.json"
-    path.write_text(json.dumps(TOPOLOGY))
     topology = Topology.from_wire(TOPOLOGY)
-    port, project, out = free_port(), unique("hetpeer-testbed"), tmp_path / "bed"
+    by_name = {peer_name(d.id): d for d in topology.devices}
+
+    def device_of(device_id: str):
+        return by_name[device_id.rsplit("-", 1)[0]]
+
     # compute slowed 4x: a peer mostly waits, as beside a GPU, and its probes are not timed on a starved CPU
-    command = [sys.executable, "-m", "hetpeer", "testbed", str(path), "--scale", "1", "--slowdown", "4", "--out", str(out),
-               "--project", project, "--api-port", str(port), "--image", image]
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        by_name = {peer_name(d.id): d for d in topology.devices}
-
-        def device_of(device_id: str):
-            return by_name[device_id.rsplit("-", 1)[0]]
-
-        with ApiClient(f"127.0.0.1:{port}", timeout_s=5.0) as client:
+    with TestbedRun(TOPOLOGY, tmp_path, image, "--scale", "1", "--slowdown", "4") as bed:
+        with ApiClient(bed.api, timeout_s=5.0) as client:
 
             def measured():
                 records = {p.record.device_id: p.record for p in client.call_list_peers()}
@@ -85,18 +72,9 @@ def test_a_shaped_testbed_is_measured_as_shaped_and_trains(image, tmp_path):
         limited = {d: r.memory_bytes for d, r in records.items() if device_of(d).memory_gb is not None}
         assert len(limited) == 1 and 0 < next(iter(limited.values())) <= 2e9, limited
         assert all(r.memory_bytes > 2e9 for d, r in records.items() if d not in limited), records
-        process.send_signal(signal.SIGTERM)  # `kill`, as Ctrl+C: the command keeps logs and a report, then removes everything
-        output, _ = process.communicate(timeout=300)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
-        if (out / "compose.yaml").exists():
-            Compose(out / "compose.yaml", project).down()  # what the command did not get to remove
-    assert process.returncode == 0, output[-3000:]
-    report = RunReport.from_json((out / "report.json").read_text())
+        output = bed.stop()  # `kill`, as Ctrl+C
+    report = bed.report()
     assert report.steps >= 50 and report.samples[-1].loss < report.samples[0].loss, output[-2000:]
     assert {p.device_id.rsplit("-", 1)[0] for p in report.peers} == set(by_name)
-    assert all((out / "logs" / f"{name}.log").stat().st_size > 0 for name in ("coordinator", "a-0", "b-1"))
-    left = run(["docker", "ps", "-q", "--filter", f"label=com.docker.compose.project={project}"]).stdout.split()
-    assert not left, "the testbed's containers were not removed"
+    assert all(bed.log(name) for name in ("coordinator", "a-0", "b-1"))
+    assert not bed.left(), "the testbed's containers were not removed"

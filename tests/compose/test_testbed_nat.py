@@ -4,16 +4,8 @@ flag, learn that nobody can dial them, register at the public peer's relay; the 
 
 from __future__ import annotations
 
-import json
-import signal
-import subprocess
-import sys
-
-from compose_helpers import ROOT, unique, wait_for
+from compose_helpers import TestbedRun, wait_for
 from hetpeer.coordinator.api_client import ApiClient
-from hetpeer.peer.launch import free_port
-from hetpeer.swarm.report import RunReport
-from hetpeer.testbed.compose import Compose, run
 
 TOPOLOGY = {
     "name": "home-routers",
@@ -27,15 +19,10 @@ TOPOLOGY = {
 
 
 def test_peers_behind_cone_and_symmetric_routers_join_unaided_and_train(image, tmp_path):
-    path = tmp_path / "home-routers.json"
-    path.write_text(json.dumps(TOPOLOGY))
-    port, project, out = free_port(), unique("hetpeer-nat"), tmp_path / "bed"
     # one group of all three: the two NATed peers average with each other, through the public peer's relay
-    command = [sys.executable, "-m", "hetpeer", "testbed", str(path), "--slowdown", "4", "--heartbeat", "1", "--stages", "1", "--group-size", "3", "--out", str(out),
-               "--project", project, "--api-port", str(port), "--http-port", str(free_port()), "--image", image]
-    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        with ApiClient(f"127.0.0.1:{port}", timeout_s=5.0) as client:
+    with TestbedRun(TOPOLOGY, tmp_path, image, "--slowdown", "4", "--heartbeat", "1", "--stages", "1", "--group-size", "3",
+                    prefix="hetpeer-nat") as bed:
+        with ApiClient(bed.api, timeout_s=5.0) as client:
 
             def reachability():
                 records = {p.record.device_id.rsplit("-", 1)[0]: p.record for p in client.call_list_peers()}
@@ -56,20 +43,11 @@ def test_peers_behind_cone_and_symmetric_routers_join_unaided_and_train(image, t
                 return peers if len(peers) == 3 and all(r.state == "training" and r.step >= 5 for r in peers) else None
 
             wait_for(training, "all three peers to train 5 steps", 300)
-        process.send_signal(signal.SIGTERM)
-        output, _ = process.communicate(timeout=300)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.communicate()
-        if (out / "compose.yaml").exists():
-            Compose(out / "compose.yaml", project).down()
-    assert process.returncode == 0, output[-3000:]
-    report = RunReport.from_json((out / "report.json").read_text())
+        output = bed.stop()
+    report = bed.report()
     assert report.steps >= 5 and report.samples[-1].loss < report.samples[0].loss, output[-2000:]
     for name in ("cone", "sym"):
-        log = (out / "logs" / f"{name}.log").read_text()
+        log = bed.log(name)
         assert "reachable: no, others cannot dial this peer" in log and "DHT: client mode" in log, log[-2000:]
-    assert "relay: carried" in (out / "logs" / "pub.log").read_text()
-    left = run(["docker", "ps", "-q", "--filter", f"label=com.docker.compose.project={project}"]).stdout.split()
-    assert not left, "the testbed's containers were not removed"
+    assert "relay: carried" in bed.log("pub")
+    assert not bed.left(), "the testbed's containers were not removed"
