@@ -91,15 +91,17 @@ class SocketStream(Stream):
             await loop.sock_sendall(self.sock, part)
 
     def unsent_bytes(self) -> int:
-        try:  # the kernel's send queue: bytes not yet acknowledged by the other end
-            return struct.unpack("i", fcntl.ioctl(self.sock.fileno(), termios.TIOCOUTQ, b"\0" * 4))[0]
-        except OSError:
-            return 0
+        return self._queued(termios.TIOCOUTQ)  # the kernel's send queue: bytes not yet acknowledged by the other end
 
     def unread_bytes(self) -> int:
-        try:  # the kernel's receive queue
-            return struct.unpack("i", fcntl.ioctl(self.sock.fileno(), termios.FIONREAD, b"\0" * 4))[0]
-        except OSError:
+        return self._queued(termios.FIONREAD)  # the kernel's receive queue
+
+    def _queued(self, request: int) -> int:
+        """Bytes in one of the kernel's queues of this socket; 0 once it is closed (another thread may close it
+        while a probe or the inbox reads its queues: its fd is then -1)."""
+        try:
+            return struct.unpack("i", fcntl.ioctl(self.sock.fileno(), request, b"\0" * 4))[0]
+        except (OSError, ValueError):
             return 0
 
     def close(self) -> None:
