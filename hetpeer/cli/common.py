@@ -125,6 +125,10 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
                      help="recompute every layer's activations in the backward pass (far less memory for a third more "
                      "compute), whatever the plan says; plans ask for it per stage where a device needs it")
     run.add_argument("--lr", type=positive_float, default=3e-4, metavar="LR", help="AdamW learning rate (default 3e-4)")
+    run.add_argument("--warmup-steps", type=non_negative_int, default=0, metavar="N",
+                     help="raise the learning rate linearly from LR / N to LR over the first N steps (default 0)")
+    run.add_argument("--decay-steps", type=positive_int, metavar="N",
+                     help="then lower it on a cosine to LR / 10 at step N, and hold it there (default: no decay)")
     run.add_argument("--seed", type=non_negative_int, default=0, metavar="N", help="seed of the initial weights and the data order (default 0)")
     run.add_argument("--timeout", type=positive_float, default=60.0, metavar="SECONDS",
                      help="deadline for every tensor a peer waits for (default 60)")
@@ -164,7 +168,9 @@ def run_options_argv(args: argparse.Namespace) -> list[str]:
     passed = ["--steps", str(args.steps or DEFAULT_STEPS), "--device", args.device, "--lr", repr(args.lr), "--seed", str(args.seed),
               "--timeout", repr(args.timeout), "--compress", args.compress, "--topology", args.topology,
               "--accumulate", str(args.accumulate), "--mix-deadline", repr(args.mix_deadline),
-              "--sync-compress", args.sync_compress]
+              "--sync-compress", args.sync_compress, "--warmup-steps", str(args.warmup_steps)]
+    if args.decay_steps is not None:
+        passed += ["--decay-steps", str(args.decay_steps)]
     if args.data is not None:
         passed += ["--data", str(args.data.resolve())]
     if args.tokenizer is not None:

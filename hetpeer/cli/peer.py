@@ -139,12 +139,14 @@ def _worker_config(args: argparse.Namespace, model: ModelSpec | None = None):
     from hetpeer.peer.pipeline.worker import WorkerConfig
 
     folder = model is not None and args.model not in PRESETS  # a path: the model's weights may be there too
+    if args.decay_steps is not None and args.decay_steps <= args.warmup_steps:
+        raise UserError(f"--decay-steps ({args.decay_steps}) must be past the --warmup-steps ({args.warmup_steps})")
     return WorkerConfig(
         model=model,
         weights=str(args.model) if folder else None,
         device=args.device,
         seed=args.seed,
-        adam=AdamConfig(lr=args.lr, accumulate=args.accumulate),
+        adam=AdamConfig(lr=args.lr, accumulate=args.accumulate, warmup_steps=args.warmup_steps, decay_steps=args.decay_steps),
         sync=SyncConfig(
             topology=args.topology, deadline_s=args.mix_deadline, codec=args.sync_compress, clip=args.robust,
             overlap=not args.no_overlap, allreduce_timeout_s=args.timeout,

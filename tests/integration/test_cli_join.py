@@ -225,6 +225,8 @@ def join_case(case: str, tmp_path: Path, keys) -> tuple[list[str], list[str]]:
         words = ["addresses.peers.d1.direct", "HOST:PORT", "'127.0.0.1'"]
     elif case == "not a device":
         extra, words = ["--device", "gpu"], ["--device", "auto, cpu, cuda or cuda:N", "'gpu'"]
+    elif case == "decay that ends before the warmup":
+        extra, words = ["--warmup-steps", "10", "--decay-steps", "10"], ["--decay-steps (10)", "past the --warmup-steps (10)"]
     elif case == "a GPU this machine lacks":  # no CUDA at all, or fewer than 100 GPUs: both say so
         extra, words = ["--device", "cuda:99"], ["--device cuda:99"]
     else:
@@ -237,7 +239,8 @@ def join_case(case: str, tmp_path: Path, keys) -> tuple[list[str], list[str]]:
 
 
 JOIN_CASES = ["device not in the plan", "device not in the address book", "key of another peer", "plan is not JSON",
-              "fp16 plan", "bad --listen", "bad address book entry", "not a device", "a GPU this machine lacks"]  # fmt: skip
+              "fp16 plan", "bad --listen", "bad address book entry", "not a device", "a GPU this machine lacks",
+              "decay that ends before the warmup"]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", JOIN_CASES)

@@ -204,6 +204,38 @@ def test_without_mixing_it_is_torch_adamw(lr, betas, eps, weight_decay):
     assert state.step == 8
 
 
+def test_the_schedule_is_torch_adamw_under_a_warmup_and_cosine_lambda():
+    """Warmup then cosine decay: torch's AdamW under a LambdaLR of the same curve, written out here, step for step."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    twin = torch.nn.Linear(5, 3)
+    twin.load_state_dict(model.state_dict())
+    flat, config = FlatParams(twin), AdamConfig(lr=2e-2, warmup_steps=3, decay_steps=9, min_lr_ratio=0.2)
+    state = AdamState(flat.size)
+
+    def curve(done: int) -> float:  # LambdaLR's argument: steps done before this one
+        t = done + 1
+        if t <= 3:
+            return t / 3
+        return 0.2 + 0.8 * 0.5 * (1 + math.cos(math.pi * min(1.0, (t - 3) / 6)))
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-2, betas=config.betas, eps=config.eps, weight_decay=0.1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, curve)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(12):
+        inputs, targets = torch.randn(8, 5, generator=generator), torch.randn(8, 3, generator=generator)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+        schedule.step()
+        flat.zero_grad()
+        torch.nn.functional.mse_loss(twin(inputs), targets).backward()
+        adam_update(flat.data, flat.grad, state, config)
+        expected = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        torch.testing.assert_close(flat.data, expected, rtol=1e-5, atol=1e-7, msg=f"step {step}")
+    assert [config.lr_at(t) for t in (1, 3, 9, 40)] == pytest.approx([2e-2 / 3, 2e-2, 4e-3, 4e-3])
+
+
 def test_decay_ranges_are_torch_adamw_with_a_no_decay_group():
     """Biases and embedding tables take no weight decay: torch's AdamW with two parameter groups, step for step."""
     torch.manual_seed(0)
@@ -247,6 +279,9 @@ def test_decay_ranges_are_torch_adamw_with_a_no_decay_group():
         (dict(betas=(0.9, -0.1)), "betas must be in"),
         (dict(betas=(float("nan"), 0.9)), "betas must be in"),
         (dict(accumulate=0), "accumulate must be at least 1 step, got 0"),
+        (dict(warmup_steps=-1), "warmup_steps must be a whole number of steps >= 0, got -1"),
+        (dict(warmup_steps=10, decay_steps=10), r"decay_steps must be a whole number of steps past the warmup \(10\), got 10"),
+        (dict(min_lr_ratio=1.5), r"min_lr_ratio must be in \[0, 1\], got 1.5"),
     ],
 )
 def test_adam_config_rejects_bad_values(kwargs, message):

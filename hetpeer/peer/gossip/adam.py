@@ -33,6 +33,9 @@ class AdamConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     accumulate: int = 1  # AccumAdam's window A; 1 = Adam
+    warmup_steps: int = 0  # the learning rate rises linearly from lr / warmup_steps to lr over these steps
+    decay_steps: int | None = None  # then falls on a cosine to min_lr_ratio x lr at this step (None: stays at lr)
+    min_lr_ratio: float = 0.1
 
     def __post_init__(self) -> None:
         numbers = (self.lr, self.eps, self.weight_decay)
@@ -42,6 +45,22 @@ class AdamConfig:
             raise ValueError(f"betas must be in [0, 1), got {self.betas}")
         if not isinstance(self.accumulate, int) or self.accumulate < 1:
             raise ValueError(f"accumulate must be at least 1 step, got {self.accumulate}")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be a whole number of steps >= 0, got {self.warmup_steps}")
+        if self.decay_steps is not None and (not isinstance(self.decay_steps, int) or self.decay_steps <= self.warmup_steps):
+            raise ValueError(f"decay_steps must be a whole number of steps past the warmup ({self.warmup_steps}), got {self.decay_steps}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+    def lr_at(self, step: int) -> float:
+        """The learning rate of optimizer step `step` (1-based): linear warmup, then a cosine decay to
+        min_lr_ratio x lr at decay_steps, constant after."""
+        if step <= self.warmup_steps:
+            return self.lr * step / self.warmup_steps
+        if self.decay_steps is None:
+            return self.lr
+        done = min(1.0, (step - self.warmup_steps) / (self.decay_steps - self.warmup_steps))
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * done)))
 
 
 class AdamState:
@@ -72,8 +91,9 @@ def adam_update(
     b1, b2 = config.betas
     state.step += 1
     t, window = state.step, config.accumulate
+    lr = config.lr_at(t)
     if window == 1:
-        _fused_adamw(x, grad, state, config, decay_ranges)
+        _fused_adamw(x, grad, state, config, lr, decay_ranges)
         return
     if state.window is None:
         state.window = torch.zeros_like(state.m)
@@ -87,17 +107,17 @@ def adam_update(
         state.v.mul_(b2).addcmul_(mean, mean, value=1 - b2)
         state.window.zero_()
     denominator = v.sqrt().div_(math.sqrt(1 - b2**k)).add_(config.eps)
-    shrink = 1 - config.lr * config.weight_decay
+    shrink = 1 - lr * config.weight_decay
     if decay_ranges is None:
         x.mul_(shrink)
     elif shrink != 1:
         for start, end in decay_ranges:
             x[start:end].mul_(shrink)
-    x.addcdiv_(m, denominator, value=-config.lr / (1 - b1**k))
+    x.addcdiv_(m, denominator, value=-lr / (1 - b1**k))
 
 
 def _fused_adamw(
-    x: torch.Tensor, grad: torch.Tensor, state: AdamState, config: AdamConfig,
+    x: torch.Tensor, grad: torch.Tensor, state: AdamState, config: AdamConfig, lr: float,
     decay_ranges: Sequence[tuple[int, int]] | None,
 ) -> None:
     """One AdamW step (the step count already advanced) as torch's fused kernel, in two calls: the decayed
@@ -117,6 +137,6 @@ def _fused_adamw(
             continue
         views = [[tensor[start:end] for start, end in ranges] for tensor in (x, grad, state.m, state.v)]
         torch._fused_adamw_(
-            *views, [], [step] * len(ranges), amsgrad=False, lr=config.lr, beta1=config.betas[0],
+            *views, [], [step] * len(ranges), amsgrad=False, lr=lr, beta1=config.betas[0],
             beta2=config.betas[1], weight_decay=decay, eps=config.eps, maximize=False,
         )
