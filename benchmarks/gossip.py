@@ -4,11 +4,14 @@ reference from the same run.
     python3 benchmarks/gossip.py [--part loss|overlap|download|all]
 
 - loss: the tiny GPT trained by n peers in one group (in one process over the in-memory transport, so
-  the figures do not depend on this machine's load) for a fixed number of steps: decentralized Adam
-  (one-peer exponential graph), AccumAdam (A = 4), all-reduce Adam (the exact-average reference),
-  and DAdam with bf16 and int8 parameter frames; n = 4 and 8. Reported: mean loss of the last 10 steps
-  over the peers, and the consensus distance (mean distance of a peer's parameters to the group mean,
-  relative to the mean's norm).
+  the figures do not depend on this machine's load) for a fixed number of steps: all-reduce Adam (the
+  exact-average reference), decentralized Adam (one-peer exponential graph), decentralized Adam with exact
+  mixing (the complete graph: what is left of the gap is not the topology's), AccumAdam as Wang et al.
+  ran it (A = 8, beta2 0.98), and DAdam with int8 parameter frames; n = 4 and 8. Reported: the validation
+  loss of the group's mean parameters on held-out sequences, its gap to all-reduce's, how many times
+  all-reduce's steps the run needs to reach its loss (located on all-reduce's validation curve: what the
+  planner's time to the same loss needs), the training loss of the last 10 steps, and the consensus
+  distance (mean distance of a peer's parameters to the group mean, relative to the mean's norm).
 - overlap: the `small` preset, one stage of 2 peers as `hetpeer launch` processes, every link capped
   by the transport's rate limit so that exchanging the parameters takes less time than computing the
   gradient. Step times (median over steps 3+, slowest peer) with no averaging (compute only), gossip
@@ -22,12 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -49,6 +54,7 @@ from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.modelspec import preset
 
 HIDDEN_GOAL = 0.8
+VALIDATION_SEQUENCES, VALIDATION_SEED = 64, 12345
 STEP_LINE = re.compile(r"^\[(\S+)\] step (\d+)/\d+ .* ([0-9.]+) s \(compute")
 
 
@@ -58,53 +64,97 @@ def one_group(model: str, peers: int, sync: str, batch_per_peer: int, micro_batc
     return Plan("time", model, layers, batch_per_peer * peers, micro_batch, -(-batch_per_peer // micro_batch), "fp32", (stage,))
 
 
-def train_in_memory(peers: int, sync: str, steps: int, adam: AdamConfig, codec: str, corpus: Corpus) -> tuple[float, float]:
-    plan = one_group("tiny", peers, sync, batch_per_peer=4, micro_batch=4)
+def train_in_memory(peers: int, sync: str, steps: int, adam: AdamConfig, codec: str, corpus: Corpus, *,
+                    topology: str = "one-peer-exp", batch_per_peer: int = 4, every: int = 50) -> Run:
+    """n peers of one group in threads over the in-memory transport; every `every` steps, the validation loss
+    of the group's mean parameters (what a final exact average would export)."""
+    plan = one_group("tiny", peers, sync, batch_per_peer=batch_per_peer, micro_batch=batch_per_peer)
     hub = MemoryHub()
-    config = WorkerConfig(adam=adam, sync=SyncConfig(codec=codec, deadline_s=30))
+    config = WorkerConfig(adam=adam, sync=SyncConfig(topology=topology, codec=codec, deadline_s=60))
     workers = []
     for device in plan.devices:
         transport = MemoryTransport(device, hub)
         transport.start()
         workers.append(StageWorker(plan, device, transport, corpus, config))
+    held_out = corpus.validation_batch(VALIDATION_SEQUENCES, preset("tiny").seq_len, seed=VALIDATION_SEED)
+    tokens, labels = torch.from_numpy(held_out.tokens), torch.from_numpy(held_out.labels)
     losses: dict[str, list[float]] = {w.device_id: [] for w in workers}
 
-    def run(worker: StageWorker) -> None:
-        for i in range(steps):
-            losses[worker.device_id].append(worker.train_step(last=i + 1 == steps).loss)
+    def run(worker: StageWorker, count: int) -> None:
+        for _ in range(count):
+            losses[worker.device_id].append(worker.train_step().loss)
 
-    threads = [threading.Thread(target=run, args=(w,)) for w in workers]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    curve: list[tuple[int, float]] = []
+    done = 0
+    while done < steps:
+        count = min(every, steps - done)
+        threads = [threading.Thread(target=run, args=(w, count)) for w in workers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        done += count
+        model = workers[0]
+        own = model.flat.data.clone()
+        with torch.no_grad():
+            model.flat.data.copy_(torch.stack([w.flat.data for w in workers]).mean(0))
+            curve.append((done, float(model.model.loss(model.model(tokens), labels))))
+            model.flat.data.copy_(own)
     params = torch.stack([w.flat.data for w in workers])
     mean = params.mean(0)
     consensus = float((params - mean).norm(dim=1).mean() / mean.norm())
-    return statistics.mean(statistics.mean(v[-10:]) for v in losses.values()), consensus
+    train = statistics.mean(statistics.mean(v[-10:]) for v in losses.values())
+    return Run(curve, train, consensus)
+
+
+@dataclass(frozen=True)
+class Run:
+    curve: list[tuple[int, float]]  # (step, validation loss of the group's mean parameters)
+    train: float  # mean training loss of the last 10 steps over the peers
+    consensus: float  # mean |x_i - mean| / |mean| at the end
+
+    @property
+    def loss(self) -> float:
+        return self.curve[-1][1]
+
+    def steps_to(self, loss: float) -> float:
+        """The step (interpolated between points of the curve) at which this run's loss first fell to `loss`;
+        its last step when it never did."""
+        previous = (0, math.inf)
+        for step, value in self.curve:
+            if value <= loss:
+                if not math.isfinite(previous[1]):
+                    return float(step)
+                return previous[0] + (step - previous[0]) * (previous[1] - loss) / (previous[1] - value)
+            previous = (step, value)
+        return float(self.curve[-1][0])
 
 
 def part_loss(args: argparse.Namespace) -> bool:
     corpus = Corpus.default()
     torch.set_num_threads(1)
     runs = [
-        ("all-reduce Adam", "allreduce", 1, "raw"),
-        ("DAdam (one-peer exp)", "gossip", 1, "raw"),
-        ("AccumAdam A=4", "gossip", 4, "raw"),
-        ("DAdam, bf16 parameters", "gossip", 1, "bf16"),
-        ("DAdam, int8 parameters", "gossip", 1, "int8"),
+        ("all-reduce Adam", "allreduce", AdamConfig(lr=args.lr), "one-peer-exp", "raw"),
+        ("DAdam (one-peer-exp)", "gossip", AdamConfig(lr=args.lr), "one-peer-exp", "raw"),
+        ("DAdam, exact mixing (complete)", "gossip", AdamConfig(lr=args.lr), "complete", "raw"),
+        ("AccumAdam A=8, b2 0.98", "gossip", AdamConfig(lr=args.lr, betas=(0.9, 0.98), accumulate=8), "one-peer-exp", "raw"),
+        ("DAdam, int8 parameters", "gossip", AdamConfig(lr=args.lr), "one-peer-exp", "int8"),
     ]
-    print(f"\nloss: tiny GPT, {args.loss_steps} steps, lr {args.lr}, 4 sequences per peer per step; "
-          "mean loss of the last 10 steps; consensus = mean |x_i - mean| / |mean|")
-    print(f"{'optimizer':26s} {'peers':>5s} {'loss':>8s} {'vs all-reduce':>14s} {'consensus':>10s}")
+    runs = [run for run in runs if args.only is None or run[0] in args.only]
+    print(f"\nloss: tiny GPT, {args.loss_steps} steps, lr {args.lr}, {args.batch_per_peer} sequences per peer per step; "
+          f"validation loss of the group's mean parameters on {VALIDATION_SEQUENCES} held-out sequences; steps x = how many "
+          "times all-reduce's steps the run takes to its loss (where all-reduce's curve reaches it); "
+          "consensus = mean |x_i - mean| / |mean|")
+    print(f"{'optimizer':32s} {'peers':>5s} {'val loss':>9s} {'vs all-reduce':>14s} {'steps x':>8s} {'train':>7s} {'consensus':>10s}")
     for peers in args.peers:
         reference = None
-        for name, sync, accumulate, codec in runs:
-            loss, consensus = train_in_memory(
-                peers, sync, args.loss_steps, AdamConfig(lr=args.lr, accumulate=accumulate), codec, corpus
-            )
-            reference = reference or loss
-            print(f"{name:26s} {peers:5d} {loss:8.4f} {loss - reference:+14.4f} {consensus:10.2e}")
+        for name, sync, adam, topology, codec in runs:
+            run = train_in_memory(peers, sync, args.loss_steps, adam, codec, corpus, topology=topology,
+                                  batch_per_peer=args.batch_per_peer, every=args.every)
+            reference = reference or run
+            factor = args.loss_steps / reference.steps_to(run.loss) if run.loss > reference.loss else 1.0
+            print(f"{name:32s} {peers:5d} {run.loss:9.4f} {run.loss / reference.loss - 1:+14.1%} {factor:8.2f} "
+                  f"{run.train:7.4f} {run.consensus:10.2e}", flush=True)
     return True
 
 
@@ -194,8 +244,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", choices=["loss", "overlap", "download", "all"], default="all")
     parser.add_argument("--peers", type=int, nargs="+", default=[4, 8], help="group sizes for the loss part (default 4 8)")
-    parser.add_argument("--loss-steps", type=int, default=150, help="steps of the loss part (default 150)")
+    parser.add_argument("--loss-steps", type=int, default=600, help="steps of the loss part (default 600)")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate of the loss part (default 1e-3)")
+    parser.add_argument("--batch-per-peer", type=int, default=4, help="sequences per peer per step, loss part (default 4)")
+    parser.add_argument("--every", type=int, default=50, help="steps between validations, loss part (default 50)")
+    parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these optimizers of the loss part (by name)")
     parser.add_argument("--cap-mbit", type=float, default=800.0, help="link cap of the overlap part (default 800)")
     parser.add_argument("--overlap-batch", type=int, default=4, help="sequences per peer per step (default 4)")
     parser.add_argument("--overlap-steps", type=int, default=10, help="steps per overlap run (default 10)")
