@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
+
+import pytest
 
 from hetpeer.peer.transport.links import SocketStream
 
@@ -23,3 +26,21 @@ def test_queues_are_read_while_open_and_read_as_empty_once_another_thread_closed
             assert (stream.unsent_bytes(), stream.unread_bytes()) == (0, 0)
         finally:
             client.close()
+
+
+def test_a_read_on_a_socket_closed_under_it_ends_the_stream_as_a_closed_connection():
+    """The frame reader ends a stream on ConnectionError; a socket another task closed must read as one, not as
+    an OSError (EBADF) or ValueError (fd -1) that escapes as a failed task with a traceback."""
+    async def read_after_close() -> None:
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            client = socket.create_connection(server.getsockname())
+            accepted, _ = server.accept()
+            stream = SocketStream(accepted, "other")
+            try:
+                stream.close()
+                with pytest.raises(ConnectionError, match="the connection to other was closed"):
+                    await stream.read_exactly(4)
+            finally:
+                client.close()
+
+    asyncio.run(read_after_close())

@@ -67,20 +67,22 @@ class SocketStream(Stream):
             sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
 
     async def read_exactly(self, n: int, progress: Progress | None = None) -> memoryview:
-        loop = asyncio.get_running_loop()
         buffer = numpy.empty(n, numpy.uint8)  # not zero-filled, unlike bytearray: 64 MB costs no memset
         view, got = memoryview(buffer), 0
         while got < n:
-            chunk = await loop.sock_recv_into(self.sock, view[got:])
-            if chunk == 0:
-                raise ConnectionError(f"{self.remote} closed the connection")
+            chunk = await self.read_some(view[got:])
             got += chunk
             if progress is not None:
                 progress(view, got)
         return view
 
     async def read_some(self, into: memoryview) -> int:
-        got = await asyncio.get_running_loop().sock_recv_into(self.sock, into)
+        try:
+            got = await asyncio.get_running_loop().sock_recv_into(self.sock, into)
+        except ConnectionError:
+            raise
+        except (OSError, ValueError) as error:  # closed here, by another task (a replaced connection): fd gone or -1
+            raise ConnectionError(f"the connection to {self.remote} was closed: {error}") from error
         if got == 0:
             raise ConnectionError(f"{self.remote} closed the connection")
         return got
