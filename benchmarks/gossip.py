@@ -64,6 +64,29 @@ def one_group(model: str, peers: int, sync: str, batch_per_peer: int, micro_batc
     return Plan("time", model, layers, batch_per_peer * peers, micro_batch, -(-batch_per_peer // micro_batch), "fp32", (stage,))
 
 
+@dataclass(frozen=True)
+class Run:
+    curve: list[tuple[int, float]]  # (step, validation loss of the group's mean parameters)
+    train: float  # mean training loss of the last 10 steps over the peers
+    consensus: float  # mean |x_i - mean| / |mean| at the end
+
+    @property
+    def loss(self) -> float:
+        return self.curve[-1][1]
+
+    def steps_to(self, loss: float) -> float:
+        """The step (interpolated between points of the curve) at which this run's loss first fell to `loss`;
+        its last step when it never did."""
+        previous = (0, math.inf)
+        for step, value in self.curve:
+            if value <= loss:
+                if not math.isfinite(previous[1]):
+                    return float(step)
+                return previous[0] + (step - previous[0]) * (previous[1] - loss) / (previous[1] - value)
+            previous = (step, value)
+        return float(self.curve[-1][0])
+
+
 def train_in_memory(peers: int, sync: str, steps: int, adam: AdamConfig, codec: str, corpus: Corpus, *,
                     topology: str = "one-peer-exp", batch_per_peer: int = 4, every: int = 50) -> Run:
     """n peers of one group in threads over the in-memory transport; every `every` steps, the validation loss
@@ -105,29 +128,6 @@ def train_in_memory(peers: int, sync: str, steps: int, adam: AdamConfig, codec: 
     consensus = float((params - mean).norm(dim=1).mean() / mean.norm())
     train = statistics.mean(statistics.mean(v[-10:]) for v in losses.values())
     return Run(curve, train, consensus)
-
-
-@dataclass(frozen=True)
-class Run:
-    curve: list[tuple[int, float]]  # (step, validation loss of the group's mean parameters)
-    train: float  # mean training loss of the last 10 steps over the peers
-    consensus: float  # mean |x_i - mean| / |mean| at the end
-
-    @property
-    def loss(self) -> float:
-        return self.curve[-1][1]
-
-    def steps_to(self, loss: float) -> float:
-        """The step (interpolated between points of the curve) at which this run's loss first fell to `loss`;
-        its last step when it never did."""
-        previous = (0, math.inf)
-        for step, value in self.curve:
-            if value <= loss:
-                if not math.isfinite(previous[1]):
-                    return float(step)
-                return previous[0] + (step - previous[0]) * (previous[1] - loss) / (previous[1] - value)
-            previous = (step, value)
-        return float(self.curve[-1][0])
 
 
 def part_loss(args: argparse.Namespace) -> bool:
