@@ -14,8 +14,8 @@ slowed (`--slowdown` for the fast site, twice that for the slow one) with the sa
     weight decay 0.1 on matrices (hetpeer's rule), global batch `--batch` sequences, values in fp16 on the
     wire, for `--duration` seconds from each system's first step:
     - hetpeer: `hetpeer coordinator` plans from the peers' own measurements (stages, groups, lanes; the
-      time model), peers train with decentralized Adam in their groups (`--compress fp16 --sync-compress
-      fp16`);
+      time model, its plans sending activations in fp16: `--compress fp16`), peers train with decentralized
+      Adam in their groups (`--sync-compress fp16`);
     - hivemind: benchmarks/hivemind_peer.py on every device: `hivemind.Optimizer` over AdamW on the whole
       model, target batch = hetpeer's global batch, set up as hivemind's ALBERT example does for the
       internet (offloaded optimizer, delayed optimizer step and gradient averaging, fp16 gradients and
@@ -376,7 +376,8 @@ def main() -> int:
             topology=topology, out=out / name, slowdown=args.slowdown if model == "small" else 1.0, emulate_latency=False,
             image=args.image, project=f"hetpeer-vs-{name}-{time.time_ns() % 10**8}", subnet=free_subnet(), api_port=free_port(),
             swarm="vs", model=model, batch=batch, micro_batch=2, heartbeat_s=args.heartbeat,
-            peer_args=("--compress", "fp16", "--sync-compress", "fp16", "--lr", repr(args.lr), "--probe-targets", "7"),
+            coordinator_args=("--compress", "fp16"),
+            peer_args=("--sync-compress", "fp16", "--lr", repr(args.lr), "--probe-targets", "7"),
         )
 
     result: dict = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}

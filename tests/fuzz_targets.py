@@ -33,6 +33,7 @@ from hetpeer.peer.transport.codec import TORCH_DTYPES, PayloadCheck, checksum, d
 from hetpeer.peer.transport.inbox import Inbox, Late
 from hetpeer.protocol.addresses import AddressBook, PeerAddress
 from hetpeer.protocol.frame import (
+    BLOCKED_CODECS,
     _FIXED,
     CODECS,
     DTYPES,
@@ -199,7 +200,7 @@ def frame_headers(draw, small: bool = False) -> FrameHeader:
     dtype = draw(st.sampled_from(sorted(DTYPES)))
     codec = draw(st.sampled_from([c for c in CODECS if c == "raw" or dtype in FLOAT_DTYPES]))
     dim = st.integers(0, 8) if small else st.one_of(st.integers(0, 8), st.sampled_from([2**16, 2**31, 2**32 - 1]))
-    shape = tuple(draw(st.lists(dim, min_size=int(codec == "int8"), max_size=3 if small else MAX_NDIM)))
+    shape = tuple(draw(st.lists(dim, min_size=int(codec in BLOCKED_CODECS), max_size=3 if small else MAX_NDIM)))
     while payload_bytes(dtype, shape, codec) >= 2**64:  # past what the header's payload field can declare
         shape = shape[:-1]
     return FrameHeader(
@@ -319,11 +320,11 @@ def payload_cases(draw) -> tuple[FrameHeader, bytes, tuple[int, ...], torch.Tens
         payload = torch.randint(0, 256, (size,), generator=generator, dtype=torch.uint8).numpy().tobytes()
         sum_ = checksum(payload)
     elif op == "inject" and header.dtype in FLOAT_DTYPES and payload:
-        # a float in the region a receiver checks: the tensor, its 16-bit form, or an int8 frame's scales
-        region_dtype = (torch.float32 if header.codec == "int8"
+        # a float in the region a receiver checks: the tensor, its 16-bit form, or a blocked frame's scales
+        region_dtype = (torch.float32 if header.codec in BLOCKED_CODECS
                         else TORCH_DTYPES[header.dtype if header.codec == "raw" else header.codec])
         width = region_dtype.itemsize
-        region = -(-header.numel // 64) * 4 if header.codec == "int8" else len(payload)
+        region = -(-header.numel // 64) * 4 if header.codec in BLOCKED_CODECS else len(payload)
         if region >= width:
             at = draw(st.integers(0, region // width - 1)) * width
             value = draw(st.sampled_from([NAN, INF, -INF, 3.4e38, 65504.0, 1e30]))
@@ -334,7 +335,7 @@ def payload_cases(draw) -> tuple[FrameHeader, bytes, tuple[int, ...], torch.Tens
     elif op == "reshape":
         other = draw(st.one_of(frame_headers(small=True), frame_headers()))
         codec = other.codec if header.dtype in FLOAT_DTYPES else "raw"
-        if (codec != "int8" or other.shape) and payload_bytes(header.dtype, other.shape, codec) < 2**64:
+        if (codec not in BLOCKED_CODECS or other.shape) and payload_bytes(header.dtype, other.shape, codec) < 2**64:
             header = dataclasses.replace(header, shape=other.shape, codec=codec, payload_bytes=-1)
     header = dataclasses.replace(header, checksum=sum_)
     splits = tuple(sorted(draw(st.lists(st.integers(0, len(payload)), max_size=3))))

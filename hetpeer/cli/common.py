@@ -66,6 +66,24 @@ positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
 
 
+def codec_pair(text: str) -> tuple[str, str]:
+    """CODEC (both directions) or FORWARD/BACKWARD: how activations and their gradients travel."""
+    names = text.split("/")
+    if len(names) > 2 or any(name not in CODECS for name in names):
+        raise argparse.ArgumentTypeError(f"must be a codec or FORWARD/BACKWARD, each one of {', '.join(CODECS)}; got {text!r}")
+    return names[0], names[-1]
+
+
+def compress_choice(text: str) -> tuple[str, str]:
+    """`codec_pair`, or auto: the planner chooses each hop's pair."""
+    return ("auto", "auto") if text == "auto" else codec_pair(text)
+
+
+COMPRESS_HELP = ("how activations travel between stages and their gradients back: auto (default: per hop, the pair that "
+                 "makes it shortest among those whose measured loss effect is within budget), one codec for both, or "
+                 f"FORWARD/BACKWARD, e.g. int4/int8; each one of {', '.join(CODECS)} (docs/compression.md)")
+
+
 def _latency_map(text: str) -> dict[str, float]:
     """`HOST=MS,HOST:PORT=MS,*=MS` -> one-way seconds by host."""
     found = {}
@@ -132,8 +150,6 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--seed", type=non_negative_int, default=0, metavar="N", help="seed of the initial weights and the data order (default 0)")
     run.add_argument("--timeout", type=positive_float, default=60.0, metavar="SECONDS",
                      help="deadline for every tensor a peer waits for (default 60)")
-    run.add_argument("--compress", choices=CODECS, default="raw",
-                     help="how activations and gradients travel: raw (default), fp16, bf16 or int8")
     run.add_argument("--threads", type=positive_int, metavar="N", help="torch threads per peer (default: torch's)")
     run.add_argument("--save", type=Path, metavar="DIR",
                      help="write each peer's stage checkpoint (weights, Adam moments, step, plan epoch) to DIR/DEVICE.safetensors "
@@ -154,7 +170,7 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--mix-deadline", type=positive_float, default=10.0, metavar="SECONDS",
                        help="how long to wait for a neighbour's parameters before leaving it out of the step (default 10)")
     group.add_argument("--sync-compress", choices=CODECS, default="raw",
-                       help="how parameters travel: raw (default), fp16, bf16 or int8")
+                       help=f"how parameters travel: {', '.join(CODECS)} (default raw)")
     group.add_argument("--robust", type=positive_float, metavar="CLIP",
                        help="robust mixing: clip each neighbour's difference at CLIP x the typical distance, and leave "
                        "out (and report to the coordinator) a neighbour far past that round after round (2 is a start)")
@@ -166,7 +182,7 @@ def run_options_argv(args: argparse.Namespace) -> list[str]:
     """The training options (`add_run_options`'s, and the model), as `hetpeer launch` passes them on to each
     `hetpeer join`."""
     passed = ["--steps", str(args.steps or DEFAULT_STEPS), "--device", args.device, "--lr", repr(args.lr), "--seed", str(args.seed),
-              "--timeout", repr(args.timeout), "--compress", args.compress, "--topology", args.topology,
+              "--timeout", repr(args.timeout), "--topology", args.topology,
               "--accumulate", str(args.accumulate), "--mix-deadline", repr(args.mix_deadline),
               "--sync-compress", args.sync_compress, "--warmup-steps", str(args.warmup_steps)]
     if args.decay_steps is not None:

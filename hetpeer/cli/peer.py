@@ -13,10 +13,11 @@ from dataclasses import replace
 from pathlib import Path
 
 from hetpeer.cli.common import (
-    DEFAULT_STEPS, SWARM_DTYPES, UserError, add_link_option, add_model_options, add_run_options, home_dir, log_to_stdout,
-    model_spec, non_negative_int, positive_float, positive_int, read_json, run_options_argv, say, stop_on_sigterm,
+    DEFAULT_STEPS, SWARM_DTYPES, UserError, add_link_option, add_model_options, add_run_options, codec_pair, home_dir,
+    log_to_stdout, model_spec, non_negative_int, positive_float, positive_int, read_json, run_options_argv, say, stop_on_sigterm,
 )
 from hetpeer.protocol.addresses import maddr_host
+from hetpeer.protocol.frame import CODECS
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.modelspec import PRESETS, ModelSpec
 from hetpeer.protocol.workload import Workload
@@ -71,6 +72,10 @@ def add_commands(commands) -> None:
                         "(its config.json, and safetensors the peers load their stages from)")
     launch.add_argument("--seq-len", type=positive_int, metavar="N",
                         help="tokens per training sequence (default: the plan's; plans older than that field: the model's context)")
+    launch.add_argument("--compress", type=codec_pair, metavar="CODEC[/CODEC]",
+                        help="how activations travel to the next stage and their gradients back, for every lane's hops: "
+                        f"one codec for both, or FORWARD/BACKWARD (e.g. int4/int8), each one of {', '.join(CODECS)} "
+                        "(default: the plan's own, raw where it names none)")
     add_link_option(launch)
     add_run_options(launch)
     launch.set_defaults(run=run_launch)
@@ -152,7 +157,6 @@ def _worker_config(args: argparse.Namespace, model: ModelSpec | None = None):
             overlap=not args.no_overlap, allreduce_timeout_s=args.timeout,
         ),
         timeout_s=args.timeout,
-        codec=args.compress,
         recompute=args.recompute,
     )
 
@@ -380,12 +384,16 @@ def run_launch(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.plan is None:
         plan = demo_plan(args.local_peers)
-        path = out / "plan.json"
-        path.write_text(json.dumps(plan.to_wire(), indent=1))
         print(f"demo: the tiny model on {args.local_peers} local peers, {len(plan.stages)} stage(s) x "
-              f"{plan.group_size} lane(s), plan in {path}", flush=True)
+              f"{plan.group_size} lane(s), plan in {out / 'plan.json'}", flush=True)
     else:
         plan, path = _load_plan(args.plan, args), args.plan.resolve()
+    if args.compress is not None:
+        plan = plan.with_codecs(*args.compress)
+        print(f"activations travel in {args.compress[0]}, their gradients in {args.compress[1]}", flush=True)
+    if args.plan is None or args.compress is not None:  # the peers read the plan they run from a file
+        path = out / "plan.json"
+        path.write_text(json.dumps(plan.to_wire(), indent=1))
     if args.model is not None or plan.model not in PRESETS:  # the peers would each refuse it: say so once, here
         if args.model is None:
             raise UserError(f"plan {args.plan} trains model {plan.model} from a model folder: give --model with that folder")

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from hetpeer import scenarios
 from hetpeer.cli.common import (
-    UserError, add_eval_options, add_model_options, model_spec, non_negative_int, positive_float, positive_int, read_json,
+    COMPRESS_HELP, UserError, add_eval_options, add_model_options, compress_choice, model_spec, non_negative_int, positive_float, positive_int,
+    read_json,
 )
 from hetpeer.protocol.plan import COST_MODELS, RECOMPUTE_CHOICES, SYNC_CHOICES, Plan
 from hetpeer.protocol.modelspec import DTYPE_BYTES
@@ -58,6 +59,8 @@ def add_commands(commands) -> None:
                             "(by default they are left out first, with the reason in the plan)")
     model.add_argument("--sync", choices=SYNC_CHOICES, default="auto",
                        help="how groups average weights (time model; default auto: per group)")
+    model.add_argument("--compress", type=compress_choice, default=("auto", "auto"), metavar="auto|CODEC[/CODEC]",
+                       help=COMPRESS_HELP + "; time model only")
     model.add_argument("--recompute", choices=RECOMPUTE_CHOICES, default="auto",
                        help="activation recomputation (time model): auto (default: a stage recomputes the fewest layers that "
                        "make it fit its devices' memory, each at the cost of one more forward pass), never, or always "
@@ -102,6 +105,10 @@ def _run_plan(args: argparse.Namespace) -> int:
 
     if args.cost_model != "dtfm" and (args.dp_bytes or args.pp_bytes):
         raise UserError("--dp-bytes and --pp-bytes apply to --cost-model dtfm only")
+    if args.cost_model == "dtfm":
+        if args.compress not in (("auto", "auto"), ("raw", "raw")):
+            raise UserError("--compress applies to --cost-model time only (dtfm counts the paper's bytes)")
+        args.compress = ("raw", "raw")
     raw = scenarios.load(args.scenario) if args.scenario else read_json(args.topology, "topology file")
     topology = Topology.from_wire(raw)
     try:
@@ -120,6 +127,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         prune=not args.no_prune,
         sync=args.sync,
         recompute=args.recompute,
+        compress=args.compress,
         time_budget_s=args.time_budget,
     )
 

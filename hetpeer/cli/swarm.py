@@ -16,8 +16,8 @@ from pathlib import Path
 
 from hetpeer import logline
 from hetpeer.cli.common import (
-    SWARM_DTYPES, UserError, add_eval_options, add_model_options, home_dir, log_to_stdout, model_spec, non_negative_float,
-    non_negative_int, positive_float, positive_int, say, stop_on_sigterm,
+    COMPRESS_HELP, SWARM_DTYPES, UserError, add_eval_options, add_model_options, compress_choice, home_dir, log_to_stdout, model_spec,
+    non_negative_float, non_negative_int, positive_float, positive_int, say, stop_on_sigterm,
 )
 
 
@@ -65,6 +65,8 @@ def add_commands(commands) -> None:
     coordinator.add_argument("--time-budget", type=positive_float, default=2.0, metavar="SECONDS", help="planner search time (default 2)")
     coordinator.add_argument("--stages", type=positive_int, metavar="S", help="fix the number of pipeline stages")
     coordinator.add_argument("--group-size", type=positive_int, metavar="M", help="fix the data-parallel group size")
+    coordinator.add_argument("--compress", type=compress_choice, default=("auto", "auto"), metavar="auto|CODEC[/CODEC]",
+                             help=COMPRESS_HELP)
     coordinator.add_argument("--seed", type=non_negative_int, default=0, metavar="N", help="planner seed (default 0)")
     coordinator.add_argument("--steps", type=positive_int, metavar="N",
                              help="the swarm's last step: once the running plan reaches it, publish no new plan "
@@ -141,6 +143,8 @@ def add_commands(commands) -> None:
     swarm.add_argument("--eval-every", type=non_negative_int, default=25, metavar="N",
                        help="every lane measures its loss on held-out data at every N-th step (default 25; 0: never)")
     swarm.add_argument("--eval-batch", type=positive_int, default=8, metavar="N", help="held-out sequences per lane for it (default 8)")
+    swarm.add_argument("--compress", type=compress_choice, default=("auto", "auto"), metavar="auto|CODEC[/CODEC]",
+                       help="the coordinator's --compress (default auto)")
     swarm.add_argument("--verbose", action="store_true", help="show every process's output, not just the progress")
     swarm.set_defaults(run=run_swarm)
 
@@ -163,7 +167,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
             api_tls=api_tls, http_listen=http, model=model_spec(args),
             batch=args.batch, micro_batch=args.micro_batch, dtype=args.dtype, heartbeat_s=args.heartbeat,
             replan_interval_s=args.replan_interval, min_peers=args.min_peers, gain=args.gain,
-            time_budget_s=args.time_budget, stages=args.stages, group_size=args.group_size, seed=args.seed,
+            time_budget_s=args.time_budget, stages=args.stages, group_size=args.group_size, compress=args.compress, seed=args.seed,
             steps=args.steps, join_file=args.join_file, reach_port=args.reach_port, eval_every=args.eval_every, eval_batch=args.eval_batch,
             **_admission(args.admission), ban_period_s=args.ban_period,
         )
@@ -356,7 +360,9 @@ def run_swarm(args: argparse.Namespace) -> int:
             slowdowns=parse_per_peer(args.slowdowns, args.peers, "--slowdowns"),
             bandwidth_caps=parse_per_peer(args.bandwidth_caps, args.peers, "--bandwidth-caps", none_value="none"),
             heartbeat_s=args.heartbeat, replan_interval_s=args.replan_interval, lr=args.lr, seed=args.seed, data=args.data,
-            save=args.save.resolve() if args.save else None, coordinator_args=("--eval-every", str(args.eval_every), "--eval-batch", str(args.eval_batch)),
+            save=args.save.resolve() if args.save else None, coordinator_args=(
+                "--eval-every", str(args.eval_every), "--eval-batch", str(args.eval_batch), "--compress", "auto" if args.compress == ("auto", "auto") else "/".join(args.compress),
+            ),
         )
     except ValueError as error:
         raise UserError(str(error)) from None

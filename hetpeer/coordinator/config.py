@@ -36,6 +36,7 @@ class CoordinatorConfig:
     time_budget_s: float = 2.0
     stages: int | None = None
     group_size: int | None = None
+    compress: tuple[str, str] = ("auto", "auto")  # codecs between stages: auto (the planner's, per hop) or a fixed pair
     seed: int = 0
     plan_ttl_s: float = 3600.0  # the plan stays in the DHT this long after its last (re)publication
     steps: int | None = None  # the swarm's last step: no new plan once the running one reaches it

@@ -18,6 +18,7 @@ import numpy as np
 
 from hetpeer.coordinator import policy
 from hetpeer.coordinator.planner import PlanningError, solve
+from hetpeer.coordinator.planner.codecs import AUTO
 from hetpeer.coordinator.repair import repair
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.records import PeerRecord
@@ -145,6 +146,8 @@ class Publisher:
             standby=found.standby, epoch=(current.epoch + 1) if current is not None else 1, start_step=found.step,
             eval_every=config.eval_every, eval_batch=config.eval_batch if config.eval_every else 0,
         )
+        if config.compress != AUTO:  # codecs the organizer fixed; auto's are the next solve's to choose
+            plan = plan.with_codecs(*config.compress)
         self._publish(plan, f"resumed from the peers' checkpoints at step {found.step}")
 
     def _publish(self, plan: Plan, why: str) -> bool:
@@ -171,7 +174,9 @@ class Publisher:
             for line in plan.standby_lines():
                 self.report(f"  standby: {line}")
             for s, stage in enumerate(plan.stages):
-                self.report(f"  stage {s + 1} layers {stage.layer_start}-{stage.layer_end - 1} ({stage.sync}): {', '.join(stage.devices)}")
+                hop = f"; to stage {s + 2} in {stage.hop_codecs}" if stage.hop_codecs else ""
+                self.report(f"  stage {s + 1} layers {stage.layer_start}-{stage.layer_end - 1} ({stage.sync}{hop}): "
+                            f"{', '.join(stage.devices)}")
             if plan.estimated_links:
                 self.report(f"  {len(plan.estimated_links)} link(s) not yet measured were estimated")
         return True

@@ -48,7 +48,8 @@ class Coordinator(Gatekeeper, Publisher):
             identity_path=config.home / "dht.key", remember_path=config.home / "known_dht.json",
         )
         self.planner = PlannerConfig(
-            cost_model="time", stages=config.stages, group_size=config.group_size, time_budget_s=config.time_budget_s
+            cost_model="time", stages=config.stages, group_size=config.group_size, time_budget_s=config.time_budget_s,
+            compress=config.compress,
         )
         self.api: ApiServer | None = None
         self.dashboard: DashboardServer | None = None

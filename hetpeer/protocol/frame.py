@@ -10,7 +10,10 @@ A frame is a prefix, a header and a payload:
 
 `dtype` and `shape` describe the tensor the receiver rebuilds; `codec` how it was squeezed on the wire:
 `raw` (as is), `fp16`/`bf16` (floats cast to 16 bits), `int8` (absmax scales as float32, one per
-block of 64 consecutive elements, then one signed byte per element). The payload size follows from
+block of 64 consecutive elements, then one signed byte per element), `int4` (the tensor cut into tiles
+of 64 consecutive elements, zeros padding the last; a float32 scale per tile, negative where the tile
+travels rotated by the 64-point orthonormal Hadamard transform; then per tile 32 bytes, two 4-bit codes
+a byte, low nibble first, code c standing for (c - 8) x |scale|). The payload size follows from
 dtype, shape and codec, so a receiver knows before reading a byte of payload whether a frame is
 well-formed and within its size limit. The checksum is XXH3-64 rather than CRC-32: it runs at about
 18 GB/s against CRC-32's 3.5 GB/s on this project's CI machine, so checking costs a few percent of a
@@ -39,8 +42,9 @@ ALIGN = 64  # prefix and header together are padded to a multiple of this
 KINDS = ("activation", "gradient", "labels", "params", "probe", "allreduce", "state_request", "state", "tied")
 DTYPES = {"fp32": 4, "fp16": 2, "bf16": 2, "int64": 8, "int32": 4, "uint8": 1}
 FLOAT_DTYPES = ("fp32", "fp16", "bf16")
-CODECS = ("raw", "fp16", "bf16", "int8")
-INT8_BLOCK = 64  # elements per scale: small blocks keep a large value from flattening its neighbours
+CODECS = ("raw", "fp16", "bf16", "int8", "int4")
+BLOCKED_CODECS = ("int8", "int4")  # a scale per block of BLOCK elements
+BLOCK = 64  # elements per scale: small blocks keep a large value from flattening its neighbours
 
 
 class FrameError(ValueError):
@@ -69,8 +73,8 @@ class FrameHeader:
             raise FrameError(f"unknown codec {self.codec!r}")
         if self.codec != "raw" and self.dtype not in FLOAT_DTYPES:
             raise FrameError(f"codec {self.codec} applies to floating-point tensors, not {self.dtype}")
-        if self.codec == "int8" and not self.shape:
-            raise FrameError("codec int8 needs at least one dimension")
+        if self.codec in BLOCKED_CODECS and not self.shape:
+            raise FrameError(f"codec {self.codec} needs at least one dimension")
         if len(self.shape) > MAX_NDIM or any(not 0 <= d < 2**32 for d in self.shape):
             raise FrameError(f"bad shape {self.shape}")
         if not 0 <= self.step < 2**64 or not 0 <= self.micro < 2**32 or not 0 <= self.epoch < 2**32:
@@ -127,7 +131,19 @@ def payload_bytes(dtype: str, shape: tuple[int, ...], codec: str) -> int:
         return numel * DTYPES[dtype]
     if codec in ("fp16", "bf16"):
         return numel * 2
-    return -(-numel // INT8_BLOCK) * 4 + numel
+    blocks = -(-numel // BLOCK)
+    if codec == "int8":
+        return blocks * 4 + numel
+    return blocks * (4 + BLOCK // 2)
+
+
+def bytes_per_value(dtype: str, codec: str) -> float:
+    """Wire bytes per value of a large float tensor of `dtype` in `codec` (block scales included)."""
+    if codec == "raw":
+        return float(DTYPES[dtype])
+    if codec in ("fp16", "bf16"):
+        return 2.0
+    return (1.0 if codec == "int8" else 0.5) + 4 / BLOCK
 
 
 def header_length(prefix: bytes) -> int:

@@ -7,7 +7,9 @@ A plan is what the coordinator publishes and what `hetpeer plan --json` prints. 
      "seq_len": int,                                  # optional: tokens per sequence it was made for
      "stages": [{"index": s, "layer_start": int, "layer_end": int (exclusive),
                  "devices": [device id per lane], "sync": "allreduce" | "gossip" | "none",
-                 "recompute": int}],                  # optional: its first N layers recompute activations in backward
+                 "recompute": int,                    # optional: its first N layers recompute activations in backward
+                 "forward": [codec per lane],         # optional (all raw): how each lane's activations travel to
+                 "backward": [codec per lane]}],      #   the next stage, and their gradients back (not on the last)
      "lanes": [[device id per stage], ...],          # lanes[l][s] == stages[s].devices[l]
      "standby": [device id, ...],
      "standby_reasons": [[reason, count], ...],       # optional: why, in runs over the standby list (words)
@@ -21,9 +23,10 @@ A plan is what the coordinator publishes and what `hetpeer plan --json` prints. 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field as dataclass_field
+from dataclasses import dataclass, field as dataclass_field, replace
 from typing import Any, Mapping
 
+from hetpeer.protocol.frame import CODECS
 from hetpeer.protocol.modelspec import DTYPE_BYTES
 from hetpeer.protocol.wire import (
     SchemaError,
@@ -52,10 +55,25 @@ class StagePlan:
     devices: tuple[str, ...]  # one per lane, in lane order
     sync: str
     recompute: int = 0  # its first this many layers keep only their input and recompute activations in backward
+    # the hop from this stage to the next, per lane: the codec of activations (forward) and of their gradients
+    # coming back (backward); () where every lane sends raw (and on the last stage, which has no next)
+    forward: tuple[str, ...] = ()
+    backward: tuple[str, ...] = ()
 
     @property
     def layers(self) -> int:
         return self.layer_end - self.layer_start
+
+    def codecs(self, lane: int) -> tuple[str, str]:
+        """(forward, backward): how lane `lane` crosses the hop from this stage to the next."""
+        return (self.forward[lane] if self.forward else "raw", self.backward[lane] if self.backward else "raw")
+
+    @property
+    def hop_codecs(self) -> str:
+        """The codecs of this stage's hop to the next in words, FORWARD/BACKWARD per kind of lane ("" when raw)."""
+        if not self.forward and not self.backward:
+            return ""
+        return ", ".join(sorted({"/".join(self.codecs(lane)) for lane in range(len(self.devices))}))
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +183,15 @@ class Plan:
     def evaluates(self, step: int) -> bool:
         return self.eval_every > 0 and step % self.eval_every == 0
 
+    def with_codecs(self, forward: str, backward: str) -> "Plan":
+        """This plan with every lane's hops carrying activations in `forward` and their gradients in `backward`."""
+        lanes, last = len(self.stages[0].devices), len(self.stages) - 1
+        hop = {"forward": () if forward == "raw" else (forward,) * lanes,
+               "backward": () if backward == "raw" else (backward,) * lanes}
+        return replace(self, stages=tuple(
+            replace(stage, **(hop if s < last else {"forward": (), "backward": ()})) for s, stage in enumerate(self.stages)
+        ))
+
     @property
     def total_s(self) -> float:
         return self.cost.get("total_s", math.nan)
@@ -195,6 +222,8 @@ class Plan:
                     "devices": list(s.devices),
                     "sync": s.sync,
                     **({"recompute": s.recompute} if s.recompute else {}),
+                    **({"forward": list(s.forward)} if s.forward else {}),
+                    **({"backward": list(s.backward)} if s.backward else {}),
                 }
                 for s in self.stages
             ],
@@ -223,7 +252,7 @@ class Plan:
         for i, entry in enumerate(need_list(field(root, "stages", "plan"), "plan.stages")):
             path = f"plan.stages[{i}]"
             record = need_mapping(entry, path)
-            no_extra_fields(record, {"index", "layer_start", "layer_end", "devices", "sync", "recompute"}, path)
+            no_extra_fields(record, {"index", "layer_start", "layer_end", "devices", "sync", "recompute", "forward", "backward"}, path)
             stages.append(
                 StagePlan(
                     index=need_int(field(record, "index", path), f"{path}.index"),
@@ -235,6 +264,8 @@ class Plan:
                     ),
                     sync=need_str(field(record, "sync", path), f"{path}.sync"),
                     recompute=need_int(record.get("recompute", 0), f"{path}.recompute", minimum=0),
+                    forward=_strings(record.get("forward", []), f"{path}.forward"),
+                    backward=_strings(record.get("backward", []), f"{path}.backward"),
                 )
             )
         cost: dict[str, float] = {}
@@ -275,6 +306,10 @@ class Plan:
             if tuple(lanes) != plan.lanes:
                 raise SchemaError("plan.lanes", "do not match the stages' device lists (lanes[l][s] must be stages[s].devices[l])")
         return plan
+
+
+def _strings(raw: Any, path: str) -> tuple[str, ...]:
+    return tuple(need_str(item, f"{path}[{j}]") for j, item in enumerate(need_list(raw, path)))
 
 
 def _pairs(raw: Any, path: str) -> tuple[tuple[str, str], ...]:
@@ -332,6 +367,7 @@ def _check(plan: Plan) -> None:
             raise SchemaError(f"{path}.sync", f"must be one of {', '.join(SYNC_MODES)}, got {stage.sync!r}")
         if not 0 <= stage.recompute <= stage.layers:
             raise SchemaError(f"{path}.recompute", f"must be 0 to the stage's {stage.layers} layers, got {stage.recompute}")
+        _check_codecs(stage, path, last=s == len(plan.stages) - 1)
         for device in stage.devices:
             if device in seen:
                 raise SchemaError(f"{path}.devices", f"device {device!r} appears more than once in the plan")
@@ -356,6 +392,20 @@ def _check(plan: Plan) -> None:
     for key, value in plan.cost.items():
         if not math.isfinite(value) or value < 0:
             raise SchemaError(f"plan.cost.{key}", f"must be a finite, non-negative number of seconds, got {value!r}")
+
+
+def _check_codecs(stage: StagePlan, path: str, last: bool) -> None:
+    for direction, codecs in (("forward", stage.forward), ("backward", stage.backward)):
+        if not codecs:
+            continue
+        if last:
+            raise SchemaError(f"{path}.{direction}", "names codecs, but the last stage sends to no next stage")
+        if len(codecs) != len(stage.devices):
+            raise SchemaError(f"{path}.{direction}", f"must name one codec per lane ({len(stage.devices)}), got {len(codecs)}")
+        for lane, codec in enumerate(codecs):
+            if codec not in CODECS:
+                raise SchemaError(f"{path}.{direction}[{lane}]", f"codec {codec!r} is not one this peer knows "
+                                  f"({', '.join(CODECS)}): a newer hetpeer made this plan")
 
 
 def _check_reasons(plan: Plan) -> None:

@@ -159,8 +159,11 @@ def test_launch_over_tcp_needs_no_hivemind_and_says_where_each_peer_trains(tmp_p
     plan_path = write_json(tmp_path / "plan.json", make_plan(lanes=2, dtype="bf16").to_wire())
     out = tmp_path / "run"
     done = cli("launch", str(plan_path), "--steps", "2", "--out", str(out), "--link", "tcp", "--recompute",
-               env={"PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT)])})
+               "--compress", "int4/int8", env={"PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT)])})
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "activations travel in int4, their gradients in int8" in done.stdout
+    ran = Plan.from_wire(json.loads((out / "plan.json").read_text()))  # what the peers ran: the plan with its codecs
+    assert [(s.forward, s.backward) for s in ran.stages] == [(("int4", "int4"), ("int8", "int8")), ((), ())]
     for device in ("d0", "d1", "d2", "d3"):
         lines = [unstamp(line) for line in (out / f"{device}.log").read_text().splitlines()]
         cuda = torch.cuda.is_available()
@@ -227,6 +230,11 @@ def join_case(case: str, tmp_path: Path, keys) -> tuple[list[str], list[str]]:
         extra, words = ["--device", "gpu"], ["--device", "auto, cpu, cuda or cuda:N", "'gpu'"]
     elif case == "decay that ends before the warmup":
         extra, words = ["--warmup-steps", "10", "--decay-steps", "10"], ["--decay-steps (10)", "past the --warmup-steps (10)"]
+    elif case == "a codec this peer does not know":  # a plan from a newer hetpeer
+        raw = plan.to_wire()
+        raw["stages"][0]["forward"] = ["int3"]
+        plan_path.write_text(json.dumps(raw))
+        words = ["plan.stages[0].forward[0]", "'int3' is not one this peer knows", "newer hetpeer"]
     elif case == "a GPU this machine lacks":  # no CUDA at all, or fewer than 100 GPUs: both say so
         extra, words = ["--device", "cuda:99"], ["--device cuda:99"]
     else:
@@ -240,7 +248,7 @@ def join_case(case: str, tmp_path: Path, keys) -> tuple[list[str], list[str]]:
 
 JOIN_CASES = ["device not in the plan", "device not in the address book", "key of another peer", "plan is not JSON",
               "fp16 plan", "bad --listen", "bad address book entry", "not a device", "a GPU this machine lacks",
-              "decay that ends before the warmup"]  # fmt: skip
+              "decay that ends before the warmup", "a codec this peer does not know"]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", JOIN_CASES)

@@ -12,6 +12,7 @@ import torch
 from hetpeer.peer.transport import MemoryHub, MemoryTransport
 from hetpeer.peer.transport.codec import TORCH_DTYPES, checksum, decode, encode
 from hetpeer.protocol.frame import (
+    BLOCKED_CODECS,
     CODECS,
     DTYPES,
     FLOAT_DTYPES,
@@ -34,7 +35,7 @@ SHAPES = [(), (0,), (3, 0, 2), (5,), (2, 3), (1,) * MAX_NDIM]
 
 
 def _valid(dtype: str, codec: str, shape: tuple[int, ...]) -> bool:
-    return (codec == "raw" or dtype in FLOAT_DTYPES) and not (codec == "int8" and not shape)
+    return (codec == "raw" or dtype in FLOAT_DTYPES) and not (codec in BLOCKED_CODECS and not shape)
 
 
 def _body(header: FrameHeader) -> bytes:
@@ -73,7 +74,9 @@ def test_header_round_trip_every_kind_dtype_codec_and_shape(kind):
         assert header.payload_bytes == payload_bytes(dtype, shape, codec)
         assert decode_header(_body(header)) == header
         count += 1
-    assert count == len(SHAPES) * len(DTYPES) + 3 * (len(SHAPES) * len(FLOAT_DTYPES)) - len(FLOAT_DTYPES)
+    # every dtype raw; fp16, bf16 and the blocked codecs for float dtypes, the blocked ones not for 0-d shapes
+    floats = len(FLOAT_DTYPES)
+    assert count == len(SHAPES) * len(DTYPES) + (len(CODECS) - 1) * len(SHAPES) * floats - len(BLOCKED_CODECS) * floats
 
 
 def test_payload_sizes_follow_dtype_shape_and_codec():
@@ -87,6 +90,10 @@ def test_payload_sizes_follow_dtype_shape_and_codec():
     assert payload_bytes("fp32", (65,), "int8") == 2 * 4 + 65
     assert payload_bytes("fp32", (), "raw") == 4
     assert payload_bytes("fp32", (0, 5), "int8") == 0
+    assert payload_bytes("fp32", (2, 3), "int4") == 1 * 4 + 32  # a scale per tile of 64, then the padded tile's nibbles
+    assert payload_bytes("bf16", (3, 64), "int4") == 3 * (4 + 32)
+    assert payload_bytes("fp32", (65,), "int4") == 2 * (4 + 32)
+    assert payload_bytes("fp32", (0, 5), "int4") == 0
 
 
 def test_long_unicode_sender_round_trips_up_to_the_limit():
@@ -113,6 +120,7 @@ def test_long_unicode_sender_round_trips_up_to_the_limit():
         ({"dtype": "int64", "codec": "bf16"}, "codec bf16 applies to floating-point tensors, not int64"),
         ({"dtype": "uint8", "codec": "int8"}, "not uint8"),
         ({"shape": (), "codec": "int8"}, "int8 needs at least one dimension"),
+        ({"shape": (), "codec": "int4"}, "int4 needs at least one dimension"),
         ({"shape": (1,) * (MAX_NDIM + 1)}, "bad shape"),
         ({"shape": (2**32,)}, "bad shape"),
         ({"shape": (-1, 3)}, "bad shape"),
@@ -271,16 +279,58 @@ def test_int8_codec_keeps_each_block_within_half_a_step_of_its_own_scale(dtype):
     assert rebuilt[1].abs().max().item() == pytest.approx(original[1].abs().max().item(), rel=1e-2)
 
 
-@pytest.mark.parametrize("shape", [(0, 5), (5,), (1, 1)])
-def test_int8_codec_edge_shapes(shape):
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_int4_codec_keeps_each_tile_within_half_a_step_of_its_better_form(dtype):
+    generator = torch.Generator().manual_seed(2)
+    rows = torch.randn(6, 64, generator=generator)  # one row per 64-element tile
+    small, large = (1e-2, 1e3) if dtype == "fp16" else (1e-6, 1e4)
+    rows[1] *= small
+    rows[2] *= large
+    rows[3] = 0.0  # an all-zero tile
+    rows[4, 7] = -50.0  # one outlier: the rotation spreads it over the tile
+    rows[5] = 0.75  # a flat tile: exact as it is, 8 times coarser rotated
+    tensor = rows.reshape(2, 3, 64).to(TORCH_DTYPES[dtype])
+    header, payload, back = _travel(tensor, "int4")
+    assert len(payload) == 6 * (4 + 32)
+    assert back.dtype == tensor.dtype and back.shape == tensor.shape
+    original, rebuilt = tensor.float().reshape(6, 64), back.float().reshape(6, 64)
+    hadamard = torch.ones(1, 1)
+    while len(hadamard) < 64:
+        hadamard = torch.cat((torch.cat((hadamard, hadamard), 1), torch.cat((hadamard, -hadamard), 1)))
+    turned = original @ hadamard / 8
+    step = torch.minimum(original.abs().amax(dim=1), turned.abs().amax(dim=1)) / 7
+    scales = torch.frombuffer(bytearray(payload[: 6 * 4]), dtype=torch.float32)
+    assert (scales < 0).tolist() == (turned.abs().amax(dim=1) < original.abs().amax(dim=1)).tolist()
+    assert scales[4] < 0 and scales[3] > 0 and scales[5] > 0  # the outlier's tile turned; the flat one did not
+    # Each of the 64 values of the form that travelled is off by at most half a step; the rotation keeps the
+    # length of the error. The target dtype may add its own rounding on top.
+    storage = {"fp32": 1e-6, "bf16": 2**-8, "fp16": 2**-11}[dtype]
+    bound = step * 4 * 1.0001 + (original.norm(dim=1) + rebuilt.norm(dim=1)) * storage
+    assert bool(((rebuilt - original).norm(dim=1) <= bound).all())
+    assert bool((rebuilt[3] == 0).all()) and bool((rebuilt[5] == original[5]).all())
+    flat = (original[4] / (original[4].abs().max() / 7)).round().clamp(-7, 7) * (original[4].abs().max() / 7)
+    assert (rebuilt[4] - original[4]).norm() < 0.8 * (flat - original[4]).norm()  # better than left as it is
+
+
+def test_int4_codec_packs_two_codes_a_byte_low_nibble_first():
+    tensor = torch.tensor([7.0, -7.0, 1.0, 0.0] + [7.0] * 60)  # rotated, its first value would be 53.25: it goes plain
+    payload = _travel(tensor, "int4")[1]
+    assert struct.unpack("<f", payload[:4])[0] == 1.0  # absmax 7 over 7 levels; positive: not rotated
+    assert payload[4:6] == bytes([15 | (1 << 4), 9 | (8 << 4)]) and payload[6:] == bytes([15 | (15 << 4)]) * 30
+
+
+@pytest.mark.parametrize("codec", BLOCKED_CODECS)
+@pytest.mark.parametrize("shape", [(0, 5), (5,), (1, 1), (3, 100)])
+def test_blocked_codecs_edge_shapes(codec, shape):
     tensor = _sample("fp32", shape)
-    assert _travel(tensor, "int8")[2].shape == tensor.shape
+    assert _travel(tensor, codec)[2].shape == tensor.shape
 
 
-def test_int8_codec_encodes_an_empty_last_dimension():
-    # The header says (3, 0) in int8 is a 0-byte payload; the encoder must agree rather than crash.
+@pytest.mark.parametrize("codec", BLOCKED_CODECS)
+def test_blocked_codecs_encode_an_empty_last_dimension(codec):
+    # The header says (3, 0) in a blocked codec is a 0-byte payload; the encoder must agree rather than crash.
     tensor = torch.empty(3, 0)
-    header, payload, back = _travel(tensor, "int8")
+    header, payload, back = _travel(tensor, codec)
     assert payload == b"" and back.shape == (3, 0)
 
 
@@ -313,7 +363,7 @@ def test_a_flipped_payload_byte_fails_the_checksum(codec):
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("dtype, codec", [("fp32", "raw"), ("bf16", "raw"), ("fp16", "raw"), ("fp32", "fp16"),
-                                          ("fp32", "bf16"), ("fp32", "int8")])
+                                          ("fp32", "bf16"), ("fp32", "int8"), ("bf16", "int4")])
 def test_non_finite_payloads_are_refused(bad, dtype, codec):
     tensor = _sample(dtype, (3, 4))
     tensor[1, 2] = bad
@@ -354,7 +404,7 @@ def pair():
         yield sender, receiver, frames
 
 
-@pytest.mark.parametrize("codec", ["fp16", "bf16", "int8"])
+@pytest.mark.parametrize("codec", CODECS[1:])
 @pytest.mark.parametrize("dtype", ["int64", "int32", "uint8"])
 def test_integer_tensors_with_a_float_codec_travel_raw(pair, codec, dtype):
     sender, receiver, frames = pair
@@ -378,7 +428,8 @@ def test_float_tensors_travel_in_the_chosen_codec(pair, codec):
         assert size < tensor.numel() * 4
     back = receiver.recv("activation", "a", 0, 0, timeout_s=1.0)
     assert back.dtype == torch.float32
-    assert torch.allclose(back, tensor, rtol=0.01, atol=tensor.abs().max().item() / 127)
+    levels = 7 / 8 if codec == "int4" else 127  # int4: half a step of 7 levels, on each of 64 values of a tile
+    assert torch.allclose(back, tensor, rtol=0.01, atol=tensor.abs().max().item() / levels)
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -417,6 +468,21 @@ def _int8_payload(scale: float, value: int) -> bytes:
 def test_int8_frames_that_overflow_once_scaled_are_refused(dtype, codec, payload):
     header = FrameHeader(kind="params", dtype=dtype, shape=(64,), sender="a", step=1, codec=codec, checksum=checksum(payload))
     with pytest.raises(FrameError, match=f"overflows {dtype} once decoded from codec int8"):
+        decode(header, bytearray(payload))
+
+
+@pytest.mark.parametrize(
+    "dtype, scale, code",
+    [
+        ("fp32", 3e38, 15),  # finite scale x 7 overflows float32
+        ("fp32", -3e38, 15),  # and rotated, where the transform adds 64 values of 8 x 3e38 / 8
+        ("fp16", 20000.0, 0),  # -8 x 20000 is past fp16's 65504
+    ],
+)
+def test_int4_frames_that_overflow_once_scaled_are_refused(dtype, scale, code):
+    payload = struct.pack("<f", scale) + bytes([code]) * 32
+    header = FrameHeader(kind="params", dtype=dtype, shape=(64,), sender="a", step=1, codec="int4", checksum=checksum(payload))
+    with pytest.raises(FrameError, match=f"overflows {dtype} once decoded from codec int4"):
         decode(header, bytearray(payload))
 
 

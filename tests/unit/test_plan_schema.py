@@ -71,6 +71,31 @@ def test_recomputation_round_trips_and_is_left_out_where_none():
     assert "recompute" not in plan.to_wire()["stages"][1]  # a plan without it reads as before
 
 
+def test_codecs_round_trip_per_lane_and_are_left_out_where_raw():
+    raw = copy.deepcopy(wire())
+    raw["stages"][0].update(forward=["int4", "int8"], backward=["int8", "raw"])
+    plan = Plan.from_wire(raw)
+    assert plan.to_wire() == raw
+    assert plan.stages[0].codecs(0) == ("int4", "int8") and plan.stages[0].codecs(1) == ("int8", "raw")
+    assert plan.stages[1].codecs(0) == ("raw", "raw")  # the last stage sends to no next stage
+    plain = Plan.from_wire(wire())
+    assert "forward" not in plain.to_wire()["stages"][0] and plain.stages[0].codecs(1) == ("raw", "raw")
+
+
+def test_with_codecs_names_every_hop_but_the_last_stage():
+    plan = Plan.from_wire(wire()).with_codecs("int4", "int8")
+    assert [s.forward for s in plan.stages] == [("int4", "int4"), ()]
+    assert [s.backward for s in plan.stages] == [("int8", "int8"), ()]
+    assert plan.with_codecs("raw", "raw") == Plan.from_wire(wire())  # raw is the plan without codecs
+    assert plan.with_codecs("bf16", "raw").stages[0].backward == ()
+
+
+def test_a_codec_this_peer_does_not_know_is_refused_with_a_clear_line():
+    with pytest.raises(SchemaError, match=r"plan.stages\[0\].forward\[1\]: codec 'int3' is not one this peer knows "
+                                          r"\(raw, fp16, bf16, int8, int4\): a newer hetpeer made this plan"):
+        Plan.from_wire(_with(lambda r: r["stages"][0].update(forward=["int4", "int3"])))
+
+
 def test_lanes_may_be_left_out():
     raw = wire()
     del raw["lanes"]
@@ -111,6 +136,10 @@ BAD = [
     ("more layers recomputed than held", lambda r: r["stages"][1].update(recompute=3), "plan.stages[1].recompute"),
     ("negative recomputation", lambda r: r["stages"][0].update(recompute=-1), "plan.stages[0].recompute"),
     ("recomputation as a flag", lambda r: r["stages"][0].update(recompute=True), "plan.stages[0].recompute"),
+    ("a codec per lane, short", lambda r: r["stages"][0].update(forward=["int8"]), "plan.stages[0].forward"),
+    ("codecs on the last stage", lambda r: r["stages"][1].update(backward=["int8", "int8"]), "plan.stages[1].backward"),
+    ("a codec that is no string", lambda r: r["stages"][0].update(backward=["int8", 8]), "plan.stages[0].backward[1]"),
+    ("codecs as a string", lambda r: r["stages"][0].update(forward="int8"), "plan.stages[0].forward"),
 ]
 
 

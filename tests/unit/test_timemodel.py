@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from hetpeer.coordinator.planner import PlannerConfig, PlanningError, Problem, Shape, make_model, synthetic
+from hetpeer.coordinator.planner import PlannerConfig, PlanningError, Problem, Shape, make_model, solve, synthetic
 from hetpeer.coordinator.planner.timemodel import TIE_BREAK
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.topology import Topology
@@ -102,6 +102,90 @@ def test_two_stage_lane_by_hand(latency_ms, gbps, bound, order):
     assert report.cost["sync_s"] == 0.0
     parts = sum(v for k, v in report.cost.items() if k != "total_s")
     assert parts == pytest.approx(report.cost["total_s"])
+
+
+
+def test_codecs_between_stages_shrink_the_hops_by_hand():
+    """Two stages of one lane on a slow link, one micro-batch: activations forward in int4, their gradients
+    back in int8. Each way the hop carries what its codec puts on the wire (4.5 and 8.5 bits a value); the
+    plan names both codecs on the first stage's hop."""
+    tflops, latency_s, gbps = [2e-3, 1e-3], 0.05, 0.01
+    problem = Problem.from_topology(topology(tflops, latency_s * 1e3, gbps), Workload(preset("tiny", 4), batch=1))
+    grid = np.array([[0], [1]])
+    values = SEQ * H  # one sequence's activation, each way
+    seconds = {codec: values * bits / 8 / (gbps * 1e9 / 8) for codec, bits in (("raw", 16), ("int4", 4.5), ("int8", 8.5))}
+
+    def step(compress):
+        config = PlannerConfig(stages=2, group_size=1, compress=compress)
+        return make_model(problem, config, Shape(2, 1)).report(grid), solve(problem, config, np.random.default_rng(0))
+
+    (raw, _), (packed, solution) = step(("raw", "raw")), step(("int4", "int8"))
+    compute = raw.cost["total_s"] - 2 * (latency_s + seconds["raw"])  # M = 1: C = sum t + both ways of the hop
+    assert packed.cost["total_s"] == pytest.approx(compute + 2 * latency_s + seconds["int4"] + seconds["int8"], rel=1e-9)
+    assert packed.codecs == ((("int4", "int8"),),) and raw.codecs == ((("raw", "raw"),),)  # per hop, per lane
+    assert [(s.forward, s.backward) for s in solution.plan.stages] == [(("int4",), ("int8",)), ((), ())]
+    with pytest.raises(ValueError, match="compress must be auto or a \\(forward, backward\\) pair"):
+        PlannerConfig(compress=("int4", "int3"))
+    with pytest.raises(ValueError, match="time cost model only"):
+        PlannerConfig(cost_model="dtfm", compress=("int8", "int8"))
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """Codec tables of a known shape: int8 and int4 forward within the budget, int4 both ways past it; the
+    4-bit codec costs 4 ns a value to encode and decode, int8 2 ns, bf16 1 ns, raw nothing."""
+    from hetpeer.coordinator.planner import codecs
+
+    monkeypatch.setattr(codecs, "LOSS_GAP", {("raw", "raw"): 0.0, ("bf16", "bf16"): 0.0, ("int8", "int8"): 0.001,
+                                             ("int4", "int8"): 0.004, ("int4", "int4"): 0.05})
+    monkeypatch.setattr(codecs, "WORK_S_PER_VALUE", {"raw": 0.0, "fp16": 1e-9, "bf16": 1e-9, "int8": 2e-9, "int4": 4e-9})
+    return codecs
+
+
+def test_auto_takes_per_hop_the_shortest_pair_within_the_budget(measured):
+    """On a slow link the fewest bytes win (int4 forward; int4 back is past the budget), on a fast one the
+    codec's work costs more than its bytes save, and raw wins; each hop is the minimum over the pairs."""
+    hops = measured.HopCodecs(measured.AUTO, values=1e6, dtype="fp32")
+    assert ("int4", "int4") not in hops.pairs and ("int4", "int8") in hops.pairs
+    per_byte = np.array([8 / 1e6, 8 / 1e11])  # 1 Mbit/s and 100 Gbit/s
+    mean, larger, choice = hops.occupancy(per_byte)
+    assert [hops.pairs[c] for c in choice] == [("int4", "int8"), ("raw", "raw")]
+    wire = {"raw": 4.0, "bf16": 2.0, "int8": 1 + 4 / 64, "int4": 0.5 + 4 / 64}  # bytes a value
+    work = {"raw": 0.0, "bf16": 1e-9, "int8": 2e-9, "int4": 4e-9}
+    for k, pb in enumerate(per_byte):
+        each = [1e6 * ((wire[f] + wire[b]) / 2 * pb + (work[f] + work[b]) / 2) for f, b in hops.pairs]
+        assert mean[k] == pytest.approx(min(each), rel=1e-12)
+        f, b = hops.pairs[choice[k]]
+        assert larger[k] == pytest.approx(1e6 * (max(wire[f], wire[b]) * pb + (work[f] + work[b]) / 2), rel=1e-12)
+    assert hops.cheapest(per_byte) == pytest.approx(mean, rel=1e-12)
+
+
+def test_auto_plans_codecs_lane_by_lane(measured):
+    """Two stages x two lanes: lane 0's hop crosses 10 Mbit/s, lane 1's stays on 100 Gbit/s. The plan
+    compresses lane 0's hop and leaves lane 1's raw, as the time model counted them."""
+    raw = {
+        "devices": [{"id": d, "region": r, "tflops": 1e-3, "memory_gb": 100.0}
+                    for d, r in (("a0", "x"), ("b0", "y"), ("a1", "z"), ("b1", "z"))],
+        "regions": {"x": {"latency_ms": 1, "bandwidth_gbps": 100}, "y": {"latency_ms": 1, "bandwidth_gbps": 100},
+                    "z": {"latency_ms": 0.1, "bandwidth_gbps": 100}},
+        "region_links": [{"a": "x", "b": "y", "latency_ms": 20, "bandwidth_gbps": 0.01},
+                         {"a": "x", "b": "z", "latency_ms": 20, "bandwidth_gbps": 0.01},
+                         {"a": "y", "b": "z", "latency_ms": 20, "bandwidth_gbps": 0.01}],
+    }  # fmt: skip
+    problem = Problem.from_topology(Topology.from_wire(raw), Workload(preset("tiny", 4), batch=4))
+    config = PlannerConfig(stages=2, group_size=2, compress=measured.AUTO, allow_standby=False)
+    grid = np.array([[0, 2], [1, 3]])  # lane 0: a0 -> b0 across, lane 1: a1 -> b1 inside z
+    model = make_model(problem, config, Shape(2, 2))
+    report = model.report(grid)
+    assert report.codecs == ((("int4", "int8"), ("raw", "raw")),)
+    fixed = make_model(problem, PlannerConfig(stages=2, group_size=2, compress=("raw", "raw")), Shape(2, 2)).report(grid)
+    assert report.cost["activation_s"] < fixed.cost["activation_s"]  # the slow lane's transfers shrank
+    plan = solve(problem, config, np.random.default_rng(0)).plan  # whatever lanes it finds, each hop as its link
+    index = {d: i for i, d in enumerate(problem.device_ids)}
+    for lane, (first, second) in enumerate(plan.lanes):
+        crossing = problem.bandwidth_bytes_per_s[index[first], index[second]] < 1e8
+        assert plan.stages[0].codecs(lane) == (("int4", "int8") if crossing else ("raw", "raw")), plan.lanes
+
 
 
 @pytest.mark.parametrize("tflops", [1e-3, 1.0])
@@ -436,7 +520,8 @@ def exchanged(grid: np.ndarray, a: int, b: int, s1: int, s2: int) -> np.ndarray:
 @pytest.mark.parametrize("shape", [Shape(2, 2), Shape(3, 4), Shape(5, 3), Shape(8, 2)])
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("per_lane", [1, 256])  # one micro-batch a step, and more than stages
-def test_exchanged_lanes_are_the_full_evaluation_of_the_exchanged_grid(shape, tied, per_lane):
+@pytest.mark.parametrize("compress", [("raw", "raw"), ("int4", "bf16"), ("auto", "auto")])  # one pair, or per hop
+def test_exchanged_lanes_are_the_full_evaluation_of_the_exchanged_grid(shape, tied, per_lane, compress, measured):
     """Every lane a with stages [s1, s2) of lane b: what the prefix sums and range maxima give is what
     evaluating the lanes of the grid with those stages exchanged gives, with the split held."""
     from hetpeer.coordinator.planner.screens import _segments
@@ -446,7 +531,7 @@ def test_exchanged_lanes_are_the_full_evaluation_of_the_exchanged_grid(shape, ti
     spec = ModelSpec.from_config({"model_type": "gpt2", "n_embd": H, "n_head": 4, "n_layer": 8, "n_positions": SEQ,
                                   "vocab_size": VOCAB, "tie_word_embeddings": tied})
     problem = Problem.from_topology(Topology.from_wire(synthetic.random_topology(30, 4, rng)), Workload(spec, batch=per_lane * shape.group_size))
-    model = make_model(problem, PlannerConfig(), shape)
+    model = make_model(problem, PlannerConfig(compress=compress), shape)
     assert (model.micro_batches == 1 if per_lane == 1 else model.micro_batches > shape.stages) and bool(model.tied_bytes) == tied
     grid = rng.permutation(30)[: shape.devices].reshape(shape.stages, shape.group_size)
     counts = np.array(model.report(grid).layers)

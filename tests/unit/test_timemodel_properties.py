@@ -10,6 +10,7 @@ import pytest
 
 from hetpeer.coordinator.planner import PlannerConfig, Problem, Shape, make_model
 from hetpeer.coordinator.planner.timemodel import TIE_BREAK
+from hetpeer.protocol.frame import bytes_per_value
 from hetpeer.peer.pipeline.schedule import FORWARD, one_f_one_b
 from hetpeer.protocol.topology import Topology
 from hetpeer.protocol.modelspec import preset
@@ -22,7 +23,9 @@ EMBEDDING_PARAMS = VOCAB * H + SEQ * H
 HEAD_PARAMS = VOCAB * H + 2 * H
 
 
-def docstring_step(problem: Problem, grid: np.ndarray, layers: tuple[int, ...], sync: str) -> tuple[float, float]:
+def docstring_step(
+    problem: Problem, grid: np.ndarray, layers: tuple[int, ...], sync: str, compress: tuple[str, str] = ("raw", "raw"),
+) -> tuple[float, float]:
     """(step seconds, search objective) of a grid with a given layer split, from the formulas in
     timemodel's docstring: the objective adds TIE_BREAK x (mean lane time + mean exposed sync)."""
     w = problem.workload
@@ -33,10 +36,11 @@ def docstring_step(problem: Problem, grid: np.ndarray, layers: tuple[int, ...], 
     for l in range(m):
         t = [layers[s] * 3 * w.micro_batch * w.layer_fwd_flops_per_seq / flops[grid[s, l]] for s in range(S)]
         t[-1] += 3 * w.micro_batch * w.head_fwd_flops_per_seq / flops[grid[-1, l]]
-        x = [w.micro_batch * w.boundary_bytes_per_seq / bw[grid[s, l], grid[s + 1, l]] for s in range(S - 1)]
-        h = [lat[grid[s, l], grid[s + 1, l]] + x[s] for s in range(S - 1)]
-        round_trip = sum(t) + 2 * sum(h)
-        period = max(max(t), max(x, default=0.0), round_trip / S if M > S else 0.0)
+        values = w.micro_batch * w.model.seq_len * w.model.hidden  # an activation's values, each way
+        x_each = [[values * bytes_per_value(w.dtype, codec) / bw[grid[s, l], grid[s + 1, l]] for codec in compress]
+                  for s in range(S - 1)]  # fmt: skip
+        round_trip = sum(t) + sum(2 * lat[grid[s, l], grid[s + 1, l]] + sum(x_each[s]) for s in range(S - 1))
+        period = max(max(t), max((max(x) for x in x_each), default=0.0), round_trip / S if M > S else 0.0)
         lanes.append(round_trip + (M - 1) * period)
     lane_s = max(lanes)
     if m == 1:
@@ -119,7 +123,8 @@ def test_random_grids_follow_the_docstring(seed):
     n = S * m + int(rng.integers(0, 3))
     problem = random_problem(n, seed, layers, batch=int(rng.integers(m, 4 * m + 1)), micro_batch=1)
     sync = ("allreduce", "gossip", "auto")[seed % 3]
-    config = PlannerConfig(stages=S, group_size=m, sync=sync)
+    compress = (("raw", "raw"), ("int4", "int8"), ("bf16", "raw"), ("int8", "int4"))[seed % 4]
+    config = PlannerConfig(stages=S, group_size=m, sync=sync, compress=compress)
     model = make_model(problem, config, Shape(S, m))
     grids = np.stack([rng.permutation(n)[: S * m].reshape(S, m) for _ in range(4)])
     batch_costs = model.batch_cost(grids)
@@ -129,7 +134,8 @@ def test_random_grids_follow_the_docstring(seed):
         # The split is a min-max one (any tie will do)...
         assert stage_time(problem, grid, report.layers) == pytest.approx(min_max_stage_time(problem, grid), rel=1e-12)
         # ...and the step follows from it.
-        expected, objective = docstring_step(problem, grid, report.layers, sync)
+        expected, objective = docstring_step(problem, grid, report.layers, sync, compress)
+        assert {pair for hop in report.codecs for pair in hop} <= {compress} and len(report.codecs) == S - 1
         assert report.cost["total_s"] == pytest.approx(expected, rel=1e-9)
         assert report.objective == pytest.approx(objective, rel=1e-9)
         assert cost == pytest.approx(objective, rel=1e-9)

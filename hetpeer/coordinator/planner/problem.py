@@ -49,6 +49,8 @@ class Report:
     objective: float
     fits_memory: bool = True
     recompute: tuple[int, ...] = ()  # per stage, layers that recompute their activations (none when empty)
+    # per hop (stage s to s + 1), per lane: the codecs of activations and of their gradients back (() all raw)
+    codecs: tuple[tuple[tuple[str, str], ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -17,6 +17,10 @@ def format_plan(plan: Plan, baselines: dict[str, float | None], random_samples: 
     for stage in plan.stages:
         span = f"{stage.layer_start}-{stage.layer_end - 1}"
         lines.append(f"{stage.index:<6} {span:<9} {stage.sync:<10} {' '.join(stage.devices)}")
+    hops = [stage for stage in plan.stages if stage.hop_codecs]
+    if hops:
+        lines += ["", "between stages (activations forward / their gradients back):"]
+        lines += [f"  stage {stage.index} -> {stage.index + 1}: {stage.hop_codecs}" for stage in hops]
     recomputing = [stage for stage in plan.stages if stage.recompute]
     if recomputing:
         lines += ["", "recomputed in the backward pass, to fit memory (one more forward each):"]

@@ -9,6 +9,7 @@ from typing import Callable
 import numpy as np
 
 from hetpeer.coordinator.planner import dtfm, timemodel
+from hetpeer.coordinator.planner.codecs import candidates
 from hetpeer.coordinator.planner.costmodel import CostModel
 from hetpeer.coordinator.planner.problem import PlanningError, Problem, Report, Shape
 from hetpeer.coordinator.planner.prune import Pruned, prune
@@ -30,6 +31,7 @@ class PlannerConfig:
     prune: bool = True  # leave out devices no plan should use before the search (`prune.py`), saying why
     sync: str = "auto"
     recompute: str = "auto"  # activation recomputation: auto (where a stage fits no other way), never, always
+    compress: tuple[str, str] = ("raw", "raw")  # codecs of activations between stages and of their gradients back
     time_budget_s: float = 2.0
     memory_reserve: float = 0.1
     horizon_steps: int = 100
@@ -46,6 +48,9 @@ class PlannerConfig:
             raise ValueError(f"recompute must be one of {', '.join(RECOMPUTE_CHOICES)}, got {self.recompute!r}")
         if self.horizon_steps < 1:
             raise ValueError(f"horizon must be at least 1 step, got {self.horizon_steps}")
+        candidates(self.compress)  # a ValueError naming what is wrong
+        if self.cost_model == dtfm.NAME and self.compress != ("raw", "raw"):
+            raise ValueError("codecs between stages are counted by the time cost model only, not dtfm's")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +68,7 @@ def make_model(problem: Problem, config: PlannerConfig, shape: Shape) -> CostMod
         return dtfm.DtfmCost(problem, shape)
     return timemodel.TimeCost(
         problem, shape, sync=config.sync, memory_reserve=config.memory_reserve, horizon_steps=config.horizon_steps,
-        recompute=config.recompute,
+        recompute=config.recompute, compress=config.compress,
     )
 
 
@@ -142,6 +147,7 @@ def to_plan(problem: Problem, cost_model: str, grid: np.ndarray, report: Report)
             devices=tuple(ids[d] for d in grid[s]),
             sync=report.sync[s],
             recompute=report.recompute[s] if report.recompute else 0,
+            **_stage_codecs(report, s),
         )
         for s in range(grid.shape[0])
     )
@@ -160,6 +166,15 @@ def to_plan(problem: Problem, cost_model: str, grid: np.ndarray, report: Report)
         standby=tuple(ids[d] for d in range(problem.n) if d not in used),
         cost=dict(report.cost),
     )
+
+
+def _stage_codecs(report: Report, stage: int) -> dict[str, tuple[str, ...]]:
+    """A stage's `forward` and `backward` codecs per lane, as the report counted its hop (none named: all raw)."""
+    pairs = report.codecs[stage] if stage < len(report.codecs) else ()
+    return {
+        direction: codecs if any(codec != "raw" for codec in codecs) else ()
+        for direction, codecs in (("forward", tuple(f for f, _ in pairs)), ("backward", tuple(b for _, b in pairs)))
+    }
 
 
 def _memory_message(problem: Problem, shape: Shape, config: PlannerConfig) -> str:

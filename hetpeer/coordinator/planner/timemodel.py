@@ -7,9 +7,10 @@ For a grid (rows = stages in order, columns = lanes), with M micro-batches per l
 - a device's time per micro-batch t = its stage's layers x 3 x forward FLOPs / its TFLOPS (backward
   is twice the forward), plus the output head on the last stage; devices of the grid that compute on one
   shared device (one machine's CPU cores, one GPU) are slowed by their fair share of it (`sharing.py`);
-- a hop between consecutive stages of a lane costs h = latency + x, x = micro-batch activation bytes /
-  bandwidth (the link's occupancy), once forward (activations) and once backward (their gradients), on a
-  full-duplex link;
+- a hop between consecutive stages of a lane costs h = latency + x, x = a micro-batch's activation bytes
+  on the wire / bandwidth (the link's occupancy), once forward (activations, in the forward codec) and
+  once backward (their gradients, in the backward codec), on a full-duplex link; with two codecs of
+  unlike size, x is their mean in C below and their larger in P (encoding is not counted yet);
 - a lane under 1F1B takes
       T = C + (M - 1) P,   C = sum t + 2 sum h,   P = max(max t, max x, C / S if M > S)
   C is one micro-batch's round trip (fill and drain); each further micro-batch costs the lane's
@@ -53,6 +54,7 @@ from functools import cached_property
 
 import numpy as np
 
+from hetpeer.coordinator.planner.codecs import HopCodecs
 from hetpeer.coordinator.planner.problem import PlanningError, Problem, Report, Shape
 from hetpeer.coordinator.planner.screens import Screens
 from hetpeer.protocol.plan import RECOMPUTE_CHOICES, SYNC_CHOICES
@@ -82,6 +84,7 @@ class TimeCost(Screens):
         memory_reserve: float = 0.1,
         horizon_steps: int = 100,
         recompute: str = "auto",
+        compress: tuple[str, str] = ("raw", "raw"),
     ) -> None:
         if problem.tflops is None:
             raise PlanningError(
@@ -93,7 +96,7 @@ class TimeCost(Screens):
         if recompute not in RECOMPUTE_CHOICES:
             raise PlanningError(f"recompute must be one of {', '.join(RECOMPUTE_CHOICES)}, got {recompute!r}")
         self.problem, self.shape, self.sync, self.horizon_steps = problem, shape, sync, horizon_steps
-        self.recompute = recompute
+        self.recompute, self.compress = recompute, compress
         w, model = problem.workload, problem.workload.model
         stages, m = shape.stages, shape.group_size
         mb = problem.lane_micro_batch(m)
@@ -101,7 +104,7 @@ class TimeCost(Screens):
         flops_per_s = problem.tflops * 1e12
         self.layer_s = 3 * mb * w.layer_fwd_flops_per_seq / flops_per_s  # (n,)
         self.head_s = 3 * mb * w.head_fwd_flops_per_seq / flops_per_s  # (n,)
-        self.hop_bytes = mb * w.boundary_bytes_per_seq
+        self.hops = HopCodecs(compress, mb * model.seq_len * model.hidden, w.dtype)  # what a hop costs, in its codecs
         self.tied_bytes = model.vocab * model.hidden * w.dtype_bytes if model.tied else 0.0
         # Flat copies: gathering pairs by one flat index is about twice as fast as 2-D indexing.
         self._latency_flat = problem.latency_s.ravel()
@@ -134,7 +137,9 @@ class TimeCost(Screens):
     @cached_property
     def link_cost(self) -> np.ndarray:
         """(n, n) seconds to pass one micro-batch's activations; built only for shapes searched."""
-        return self.problem.transfer_s(self.hop_bytes)
+        seconds = self.problem.latency_s + self.hops.cheapest(self.problem.seconds_per_byte)
+        np.fill_diagonal(seconds, 0.0)
+        return seconds
 
     @cached_property
     def group_cost(self) -> np.ndarray:
@@ -203,9 +208,9 @@ class TimeCost(Screens):
         t[..., -1] += self.head_s[cols[..., -1]] * (slowdown[..., -1] if np.ndim(slowdown) else slowdown)
         if stages > 1:
             latency, per_byte = self._pairs(cols[..., :-1], cols[..., 1:])
-            occupancy = self.hop_bytes * per_byte
+            occupancy, peak, _ = self.hops.occupancy(per_byte)
             round_trip = t.sum(-1) + 2 * (latency + occupancy).sum(-1)
-            period = np.maximum(t.max(-1), occupancy.max(-1))
+            period = np.maximum(t.max(-1), peak.max(-1))
         else:
             round_trip, period = t.sum(-1), t.max(-1)
         if M > stages:
@@ -366,7 +371,14 @@ class TimeCost(Screens):
             objective=float(e["objective"][0]),
             fits_memory=bool(e["overflow"][0] == 0),
             recompute=tuple(int(k) for k in e["recompute"][0]),
+            codecs=self._hop_codecs(grid),
         )
+
+    def _hop_codecs(self, grid: np.ndarray) -> tuple[tuple[tuple[str, str], ...], ...]:
+        """Per hop (stage s to s + 1) and lane, the (forward, backward) codecs the time model counted."""
+        _, per_byte = self._pairs(grid[:-1], grid[1:])
+        choice = self.hops.occupancy(per_byte)[2]
+        return tuple(tuple(self.hops.pairs[c] for c in row) for row in choice)
 
 
 def _held_layers(problem: Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -55,7 +55,7 @@ AHEAD_STEPS = 4
 class SyncConfig:
     topology: str = "one-peer-exp"
     deadline_s: float = 10.0  # once the gradient is ready, how long to wait for neighbours' parameters
-    codec: str = "raw"  # how parameters travel: raw, fp16, bf16 or int8
+    codec: str = "raw"  # how parameters travel: one of frame.CODECS
     clip: float | None = None  # robust mixing: clip differences at clip x the typical neighbour distance
     chunk_bytes: int = 16 << 20  # parameters travel in frames of at most this size
     overlap: bool = True  # send x(t) as soon as it exists; False sends it after the gradient (to measure)

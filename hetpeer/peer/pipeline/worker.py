@@ -40,7 +40,7 @@ from hetpeer.peer.pipeline.schedule import FORWARD, one_f_one_b
 from hetpeer.peer.transport.base import Transport
 from hetpeer.peer.transport.inbox import Late, TransportTimeout
 from hetpeer.peer.transport.codec import TORCH_DTYPES
-from hetpeer.protocol.frame import CODECS, FrameHeader
+from hetpeer.protocol.frame import FrameHeader
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.modelspec import PRESETS, ModelSpec, preset
 
@@ -58,15 +58,12 @@ class WorkerConfig:
     adam: AdamConfig = AdamConfig()
     sync: SyncConfig = SyncConfig()  # how the group averages (gossip topology, deadline, codec, clipping)
     timeout_s: float = 60.0  # deadline for every frame of the lane this peer waits for
-    codec: str = "raw"  # how activations and gradients travel: raw, fp16, bf16 or int8
     slowdown: float = 1.0  # emulate a slower accelerator: compute takes this many times as long
     model: ModelSpec | None = None  # a model read from a folder (plans name presets, or such a model's name)
     weights: str | None = None  # the model folder to read this peer's stage from (its safetensors), if any
     recompute: bool = False  # recompute every block's activations in backward, whatever the plan says
 
     def __post_init__(self) -> None:
-        if self.codec not in CODECS:
-            raise ValueError(f"codec must be one of {', '.join(CODECS)}, got {self.codec!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
         if not self.slowdown >= 1:
@@ -107,6 +104,12 @@ class StageWorker:
         lane = plan.lanes[self.lane]
         self.previous = lane[self.stage - 1] if self.stage > 0 else None
         self.next = lane[self.stage + 1] if self.stage + 1 < len(lane) else None
+        # how this peer's tensors travel, as the plan says for its lane's hops: activations to the next stage,
+        # gradients back to the previous one
+        self.codecs = {
+            "activation": stage_plan.codecs(self.lane)[0],
+            "gradient": plan.stages[self.stage - 1].codecs(self.lane)[1] if self.stage > 0 else "raw",
+        }
         if self.previous is None and corpus is None:
             raise ValueError(f"{device_id} holds stage 0 and needs a corpus to read")
         self.corpus = corpus
@@ -356,7 +359,7 @@ class StageWorker:
         mine, other = self._tied_peer()
         if mine is None:
             return
-        self.transport.send(other, "tied", mine.grad, step=step, micro=0, epoch=self.plan.epoch, codec=self.config.codec)
+        self.transport.send(other, "tied", mine.grad, step=step, micro=0, epoch=self.plan.epoch)
         mine.grad.add_(self._recv("tied", other, step, 0).to(mine.grad.dtype))
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -382,7 +385,8 @@ class StageWorker:
 
     def _send(self, kind: str, to: str, tensor: torch.Tensor, micro: int) -> None:
         self.transport.send(
-            to, kind, tensor, step=self.step, micro=micro, epoch=self.plan.epoch, codec=self.config.codec, copy=False
+            to, kind, tensor, step=self.step, micro=micro, epoch=self.plan.epoch, codec=self.codecs.get(kind, "raw"),
+            copy=False,
         )
 
     def _autocast(self):

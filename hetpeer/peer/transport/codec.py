@@ -1,4 +1,5 @@
-"""Tensors to frame payloads and back: raw bytes, 16-bit floats, or 8-bit with per-row scales.
+"""Tensors to frame payloads and back: raw bytes, 16-bit floats, 8 bits with a scale per block of 64 values,
+or 4 bits with a scale per tile of 64 values, a tile rotated where that lowers its error.
 
 `encode` runs in the sender's compute thread. With `copy=False` and a raw codec it returns a view of
 the tensor's own memory (the sender must not change the tensor until the frame has left); otherwise the
@@ -7,10 +8,13 @@ payload is a copy. A tensor on an accelerator is encoded there and copied out th
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 import xxhash
 
-from hetpeer.protocol.frame import FLOAT_DTYPES, INT8_BLOCK, FrameError, FrameHeader
+from hetpeer.protocol.frame import BLOCK, BLOCKED_CODECS, FLOAT_DTYPES, FrameError, FrameHeader
 
 TORCH_DTYPES = {
     "fp32": torch.float32,
@@ -32,7 +36,7 @@ def wire_dtype(tensor: torch.Tensor) -> str:
 
 def wire_codec(tensor: torch.Tensor, codec: str) -> str:
     """The codec a tensor really travels in: integers and scalars travel raw, and so does anything empty."""
-    if wire_dtype(tensor) not in FLOAT_DTYPES or tensor.numel() == 0 or (codec == "int8" and tensor.dim() == 0):
+    if wire_dtype(tensor) not in FLOAT_DTYPES or tensor.numel() == 0 or (codec in BLOCKED_CODECS and tensor.dim() == 0):
         return "raw"
     return codec
 
@@ -54,11 +58,46 @@ def encode(tensor: torch.Tensor, codec: str, copy: bool = True) -> tuple[str, me
         if data.dtype == torch.float16:  # fp16's largest values round up past its range in bf16: the receiver would refuse them
             data = torch.where(data.isinf(), data, data.clamp(-FP16_IN_BF16, FP16_IN_BF16))
         return dtype, _bytes(_host(data.to(torch.bfloat16)))
-    numel = data.numel()
-    blocks = torch.nn.functional.pad(data.float().reshape(-1), (0, -numel % INT8_BLOCK)).view(-1, INT8_BLOCK)
-    scales = blocks.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
-    values = torch.round(blocks / scales[:, None]).clamp_(-127, 127).to(torch.int8).reshape(-1)[:numel]
-    return dtype, memoryview(bytes(_bytes(_host(scales))) + bytes(_bytes(_host(values))))
+    tiles = _tiles(data)
+    return dtype, _bytes(_host(_int8(tiles, data.numel()) if codec == "int8" else _int4(tiles)))
+
+
+def _tiles(data: torch.Tensor) -> torch.Tensor:
+    """(blocks, BLOCK) float32: the tensor's values in order, zeros padding the last block."""
+    flat = data.reshape(-1).float()
+    return torch.nn.functional.pad(flat, (0, -flat.numel() % BLOCK)).view(-1, BLOCK)
+
+
+def _int8(tiles: torch.Tensor, numel: int) -> torch.Tensor:
+    """The int8 payload: a float32 absmax scale per block, then a signed byte per value (no padding)."""
+    scales = tiles.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
+    values = torch.round(tiles / scales[:, None]).clamp_(-127, 127).to(torch.int8).reshape(-1)[:numel]
+    return torch.cat((scales.view(torch.uint8), values.view(torch.uint8)))
+
+
+def _int4(tiles: torch.Tensor) -> torch.Tensor:
+    """The int4 payload. A tile travels as it is or rotated by the Hadamard transform, which spreads an
+    outlier over the tile so that the other values keep their resolution: whichever form has the smaller
+    absmax, since rounding to 15 levels errs by up to half its step, absmax / 7, on every value either way
+    (the rotation is orthonormal: an error in the rotated form is the same error in the tile)."""
+    turned = tiles @ _hadamard(tiles.device)
+    plain_max, turned_max = tiles.abs().amax(dim=1), turned.abs().amax(dim=1)
+    rotate = turned_max < plain_max
+    scale = torch.minimum(plain_max, turned_max).clamp_min_(torch.finfo(torch.float32).tiny).div_(7.0)
+    form = torch.where(rotate[:, None], turned, tiles)
+    codes = form.div_(scale[:, None]).round_().clamp_(-7, 7).add_(8).to(torch.uint8)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    scales = torch.where(rotate, -scale, scale)  # the sign says "rotated"
+    return torch.cat((scales.view(torch.uint8), packed.reshape(-1)))
+
+
+@functools.cache
+def _hadamard(device: torch.device) -> torch.Tensor:
+    """The BLOCK-point orthonormal Hadamard matrix (Sylvester's construction): symmetric, its own inverse."""
+    matrix = torch.ones(1, 1)
+    while matrix.shape[0] < BLOCK:
+        matrix = torch.cat((torch.cat((matrix, matrix), 1), torch.cat((matrix, -matrix), 1)))
+    return (matrix / math.sqrt(BLOCK)).to(device)
 
 
 def _host(tensor: torch.Tensor) -> torch.Tensor:
@@ -77,7 +116,7 @@ class PayloadCheck:
 
     Fed chunk by chunk (`update`) while the rest is still on the wire, so checking overlaps the
     transfer instead of following it. Floats are checked in the wire layout: the raw tensor, the
-    16-bit values of an fp16/bf16 frame, or the float32 block scales of an int8 frame.
+    16-bit values of an fp16/bf16 frame, or the float32 block scales of an int8 or int4 frame.
     """
 
     def __init__(self, header: FrameHeader) -> None:
@@ -88,8 +127,8 @@ class PayloadCheck:
         self.checked = 0  # bytes of the float region already checked
         if header.dtype not in FLOAT_DTYPES:
             self.float_dtype, self.float_end = None, 0
-        elif header.codec == "int8":
-            self.float_dtype, self.float_end = torch.float32, -(-header.numel // INT8_BLOCK) * 4
+        elif header.codec in BLOCKED_CODECS:
+            self.float_dtype, self.float_end = torch.float32, -(-header.numel // BLOCK) * 4
         else:
             name = header.dtype if header.codec == "raw" else header.codec
             self.float_dtype, self.float_end = TORCH_DTYPES[name], header.payload_bytes
@@ -137,12 +176,20 @@ def decode(header: FrameHeader, payload: memoryview | bytearray, check: PayloadC
         if (header.codec, header.dtype) == ("bf16", "fp16"):  # bf16 reaches 3.4e38, fp16 only 65504
             _check_range(tensor, header)
         return tensor
-    blocks = -(-header.numel // INT8_BLOCK)
+    blocks = -(-header.numel // BLOCK)
     scales = raw[: blocks * 4].view(torch.float32)
-    values = torch.nn.functional.pad(raw[blocks * 4 :].view(torch.int8).float(), (0, -header.numel % INT8_BLOCK))
-    flat = (values.view(blocks, INT8_BLOCK) * scales[:, None]).reshape(-1)[: header.numel]
-    tensor = flat.reshape(header.shape).to(dtype)
-    _check_range(tensor, header)  # finite scales times up to 127 can still overflow, in float32 or in dtype
+    if header.codec == "int8":
+        values = torch.nn.functional.pad(raw[blocks * 4 :].view(torch.int8).float(), (0, -header.numel % BLOCK))
+        tiles = values.view(blocks, BLOCK) * scales[:, None]
+    else:
+        packed = raw[blocks * 4 :].view(blocks, BLOCK // 2)
+        codes = torch.stack((packed & 15, packed >> 4), dim=2).view(blocks, BLOCK).float().sub_(8)
+        tiles = codes.mul_(scales.abs()[:, None])
+        rotated = scales < 0
+        if bool(rotated.any()):
+            tiles[rotated] = tiles[rotated] @ _hadamard(tiles.device)
+    tensor = tiles.reshape(-1)[: header.numel].reshape(header.shape).to(dtype)
+    _check_range(tensor, header)  # finite scales times up to 127 (or 8) can still overflow, in float32 or in dtype
     return tensor
 
 
