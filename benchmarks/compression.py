@@ -46,10 +46,10 @@ def two_by_two(model: str, lane_batch: int, micro_batch: int) -> Plan:
     return Plan("time", model, layers, 2 * lane_batch, micro_batch, -(-lane_batch // micro_batch), "fp32", stages)
 
 
-def train(plan: Plan, steps: int, every: int, lr: float, corpus: Corpus) -> list[tuple[int, float]]:
-    """(step, validation loss) every `every` steps of `plan` (its codecs on the hops) trained from seed 0."""
+def train(plan: Plan, steps: int, every: int, lr: float, corpus: Corpus, seed: int) -> list[tuple[int, float]]:
+    """(step, validation loss) every `every` steps of `plan` (its codecs on the hops) trained from `seed`."""
     hub = MemoryHub()
-    config = WorkerConfig(adam=AdamConfig(lr=lr))
+    config = WorkerConfig(adam=AdamConfig(lr=lr), seed=seed)
     workers = {}
     for device in plan.devices:
         transport = MemoryTransport(device, hub)
@@ -95,9 +95,9 @@ def part_quality(args: argparse.Namespace) -> dict:
           f"{plan.batch} sequences of {spec.seq_len} tokens, lr {args.lr:g}, validation on {VALIDATION_SEQUENCES} "
           "held-out sequences", flush=True)
     runs = {}
-    for forward, backward in PAIRS:
+    for forward, backward in [tuple(pair.split("/")) for pair in args.pairs]:
         started = time.perf_counter()
-        curve = train(plan.with_codecs(forward, backward), args.steps, args.every, args.lr, corpus)
+        curve = train(plan.with_codecs(forward, backward), args.steps, args.every, args.lr, corpus, args.seed)
         runs[f"{forward}/{backward}"] = curve
         print(f"  {forward}/{backward}: validation loss {curve[-1][1]:.4f} after {args.steps} steps "
               f"({time.perf_counter() - started:.0f} s)", flush=True)
@@ -169,9 +169,14 @@ def main() -> int:
     parser.add_argument("--lane-batch", type=int, default=8, help="sequences per lane per step (default 8)")
     parser.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch (default 2)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the quality part (default 1)")
+    parser.add_argument("--seed", type=int, default=0, help="initial weights and data order of the quality part (default 0)")
+    parser.add_argument("--pairs", nargs="+", default=[f"{f}/{b}" for f, b in PAIRS], metavar="FORWARD/BACKWARD",
+                        help="codec pairs of the quality part, raw/raw first (default: all five)")
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds per figure of the speed part (default 15)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON at the end")
     args = parser.parse_args()
+    if args.pairs[0] != "raw/raw":
+        parser.error("--pairs must start with raw/raw, the reference")
     results, ok = {}, True
     if args.part in ("speed", "all"):
         results["speed"] = part_speed(args)

@@ -78,6 +78,7 @@ def test_codecs_round_trip_per_lane_and_are_left_out_where_raw():
     assert plan.to_wire() == raw
     assert plan.stages[0].codecs(0) == ("int4", "int8") and plan.stages[0].codecs(1) == ("int8", "raw")
     assert plan.stages[1].codecs(0) == ("raw", "raw")  # the last stage sends to no next stage
+    assert plan.stages[0].hop_codecs == "int4/int8, int8/raw" and plan.stages[1].hop_codecs == ""  # as logs show them
     plain = Plan.from_wire(wire())
     assert "forward" not in plain.to_wire()["stages"][0] and plain.stages[0].codecs(1) == ("raw", "raw")
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from hetpeer.coordinator.planner import PlannerConfig, PlanningError, Problem, Shape, make_model, solve, synthetic
+from hetpeer.coordinator.planner.codecs import WORK_S_PER_VALUE
 from hetpeer.coordinator.planner.timemodel import TIE_BREAK
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.topology import Topology
@@ -108,7 +109,7 @@ def test_two_stage_lane_by_hand(latency_ms, gbps, bound, order):
 def test_codecs_between_stages_shrink_the_hops_by_hand():
     """Two stages of one lane on a slow link, one micro-batch: activations forward in int4, their gradients
     back in int8. Each way the hop carries what its codec puts on the wire (4.5 and 8.5 bits a value); the
-    plan names both codecs on the first stage's hop."""
+    plan names both codecs on the first stage's hop; the codecs' work counts too."""
     tflops, latency_s, gbps = [2e-3, 1e-3], 0.05, 0.01
     problem = Problem.from_topology(topology(tflops, latency_s * 1e3, gbps), Workload(preset("tiny", 4), batch=1))
     grid = np.array([[0], [1]])
@@ -121,7 +122,8 @@ def test_codecs_between_stages_shrink_the_hops_by_hand():
 
     (raw, _), (packed, solution) = step(("raw", "raw")), step(("int4", "int8"))
     compute = raw.cost["total_s"] - 2 * (latency_s + seconds["raw"])  # M = 1: C = sum t + both ways of the hop
-    assert packed.cost["total_s"] == pytest.approx(compute + 2 * latency_s + seconds["int4"] + seconds["int8"], rel=1e-9)
+    work = values * (WORK_S_PER_VALUE["int4"] + WORK_S_PER_VALUE["int8"])  # encoding and decoding, both ways
+    assert packed.cost["total_s"] == pytest.approx(compute + 2 * latency_s + seconds["int4"] + seconds["int8"] + work, rel=1e-9)
     assert packed.codecs == ((("int4", "int8"),),) and raw.codecs == ((("raw", "raw"),),)  # per hop, per lane
     assert [(s.forward, s.backward) for s in solution.plan.stages] == [(("int4",), ("int8",)), ((), ())]
     with pytest.raises(ValueError, match="compress must be auto or a \\(forward, backward\\) pair"):
@@ -132,12 +134,13 @@ def test_codecs_between_stages_shrink_the_hops_by_hand():
 
 @pytest.fixture
 def measured(monkeypatch):
-    """Codec tables of a known shape: int8 and int4 forward within the budget, int4 both ways past it; the
+    """Codec tables of a known shape: int8 and int4 forward within a 1% budget, int4 both ways past it; the
     4-bit codec costs 4 ns a value to encode and decode, int8 2 ns, bf16 1 ns, raw nothing."""
     from hetpeer.coordinator.planner import codecs
 
     monkeypatch.setattr(codecs, "LOSS_GAP", {("raw", "raw"): 0.0, ("bf16", "bf16"): 0.0, ("int8", "int8"): 0.001,
                                              ("int4", "int8"): 0.004, ("int4", "int4"): 0.05})
+    monkeypatch.setattr(codecs, "QUALITY_BUDGET", 0.01)
     monkeypatch.setattr(codecs, "WORK_S_PER_VALUE", {"raw": 0.0, "fp16": 1e-9, "bf16": 1e-9, "int8": 2e-9, "int4": 4e-9})
     return codecs
 

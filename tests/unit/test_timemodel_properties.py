@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from hetpeer.coordinator.planner import PlannerConfig, Problem, Shape, make_model
+from hetpeer.coordinator.planner.codecs import WORK_S_PER_VALUE
 from hetpeer.coordinator.planner.timemodel import TIE_BREAK
 from hetpeer.protocol.frame import bytes_per_value
 from hetpeer.peer.pipeline.schedule import FORWARD, one_f_one_b
@@ -39,8 +40,9 @@ def docstring_step(
         values = w.micro_batch * w.model.seq_len * w.model.hidden  # an activation's values, each way
         x_each = [[values * bytes_per_value(w.dtype, codec) / bw[grid[s, l], grid[s + 1, l]] for codec in compress]
                   for s in range(S - 1)]  # fmt: skip
-        round_trip = sum(t) + sum(2 * lat[grid[s, l], grid[s + 1, l]] + sum(x_each[s]) for s in range(S - 1))
-        period = max(max(t), max((max(x) for x in x_each), default=0.0), round_trip / S if M > S else 0.0)
+        work = values * sum(WORK_S_PER_VALUE[codec] for codec in compress) / 2  # encoding and decoding, each way
+        round_trip = sum(t) + sum(2 * lat[grid[s, l], grid[s + 1, l]] + sum(x_each[s]) + 2 * work for s in range(S - 1))
+        period = max(max(t), max((max(x) + work for x in x_each), default=0.0), round_trip / S if M > S else 0.0)
         lanes.append(round_trip + (M - 1) * period)
     lane_s = max(lanes)
     if m == 1:

@@ -9,8 +9,9 @@ For a grid (rows = stages in order, columns = lanes), with M micro-batches per l
   shared device (one machine's CPU cores, one GPU) are slowed by their fair share of it (`sharing.py`);
 - a hop between consecutive stages of a lane costs h = latency + x, x = a micro-batch's activation bytes
   on the wire / bandwidth (the link's occupancy), once forward (activations, in the forward codec) and
-  once backward (their gradients, in the backward codec), on a full-duplex link; with two codecs of
-  unlike size, x is their mean in C below and their larger in P (encoding is not counted yet);
+  once backward (their gradients, in the backward codec), on a full-duplex link, plus half the codecs'
+  encode and decode work each way (`codecs.py`); with two codecs of unlike size, x is their mean in C
+  below and their larger in P; `--compress auto` takes each hop's codecs to make its x shortest;
 - a lane under 1F1B takes
       T = C + (M - 1) P,   C = sum t + 2 sum h,   P = max(max t, max x, C / S if M > S)
   C is one micro-batch's round trip (fill and drain); each further micro-batch costs the lane's

@@ -92,7 +92,7 @@
     plan.stages.forEach((stage, s) => {
       const [x] = at(s, 0);
       root.append(svg("text", { x, y: 16, class: "head" }, `stage ${s}`));
-      root.append(svg("text", { x, y: 32, class: "small" }, `layers ${stage.layers[0]}-${stage.layers[1] - 1} · ${stage.sync}`));
+      root.append(svg("text", { x, y: 32, class: "small" }, `layers ${stage.layers[0]}-${stage.layers[1] - 1} · ${stage.sync}${stage.hop ? ` · → ${stage.hop}` : ""}`));
     });
     for (let l = 0; l < shown; l++) root.append(svg("text", { x: 4, y: at(0, l)[1] + BOX_H / 2 + 4, class: "small" }, `lane ${l}`));
 

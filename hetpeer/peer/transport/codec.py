@@ -78,8 +78,8 @@ def _int8(tiles: torch.Tensor, numel: int) -> torch.Tensor:
 def _int4(tiles: torch.Tensor) -> torch.Tensor:
     """The int4 payload. A tile travels as it is or rotated by the Hadamard transform, which spreads an
     outlier over the tile so that the other values keep their resolution: whichever form has the smaller
-    absmax, since rounding to 15 levels errs by up to half its step, absmax / 7, on every value either way
-    (the rotation is orthonormal: an error in the rotated form is the same error in the tile)."""
+    absmax, since rounding to 15 levels (a step of absmax / 7) errs by up to half a step on every value
+    either way (the rotation is orthonormal: an error in the rotated form is the same error in the tile)."""
     turned = tiles @ _hadamard(tiles.device)
     plain_max, turned_max = tiles.abs().amax(dim=1), turned.abs().amax(dim=1)
     rotate = turned_max < plain_max
