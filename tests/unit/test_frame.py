@@ -253,16 +253,20 @@ def test_16_bit_codecs_round_to_their_precision(codec, dtype, relative):
     assert not torch.equal(back, tensor) or relative == 0.0
 
 
+def _blocks(seed: int, small: float) -> torch.Tensor:
+    """Six rows of 64 values, one per codec block: of very different scales (`small` and 1e3 or 1e4 times the
+    rest, as far apart as the dtype holds as normal numbers), an all-zero one, one with an outlier (-50)."""
+    rows = torch.randn(6, 64, generator=torch.Generator().manual_seed(seed))
+    rows[1] *= small
+    rows[2] *= 1e3 if small >= 1e-3 else 1e4
+    rows[3] = 0.0
+    rows[4, 7] = -50.0
+    return rows
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_int8_codec_keeps_each_block_within_half_a_step_of_its_own_scale(dtype):
-    generator = torch.Generator().manual_seed(1)
-    rows = torch.randn(6, 64, generator=generator)  # one row per 64-element block
-    # Blocks of very different scales (as far apart as the dtype holds as normal numbers): each has its own scale.
-    small, large = (1e-3, 1e3) if dtype == "fp16" else (1e-6, 1e4)
-    rows[1] *= small
-    rows[2] *= large
-    rows[3] = 0.0  # an all-zero block
-    rows[4, 7] = -50.0  # one outlier sets its block's scale
+    rows = _blocks(seed=1, small=1e-3 if dtype == "fp16" else 1e-6)
     tensor = rows.reshape(2, 3, 64).to(TORCH_DTYPES[dtype])
     header, payload, back = _travel(tensor, "int8")
     assert len(payload) == 6 * 4 + 6 * 64
@@ -281,13 +285,7 @@ def test_int8_codec_keeps_each_block_within_half_a_step_of_its_own_scale(dtype):
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
 def test_int4_codec_keeps_each_tile_within_half_a_step_of_its_better_form(dtype):
-    generator = torch.Generator().manual_seed(2)
-    rows = torch.randn(6, 64, generator=generator)  # one row per 64-element tile
-    small, large = (1e-2, 1e3) if dtype == "fp16" else (1e-6, 1e4)
-    rows[1] *= small
-    rows[2] *= large
-    rows[3] = 0.0  # an all-zero tile
-    rows[4, 7] = -50.0  # one outlier: the rotation spreads it over the tile
+    rows = _blocks(seed=2, small=1e-2 if dtype == "fp16" else 1e-6)
     rows[5] = 0.75  # a flat tile: exact as it is, 8 times coarser rotated
     tensor = rows.reshape(2, 3, 64).to(TORCH_DTYPES[dtype])
     header, payload, back = _travel(tensor, "int4")

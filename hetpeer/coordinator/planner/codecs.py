@@ -12,9 +12,10 @@ is within `QUALITY_BUDGET`. A fixed `--compress FORWARD/BACKWARD` is the one pai
 
 `LOSS_GAP` is measured by `benchmarks/compression.py --part quality` (the `small` preset on 2 stages x 2
 lanes, 600 steps, the same data, seed and weights for every pair of a seed): each pair's validation loss
-against raw's, at equal tokens, averaged over two seeds (docs/compression.md). `WORK_S_PER_VALUE` is one CPU thread's encode plus decode time
-per value (`--part speed`, an activation of 1 x 1024 x 1600 values); a GPU encodes 5 to 10 times faster,
-so on GPU peers the planner counts more work than there is, and errs towards less compression.
+against raw's, at equal tokens, averaged over two seeds (docs/compression.md). `WORK_S_PER_VALUE` is one
+CPU thread's encode plus decode time per value (`--part speed`, an activation of 1 x 1024 x 1600 values); a
+GPU encodes several times faster, so on GPU peers the planner counts more work than there is, and errs
+towards less compression.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ import numpy as np
 from hetpeer.protocol.frame import CODECS, bytes_per_value
 
 AUTO = ("auto", "auto")
-# (forward, backward) -> validation loss over raw's - 1, at equal tokens (benchmarks/compression.py --part quality)
-# (the mean over seeds 0 and 1)
+# (forward, backward) -> validation loss over raw's - 1 at equal tokens, the mean over seeds 0 and 1
+# (benchmarks/compression.py --part quality)
 LOSS_GAP: dict[tuple[str, str], float] = {
     ("raw", "raw"): 0.0,
     ("bf16", "bf16"): 0.0457,
