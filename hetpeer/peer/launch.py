@@ -51,7 +51,9 @@ def write_address_book(devices: Sequence[str], out_dir: Path, links: str, host: 
 def launch(
     plan_path: Path, plan: Plan, out_dir: Path, steps: int, links: str, join_args: Sequence[str], echo: Callable[[str], None]
 ) -> int:
-    """Run every peer of `plan` for `steps` steps; 0 when all finish, 1 (after stopping the rest) when one fails."""
+    """Run every peer of `plan` for `steps` steps; 0 when all finish, 1 (after stopping the rest) when one fails.
+    `echo` is called from one thread at a time, whatever it writes to."""
+    echo = _one_at_a_time(echo)
     out_dir.mkdir(parents=True, exist_ok=True)
     devices = plan.devices
     book = write_address_book(devices, out_dir, links)
@@ -87,6 +89,18 @@ def launch(
         return 0
     finally:
         _stop(processes.values())
+
+
+def _one_at_a_time(echo: Callable[[str], None]) -> Callable[[str], None]:
+    """`echo` behind a lock: each peer's output has its own thread, and print writes a line and its end apart,
+    so two peers' lines printed at once could otherwise share a line."""
+    lock = threading.Lock()
+
+    def serialised(line: str) -> None:
+        with lock:
+            echo(line)
+
+    return serialised
 
 
 def _relay(device: str, process: subprocess.Popen, out_dir: Path, echo: Callable[[str], None]) -> None:
