@@ -79,7 +79,8 @@ def training_plan(swarm: Compose, after_epoch: int = 0, lanes: int = 2):
         return plan if plan and plan.epoch > after_epoch and plan.group_size >= lanes and progress.epoch == plan.epoch \
             and progress.step >= plan.start_step + 3 else None
 
-    return wait_for(ready, f"a plan after epoch {after_epoch} with {lanes}+ lanes to train", 300, explain=lambda: coordinator_log(swarm))
+    return wait_for(ready, f"a plan after epoch {after_epoch} with {lanes}+ lanes to train", 300,
+                    explain=lambda: coordinator_log(swarm) + "\n" + peer_logs(swarm, 30))
 
 
 def test_the_compose_swarm_trains(swarm):
