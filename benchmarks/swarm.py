@@ -94,16 +94,16 @@ def measure(client: ApiClient, plan: Plan, window_s: float, tokens_per_step: int
 
 
 def baseline(client: ApiClient, running: Plan, kind: str, workload: Workload, rng: np.random.Generator,
-             position: Callable[[str], int]) -> Plan:
+             position: Callable[[str], int], compress: tuple[str, str] = ("auto", "auto")) -> Plan:
     """A random or blocks plan in the running plan's shape; blocks takes the peers in `position` order (join
-    order, or a topology file's)."""
+    order, or a topology file's). Its hops' codecs are chosen as a coordinator with `compress` would."""
     records = {s.record.device_id: s.record for s in client.call_list_peers() if s.record.state != "leaving"}
     problem, estimated = build_problem(records, workload, current=None)
     order = sorted(problem.device_ids, key=position)
     join_order = np.array([problem.device_ids.index(d) for d in order])
     shape = Shape(len(running.stages), running.group_size)
     grid = random_grids(problem, shape, 1, rng)[0] if kind == "random" else join_order[blocks_grid(shape)]
-    model = make_model(problem, PlannerConfig(cost_model="time"), shape)
+    model = make_model(problem, PlannerConfig(cost_model="time", compress=compress), shape)
     return to_plan(problem, "time", grid, model.report(grid))
 
 

@@ -1,7 +1,7 @@
 """Testbed benchmark: plans on a WAN of containers, the coordinator's against baselines, predicted against
 measured, and recovery from a killed peer, all in one run of one testbed.
 
-    python3 benchmarks/testbed.py [--per-region 2] [--scale 0.05] [--slowdown 16] [--window 60] [--json]
+    python3 benchmarks/testbed.py [--per-region 2] [--scale 0.05] [--slowdown 16] [--window 60] [--compress auto] [--json]
 
 The world-wide scenario of Yuan et al. (NeurIPS 2022; hetpeer/scenarios) cut to `--per-region` devices in
 each of its 8 regions, as a `hetpeer testbed`: one container per device, each shaping what it sends to each
@@ -13,16 +13,19 @@ the same plan, so only a pipeline gives placement something to decide. Once ever
 links and the coordinator has planned from those measurements:
 
 1. throughput: the swarm's tokens/s (global batches completed in `--window` seconds, once the plan has run
-   `SETTLE_STEPS`) under the coordinator's plan, a random plan and the "blocks" plan (devices in the
-   topology's order) of the same shape, published with the coordinator's key as the coordinator would,
+   `SETTLE_STEPS`) under the coordinator's plan (its codecs chosen per hop, `--compress`), the plan the
+   same planner makes from the same records with every hop raw ("uncompressed": what the coordinator
+   published before it chose codecs), a random plan and the "blocks" plan (devices in the topology's
+   order) of the coordinator's shape, published with the coordinator's key as the coordinator would,
    `--rounds` windows each, alternating (the machine is shared and its load drifts); medians compared;
 2. prediction: each plan's predicted seconds per step beside the measured ones: the time model on what
-   the peers announce as its window opens (measured links, achieved compute), alike for every kind;
+   the peers announce as its window opens (measured links, achieved compute), alike for every kind (a
+   plan whose hops are all raw predicted raw, the others with codecs chosen as the coordinator does);
 3. recovery: under each kind of plan, a peer of it is killed (`docker kill`); reported: seconds until a
    plan without it has run a step. The peer is then started again and the swarm waits for it.
 
-`--json` prints one JSON object as the last line: per plan kind, tokens_per_s, predicted_s, measured_s and
-recovery_s, and the goals' ratios. `--out` keeps `plans.json` (the plans and the peers' records) and
+`--json` prints one JSON object as the last line: per plan kind, tokens_per_s, predicted_s, measured_s,
+recovery_s and the plan's codecs, and the goals' ratios. `--out` keeps `plans.json` (the plans and the peers' records) and
 `windows.json` (every window's measurement), which `benchmarks/timemodel_fit.py` fits the time model's
 efficiency terms to.
 """
@@ -45,8 +48,10 @@ from swarm import SETTLE_STEPS, baseline, measure, poll, publish  # noqa: E402  
 
 from hetpeer import scenarios  # noqa: E402
 from hetpeer.coordinator.api_client import ApiClient  # noqa: E402
-from hetpeer.coordinator.planner import PlannerConfig  # noqa: E402
+from hetpeer.coordinator.config import CoordinatorConfig  # noqa: E402
+from hetpeer.coordinator.planner import PlannerConfig, solve  # noqa: E402
 from hetpeer.coordinator.policy import build_problem, predicted_step_s  # noqa: E402
+from hetpeer.cli.common import compress_choice, compress_text  # noqa: E402
 from hetpeer.peer.launch import free_port  # noqa: E402
 from hetpeer.protocol.control import ControlPlane  # noqa: E402
 from hetpeer.protocol.join import JoinInfo  # noqa: E402
@@ -55,11 +60,13 @@ from hetpeer.protocol.topology import Topology  # noqa: E402
 from hetpeer.protocol.modelspec import preset  # noqa: E402
 from hetpeer.protocol.workload import Workload  # noqa: E402
 from hetpeer.testbed.compose import free_subnet  # noqa: E402
-from hetpeer.testbed.project import TestbedConfig, peer_name, service_name  # noqa: E402
+from hetpeer.testbed.project import COORDINATOR, TestbedConfig, peer_name, service_name  # noqa: E402
 from hetpeer.testbed.run import Testbed  # noqa: E402
 
-KINDS = ("coordinator", "random", "blocks")
+KINDS = ("coordinator", "uncompressed", "random", "blocks")
 GOAL_SPEEDUP = 2.0  # the coordinator's tokens/s over the random plan's
+GOAL_CODECS = 1.5  # the coordinator's tokens/s over the uncompressed plan's (docs/compression.md)
+RAW = ("raw", "raw")
 GOAL_PREDICTION = 0.25  # |measured / predicted - 1| for every plan kind
 
 
@@ -83,12 +90,43 @@ def all_measured(client: ApiClient, devices: int):
     return records if all((a, b) in pairs for a in records for b in records if a != b) else None
 
 
-def predicted_now(client: ApiClient, plan: Plan, workload: Workload) -> float:
+def announced(client: ApiClient) -> dict:
+    return {s.record.device_id: s.record for s in client.call_list_peers() if s.record.state != "leaving"}
+
+
+def raw_hops(plan: Plan) -> bool:
+    return all(not stage.hop_codecs for stage in plan.stages)
+
+
+def coordinator_up(bed: Testbed, condition, every_s: float = 10.0):
+    """`condition`, for `poll`, that ends the run with the coordinator's last lines if its container stopped
+    (a bad option, say), instead of waiting out the poll's timeout."""
+    checked = [time.monotonic()]
+
+    def check():
+        if time.monotonic() - checked[0] > every_s:
+            checked[0] = time.monotonic()
+            if COORDINATOR not in bed.compose.running():
+                last = "\n".join(bed.compose.logs(COORDINATOR).splitlines()[-5:])
+                raise SystemExit(f"the coordinator's container stopped; its log ends:\n{last}")
+        return condition()
+
+    return check
+
+
+def predicted_now(client: ApiClient, plan: Plan, workload: Workload, compress: tuple[str, str]) -> float:
     """The time model's step for `plan` on what the peers announce now (their latest link measurements and
-    achieved compute), as for any plan the coordinator would weigh: every kind is predicted alike."""
-    records = {s.record.device_id: s.record for s in client.call_list_peers() if s.record.state != "leaving"}
-    problem, _ = build_problem(records, workload, current=None)
-    return predicted_step_s(problem, PlannerConfig(cost_model="time"), plan)
+    achieved compute), as for any plan the coordinator would weigh: every kind is predicted alike, a plan
+    whose hops are all raw as raw, the others with their codecs chosen as the coordinator's `compress` does."""
+    problem, _ = build_problem(announced(client), workload, current=None)
+    return predicted_step_s(problem, PlannerConfig(cost_model="time", compress=RAW if raw_hops(plan) else compress), plan)
+
+
+def uncompressed(client: ApiClient, workload: Workload, stages: int, seed: int) -> Plan:
+    """What the coordinator's planner makes of the same announcements with every hop raw."""
+    problem, _ = build_problem(announced(client), workload, current=None)
+    config = PlannerConfig(cost_model="time", stages=stages, compress=RAW, time_budget_s=CoordinatorConfig.__dataclass_fields__["time_budget_s"].default)
+    return solve(problem, config, np.random.default_rng(seed)).plan
 
 
 def recover(bed: Testbed, client: ApiClient, running: Plan) -> float:
@@ -126,6 +164,9 @@ def main() -> int:
                         help="peers' and coordinator's heartbeat (default 4: sixteen DHT nodes at 2 s would take most of 2 cores)")
     parser.add_argument("--window", type=float, default=60.0, help="seconds of each throughput window (default 60)")
     parser.add_argument("--rounds", type=int, default=2, help="windows per plan kind, alternating (default 2)")
+    parser.add_argument("--compress", type=compress_choice, default=("auto", "auto"), metavar="auto|CODEC[/CODEC]",
+                        help="the coordinator's --compress (default auto: it chooses each hop's codecs)")
+    parser.add_argument("--model", default="tiny", help="the model preset every peer trains (default tiny)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-recovery", dest="recovery", action="store_false",
                         help="measure the windows only, no peer killed (about 10 minutes shorter)")
@@ -139,7 +180,9 @@ def main() -> int:
     config = TestbedConfig(
         topology=topology, out=out, scale=args.scale, slowdown=args.slowdown, image=args.image,
         project=f"hetpeer-bench-{time.time_ns() % 10**8}", subnet=subnet, api_port=free_port(), swarm="bench",
-        batch=args.batch, heartbeat_s=args.heartbeat, coordinator_args=("--stages", str(args.stages), "--replan-interval", "1000000", "--seed", str(args.seed)),
+        batch=args.batch, heartbeat_s=args.heartbeat, model=args.model,
+        coordinator_args=("--stages", str(args.stages), "--replan-interval", "1000000", "--seed", str(args.seed),
+                          "--compress", compress_text(args.compress)),
         peer_args=("--probe-targets", "8", "--timeout", "30"),
     )
     workload = Workload(preset(config.model), batch=config.batch, micro_batch=config.micro_batch, dtype=config.dtype)
@@ -150,12 +193,14 @@ def main() -> int:
     rng = np.random.default_rng(args.seed)
     bed = Testbed(config, lambda line: None)
     rows: list[tuple[str, dict]] = []
+    plans: dict[str, Plan] = {}
     recovery: dict[str, float] = {}
     started = time.monotonic()
     try:
         bed.start()
         with ApiClient(bed.api_address, timeout_s=5.0) as client:
-            poll(client, lambda: all_measured(client, len(topology.devices)), "every peer to measure every link", timeout_s=900)
+            poll(client, coordinator_up(bed, lambda: all_measured(client, len(topology.devices))), "every peer to measure every link",
+                 timeout_s=900)
             print(f"every link measured after {time.monotonic() - started:.0f} s", flush=True)
             # a plan whose estimated links are all measured now: made on measured links, or solved again on them and kept
             planned = poll(client, lambda: (p := client.call_get_plan()[0]) and (m := all_measured(client, len(topology.devices)))
@@ -172,9 +217,12 @@ def main() -> int:
             join = JoinInfo.load(out / "swarm" / "join.json")
             control = ControlPlane(config.swarm, signer, join.initial_peers, [f"/ip4/{gateway}/tcp/0"]).start()
             try:
-                plans = {"coordinator": planned}
+                plans.update(coordinator=planned, uncompressed=uncompressed(client, workload, args.stages, args.seed))
                 for kind in ("random", "blocks"):
-                    plans[kind] = baseline(client, planned, kind, workload, rng, lambda d: order[d.rsplit("-", 1)[0]])
+                    plans[kind] = baseline(client, planned, kind, workload, rng, lambda d: order[d.rsplit("-", 1)[0]], args.compress)
+                for kind, plan in plans.items():
+                    print(f"  {kind:<12} plan: {len(plan.stages)} stage(s) x {plan.group_size} lane(s), hops "
+                          f"{'; '.join(s.hop_codecs or 'raw' for s in plan.stages[:-1]) or 'none'}", flush=True)
                 # what the plans were made from, for a later look at the time model's terms
                 (out / "plans.json").write_text(json.dumps({
                     "plans": {kind: plan.to_wire() for kind, plan in plans.items()},
@@ -185,7 +233,7 @@ def main() -> int:
                     for kind, plan in plans.items():
                         epoch = max(epoch, client.call_get_plan()[0].epoch) + 1
                         running = planned if round_ == 0 and kind == "coordinator" else publish(control, client, plan, epoch, tokens_per_step)
-                        predicted_s = predicted_now(client, running, workload)
+                        predicted_s = predicted_now(client, running, workload, args.compress)
                         rows.append((kind, {**measure(client, running, args.window, tokens_per_step), "predicted_s": predicted_s}))
                         print(f"  {kind:<12} {rows[-1][1]['tokens_per_s']:>8.0f} tokens/s, {rows[-1][1]['measured_s']:.3f} s/step "
                               f"measured, {rows[-1][1]['predicted_s']:.3f} predicted", flush=True)
@@ -208,14 +256,14 @@ def main() -> int:
     finally:
         bed.logs()
         bed.shutdown()
-    result = summarize(rows, recovery)
+    result = summarize(rows, recovery, plans)
     print_table(rows, result)
     if args.json:
         print(json.dumps(result))
     return 0
 
 
-def summarize(rows: list[tuple[str, dict]], recovery: dict[str, float]) -> dict:
+def summarize(rows: list[tuple[str, dict]], recovery: dict[str, float], plans: dict[str, Plan]) -> dict:
     result: dict = {}
     for kind in KINDS:
         mine = [r for k, r in rows if k == kind]
@@ -224,10 +272,13 @@ def summarize(rows: list[tuple[str, dict]], recovery: dict[str, float]) -> dict:
             "predicted_s": statistics.median(r["predicted_s"] for r in mine),
             "measured_s": statistics.median(r["measured_s"] for r in mine),
             "recovery_s": recovery.get(kind),
+            "codecs": [stage.hop_codecs or "raw" for stage in plans[kind].stages[:-1]],
         }
     result["speedup_over_random"] = result["coordinator"]["tokens_per_s"] / result["random"]["tokens_per_s"]
+    result["speedup_over_uncompressed"] = result["coordinator"]["tokens_per_s"] / result["uncompressed"]["tokens_per_s"]
     result["prediction_error"] = {k: result[k]["measured_s"] / result[k]["predicted_s"] - 1 for k in KINDS}
-    result["goals"] = {"speedup_over_random": GOAL_SPEEDUP, "prediction_error": GOAL_PREDICTION}
+    result["goals"] = {"speedup_over_random": GOAL_SPEEDUP, "speedup_over_uncompressed": GOAL_CODECS,
+                       "prediction_error": GOAL_PREDICTION}
     return result
 
 
@@ -237,13 +288,14 @@ def print_table(rows: list[tuple[str, dict]], result: dict) -> None:
     for name, r in rows:
         print(f"{name:<12} {r['epoch']:>5} {r['steps']:>6} {r['tokens_per_s']:>9.0f} {r['predicted_s']:>17.3f} "
               f"{r['measured_s']:>16.3f} {r['measured_s'] / r['predicted_s']:>9.2f}")
-    print("\nmedians, against the goals (coordinator >= 2x random; every |measured/predicted - 1| <= 25%):")
+    print("\nmedians, against the goals (coordinator >= 2x random and >= 1.5x uncompressed; every |measured/predicted - 1| <= 25%):")
     for kind in KINDS:
         r = result[kind]
         recovery = f"{r['recovery_s']:.1f} s" if r["recovery_s"] is not None else "-"
         print(f"  {kind:<12} {r['tokens_per_s']:>8.0f} tokens/s ({r['tokens_per_s'] / result['coordinator']['tokens_per_s']:.2f}x), "
               f"measured/predicted {r['measured_s'] / r['predicted_s']:.2f}, recovery {recovery}")
-    print(f"  coordinator over random: {result['speedup_over_random']:.2f}x", flush=True)
+    print(f"  coordinator over random: {result['speedup_over_random']:.2f}x, over uncompressed: "
+          f"{result['speedup_over_uncompressed']:.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """hetpeer against hivemind's collaborative training, on the same testbed of containers, back to back.
 
-    python3 benchmarks/vs_hivemind.py [--duration 300] [--inter-mbit 5] [--case both] [--out DIR] [--json]
+    python3 benchmarks/vs_hivemind.py [--duration 300] [--inter-mbit 5] [--case both] [--compress auto] [--out DIR] [--json]
 
 The testbed (`hetpeer testbed`'s project: one container per device, each shaping what it sends to every
 other device with htb): 8 devices in two regions, a fast site (`--fast-tflops`, 4 devices) and a slow one
@@ -11,11 +11,13 @@ slowed (`--slowdown` for the fast site, twice that for the slow one) with the sa
 
 (a) speed, the `small` GPT: both systems train from the same initial weights, batches drawn by the same
     rule (seed, lane or peer, step) from the same corpus, AdamW with the same lr, betas (0.9, 0.95) and
-    weight decay 0.1 on matrices (hetpeer's rule), global batch `--batch` sequences, values in fp16 on the
-    wire, for `--duration` seconds from each system's first step:
+    weight decay 0.1 on matrices (hetpeer's rule), global batch `--batch` sequences, weights and
+    gradients averaged in fp16, for `--duration` seconds from each system's first step:
     - hetpeer: `hetpeer coordinator` plans from the peers' own measurements (stages, groups, lanes; the
-      time model, its plans sending activations in fp16: `--compress fp16`), peers train with decentralized
-      Adam in their groups (`--sync-compress fp16`);
+      time model, with the codecs of activations and their gradients chosen per hop: `--compress`,
+      default auto), peers train with decentralized Adam in their groups (`--sync-compress fp16`);
+    - hetpeer-fp16 (unless `--fixed-compress none`): the same with every hop in fp16 (`--fixed-compress`),
+      hetpeer's setting before its planner chose codecs;
     - hivemind: benchmarks/hivemind_peer.py on every device: `hivemind.Optimizer` over AdamW on the whole
       model, target batch = hetpeer's global batch, set up as hivemind's ALBERT example does for the
       internet (offloaded optimizer, delayed optimizer step and gradient averaging, fp16 gradients and
@@ -28,8 +30,8 @@ slowed (`--slowdown` for the fast site, twice that for the slow one) with the sa
 Output folder: the two compose projects with every container's log, `loss_vs_time.png`,
 `loss_vs_tokens.png` (matplotlib: `pip install -e '.[plots]'`), `curves.json` (the loss curves they are
 drawn from: `--replot CURVES.json` draws them again) and `result.json`. `--json` prints one
-JSON object as the last line: `hetpeer` and `hivemind`, each with `tokens_per_s` and `loss_at_equal_time`,
-and `memory` for case (b).
+JSON object as the last line: `hetpeer`, `hivemind` (and `hetpeer-fp16`), each with `tokens_per_s` and
+`loss_at_equal_time`, and `memory` for case (b).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ import numpy as np
 import yaml
 
 from hetpeer import logline
+from hetpeer.cli.common import compress_choice, compress_text
 from hetpeer.coordinator.api_client import ApiClient
 from hetpeer.coordinator.api_errors import ApiError
 from hetpeer.peer.launch import free_port
@@ -67,6 +70,7 @@ from hetpeer.testbed.project import (
 from hetpeer.testbed.run import Testbed, lane_steps
 
 GOAL_SPEEDUP = 2.0  # hetpeer's tokens/s over hivemind's in (a), at equal or lower loss after equal time
+GOAL_CODECS = 1.5  # hetpeer's tokens/s with the codecs its coordinator chose over every hop in fp16 (docs/compression.md)
 BENCH = Path(__file__).resolve().parent
 PEERS_FILE = "/swarm/hivemind-peers.txt"
 HIVEMIND_RE = re.compile(r"^hivemind peer (\d+) step (\d+) loss ([\d.naif]+) samples (\d+) epoch (\d+) peak (\d+) MiB")
@@ -122,35 +126,36 @@ def peer_services(config: TestbedConfig) -> list[str]:
 # -- hetpeer ---------------------------------------------------------------------------------------
 
 
-def run_hetpeer(config: TestbedConfig, duration_s: float, say) -> Outcome:
+def run_hetpeer(config: TestbedConfig, duration_s: float, say, system: str = "hetpeer") -> Outcome:
     bed = Testbed(config, lambda line: None)
-    outcome = Outcome("hetpeer")
+    outcome = Outcome(system)
     try:
         bed.start()
-        say(f"hetpeer: {len(config.topology.devices)} peers and a coordinator started; waiting for the first step")
+        say(f"{system}: {len(config.topology.devices)} peers and a coordinator started; waiting for the first step")
         first = None
         deadline = time.monotonic() + 600
         with ApiClient(bed.api_address, timeout_s=5.0) as client:
             while first is None or time.monotonic() < first + duration_s:
                 if time.monotonic() > deadline and first is None:
-                    raise SystemExit("hetpeer: no step within 600 s (see the logs in the output folder)")
+                    raise SystemExit(f"{system}: no step within 600 s (see the logs in the output folder)")
                 try:
                     progress = client.call_get_progress()
                 except ApiError:
                     progress = None
                 if first is None and progress is not None and progress.step >= 1:
                     first = time.monotonic()
-                    say("hetpeer: training")
+                    say(f"{system}: training")
                 elif first is not None and progress is not None and int(time.monotonic() - first) % 30 == 0:
                     plan = client.call_get_plan()[0]
                     shape = f"{len(plan.stages)} stage(s) x {plan.group_size} lane(s)" if plan else "no plan"
-                    say(f"hetpeer: {time.monotonic() - first:.0f} s, step {progress.step}, loss "
+                    say(f"{system}: {time.monotonic() - first:.0f} s, step {progress.step}, loss "
                         f"{cell(progress.loss, '.3f')}, plan epoch {progress.epoch} ({shape})")
                 time.sleep(1.0)
             plan = client.call_get_plan()[0]
             peers = client.call_list_peers()
         outcome.sent_bytes = sent_bytes(bed.compose, peer_services(config))
         outcome.notes["plan"] = {"stages": [[s.layer_start, s.layer_end, list(s.devices)] for s in plan.stages],
+                                 "hops": [s.hop_codecs or "raw" for s in plan.stages[:-1]],
                                  "standby": list(plan.standby), "epoch": plan.epoch} if plan else None
         outcome.notes["announced_memory_bytes"] = {p.record.device_id: p.record.memory_bytes for p in peers}
         outcome.notes["oom_killed"] = [s for s in peer_services(config) if container_state(bed.compose, s)["oom_killed"]]
@@ -315,7 +320,7 @@ def replot(path: Path, duration_s: float, parser: argparse.ArgumentParser) -> in
         parser.error("the loss pictures need matplotlib: pip install -e '.[plots]'")
     try:
         curves = json.loads(path.read_text())
-        outcomes = [Outcome(system, [tuple(float(v) for v in p) for p in curves[system]]) for system in ("hetpeer", "hivemind")]
+        outcomes = [Outcome(system, [tuple(float(v) for v in p) for p in points]) for system, points in curves.items()]
     except (OSError, ValueError, KeyError, TypeError) as error:
         parser.error(f"{path} is not a run's curves.json ({{'hetpeer': [[s, tokens, loss], ...], 'hivemind': ...}}): {error}")
     plots(path.parent, outcomes, duration_s)
@@ -339,6 +344,11 @@ def main() -> int:
     parser.add_argument("--local-batch", type=int, default=4, help="hivemind: sequences per local step (default 4)")
     parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate of both (default 3e-3)")
     parser.add_argument("--memory-gb", type=float, default=1.5, help="(b): each container's memory limit, GB (default 1.5)")
+    parser.add_argument("--compress", type=compress_choice, default=("auto", "auto"), metavar="auto|CODEC[/CODEC]",
+                        help="hetpeer's coordinator's --compress in (a) (default auto: it chooses each hop's codecs)")
+    parser.add_argument("--fixed-compress", type=fixed_compress, default="fp16", metavar="CODEC|none",
+                        help="(a) also runs hetpeer with every hop in this codec, as before its planner chose codecs "
+                        "(default fp16; none: not run)")
     parser.add_argument("--heartbeat", type=float, default=2.0, help="hetpeer's record heartbeat, seconds (default 2)")
     parser.add_argument("--image", default="hetpeer:latest", help="the testbed's image, from docker/build.sh (default hetpeer:latest)")
     parser.add_argument("--out", type=Path, help="output folder (default: a temporary folder)")
@@ -371,12 +381,12 @@ def main() -> int:
     def say(text: str) -> None:
         print(f"[{time.monotonic() - started:6.0f} s] {text}", flush=True)
 
-    def config(name: str, topology: Topology, model: str, batch: int) -> TestbedConfig:
+    def config(name: str, topology: Topology, model: str, batch: int, compress: str = compress_text(args.compress)) -> TestbedConfig:
         return TestbedConfig(
             topology=topology, out=out / name, slowdown=args.slowdown if model == "small" else 1.0, emulate_latency=False,
             image=args.image, project=f"hetpeer-vs-{name}-{time.time_ns() % 10**8}", subnet=free_subnet(), api_port=free_port(),
             swarm="vs", model=model, batch=batch, micro_batch=2, heartbeat_s=args.heartbeat,
-            coordinator_args=("--compress", "fp16"),
+            coordinator_args=("--compress", compress),
             peer_args=("--sync-compress", "fp16", "--lr", repr(args.lr), "--probe-targets", "7"),
         )
 
@@ -387,18 +397,26 @@ def main() -> int:
         say(f"(a) speed: the small GPT on 8 devices, two sites, {args.intra_mbit:g} Mbit/s inside a site and "
             f"{args.inter_mbit:g} Mbit/s between them, compute {args.slowdown:g}x / {2 * args.slowdown:g}x slower")
         het = run_hetpeer(base, args.duration, say)
+        outcomes = [het]
+        if args.fixed_compress is not None:
+            fixed = config("speed-hetpeer-fixed", two_sites(args), "small", args.batch, args.fixed_compress)
+            outcomes.append(run_hetpeer(fixed, args.duration, say, f"hetpeer-{args.fixed_compress}"))
         hm = run_hivemind(replace(base, out=out / "speed-hivemind", project=base.project.replace("-hetpeer-", "-hivemind-")),
                           args, "small", args.duration, say)
-        equal_time = min(args.duration, het.points[-1][0] if het.points else 0, hm.points[-1][0] if hm.points else 0)
-        equal_tokens = min(o.within(args.duration)[-1][1] if o.within(args.duration) else 0 for o in (het, hm))
-        for o in (het, hm):
+        outcomes.append(hm)
+        equal_time = min([args.duration] + [o.points[-1][0] if o.points else 0 for o in outcomes])
+        equal_tokens = min(o.within(args.duration)[-1][1] if o.within(args.duration) else 0 for o in outcomes)
+        for o in outcomes:
             result[o.system] = {**figures(o, args.duration, equal_time, equal_tokens), "notes": o.notes}
         result["equal_time_s"], result["equal_tokens"] = equal_time, equal_tokens
-        trained = all(result[o.system]["tokens"] > 0 for o in (het, hm))  # a system that never trained has no speed to compare
-        result["speedup"] = result["hetpeer"]["tokens_per_s"] / result["hivemind"]["tokens_per_s"] if trained else None
+        result["systems"] = [o.system for o in outcomes]
+        result["speedup"] = ratio(result, "hetpeer", "hivemind")
         result["goal"] = {"speedup": GOAL_SPEEDUP, "loss": "hetpeer's loss at equal time <= hivemind's"}
-        plots(out, [het, hm], args.duration)
-        (out / "curves.json").write_text(json.dumps({o.system: o.points for o in (het, hm)}))
+        if args.fixed_compress is not None:
+            result["speedup_over_fixed"] = ratio(result, "hetpeer", f"hetpeer-{args.fixed_compress}")
+            result["goal"]["speedup_over_fixed"] = GOAL_CODECS
+        plots(out, outcomes, args.duration)
+        (out / "curves.json").write_text(json.dumps({o.system: o.points for o in outcomes}))
     if args.case in ("both", "memory"):
         topology = two_sites(args, memory_gb=args.memory_gb)
         base = config("memory-hetpeer", topology, "medium", 16)
@@ -419,6 +437,20 @@ def main() -> int:
     return 0
 
 
+def ratio(result: dict, a: str, b: str) -> float | None:
+    """a's tokens/s over b's; None when either never trained (no speed to compare)."""
+    return result[a]["tokens_per_s"] / result[b]["tokens_per_s"] if result[a]["tokens"] and result[b]["tokens"] else None
+
+
+def fixed_compress(text: str) -> str | None:
+    if text == "none":
+        return None
+    codec = compress_choice(text)
+    if codec[0] != codec[1] or codec[0] == "auto":
+        raise argparse.ArgumentTypeError(f"one codec for every hop, or none, not {text!r}")
+    return codec[0]
+
+
 def cell(value: float | None, spec: str) -> str:
     """A figure for the summary table; n/a where a system has no point to measure it (too few steps in the window)."""
     return "n/a" if value is None else format(value, spec)
@@ -429,20 +461,24 @@ def print_summary(result: dict) -> None:
         print(f"\n(a) speed, each system {result['settings']['duration']:g} s from its first step; loss at equal time: the mean over "
               f"its last {LOSS_WINDOW:.0%} (at least {LOSS_WINDOW_S:g} s) of {result['equal_time_s']:.0f} s, at equal tokens: over the last {LOSS_WINDOW:.0%} of "
               f"{result['equal_tokens']:,.0f} tokens")
-        print(f"{'system':<9} {'tokens/s':>9} {'2nd half':>9} {'loss start':>10} {'loss @time':>10} {'loss @tokens':>12} {'MB sent/peer':>12}")
-        for name in ("hetpeer", "hivemind"):
+        print(f"{'system':<12} {'tokens/s':>9} {'2nd half':>9} {'loss start':>10} {'loss @time':>10} {'loss @tokens':>12} {'MB sent/peer':>12}")
+        for name in result["systems"]:
             r = result[name]
-            print(f"{name:<9} {r['tokens_per_s']:>9.0f} {cell(r['tokens_per_s_second_half'], '.0f'):>9} {cell(r['loss_first'], '.3f'):>10} "
+            print(f"{name:<12} {r['tokens_per_s']:>9.0f} {cell(r['tokens_per_s_second_half'], '.0f'):>9} {cell(r['loss_first'], '.3f'):>10} "
                   f"{cell(r['loss_at_equal_time'], '.3f'):>10} {cell(r['loss_at_equal_tokens'], '.3f'):>12} "
                   f"{cell(r['sent_mb_per_peer'], '.1f'):>12}")
         averaging = result["hivemind"]["notes"].get("averaging", {})
         print(f"hivemind's rounds: {averaging.get('averaged', 0)} averaged (mean group {np.mean(averaging.get('peers') or [0]):.1f} "
               f"peers), {averaging.get('local', 0)} with local gradients only")
-        if result["speedup"] is None:
-            silent = [name for name in ("hetpeer", "hivemind") if not result[name]["tokens"]]
-            print(f"no comparison: {' and '.join(silent)} never trained (its containers' last lines are in result.json)")
-        else:
+        silent = [name for name in result["systems"] if not result[name]["tokens"]]
+        if silent:
+            print(f"{' and '.join(silent)} never trained (the containers' last lines are in result.json)")
+        if result["speedup"] is not None:
             print(f"hetpeer over hivemind: {result['speedup']:.2f}x tokens/s (goal >= {GOAL_SPEEDUP:g}x at equal or lower loss)")
+        if result.get("speedup_over_fixed") is not None:
+            fixed = result["systems"][1]
+            print(f"hetpeer over {fixed}: {result['speedup_over_fixed']:.2f}x tokens/s (goal >= {GOAL_CODECS:g}x at equal or lower "
+                  f"loss); hops {result['hetpeer']['notes'].get('plan', {}).get('hops')} against {result[fixed]['notes'].get('plan', {}).get('hops')}")
     if "memory" in result:
         m = result["memory"]
         print(f"\n(b) memory, the medium GPT, {m['memory_gb']:g} GB per container:")

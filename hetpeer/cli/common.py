@@ -79,6 +79,11 @@ def compress_choice(text: str) -> tuple[str, str]:
     return ("auto", "auto") if text == "auto" else codec_pair(text)
 
 
+def compress_text(pair: tuple[str, str]) -> str:
+    """A `compress_choice` as an option's value again (for another process's command line)."""
+    return pair[0] if pair[0] == pair[1] else "/".join(pair)
+
+
 COMPRESS_HELP = ("how activations travel between stages and their gradients back: auto (default: per hop, the pair that "
                  "makes it shortest among those whose measured loss effect is within budget), one codec for both, or "
                  f"FORWARD/BACKWARD, e.g. int4/int8; each one of {', '.join(CODECS)} (docs/compression.md)")

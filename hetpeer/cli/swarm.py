@@ -16,7 +16,7 @@ from pathlib import Path
 
 from hetpeer import logline
 from hetpeer.cli.common import (
-    COMPRESS_HELP, SWARM_DTYPES, UserError, add_eval_options, add_model_options, compress_choice, home_dir, log_to_stdout, model_spec,
+    COMPRESS_HELP, SWARM_DTYPES, UserError, add_eval_options, add_model_options, compress_choice, compress_text, home_dir, log_to_stdout, model_spec,
     non_negative_float, non_negative_int, positive_float, positive_int, say, stop_on_sigterm,
 )
 
@@ -361,7 +361,7 @@ def run_swarm(args: argparse.Namespace) -> int:
             bandwidth_caps=parse_per_peer(args.bandwidth_caps, args.peers, "--bandwidth-caps", none_value="none"),
             heartbeat_s=args.heartbeat, replan_interval_s=args.replan_interval, lr=args.lr, seed=args.seed, data=args.data,
             save=args.save.resolve() if args.save else None, coordinator_args=(
-                "--eval-every", str(args.eval_every), "--eval-batch", str(args.eval_batch), "--compress", "auto" if args.compress == ("auto", "auto") else "/".join(args.compress),
+                "--eval-every", str(args.eval_every), "--eval-batch", str(args.eval_batch), "--compress", compress_text(args.compress),
             ),
         )
     except ValueError as error:

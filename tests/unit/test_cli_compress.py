@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from hetpeer.cli import build_parser
+from hetpeer.cli.common import compress_choice, compress_text
 
 
 @pytest.mark.parametrize("command", [["plan", "--scenario", "regional"], ["coordinator", "--swarm", "s"], ["swarm"],
@@ -22,6 +23,12 @@ def test_one_codec_is_both_directions_and_a_pair_is_forward_then_backward(comman
             parser.parse_args([*command, "--compress", "auto"])
     else:
         assert default == ("auto", "auto") == parser.parse_args([*command, "--compress", "auto"]).compress
+
+
+@pytest.mark.parametrize("value", ["auto", "int8", "int4/int8", "raw"])
+def test_a_choice_written_back_reads_as_the_same_choice(value):
+    """What `swarm` hands its coordinator on the command line."""
+    assert compress_text(compress_choice(value)) == value
 
 
 @pytest.mark.parametrize("value", ["int3", "int4/int8/raw", "int4/", "INT8", "auto/int8"])
