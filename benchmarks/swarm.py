@@ -48,6 +48,7 @@ from hetpeer.logline import unstamp
 from hetpeer.peer.launch import free_port
 from hetpeer.protocol.control import ControlPlane
 from hetpeer.protocol.plan import Plan
+from hetpeer.protocol.records import PeerRecord
 from hetpeer.protocol.modelspec import preset
 from hetpeer.protocol.workload import Workload
 from hetpeer.swarm.launcher import LocalSwarm, SwarmConfig
@@ -93,12 +94,16 @@ def measure(client: ApiClient, plan: Plan, window_s: float, tokens_per_step: int
     }
 
 
+def announced(client: ApiClient) -> dict[str, PeerRecord]:
+    """The records of the peers that are not leaving, by device id."""
+    return {s.record.device_id: s.record for s in client.call_list_peers() if s.record.state != "leaving"}
+
+
 def baseline(client: ApiClient, running: Plan, kind: str, workload: Workload, rng: np.random.Generator,
              position: Callable[[str], int], compress: tuple[str, str] = ("auto", "auto")) -> Plan:
     """A random or blocks plan in the running plan's shape; blocks takes the peers in `position` order (join
     order, or a topology file's). Its hops' codecs are chosen as a coordinator with `compress` would."""
-    records = {s.record.device_id: s.record for s in client.call_list_peers() if s.record.state != "leaving"}
-    problem, estimated = build_problem(records, workload, current=None)
+    problem, estimated = build_problem(announced(client), workload, current=None)
     order = sorted(problem.device_ids, key=position)
     join_order = np.array([problem.device_ids.index(d) for d in order])
     shape = Shape(len(running.stages), running.group_size)

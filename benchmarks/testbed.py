@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from swarm import SETTLE_STEPS, baseline, measure, poll, publish  # noqa: E402  (the sibling benchmark's windows)
+from swarm import SETTLE_STEPS, announced, baseline, measure, poll, publish  # noqa: E402  (the sibling benchmark's windows)
 
 from hetpeer import scenarios  # noqa: E402
 from hetpeer.coordinator.api_client import ApiClient  # noqa: E402
@@ -83,15 +83,11 @@ def world_wide(per_region: int) -> Topology:
 
 def all_measured(client: ApiClient, devices: int):
     """The records once every peer announces a measurement of every other peer (either direction)."""
-    records = {p.record.device_id: p.record for p in client.call_list_peers() if p.record.state != "leaving"}
+    records = announced(client)
     if len(records) < devices:
         return None
     pairs = {(a, b) for a, r in records.items() for b in r.links} | {(b, a) for a, r in records.items() for b in r.links}
     return records if all((a, b) in pairs for a in records for b in records if a != b) else None
-
-
-def announced(client: ApiClient) -> dict:
-    return {s.record.device_id: s.record for s in client.call_list_peers() if s.record.state != "leaving"}
 
 
 def raw_hops(plan: Plan) -> bool:

@@ -14,8 +14,8 @@ is within `QUALITY_BUDGET`. A fixed `--compress FORWARD/BACKWARD` is the one pai
 lanes, 600 steps, the same data, seed and weights for every pair of a seed): each pair's validation loss
 against raw's, at equal tokens, averaged over two seeds (docs/compression.md). `WORK_S_PER_VALUE` is one
 CPU thread's encode plus decode time per value (`--part speed`, an activation of 1 x 1024 x 1600 values); a
-GPU encodes several times faster, so on GPU peers the planner counts more work than there is, and errs
-towards less compression.
+GPU encodes faster (int8 at 13 GB/s on the H200, about 15 times that thread: docs/pipeline.md), so on GPU
+peers the planner counts more work than there is, and errs towards less compression.
 """
 
 from __future__ import annotations
