@@ -1,7 +1,7 @@
 """Decentralized Adam benchmark: loss, hidden communication, and state download, each against its
 reference from the same run.
 
-    python3 benchmarks/gossip.py [--part loss|overlap|download|all]
+    python3 benchmarks/gossip.py [--part loss|outer|overlap|download|all]
 
 - loss: the tiny GPT trained by n peers in one group (in one process over the in-memory transport, so
   the figures do not depend on this machine's load) for a fixed number of steps: all-reduce Adam (the
@@ -12,6 +12,12 @@ reference from the same run.
   all-reduce's steps the run needs to reach its loss (located on all-reduce's validation curve: what the
   planner's time to the same loss needs), the training loss of the last 10 steps, and the consensus
   distance (mean distance of a peer's parameters to the group mean, relative to the mean's norm).
+- outer: outer steps every H steps (sync "outer", DiLoCo's outer Nesterov step, lr 0.7, momentum 0.9)
+  against every-step all-reduce, the same tiny GPT, data, seed and steps (so equal tokens), n = 4: the
+  validation loss of the group's mean parameters and its gap to every-step sync, for each H of `--outer`
+  (default 1 10 50 200), from a fresh model and with a warm start (`--outer-warmup` steps of every-step
+  all-reduce first: the plan's `outer_after`, default the coordinator's), and H = 50 with the exchange
+  overlapping the next D steps (`--outer-delays`, the plan's `outer_delay`). Goal: H = 50 (warm) within 3%.
 - overlap: the `small` preset, one stage of 2 peers as `hetpeer launch` processes, every link capped
   by the transport's rate limit so that exchanging the parameters takes less time than computing the
   gradient. Step times (median over steps 3+, slowest peer) with no averaging (compute only), gossip
@@ -32,16 +38,18 @@ import subprocess
 import sys
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
+from hetpeer.cli.common import OUTER_WARMUP
 from hetpeer.logline import unstamp
 from hetpeer.peer.data.corpus import Corpus
 from hetpeer.peer.gossip.adam import AdamConfig
 from hetpeer.peer.gossip.flat import FlatParams
 from hetpeer.peer.gossip.group import GroupSync, SyncConfig
+from hetpeer.peer.gossip.outer import OuterConfig
 from hetpeer.peer.gossip.state import StateServer, fetch_state
 from hetpeer.peer.launch import free_port
 from hetpeer.peer.model import build_stage
@@ -54,13 +62,14 @@ from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.modelspec import preset
 
 HIDDEN_GOAL = 0.8
+OUTER_GOAL_H, OUTER_GOAL = 50, 0.03  # H = 50 within 3% of every-step sync
 VALIDATION_SEQUENCES, VALIDATION_SEED = 64, 12345
 STEP_LINE = re.compile(r"^\[(\S+)\] step (\d+)/\d+ .* ([0-9.]+) s \(compute")
 
 
-def one_group(model: str, peers: int, sync: str, batch_per_peer: int, micro_batch: int) -> Plan:
+def one_group(model: str, peers: int, sync: str, batch_per_peer: int, micro_batch: int, outer_every: int = 0) -> Plan:
     layers = preset(model).layers
-    stage = StagePlan(0, 0, layers, tuple(f"p{i}" for i in range(peers)), sync)
+    stage = StagePlan(0, 0, layers, tuple(f"p{i}" for i in range(peers)), sync, outer_every=outer_every)
     return Plan("time", model, layers, batch_per_peer * peers, micro_batch, -(-batch_per_peer // micro_batch), "fp32", (stage,))
 
 
@@ -88,12 +97,14 @@ class Run:
 
 
 def train_in_memory(peers: int, sync: str, steps: int, adam: AdamConfig, codec: str, corpus: Corpus, *,
-                    topology: str = "one-peer-exp", batch_per_peer: int = 4, every: int = 50) -> Run:
+                    topology: str = "one-peer-exp", batch_per_peer: int = 4, every: int = 50, outer_every: int = 0,
+                    outer: OuterConfig = OuterConfig(), outer_after: int = 0, outer_delay: int = 0) -> Run:
     """n peers of one group in threads over the in-memory transport; every `every` steps, the validation loss
     of the group's mean parameters (what a final exact average would export)."""
-    plan = one_group("tiny", peers, sync, batch_per_peer=batch_per_peer, micro_batch=batch_per_peer)
+    plan = one_group("tiny", peers, sync, batch_per_peer=batch_per_peer, micro_batch=batch_per_peer, outer_every=outer_every)
+    plan = replace(plan, outer_after=outer_after, stages=(replace(plan.stages[0], outer_delay=outer_delay),))
     hub = MemoryHub()
-    config = WorkerConfig(adam=adam, sync=SyncConfig(topology=topology, codec=codec, deadline_s=60))
+    config = WorkerConfig(adam=adam, sync=SyncConfig(topology=topology, codec=codec, deadline_s=60, outer=outer))
     workers = []
     for device in plan.devices:
         transport = MemoryTransport(device, hub)
@@ -156,6 +167,44 @@ def part_loss(args: argparse.Namespace) -> bool:
             print(f"{name:32s} {peers:5d} {run.loss:9.4f} {run.loss / reference.loss - 1:+14.1%} {factor:8.2f} "
                   f"{run.train:7.4f} {run.consensus:10.2e}", flush=True)
     return True
+
+
+def part_outer(args: argparse.Namespace) -> bool:
+    corpus = Corpus.default()
+    torch.set_num_threads(1)
+    peers, adam = 4, AdamConfig(lr=args.lr)
+    print(f"\nouter: tiny GPT, {peers} peers, {args.loss_steps} steps (equal tokens), lr {args.lr}, {args.batch_per_peer} "
+          f"sequences per peer per step; outer Nesterov lr {OuterConfig().lr}, momentum {OuterConfig().momentum}; validation "
+          f"loss of the group's mean parameters on {VALIDATION_SEQUENCES} held-out sequences; warm start: all-reduce every "
+          f"step before the first outer step")
+    print(f"{'sync':36s} {'val loss':>9s} {'vs every step':>14s} {'exchanges':>10s} {'train':>7s}")
+    reference = train_in_memory(peers, "allreduce", args.loss_steps, adam, "raw", corpus,
+                                batch_per_peer=args.batch_per_peer, every=args.every)
+    print(f"{'all-reduce every step':36s} {reference.loss:9.4f} {0:+14.1%} {args.loss_steps:10d} {reference.train:7.4f}", flush=True)
+    gaps: dict[str, float] = {}
+    for warm in sorted({0, args.outer_warmup}):
+        for h in args.outer:
+            if warm and h == 1:
+                continue  # every step either way
+            run = train_in_memory(peers, "outer", args.loss_steps, adam, "raw", corpus, batch_per_peer=args.batch_per_peer,
+                                  every=args.every, outer_every=h, outer_after=warm)
+            name = f"H = {h}" + (f", warm start {warm}" if warm else "")
+            gaps[name] = run.loss / reference.loss - 1
+            exchanges = warm + (args.loss_steps - warm) // h
+            print(f"{'outer steps, ' + name:36s} {run.loss:9.4f} {gaps[name]:+14.1%} {exchanges:10d} {run.train:7.4f}", flush=True)
+    for delay in args.outer_delays:  # the exchange overlapping the next D steps, landing after them
+        run = train_in_memory(peers, "outer", args.loss_steps, adam, "raw", corpus, batch_per_peer=args.batch_per_peer,
+                              every=args.every, outer_every=OUTER_GOAL_H, outer_after=args.outer_warmup, outer_delay=delay)
+        name = f"H = {OUTER_GOAL_H}" + (f", warm start {args.outer_warmup}" if args.outer_warmup else "") + f", overlap {delay}"
+        gaps[name] = run.loss / reference.loss - 1
+        exchanges = args.outer_warmup + (args.loss_steps - args.outer_warmup) // OUTER_GOAL_H
+        print(f"{'outer steps, ' + name:36s} {run.loss:9.4f} {gaps[name]:+14.1%} {exchanges:10d} {run.train:7.4f}", flush=True)
+    goal = f"H = {OUTER_GOAL_H}" + (f", warm start {args.outer_warmup}" if args.outer_warmup else "")
+    met = goal not in gaps or gaps[goal] <= OUTER_GOAL
+    if goal in gaps:
+        print(f"goal: {goal} within {OUTER_GOAL:.0%} of every-step sync: {gaps[goal]:+.1%} ({'met' if met else 'missed'})")
+    print(json.dumps({"part": "outer", "steps": args.loss_steps, "every_step": reference.loss, "outer": gaps}))
+    return met
 
 
 def launch_steps(folder: Path, plan: Plan, steps: int, extra: list[str]) -> float:
@@ -242,19 +291,26 @@ def part_download(args: argparse.Namespace) -> bool:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=["loss", "overlap", "download", "all"], default="all")
+    parser.add_argument("--part", choices=["loss", "outer", "overlap", "download", "all"], default="all")
     parser.add_argument("--peers", type=int, nargs="+", default=[4, 8], help="group sizes for the loss part (default 4 8)")
     parser.add_argument("--loss-steps", type=int, default=600, help="steps of the loss part (default 600)")
     parser.add_argument("--lr", type=float, default=1e-3, help="learning rate of the loss part (default 1e-3)")
     parser.add_argument("--batch-per-peer", type=int, default=4, help="sequences per peer per step, loss part (default 4)")
     parser.add_argument("--every", type=int, default=50, help="steps between validations, loss part (default 50)")
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these optimizers of the loss part (by name)")
+    parser.add_argument("--outer", type=int, nargs="+", default=[1, 10, 50, 200], metavar="H",
+                        help="steps between outer steps, outer part (default 1 10 50 200)")
+    parser.add_argument("--outer-warmup", type=int, default=OUTER_WARMUP, metavar="STEPS",
+                        help=f"outer part: also run each H with a warm start of this many steps (default {OUTER_WARMUP}; 0: none)")
+    parser.add_argument("--outer-delays", type=int, nargs="*", default=[1, 5, 10, OUTER_GOAL_H - 1], metavar="D",
+                        help=f"outer part: also run H = {OUTER_GOAL_H} with its exchange overlapping D steps (default 1 5 10 "
+                        f"{OUTER_GOAL_H - 1})")
     parser.add_argument("--cap-mbit", type=float, default=800.0, help="link cap of the overlap part (default 800)")
     parser.add_argument("--overlap-batch", type=int, default=4, help="sequences per peer per step (default 4)")
     parser.add_argument("--overlap-steps", type=int, default=10, help="steps per overlap run (default 10)")
     parser.add_argument("--donor-mbit", type=float, default=400.0, help="donor uplink cap of the download part (default 400)")
     args = parser.parse_args()
-    parts = {"loss": part_loss, "overlap": part_overlap, "download": part_download}
+    parts = {"loss": part_loss, "outer": part_outer, "overlap": part_overlap, "download": part_download}
     chosen = list(parts) if args.part == "all" else [args.part]
     ok = all([parts[name](args) for name in chosen])
     return 0 if ok else 1

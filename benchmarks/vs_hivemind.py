@@ -1,6 +1,7 @@
 """hetpeer against hivemind's collaborative training, on the same testbed of containers, back to back.
 
-    python3 benchmarks/vs_hivemind.py [--duration 300] [--inter-mbit 5] [--case both] [--compress auto] [--out DIR] [--json]
+    python3 benchmarks/vs_hivemind.py [--duration 300] [--inter-mbit 5] [--case both] [--compress auto]
+                                      [--outer-every auto] [--diloco-every 50] [--out DIR] [--json]
 
 The testbed (`hetpeer testbed`'s project: one container per device, each shaping what it sends to every
 other device with htb): 8 devices in two regions, a fast site (`--fast-tflops`, 4 devices) and a slow one
@@ -15,23 +16,28 @@ slowed (`--slowdown` for the fast site, twice that for the slow one) with the sa
     gradients averaged in fp16, for `--duration` seconds from each system's first step:
     - hetpeer: `hetpeer coordinator` plans from the peers' own measurements (stages, groups, lanes; the
       time model, with the codecs of activations and their gradients chosen per hop: `--compress`,
-      default auto), peers train with decentralized Adam in their groups (`--sync-compress fp16`);
-    - hetpeer-fp16 (unless `--fixed-compress none`): the same with every hop in fp16 (`--fixed-compress`),
-      hetpeer's setting before its planner chose codecs;
+      default auto; each group's sync chosen among every-step gossip, all-reduce and outer steps:
+      `--outer-every`, default auto, from a cold start: `--outer-warmup 0`), peers train with decentralized
+      Adam in their groups (`--sync-compress fp16`);
+    - hetpeer-CODEC (with `--fixed-compress CODEC`): the same with every hop in CODEC, hetpeer's setting
+      before its planner chose codecs;
     - hivemind: benchmarks/hivemind_peer.py on every device: `hivemind.Optimizer` over AdamW on the whole
       model, target batch = hetpeer's global batch, set up as hivemind's ALBERT example does for the
       internet (offloaded optimizer, delayed optimizer step and gradient averaging, fp16 gradients and
-      state, state averaged every epoch, matchmaking 5 s, averaging timeout 60 s).
+      state, state averaged every epoch, matchmaking 5 s, averaging timeout 60 s);
+    - diloco (unless `--diloco-every none`): DiLoCo as OpenDiLoCo runs it on hivemind (hivemind_peer.py
+      --diloco H): each peer trains the whole model on its share of the global batch, an outer step every H.
     Reported: tokens/s (tokens trained over the duration), loss against wall time and against tokens,
     bytes each container sent (its eth0 counter), and hivemind's averaging rounds.
 (b) memory, the `medium` GPT (38M parameters) on the same devices with their containers limited to
-    `--memory-gb`: hivemind's peers hold the whole model with its optimizer state; hetpeer's hold a stage.
+    `--memory-gb`: hivemind's and DiLoCo's peers hold the whole model with its optimizer state (DiLoCo's also
+    the anchor and outer momentum); hetpeer's hold a stage.
 
 Output folder: the two compose projects with every container's log, `loss_vs_time.png`,
 `loss_vs_tokens.png` (matplotlib: `pip install -e '.[plots]'`), `curves.json` (the loss curves they are
 drawn from: `--replot CURVES.json` draws them again) and `result.json`. `--json` prints one
-JSON object as the last line: `hetpeer`, `hivemind` (and `hetpeer-fp16`), each with `tokens_per_s` and
-`loss_at_equal_time`, and `memory` for case (b).
+JSON object as the last line: `hetpeer`, `hivemind`, `diloco` (and `hetpeer-CODEC`), each with `tokens_per_s` and
+`loss_at_equal_time`, `speedup` (over hivemind) and `speedup_over_diloco`, and `memory` for case (b).
 """
 
 from __future__ import annotations
@@ -49,7 +55,8 @@ import numpy as np
 import yaml
 
 from hetpeer import logline
-from hetpeer.cli.common import compress_choice, compress_text
+from hetpeer.cli.common import compress_choice, compress_text, outer_every_choice, outer_every_text
+from hetpeer.coordinator.planner.outer import OUTER_AUTO
 from hetpeer.coordinator.api_client import ApiClient
 from hetpeer.coordinator.api_errors import ApiError
 from hetpeer.peer.launch import free_port
@@ -69,12 +76,13 @@ from hetpeer.testbed.project import (
 )
 from hetpeer.testbed.run import Testbed, lane_steps
 
-GOAL_SPEEDUP = 2.0  # hetpeer's tokens/s over hivemind's in (a), at equal or lower loss after equal time
+GOAL_SPEEDUP = 4.0  # hetpeer's tokens/s over hivemind's in (a), at equal or lower loss after equal time
 GOAL_CODECS = 1.5  # hetpeer's tokens/s with the codecs its coordinator chose over every hop in fp16 (docs/compression.md)
 BENCH = Path(__file__).resolve().parent
 PEERS_FILE = "/swarm/hivemind-peers.txt"
 HIVEMIND_RE = re.compile(r"^hivemind peer (\d+) step (\d+) loss ([\d.naif]+) samples (\d+) epoch (\d+) peak (\d+) MiB")
 HIVEMIND_LOG_RE = re.compile(r"\[INFO\] (Averaged gradients with (\d+) peers|Proceeding with local gradients)")
+DILOCO_LOG_RE = re.compile(r"hivemind peer \d+ outer step \d+: (averaged with (\d+) peer)")
 LOSS_WINDOW, LOSS_WINDOW_S = 0.1, 30.0  # the loss "after time T": the mean over its last tenth (at least 30 s)
 
 
@@ -156,6 +164,7 @@ def run_hetpeer(config: TestbedConfig, duration_s: float, say, system: str = "he
         outcome.sent_bytes = sent_bytes(bed.compose, peer_services(config))
         outcome.notes["plan"] = {"stages": [[s.layer_start, s.layer_end, list(s.devices)] for s in plan.stages],
                                  "hops": [s.hop_codecs or "raw" for s in plan.stages[:-1]],
+                                 "sync": [s.sync_words for s in plan.stages],
                                  "standby": list(plan.standby), "epoch": plan.epoch} if plan else None
         outcome.notes["announced_memory_bytes"] = {p.record.device_id: p.record.memory_bytes for p in peers}
         outcome.notes["oom_killed"] = [s for s in peer_services(config) if container_state(bed.compose, s)["oom_killed"]]
@@ -175,9 +184,10 @@ def run_hetpeer(config: TestbedConfig, duration_s: float, say, system: str = "he
 # -- hivemind --------------------------------------------------------------------------------------
 
 
-def hivemind_project(config: TestbedConfig, args: argparse.Namespace, model: str) -> Compose:
+def hivemind_project(config: TestbedConfig, args: argparse.Namespace, model: str, diloco: int | None = None) -> Compose:
     """The testbed's project (the same addresses, shaping and memory limits) with hivemind_peer.py in every
-    container instead of hetpeer, and its bootstrap DHT node where the coordinator was."""
+    container instead of hetpeer (hivemind.Optimizer, or DiLoCo every `diloco` steps), and its bootstrap DHT
+    node where the coordinator was."""
     out = config.out
     (out / "run").mkdir(parents=True, exist_ok=True)
     (out / "swarm").mkdir(exist_ok=True)
@@ -186,13 +196,16 @@ def hivemind_project(config: TestbedConfig, args: argparse.Namespace, model: str
     program = ["python", "/bench/hivemind_peer.py", "--peers-file", PEERS_FILE]
     texts = {COORDINATOR: script([], program + ["--bootstrap", "--announce-ip", addresses[COORDINATOR]])}
     slow = slowdowns(config)
+    peers = len(config.topology.devices)
+    # DiLoCo: each peer's share of the global batch a step, as OpenDiLoCo splits its total batch over its workers
+    training = ["--diloco", str(diloco), "--peers", str(peers), "--local-batch", str(max(1, config.batch // peers))] if diloco else [
+        "--target-batch", str(config.batch), "--local-batch", str(args.local_batch)]
     for i, device in enumerate(config.topology.devices):
         name = service_name(device.id)
         uplink_mbit = sum(config.topology.link(device, other).bandwidth_gbps * 1000 * config.scale
                           for other in config.topology.devices if other.id != device.id)
         texts[name] = script(shaping(config, device), program + [
-            "--announce-ip", addresses[name], "--peer", str(i), "--model", model, "--target-batch", str(config.batch),
-            "--local-batch", str(args.local_batch), "--lr", repr(args.lr), "--seed", "0", "--slowdown", f"{slow[device.id]:.6g}",
+            "--announce-ip", addresses[name], "--peer", str(i), "--model", model, *training, "--lr", repr(args.lr), "--seed", "0", "--slowdown", f"{slow[device.id]:.6g}",
             "--threads", "1", "--bandwidth-mbit", f"{uplink_mbit:.6g}",
         ])
     for name, text in texts.items():
@@ -206,29 +219,31 @@ def hivemind_project(config: TestbedConfig, args: argparse.Namespace, model: str
     return Compose(path, config.project)
 
 
-def run_hivemind(config: TestbedConfig, args: argparse.Namespace, model: str, duration_s: float, say) -> Outcome:
-    compose = hivemind_project(config, args, model)
+def run_hivemind(config: TestbedConfig, args: argparse.Namespace, model: str, duration_s: float, say,
+                 diloco: int | None = None) -> Outcome:
+    system = "diloco" if diloco else "hivemind"
+    compose = hivemind_project(config, args, model, diloco)
     services = peer_services(config)
-    outcome = Outcome("hivemind")
+    outcome = Outcome(system)
     logs: dict[str, str] = {}
     try:
         compose.up()
-        say(f"hivemind: {len(services)} peers and a bootstrap node started; waiting for the first step")
+        say(f"{system}: {len(services)} peers and a bootstrap node started; waiting for the first step")
         first, deadline = None, time.monotonic() + 600
         while first is None or time.monotonic() < first + duration_s:
             time.sleep(5.0)
             if first is None:
                 if any(" step 1 " in compose.logs(s) for s in services[:2]):
                     first = time.monotonic()
-                    say("hivemind: training")
+                    say(f"{system}: training")
                 elif not set(compose.running()) & set(services):
-                    say("hivemind: every peer has exited")
+                    say(f"{system}: every peer has exited")
                     break
                 elif time.monotonic() > deadline:
-                    say("hivemind: no step within 600 s")
+                    say(f"{system}: no step within 600 s")
                     break
             elif int(time.monotonic() - first) % 30 < 5:
-                say(f"hivemind: {time.monotonic() - first:.0f} s")
+                say(f"{system}: {time.monotonic() - first:.0f} s")
         outcome.sent_bytes = sent_bytes(compose, [s for s in services if s in compose.running()])
         outcome.notes["containers"] = {s: container_state(compose, s) for s in services}
     finally:
@@ -244,8 +259,8 @@ def run_hivemind(config: TestbedConfig, args: argparse.Namespace, model: str, du
     lines, rounds, peaks, last_words = [], {"averaged": 0, "local": 0, "peers": []}, {}, {}
     for name in services:
         for line in logs[name].splitlines():
-            if (found := HIVEMIND_LOG_RE.search(line)) is not None:
-                if found.group(2):
+            if (found := HIVEMIND_LOG_RE.search(line) or DILOCO_LOG_RE.search(line)) is not None:
+                if found.group(2) and int(found.group(2)) > 1:
                     rounds["averaged"] += 1
                     rounds["peers"].append(int(found.group(2)))
                 else:
@@ -346,9 +361,17 @@ def main() -> int:
     parser.add_argument("--memory-gb", type=float, default=1.5, help="(b): each container's memory limit, GB (default 1.5)")
     parser.add_argument("--compress", type=compress_choice, default=("auto", "auto"), metavar="auto|CODEC[/CODEC]",
                         help="hetpeer's coordinator's --compress in (a) (default auto: it chooses each hop's codecs)")
-    parser.add_argument("--fixed-compress", type=fixed_compress, default="fp16", metavar="CODEC|none",
-                        help="(a) also runs hetpeer with every hop in this codec, as before its planner chose codecs "
-                        "(default fp16; none: not run)")
+    parser.add_argument("--fixed-compress", type=fixed_compress, default=None, metavar="CODEC|none",
+                        help="(a) also runs hetpeer with every hop in this codec, as before its planner chose codecs, e.g. "
+                        "fp16 (default none: not run)")
+    parser.add_argument("--outer-every", type=outer_choice, default=OUTER_AUTO, metavar="N|auto|none",
+                        help="hetpeer's coordinator's --outer-every (default auto: its planner gives a group outer steps where they "
+                        "pay; none: every-step sync only)")
+    parser.add_argument("--outer-warmup", type=int, default=0, metavar="STEPS",
+                        help="hetpeer's coordinator's --outer-warmup (default 0 here: a cold start, as the DiLoCo baseline's)")
+    parser.add_argument("--diloco-every", type=outer_choice, default=50, metavar="H|none",
+                        help="also run the DiLoCo baseline (hivemind_peer.py --diloco H; default 50, OpenDiLoCo's setting for "
+                        "its 150M model; none: not run)")
     parser.add_argument("--heartbeat", type=float, default=2.0, help="hetpeer's record heartbeat, seconds (default 2)")
     parser.add_argument("--image", default="hetpeer:latest", help="the testbed's image, from docker/build.sh (default hetpeer:latest)")
     parser.add_argument("--out", type=Path, help="output folder (default: a temporary folder)")
@@ -382,11 +405,12 @@ def main() -> int:
         print(f"[{time.monotonic() - started:6.0f} s] {text}", flush=True)
 
     def config(name: str, topology: Topology, model: str, batch: int, compress: str = compress_text(args.compress)) -> TestbedConfig:
+        outer = ("--outer-every", outer_every_text(args.outer_every), "--outer-warmup", str(args.outer_warmup)) if args.outer_every is not None else ()
         return TestbedConfig(
             topology=topology, out=out / name, slowdown=args.slowdown if model == "small" else 1.0, emulate_latency=False,
             image=args.image, project=f"hetpeer-vs-{name}-{time.time_ns() % 10**8}", subnet=free_subnet(), api_port=free_port(),
             swarm="vs", model=model, batch=batch, micro_batch=2, heartbeat_s=args.heartbeat,
-            coordinator_args=("--compress", compress),
+            coordinator_args=("--compress", compress, *outer),
             peer_args=("--sync-compress", "fp16", "--lr", repr(args.lr), "--probe-targets", "7"),
         )
 
@@ -404,6 +428,9 @@ def main() -> int:
         hm = run_hivemind(replace(base, out=out / "speed-hivemind", project=base.project.replace("-hetpeer-", "-hivemind-")),
                           args, "small", args.duration, say)
         outcomes.append(hm)
+        if args.diloco_every:
+            outcomes.append(run_hivemind(replace(base, out=out / "speed-diloco", project=base.project.replace("-hetpeer-", "-diloco-")),
+                                         args, "small", args.duration, say, diloco=args.diloco_every))
         equal_time = min([args.duration] + [o.points[-1][0] if o.points else 0 for o in outcomes])
         equal_tokens = min(o.within(args.duration)[-1][1] if o.within(args.duration) else 0 for o in outcomes)
         for o in outcomes:
@@ -411,6 +438,8 @@ def main() -> int:
         result["equal_time_s"], result["equal_tokens"] = equal_time, equal_tokens
         result["systems"] = [o.system for o in outcomes]
         result["speedup"] = ratio(result, "hetpeer", "hivemind")
+        if args.diloco_every:
+            result["speedup_over_diloco"] = ratio(result, "hetpeer", "diloco")
         result["goal"] = {"speedup": GOAL_SPEEDUP, "loss": "hetpeer's loss at equal time <= hivemind's"}
         if args.fixed_compress is not None:
             result["speedup_over_fixed"] = ratio(result, "hetpeer", f"hetpeer-{args.fixed_compress}")
@@ -423,11 +452,15 @@ def main() -> int:
         say(f"(b) memory: the medium GPT, every container limited to {args.memory_gb:g} GB")
         hm = run_hivemind(replace(base, out=out / "memory-hivemind", project=base.project.replace("-hetpeer-", "-hivemind-")),
                           args, "medium", args.memory_duration, say)
+        dl = run_hivemind(replace(base, out=out / "memory-diloco", project=base.project.replace("-hetpeer-", "-diloco-")),
+                          args, "medium", args.memory_duration, say, diloco=args.diloco_every) if args.diloco_every else None
         het = run_hetpeer(base, args.memory_duration, say)
         result["memory"] = {
             "memory_gb": args.memory_gb,
             "hivemind": {"trained": bool(hm.points), "containers": hm.notes.get("containers"),
                          "peak_mib": hm.notes.get("peak_mib"), "last_lines": hm.notes.get("last_lines")},
+            **({"diloco": {"trained": bool(dl.points), "containers": dl.notes.get("containers"), "peak_mib": dl.notes.get("peak_mib"),
+                           "last_lines": dl.notes.get("last_lines")}} if dl is not None else {}),
             "hetpeer": {**figures(het, args.memory_duration, args.memory_duration, 0.0), "notes": het.notes},
         }
     (out / "result.json").write_text(json.dumps(result, indent=1))
@@ -440,6 +473,11 @@ def main() -> int:
 def ratio(result: dict, a: str, b: str) -> float | None:
     """a's tokens/s over b's; None when either never trained (no speed to compare)."""
     return result[a]["tokens_per_s"] / result[b]["tokens_per_s"] if result[a]["tokens"] and result[b]["tokens"] else None
+
+
+def outer_choice(text: str) -> int | None:
+    """auto (0), a number of steps, or none."""
+    return None if text == "none" else outer_every_choice(text)
 
 
 def fixed_compress(text: str) -> str | None:
@@ -467,14 +505,19 @@ def print_summary(result: dict) -> None:
             print(f"{name:<12} {r['tokens_per_s']:>9.0f} {cell(r['tokens_per_s_second_half'], '.0f'):>9} {cell(r['loss_first'], '.3f'):>10} "
                   f"{cell(r['loss_at_equal_time'], '.3f'):>10} {cell(r['loss_at_equal_tokens'], '.3f'):>12} "
                   f"{cell(r['sent_mb_per_peer'], '.1f'):>12}")
-        averaging = result["hivemind"]["notes"].get("averaging", {})
-        print(f"hivemind's rounds: {averaging.get('averaged', 0)} averaged (mean group {np.mean(averaging.get('peers') or [0]):.1f} "
-              f"peers), {averaging.get('local', 0)} with local gradients only")
+        for name in ("hivemind", "diloco"):
+            if name in result:
+                averaging = result[name]["notes"].get("averaging", {})
+                print(f"{name}'s rounds: {averaging.get('averaged', 0)} averaged (mean group {np.mean(averaging.get('peers') or [0]):.1f} "
+                      f"peers), {averaging.get('local', 0)} with local gradients only")
         silent = [name for name in result["systems"] if not result[name]["tokens"]]
         if silent:
             print(f"{' and '.join(silent)} never trained (the containers' last lines are in result.json)")
         if result["speedup"] is not None:
             print(f"hetpeer over hivemind: {result['speedup']:.2f}x tokens/s (goal >= {GOAL_SPEEDUP:g}x at equal or lower loss)")
+        if result.get("speedup_over_diloco") is not None:
+            print(f"hetpeer over diloco: {result['speedup_over_diloco']:.2f}x tokens/s; loss at equal time "
+                  f"{cell(result['hetpeer']['loss_at_equal_time'], '.3f')} against {cell(result['diloco']['loss_at_equal_time'], '.3f')}")
         if result.get("speedup_over_fixed") is not None:
             fixed = result["systems"][1]
             print(f"hetpeer over {fixed}: {result['speedup_over_fixed']:.2f}x tokens/s (goal >= {GOAL_CODECS:g}x at equal or lower "
@@ -486,6 +529,10 @@ def print_summary(result: dict) -> None:
         killed = [s for s, st in states.items() if st["oom_killed"]]
         print(f"  hivemind: trained={m['hivemind']['trained']}; {len(killed)} of {len(states)} peers killed by the kernel's "
               f"out-of-memory killer (exit codes {sorted({st['exit_code'] for st in states.values()})})")
+        if "diloco" in m:
+            states = m["diloco"]["containers"] or {}
+            killed = [s for s, st in states.items() if st["oom_killed"]]
+            print(f"  diloco: trained={m['diloco']['trained']}; {len(killed)} of {len(states)} peers killed by the out-of-memory killer")
         h = m["hetpeer"]
         print(f"  hetpeer: {h['tokens_per_s']:.0f} tokens/s, loss {cell(h['loss_first'], '.3f')} -> {cell(h['loss_at_equal_time'], '.3f')}, "
               f"plan {h['notes'].get('plan')}, out-of-memory kills {h['notes'].get('oom_killed')}")

@@ -20,6 +20,7 @@ from hetpeer.peer.gossip.topology import TOPOLOGIES
 from hetpeer.protocol.addresses import LINK_CHOICES
 from hetpeer.protocol.frame import CODECS
 from hetpeer.protocol.modelspec import PRESETS, ModelSpec, load_model
+from hetpeer.protocol.plan import MAX_OUTER_EVERY
 
 DEFAULT_STEPS = 20
 SWARM_DTYPES = ("fp32", "bf16")  # what the stage worker computes in
@@ -29,24 +30,22 @@ class UserError(Exception):
     """Bad input from the person at the keyboard: reported in one line, exit code 2."""
 
 
-def positive_float(text: str) -> float:
+def _number(text: str, within: Callable[[float], bool], what: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    if not within(value):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
     return value
+
+
+def positive_float(text: str) -> float:
+    return _number(text, lambda value: 0 < value < float("inf"), "a positive number")
 
 
 def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a non-negative number, got {text!r}")
-    return value
+    return _number(text, lambda value: 0 <= value < float("inf"), "a non-negative number")
 
 
 def int_at_least(minimum: int) -> Callable[[str], int]:
@@ -84,6 +83,32 @@ def compress_text(pair: tuple[str, str]) -> str:
     return pair[0] if pair[0] == pair[1] else "/".join(pair)
 
 
+def outer_every_choice(text: str) -> int:
+    """Steps between outer steps, or auto (0: the planner chooses per group)."""
+    if text == "auto":
+        return 0
+    try:
+        every = int(text)
+    except ValueError:
+        every = -1
+    if not 1 <= every <= MAX_OUTER_EVERY:
+        raise argparse.ArgumentTypeError(f"must be auto or a whole number of steps from 1 to {MAX_OUTER_EVERY}, got {text!r}")
+    return every
+
+
+def momentum(text: str) -> float:
+    """A momentum coefficient: a number in [0, 1)."""
+    return _number(text, lambda value: 0 <= value < 1, "a number in [0, 1)")
+
+
+def outer_every_text(every: int) -> str:
+    return "auto" if every == 0 else str(every)
+
+
+OUTER_WARMUP = 100  # steps of every-step all-reduce before outer steps begin (docs/gossip.md measures why)
+OUTER_HELP = ("let groups sync every N steps with an outer step (DiLoCo) where every-step sync costs more than a tenth "
+              "of their step: N, or auto (per group, from its link, 10 to 50); default: groups sync every step "
+              "(docs/gossip.md, Outer steps)")
 COMPRESS_HELP = ("how activations travel between stages and their gradients back: auto (default: per hop, the pair that "
                  "makes it shortest among those whose measured loss effect is within budget), one codec for both, or "
                  f"FORWARD/BACKWARD, e.g. int4/int8; each one of {', '.join(CODECS)} (docs/compression.md)")
@@ -176,6 +201,10 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
                        help="how long to wait for a neighbour's parameters before leaving it out of the step (default 10)")
     group.add_argument("--sync-compress", choices=CODECS, default="raw",
                        help=f"how parameters travel: {', '.join(CODECS)} (default raw)")
+    group.add_argument("--outer-lr", type=positive_float, default=0.7, metavar="LR",
+                       help="a group with outer steps (the plan says which): the outer learning rate (default 0.7, DiLoCo's)")
+    group.add_argument("--outer-momentum", type=momentum, default=0.9, metavar="MU",
+                       help="and its Nesterov momentum, in [0, 1) (default 0.9)")
     group.add_argument("--robust", type=positive_float, metavar="CLIP",
                        help="robust mixing: clip each neighbour's difference at CLIP x the typical distance, and leave "
                        "out (and report to the coordinator) a neighbour far past that round after round (2 is a start)")
@@ -189,7 +218,8 @@ def run_options_argv(args: argparse.Namespace) -> list[str]:
     passed = ["--steps", str(args.steps or DEFAULT_STEPS), "--device", args.device, "--lr", repr(args.lr), "--seed", str(args.seed),
               "--timeout", repr(args.timeout), "--topology", args.topology,
               "--accumulate", str(args.accumulate), "--mix-deadline", repr(args.mix_deadline),
-              "--sync-compress", args.sync_compress, "--warmup-steps", str(args.warmup_steps)]
+              "--sync-compress", args.sync_compress, "--warmup-steps", str(args.warmup_steps),
+              "--outer-lr", repr(args.outer_lr), "--outer-momentum", repr(args.outer_momentum)]
     if args.decay_steps is not None:
         passed += ["--decay-steps", str(args.decay_steps)]
     if args.data is not None:

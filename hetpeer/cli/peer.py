@@ -141,6 +141,7 @@ def _worker_config(args: argparse.Namespace, model: ModelSpec | None = None):
     """The worker's settings; `model` is the model `--model` gave this peer (a folder's weights are read from it)."""
     from hetpeer.peer.gossip.adam import AdamConfig
     from hetpeer.peer.gossip.group import SyncConfig
+    from hetpeer.peer.gossip.outer import OuterConfig
     from hetpeer.peer.pipeline.worker import WorkerConfig
 
     folder = model is not None and args.model not in PRESETS  # a path: the model's weights may be there too
@@ -155,6 +156,7 @@ def _worker_config(args: argparse.Namespace, model: ModelSpec | None = None):
         sync=SyncConfig(
             topology=args.topology, deadline_s=args.mix_deadline, codec=args.sync_compress, clip=args.robust,
             overlap=not args.no_overlap, allreduce_timeout_s=args.timeout,
+            outer=OuterConfig(lr=args.outer_lr, momentum=args.outer_momentum),
         ),
         timeout_s=args.timeout,
         recompute=args.recompute,

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from hetpeer import scenarios
 from hetpeer.cli.common import (
-    COMPRESS_HELP, UserError, add_eval_options, add_model_options, compress_choice, model_spec, non_negative_int, positive_float, positive_int,
-    read_json,
+    COMPRESS_HELP, OUTER_HELP, UserError, add_eval_options, add_model_options, compress_choice, model_spec, non_negative_int, outer_every_choice,
+    positive_float, positive_int, read_json,
 )
 from hetpeer.protocol.plan import COST_MODELS, RECOMPUTE_CHOICES, SYNC_CHOICES, Plan
 from hetpeer.protocol.modelspec import DTYPE_BYTES
@@ -61,6 +61,7 @@ def add_commands(commands) -> None:
                        help="how groups average weights (time model; default auto: per group)")
     model.add_argument("--compress", type=compress_choice, default=("auto", "auto"), metavar="auto|CODEC[/CODEC]",
                        help=COMPRESS_HELP + "; time model only")
+    model.add_argument("--outer-every", type=outer_every_choice, metavar="N|auto", help=OUTER_HELP + "; time model only")
     model.add_argument("--recompute", choices=RECOMPUTE_CHOICES, default="auto",
                        help="activation recomputation (time model): auto (default: a stage recomputes the fewest layers that "
                        "make it fit its devices' memory, each at the cost of one more forward pass), never, or always "
@@ -109,6 +110,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         if args.compress not in (("auto", "auto"), ("raw", "raw")):
             raise UserError("--compress applies to --cost-model time only (dtfm counts the paper's bytes)")
         args.compress = ("raw", "raw")
+        if args.outer_every is not None or args.sync == "outer":
+            raise UserError("--outer-every and --sync outer apply to --cost-model time only (dtfm counts every-step all-reduce)")
     raw = scenarios.load(args.scenario) if args.scenario else read_json(args.topology, "topology file")
     topology = Topology.from_wire(raw)
     try:
@@ -128,6 +131,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         sync=args.sync,
         recompute=args.recompute,
         compress=args.compress,
+        outer_every=args.outer_every,
         time_budget_s=args.time_budget,
     )
 

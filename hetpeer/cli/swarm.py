@@ -15,9 +15,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from hetpeer import logline
+from hetpeer.protocol.plan import SYNC_CHOICES
 from hetpeer.cli.common import (
-    COMPRESS_HELP, SWARM_DTYPES, UserError, add_eval_options, add_model_options, compress_choice, compress_text, home_dir, log_to_stdout, model_spec,
-    non_negative_float, non_negative_int, positive_float, positive_int, say, stop_on_sigterm,
+    COMPRESS_HELP, OUTER_HELP, OUTER_WARMUP, SWARM_DTYPES, UserError, add_eval_options, add_model_options, compress_choice, compress_text, home_dir, log_to_stdout, model_spec,
+    non_negative_float, non_negative_int, outer_every_choice, outer_every_text, positive_float, positive_int, say, stop_on_sigterm,
 )
 
 
@@ -67,6 +68,13 @@ def add_commands(commands) -> None:
     coordinator.add_argument("--group-size", type=positive_int, metavar="M", help="fix the data-parallel group size")
     coordinator.add_argument("--compress", type=compress_choice, default=("auto", "auto"), metavar="auto|CODEC[/CODEC]",
                              help=COMPRESS_HELP)
+    coordinator.add_argument("--sync", choices=SYNC_CHOICES, default="auto",
+                             help="how groups average weights: auto (default: per group), allreduce, gossip, or outer "
+                             "(every group takes outer steps, every --outer-every steps)")
+    coordinator.add_argument("--outer-every", type=outer_every_choice, metavar="N|auto", help=OUTER_HELP)
+    coordinator.add_argument("--outer-warmup", type=non_negative_int, default=OUTER_WARMUP, metavar="STEP",
+                             help=f"groups with outer steps all-reduce every step until this step of the swarm (default "
+                             f"{OUTER_WARMUP}: a warm start, docs/gossip.md)")
     coordinator.add_argument("--seed", type=non_negative_int, default=0, metavar="N", help="planner seed (default 0)")
     coordinator.add_argument("--steps", type=positive_int, metavar="N",
                              help="the swarm's last step: once the running plan reaches it, publish no new plan "
@@ -145,6 +153,13 @@ def add_commands(commands) -> None:
     swarm.add_argument("--eval-batch", type=positive_int, default=8, metavar="N", help="held-out sequences per lane for it (default 8)")
     swarm.add_argument("--compress", type=compress_choice, default=("auto", "auto"), metavar="auto|CODEC[/CODEC]",
                        help="the coordinator's --compress (default auto)")
+    swarm.add_argument("--stages", type=positive_int, metavar="S", help="the coordinator's --stages (default: its planner's)")
+    swarm.add_argument("--group-size", type=positive_int, metavar="M", help="the coordinator's --group-size (default: its planner's)")
+    swarm.add_argument("--sync", choices=SYNC_CHOICES, default="auto", help="the coordinator's --sync (default auto)")
+    swarm.add_argument("--outer-every", type=outer_every_choice, metavar="N|auto",
+                       help="the coordinator's --outer-every (default: groups sync every step)")
+    swarm.add_argument("--outer-warmup", type=non_negative_int, default=OUTER_WARMUP, metavar="STEP",
+                       help=f"the coordinator's --outer-warmup (default {OUTER_WARMUP})")
     swarm.add_argument("--verbose", action="store_true", help="show every process's output, not just the progress")
     swarm.set_defaults(run=run_swarm)
 
@@ -167,7 +182,8 @@ def run_coordinator(args: argparse.Namespace) -> int:
             api_tls=api_tls, http_listen=http, model=model_spec(args),
             batch=args.batch, micro_batch=args.micro_batch, dtype=args.dtype, heartbeat_s=args.heartbeat,
             replan_interval_s=args.replan_interval, min_peers=args.min_peers, gain=args.gain,
-            time_budget_s=args.time_budget, stages=args.stages, group_size=args.group_size, compress=args.compress, seed=args.seed,
+            time_budget_s=args.time_budget, stages=args.stages, group_size=args.group_size, compress=args.compress,
+            sync=args.sync, outer_every=args.outer_every, outer_warmup=args.outer_warmup, seed=args.seed,
             steps=args.steps, join_file=args.join_file, reach_port=args.reach_port, eval_every=args.eval_every, eval_batch=args.eval_batch,
             **_admission(args.admission), ban_period_s=args.ban_period,
         )
@@ -362,6 +378,10 @@ def run_swarm(args: argparse.Namespace) -> int:
             heartbeat_s=args.heartbeat, replan_interval_s=args.replan_interval, lr=args.lr, seed=args.seed, data=args.data,
             save=args.save.resolve() if args.save else None, coordinator_args=(
                 "--eval-every", str(args.eval_every), "--eval-batch", str(args.eval_batch), "--compress", compress_text(args.compress),
+                "--sync", args.sync, "--outer-warmup", str(args.outer_warmup),
+                *(("--outer-every", outer_every_text(args.outer_every)) if args.outer_every is not None else ()),
+                *(("--stages", str(args.stages)) if args.stages else ()),
+                *(("--group-size", str(args.group_size)) if args.group_size else ()),
             ),
         )
     except ValueError as error:

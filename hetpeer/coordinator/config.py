@@ -11,6 +11,7 @@ from pathlib import Path
 from hetpeer.coordinator import gate
 from hetpeer.coordinator.tls import ServerTls
 from hetpeer.protocol.modelspec import PRESETS, ModelSpec
+from hetpeer.protocol.plan import MAX_OUTER_EVERY, SYNC_CHOICES
 from hetpeer.protocol.workload import Workload
 
 
@@ -37,6 +38,9 @@ class CoordinatorConfig:
     stages: int | None = None
     group_size: int | None = None
     compress: tuple[str, str] = ("auto", "auto")  # codecs between stages: auto (the planner's, per hop) or a fixed pair
+    sync: str = "auto"  # how groups average: auto (per group), allreduce, gossip or outer (`plan.SYNC_CHOICES`)
+    outer_every: int | None = None  # groups may take outer steps: every N steps, or 0 (chosen per group); None: never
+    outer_warmup: int = 100  # ... from this swarm step on; before it those groups all-reduce every step (`Plan.outer_after`)
     seed: int = 0
     plan_ttl_s: float = 3600.0  # the plan stays in the DHT this long after its last (re)publication
     steps: int | None = None  # the swarm's last step: no new plan once the running one reaches it
@@ -61,6 +65,12 @@ class CoordinatorConfig:
             raise ValueError(f"steps must be at least 1, got {self.steps}")
         if self.eval_every < 0 or self.eval_batch < 1:
             raise ValueError(f"eval_every must be >= 0 and eval_batch >= 1, got {self.eval_every}, {self.eval_batch}")
+        if self.sync not in SYNC_CHOICES:
+            raise ValueError(f"sync must be one of {', '.join(SYNC_CHOICES)}, got {self.sync!r}")
+        if self.outer_every is not None and not 0 <= self.outer_every <= MAX_OUTER_EVERY:
+            raise ValueError(f"outer steps must be 1 to {MAX_OUTER_EVERY} steps apart (0: chosen per group), got {self.outer_every}")
+        if self.outer_warmup < 0:
+            raise ValueError(f"outer warmup must be a step >= 0, got {self.outer_warmup}")
         if self.min_peers < 1 or not 0 <= self.gain < 1:
             raise ValueError(f"min_peers must be >= 1 and gain in [0, 1), got {self.min_peers}, {self.gain}")
 

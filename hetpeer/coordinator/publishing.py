@@ -80,6 +80,7 @@ class Publisher:
             solution.plan, epoch=(current.epoch + 1) if current is not None else 1, start_step=step,
             estimated_links=policy.estimated_links(solution.plan, problem.device_ids, estimated),
             eval_every=config.eval_every, eval_batch=config.eval_batch if config.eval_every else 0,
+            outer_after=config.outer_warmup,
         )
         self._say_orphans(plan, live)
         if self._publish(plan, f"{why}; searched {searched_s:.1f} s"):
@@ -175,7 +176,7 @@ class Publisher:
                 self.report(f"  standby: {line}")
             for s, stage in enumerate(plan.stages):
                 hop = f"; to stage {s + 2} in {stage.hop_codecs}" if stage.hop_codecs else ""
-                self.report(f"  stage {s + 1} layers {stage.layer_start}-{stage.layer_end - 1} ({stage.sync}{hop}): "
+                self.report(f"  stage {s + 1} layers {stage.layer_start}-{stage.layer_end - 1} ({stage.sync_words}{hop}): "
                             f"{', '.join(stage.devices)}")
             if plan.estimated_links:
                 self.report(f"  {len(plan.estimated_links)} link(s) not yet measured were estimated")

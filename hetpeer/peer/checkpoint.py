@@ -1,8 +1,9 @@
 """Stage checkpoints and the exported model: what a peer writes of its stage, and one model folder from many.
 
 A stage checkpoint is one safetensors file: the stage's parameters under the model's own names (`blocks.5.
-qkv.weight`, `transformer.h.5.attn.c_attn.weight`, ...), the optimizer's flat moments (`optimizer.m`,
-`optimizer.v`, `optimizer.window`), and metadata: the model's name and architecture, the stage's layers,
+qkv.weight`, `transformer.h.5.attn.c_attn.weight`, ...), the optimizer's flat tensors (`optimizer.m`,
+`optimizer.v`; `optimizer.window` under AccumAdam; `optimizer.anchor` and `optimizer.outer_momentum` in an
+outer-step group), and metadata: the model's name and architecture, the stage's layers,
 the step it was taken after, the plan epoch and the optimizer's step count. It is written to a temporary
 file beside the target, flushed to disk and renamed over it: a crash mid-write leaves the previous
 checkpoint (or none), never a torn one.
@@ -20,13 +21,15 @@ import os
 import re
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Mapping
 
 import torch
 
 from hetpeer.protocol.modelspec import ModelSpec
 
 FORMAT = "hetpeer-stage-1"
-OPTIMIZER = ("m", "v", "window")
+OPTIMIZER = ("m", "v", "window", "anchor", "outer_momentum")
+OPTIONAL = ("window", "anchor", "outer_momentum")  # a checkpoint without them still restores: they start afresh
 _BLOCK_RE = re.compile(r"^(?:blocks|transformer\.h|model\.layers)\.(\d+)\.")
 _FIRST = ("tokens.", "positions.", "transformer.wte.", "transformer.wpe.", "model.embed_tokens.")
 
@@ -78,15 +81,17 @@ def _tupled(value):
     return tuple(_tupled(v) for v in value) if isinstance(value, list) else value
 
 
-def save_stage(path: str | Path, model: torch.nn.Module, optimizer: tuple[torch.Tensor, ...], *, spec: ModelSpec,
+def save_stage(path: str | Path, model: torch.nn.Module, optimizer: Mapping[str, torch.Tensor], *, spec: ModelSpec,
                layers: tuple[int, int], step: int, epoch: int, adam_step: int) -> Path:
-    """Write a stage checkpoint atomically; returns its path."""
+    """Write a stage checkpoint atomically, `optimizer` by its `OPTIMIZER` names; returns its path."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {name: p.detach().to("cpu", torch.float32).contiguous() for name, p in model.named_parameters()}
-    for name, tensor in zip(OPTIMIZER, optimizer):
+    for name, tensor in optimizer.items():
+        if name not in OPTIMIZER:
+            raise ValueError(f"optimizer tensor {name!r} is not one a checkpoint holds ({', '.join(OPTIMIZER)})")
         tensors[f"optimizer.{name}"] = tensor.detach().to("cpu", torch.float32).contiguous()
     meta = {"format": FORMAT, "model": spec.name, "spec": json.dumps(asdict(spec)), "layer_start": str(layers[0]),
             "layer_end": str(layers[1]), "step": str(step), "epoch": str(epoch), "adam_step": str(adam_step)}
@@ -106,9 +111,10 @@ def save_stage(path: str | Path, model: torch.nn.Module, optimizer: tuple[torch.
     return path
 
 
-def load_stage(checkpoint: StageCheckpoint, model: torch.nn.Module, optimizer: tuple[torch.Tensor, ...], spec: ModelSpec,
-               layers: tuple[int, int]) -> None:
-    """Fill a stage (its parameters and optimizer tensors, in place) from a checkpoint of exactly that stage."""
+def load_stage(checkpoint: StageCheckpoint, model: torch.nn.Module, optimizer: Mapping[str, torch.Tensor], spec: ModelSpec,
+               layers: tuple[int, int]) -> set[str]:
+    """Fill a stage (its parameters and `optimizer` tensors by name, in place) from a checkpoint of exactly that
+    stage; the optimizer tensors it held. An `OPTIONAL` one it lacks is left as it was (a window is emptied)."""
     if checkpoint.spec.digest != spec.digest:
         raise CheckpointError(f"{checkpoint.path} is a checkpoint of model {_described(checkpoint.spec)}, this peer trains "
                               f"{_described(spec)}")
@@ -116,9 +122,12 @@ def load_stage(checkpoint: StageCheckpoint, model: torch.nn.Module, optimizer: t
         raise CheckpointError(f"{checkpoint.path} holds layers {checkpoint.layers[0]}-{checkpoint.layers[1] - 1}, "
                               f"this peer's stage is {layers[0]}-{layers[1] - 1}")
     stored = checkpoint.tensors()
-    targets = dict(model.named_parameters()) | {f"optimizer.{n}": t for n, t in zip(OPTIMIZER, optimizer)}
+    targets = dict(model.named_parameters()) | {f"optimizer.{n}": t for n, t in optimizer.items()}
     if "optimizer.window" in targets and "optimizer.window" not in stored:  # saved by plain Adam: a window starts empty
         targets.pop("optimizer.window").zero_()
+    for name in OPTIONAL:
+        if f"optimizer.{name}" not in stored:
+            targets.pop(f"optimizer.{name}", None)
     missing = sorted(set(targets) - set(stored))
     if missing:
         raise CheckpointError(f"{checkpoint.path} lacks {', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}")
@@ -128,6 +137,7 @@ def load_stage(checkpoint: StageCheckpoint, model: torch.nn.Module, optimizer: t
             if tensor.shape != target.shape or not torch.isfinite(tensor).all():
                 raise CheckpointError(f"{checkpoint.path}: {name} is {list(tensor.shape)} or not finite, expected {list(target.shape)}")
             target.copy_(tensor.to(target.device, target.dtype))
+    return {name for name in optimizer if f"optimizer.{name}" in targets}
 
 
 def _described(spec: ModelSpec) -> str:

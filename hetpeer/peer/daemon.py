@@ -269,26 +269,34 @@ class SwarmPeer(Following, Handover, Announcing, Probing, Reaching):
         ttl_s = TTL_HEARTBEATS * config.heartbeat_s
         while not self.stopping.is_set():
             started = time.monotonic()
-            records, _ = self.control.read_peers(max_age_s=ttl_s + config.heartbeat_s)
-            # a peer back after its record lapsed (restarted, or cut off a while) is no longer one this peer failed to reach
-            self.transport.forget_failures(set(records) - set(self.records))
-            self.control.remember(r.dht for r in sorted(records.values(), key=lambda r: -r.time))
-            book = {d: replace(r.address, dialable=not r.behind_nat, relay=r.relay) for d, r in records.items()}
-            book[self.device_id] = self.transport.address()
-            self.transport.book = AddressBook(book)
-            with self.lock:
-                self.records = records
-            self._take_plans()
-            self._keep_paths()
-            self._measure_load()
-            self.control.announce(self._record(), ttl_s=ttl_s)
-            healed = self.control.heal()  # after a partition: find the swarm again
-            if healed is not None:
-                self.report(healed)
+            try:
+                self._control_round(ttl_s)
+            except TransportError as error:  # a link that failed this round: the next one starts afresh
+                log.warning("%s: control round failed: %s", self.device_id, error)
             self.plan_hint.wait(max(0.0, config.heartbeat_s - (time.monotonic() - started)))
             if self.plan_hint.is_set():
                 self.plan_hint.clear()
                 self._take_plans()
+
+    def _control_round(self, ttl_s: float) -> None:
+        """Read the swarm, take a new plan, keep this peer's paths, announce it: one heartbeat's work."""
+        config = self.config
+        records, _ = self.control.read_peers(max_age_s=ttl_s + config.heartbeat_s)
+        # a peer back after its record lapsed (restarted, or cut off a while) is no longer one this peer failed to reach
+        self.transport.forget_failures(set(records) - set(self.records))
+        self.control.remember(r.dht for r in sorted(records.values(), key=lambda r: -r.time))
+        book = {d: replace(r.address, dialable=not r.behind_nat, relay=r.relay) for d, r in records.items()}
+        book[self.device_id] = self.transport.address()
+        self.transport.book = AddressBook(book)
+        with self.lock:
+            self.records = records
+        self._take_plans()
+        self._keep_paths()
+        self._measure_load()
+        self.control.announce(self._record(), ttl_s=ttl_s)
+        healed = self.control.heal()  # after a partition: find the swarm again
+        if healed is not None:
+            self.report(healed)
 
     def _set(self, **changes) -> None:
         with self.lock:

@@ -104,10 +104,7 @@ class Handover:
             worker.step = worker.sync.step = worker.plan.start_step  # the plan resumes at the newest checkpoint's step
             how = f"resumed from its checkpoint (step {checkpoint.step}, plan epoch {checkpoint.epoch})"
         elif old is not None and old.param_range == worker.param_range and (not stale or not self._donors(layers)):
-            with old.sync.lock:
-                for mine, theirs in zip(worker.sync.state_tensors(), old.sync.state_tensors()):
-                    mine.copy_(theirs)
-                worker.sync.state.step = old.sync.state.step
+            worker.sync.take(old.sync)
             how = "kept its weights"
         else:  # a stage it did not hold, or held so long ago (on standby, say) that its copy is stale
             donors = self._donors(layers)

@@ -175,6 +175,7 @@ def stage_memory(worker: StageWorker) -> dict[str, float]:
     return workload.stage_memory(
         model.layer_end - model.layer_start, first=model.first, last=model.last, in_flight=in_flight(worker.schedule),
         micro_batch=plan.micro_batch, group_size=len(worker.sync.members), recompute=worker.recompute,
+        outer=worker.sync.mode == "outer",
     )
 
 

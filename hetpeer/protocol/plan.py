@@ -6,7 +6,9 @@ A plan is what the coordinator publishes and what `hetpeer plan --json` prints. 
      "model": str, "layers": int, "batch": int, "micro_batch": int, "micro_batches": int, "dtype": str,
      "seq_len": int,                                  # optional: tokens per sequence it was made for
      "stages": [{"index": s, "layer_start": int, "layer_end": int (exclusive),
-                 "devices": [device id per lane], "sync": "allreduce" | "gossip" | "none",
+                 "devices": [device id per lane], "sync": "allreduce" | "gossip" | "outer" | "none",
+                 "outer_every": int,                  # with sync "outer" only: steps between outer steps (H)
+                 "outer_delay": int,                  # optional, < outer_every: steps its exchange overlaps
                  "recompute": int,                    # optional: its first N layers recompute activations in backward
                  "forward": [codec per lane],         # optional (all raw): how each lane's activations travel to
                  "backward": [codec per lane]}],      #   the next stage, and their gradients back (not on the last)
@@ -15,7 +17,8 @@ A plan is what the coordinator publishes and what `hetpeer plan --json` prints. 
      "standby_reasons": [[reason, count], ...],       # optional: why, in runs over the standby list (words)
      "cost": {"total_s": float, ...},                 # predicted seconds, by component
      "estimated_links": [[device id, device id], ...],  # optional: links it uses that were never measured (estimated)
-     "eval_every": int, "eval_batch": int}             # optional: validation every N steps, sequences per lane
+     "eval_every": int, "eval_batch": int,            # optional: validation every N steps, sequences per lane
+     "outer_after": int}                              # optional: groups with outer steps all-reduce every step before it
 
 `from_wire` checks every invariant a peer relies on, so a plan that parses is a plan a peer can run.
 """
@@ -39,8 +42,12 @@ from hetpeer.protocol.wire import (
 )
 
 PLAN_VERSION = 1
-SYNC_MODES = ("allreduce", "gossip", "none")
-SYNC_CHOICES = ("auto", "allreduce", "gossip")  # what a planner may be asked for: auto chooses per group
+SYNC_MODES = ("allreduce", "gossip", "outer", "none")
+SYNC_CHOICES = ("auto", "allreduce", "gossip", "outer")  # what a planner may be asked for: auto chooses per group
+# An outer-step group's parameter change travels in fp16: OpenDiLoCo (Jaghouar et al. 2024) found fp16 pseudo-
+# gradients train as well as fp32 ones, and fp16 keeps the small changes bf16's 8-bit mantissa would round away.
+OUTER_CODEC = "fp16"
+MAX_OUTER_EVERY = 10_000  # steps between outer steps a plan may ask for
 RECOMPUTE_CHOICES = ("auto", "never", "always")  # activation recomputation: auto where a stage fits no other way
 COST_MODELS = ("dtfm", "time")
 MAX_STANDBY_REASONS = 16  # distinct reasons a plan states; each covers many devices
@@ -59,10 +66,21 @@ class StagePlan:
     # coming back (backward); () where every lane sends raw (and on the last stage, which has no next)
     forward: tuple[str, ...] = ()
     backward: tuple[str, ...] = ()
+    # sync "outer": every this many steps the group averages its parameter change and takes an outer step,
+    # the exchange overlapping the next `outer_delay` steps (0: before the next step)
+    outer_every: int = 0
+    outer_delay: int = 0
 
     @property
     def layers(self) -> int:
         return self.layer_end - self.layer_start
+
+    @property
+    def sync_words(self) -> str:
+        """The group's sync mode, with H for outer steps ("outer H=50")."""
+        if self.sync != "outer":
+            return self.sync
+        return f"outer H={self.outer_every}" + (f" D={self.outer_delay}" if self.outer_delay else "")
 
     def codecs(self, lane: int) -> tuple[str, str]:
         """(forward, backward): how lane `lane` crosses the hop from this stage to the next."""
@@ -97,6 +115,9 @@ class Plan:
     eval_every: int = 0  # every lane measures the validation loss at the steps divisible by this (0: never)
     eval_batch: int = 0  # held-out sequences each lane measures it on
     seq_len: int = 0  # tokens per training sequence it was made for (0: not stated, the model's own)
+    # groups with outer steps take them only from this swarm step on; before it they all-reduce every step (a
+    # warm start: training apart from a fresh model costs far more than from a trained one: docs/gossip.md)
+    outer_after: int = 0
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
@@ -221,6 +242,8 @@ class Plan:
                     "layer_end": s.layer_end,
                     "devices": list(s.devices),
                     "sync": s.sync,
+                    **({"outer_every": s.outer_every} if s.outer_every else {}),
+                    **({"outer_delay": s.outer_delay} if s.outer_delay else {}),
                     **({"recompute": s.recompute} if s.recompute else {}),
                     **({"forward": list(s.forward)} if s.forward else {}),
                     **({"backward": list(s.backward)} if s.backward else {}),
@@ -233,6 +256,7 @@ class Plan:
             **({"estimated_links": [list(pair) for pair in self.estimated_links]} if self.estimated_links else {}),
             **({"standby_reasons": [[r, n] for r, n in self.standby_reasons]} if self.standby_reasons else {}),
             **({"eval_every": self.eval_every, "eval_batch": self.eval_batch} if self.eval_every else {}),
+            **({"outer_after": self.outer_after} if self.outer_after else {}),
         }
 
     @staticmethod
@@ -242,7 +266,7 @@ class Plan:
             root,
             {"version", "epoch", "start_step", "cost_model", "model", "layers", "batch", "micro_batch",
              "micro_batches", "dtype", "stages", "lanes", "standby", "cost", "estimated_links", "standby_reasons",
-             "eval_every", "eval_batch", "seq_len"},
+             "eval_every", "eval_batch", "seq_len", "outer_after"},
             "plan",
         )
         version = need_int(field(root, "version", "plan"), "plan.version")
@@ -252,7 +276,8 @@ class Plan:
         for i, entry in enumerate(need_list(field(root, "stages", "plan"), "plan.stages")):
             path = f"plan.stages[{i}]"
             record = need_mapping(entry, path)
-            no_extra_fields(record, {"index", "layer_start", "layer_end", "devices", "sync", "recompute", "forward", "backward"}, path)
+            no_extra_fields(record, {"index", "layer_start", "layer_end", "devices", "sync", "outer_every", "outer_delay", "recompute",
+                                     "forward", "backward"}, path)
             stages.append(
                 StagePlan(
                     index=need_int(field(record, "index", path), f"{path}.index"),
@@ -263,6 +288,8 @@ class Plan:
                         for j, d in enumerate(need_list(field(record, "devices", path), f"{path}.devices"))
                     ),
                     sync=need_str(field(record, "sync", path), f"{path}.sync"),
+                    outer_every=need_int(record.get("outer_every", 0), f"{path}.outer_every", minimum=0),
+                    outer_delay=need_int(record.get("outer_delay", 0), f"{path}.outer_delay", minimum=0),
                     recompute=need_int(record.get("recompute", 0), f"{path}.recompute", minimum=0),
                     forward=_strings(record.get("forward", []), f"{path}.forward"),
                     backward=_strings(record.get("backward", []), f"{path}.backward"),
@@ -299,6 +326,7 @@ class Plan:
             eval_every=need_int(root.get("eval_every", 0), "plan.eval_every", minimum=0),
             eval_batch=need_int(root.get("eval_batch", 0), "plan.eval_batch", minimum=0),
             seq_len=need_int(root.get("seq_len", 0), "plan.seq_len", minimum=0),
+            outer_after=need_int(root.get("outer_after", 0), "plan.outer_after", minimum=0),
             version=version,
         )
         if "lanes" in root:
@@ -365,6 +393,12 @@ def _check(plan: Plan) -> None:
             raise SchemaError(f"{path}.devices", f"must list one device per lane ({lanes}), got {len(stage.devices)}")
         if stage.sync not in SYNC_MODES:
             raise SchemaError(f"{path}.sync", f"must be one of {', '.join(SYNC_MODES)}, got {stage.sync!r}")
+        if (stage.sync == "outer") != (stage.outer_every > 0) or not 0 <= stage.outer_every <= MAX_OUTER_EVERY:
+            raise SchemaError(f"{path}.outer_every", f"must be 1 to {MAX_OUTER_EVERY} steps with sync outer and absent "
+                                                     f"otherwise, got {stage.outer_every} with sync {stage.sync}")
+        if not 0 <= stage.outer_delay < max(stage.outer_every, 1):
+            raise SchemaError(f"{path}.outer_delay", f"must be 0 to outer_every - 1 ({stage.outer_every - 1}) steps, got "
+                                                     f"{stage.outer_delay}")
         if not 0 <= stage.recompute <= stage.layers:
             raise SchemaError(f"{path}.recompute", f"must be 0 to the stage's {stage.layers} layers, got {stage.recompute}")
         _check_codecs(stage, path, last=s == len(plan.stages) - 1)
@@ -389,6 +423,8 @@ def _check(plan: Plan) -> None:
     if (plan.eval_every > 0) != (plan.eval_batch > 0) or plan.eval_every < 0 or plan.eval_batch < 0:
         raise SchemaError("plan.eval_batch", f"validation needs both eval_every and eval_batch positive (or both 0), got "
                                              f"{plan.eval_every} and {plan.eval_batch}")
+    if plan.outer_after < 0:
+        raise SchemaError("plan.outer_after", f"must be a step >= 0, got {plan.outer_after}")
     for key, value in plan.cost.items():
         if not math.isfinite(value) or value < 0:
             raise SchemaError(f"plan.cost.{key}", f"must be a finite, non-negative number of seconds, got {value!r}")

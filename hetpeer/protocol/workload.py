@@ -23,6 +23,7 @@ from hetpeer.protocol.modelspec import DTYPE_BYTES, ModelSpec
 
 STATE_BYTES_PER_PARAM = 16
 SYNC_BYTES_PER_PARAM = 4  # a group's exchange: a neighbour's fp32 parameters, mixed in place
+OUTER_BYTES_PER_PARAM = 16  # outer steps: the anchor, the outer momentum, the change being averaged and (overlapped) its copy
 LOGIT_BYTES = 12  # per logit at the loss's backward: fp32 log-probabilities, the loss's gradient and theirs
 RESIDUAL_BYTES = 4  # per value of the residual stream a recomputed block keeps (fp32: autocast leaves it wide)
 # The output head's rows are padded to a multiple of this for its matrix products: tensor cores take a 16-bit
@@ -106,9 +107,10 @@ class Workload:
         """What a block whose activations are recomputed keeps for one micro-batch: its input."""
         return float(micro_batch * self.model.seq_len * self.model.hidden * RESIDUAL_BYTES)
 
-    def stage_memory(self, layers, *, first, last, in_flight, micro_batch: int, group_size: int, recompute=0) -> dict[str, Any]:
+    def stage_memory(self, layers, *, first, last, in_flight, micro_batch: int, group_size: int, recompute=0,
+                     outer: bool = False) -> dict[str, Any]:
         """Peak bytes of a stage of `layers` blocks (`recompute` of them recomputed) that runs micro-batches of
-        `micro_batch` sequences, by part: training state, the group's exchange, activations (micro-batches in
+        `micro_batch` sequences, by part: training state, the group's exchange (or its `outer` state), activations (micro-batches in
         flight, and the block being rebuilt), the model's ends (logits, embedding gradient). Arithmetic only: numpy arrays of stages evaluate at once
         (the planner), plain numbers give one stage."""
         m, micro = self.model, micro_batch
@@ -116,7 +118,7 @@ class Workload:
         rebuilt = (recompute > 0) * self.layer_activation_bytes(micro)
         return {
             "state_bytes": STATE_BYTES_PER_PARAM * params,
-            "sync_bytes": (SYNC_BYTES_PER_PARAM if group_size > 1 else 0) * params,
+            "sync_bytes": ((OUTER_BYTES_PER_PARAM if outer else SYNC_BYTES_PER_PARAM) if group_size > 1 else 0) * params,
             "activation_bytes": in_flight * ((layers - recompute) * self.layer_activation_bytes(micro)
                                              + recompute * self.layer_recomputed_bytes(micro)) + rebuilt,
             # the last stage's logits and its head's 16-bit copy; the first stage's dense embedding gradient (fp32)

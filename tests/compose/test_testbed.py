@@ -47,11 +47,13 @@ def test_a_shaped_testbed_is_measured_as_shaped_and_trains(image, tmp_path):
             wait_for(measured, "every peer to measure its links to the three others", 240)
             time.sleep(SETTLED_S)
             off: list = []
+            seen: set = set()  # links whose reading has come within the tolerance of their shaping
 
             def as_shaped():
-                """The records once every link reads within the tolerance of its shaping; a reading is the median
-                of a peer's last three rounds, and a round on a starved CPU can read slow, so the check waits
-                for the rounds to agree rather than trusting one instant."""
+                """The records once every link has read within the tolerance of its shaping. A reading is the median
+                of a peer's last three rounds; the swarm trains meanwhile, and a link its plan keeps busy (a lane
+                or a group across it) reads slower while the training traffic shares it, so each link counts once
+                a reading of it agrees, rather than all of them at one instant."""
                 records = measured()
                 if records is None:
                     return None
@@ -60,13 +62,16 @@ def test_a_shaped_testbed_is_measured_as_shaped_and_trains(image, tmp_path):
                     for receiver, link in record.links.items():
                         shaped = topology.link(device_of(sender), device_of(receiver))
                         rate = shaped.bandwidth_gbps * 1e9 / 8
-                        if abs(link.bandwidth_bytes_per_s / rate - 1) > TOLERANCE:
+                        slow = abs(link.bandwidth_bytes_per_s / rate - 1) > TOLERANCE or (
+                            # only long links: a few ms of the container's own count
+                            shaped.latency_ms >= 10 and abs(link.latency_s * 1e3 / shaped.latency_ms - 1) > TOLERANCE)
+                        if not slow:
+                            seen.add((sender, receiver))
+                        elif (sender, receiver) not in seen:
                             off.append((sender, receiver, link, shaped))
-                        elif shaped.latency_ms >= 10 and abs(link.latency_s * 1e3 / shaped.latency_ms - 1) > TOLERANCE:
-                            off.append((sender, receiver, link, shaped))  # only long links: a few ms of the container's own count
                 return records if not off else None
 
-            records = wait_for(as_shaped, f"every link to read within {TOLERANCE:.0%} of its shaping", 180,
+            records = wait_for(as_shaped, f"every link to read within {TOLERANCE:.0%} of its shaping", 240,
                                explain=lambda: "\n".join(map(str, off)))
         # b-1's container is limited to its 2 GB, and its peer announces what that limit leaves it
         limited = {d: r.memory_bytes for d, r in records.items() if device_of(d).memory_gb is not None}

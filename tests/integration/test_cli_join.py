@@ -141,6 +141,27 @@ def test_launch_runs_every_peer_to_the_end(tmp_path, cli):
     assert live_members(cli.groups[-1]) == []
 
 
+@pytest.mark.slow
+def test_launch_runs_groups_with_outer_steps_that_end_each_window_on_equal_weights(tmp_path, cli):
+    from dataclasses import replace
+
+    from hetpeer.peer.checkpoint import StageCheckpoint
+
+    plan = make_plan(lanes=2)
+    plan = replace(plan, stages=tuple(replace(s, sync="outer", outer_every=3) for s in plan.stages))
+    plan_path = write_json(tmp_path / "plan.json", plan.to_wire())
+    done = cli("launch", str(plan_path), "--steps", "6", "--out", str(tmp_path / "run"), "--link", "tcp",
+               "--save", str(tmp_path / "saved"), "--outer-lr", "0.5", "--outer-momentum", "0.5")
+    assert done.returncode == 0, done.stdout + done.stderr
+    saved = {d: StageCheckpoint.read(tmp_path / "saved" / f"{d}.safetensors").tensors() for d in plan.devices}
+    for a, b in (("d0", "d1"), ("d2", "d3")):  # each group's members, after their second outer step
+        weights = [name for name in saved[a] if not name.startswith("optimizer.")]
+        assert all(torch.equal(saved[a][name], saved[b][name]) for name in weights), (a, b)
+        assert torch.equal(saved[a]["optimizer.anchor"], saved[b]["optimizer.anchor"])
+        assert torch.count_nonzero(saved[a]["optimizer.outer_momentum"]) > 0
+        assert not torch.equal(saved[a]["optimizer.m"], saved[b]["optimizer.m"])  # Adam's moments stay each peer's own
+
+
 # Imports of these packages fail: what a machine without hivemind (a GPU image, say) gives `hetpeer launch --link tcp`.
 WITHOUT_HIVEMIND = """
 import sys
@@ -373,7 +394,7 @@ def test_join_refuses_to_resume_from_a_checkpoint_of_another_model(tmp_path, cli
 
     other = preset("tiny", layers=6)
     stage = build_stage(other, 0, 3)
-    moments = tuple(torch.zeros(sum(p.numel() for p in stage.parameters())) for _ in range(3))
+    moments = {name: torch.zeros(sum(p.numel() for p in stage.parameters())) for name in ("m", "v", "window")}
     save_stage(tmp_path / "saved" / "d0.safetensors", stage, moments, spec=other, layers=(0, 3), step=5, epoch=1, adam_step=5)
     plan_path = write_json(tmp_path / "plan.json", make_plan(lanes=1, batch=4).to_wire())
     book = {"version": 1, "peers": {d: {"direct": f"127.0.0.1:{free_port()}"} for d in ("d0", "d1")}}

@@ -244,7 +244,7 @@ def test_when_every_donor_is_dead_the_download_fails_and_leaves_the_state_alone(
             swarm.hub.unplug(donor)
 
         swarm.transports[donor].inbox.handlers["state_request"] = describe_then_die
-    with pytest.raises(StateDownloadError, match=re.escape("no donor (p1, p2) sent state tensor 0 [0, 3) within 0.2 s")):
+    with pytest.raises(StateDownloadError, match=re.escape("no donor (p1, p2) sent state tensor params [0, 3) within 0.2 s")):
         swarm.fetch(["p1", "p2"], timeout_s=0.2)
     assert torch.equal(swarm.state(), before) and swarm.syncs["p0"].state.step == 0
     with pytest.raises(StateDownloadError, match=re.escape("no donor (p1, p2) described its state of parameters [0, 10) within 0.1 s")):
@@ -297,7 +297,7 @@ def test_a_lying_donor_is_refused_and_its_chunks_asked_of_another(lie):
     alone = Swarm([(0, 10)])
     make_liar(alone, "p1", lie)
     before = alone.state()
-    with pytest.raises(StateDownloadError, match=re.escape("no donor (p1) sent state tensor 0 [0, 3)")):
+    with pytest.raises(StateDownloadError, match=re.escape("no donor (p1) sent state tensor params [0, 3)")):
         alone.fetch(["p1"], timeout_s=0.1)
     assert torch.equal(alone.state(), before) and alone.syncs["p0"].state.step == 0
 
@@ -410,7 +410,7 @@ def test_a_joiner_downloads_two_whole_copies_at_once_and_a_third_once_the_allowa
         swarm.fetch(["p1"], timeout_s=2.0)
         assert torch.equal(swarm.state(), swarm.state("p1"))
     assert donor.late == 0 and not donor.misbehaving
-    with pytest.raises(StateDownloadError, match=re.escape("no donor (p1) sent state tensor 0 [0, 3)")):
+    with pytest.raises(StateDownloadError, match=re.escape("no donor (p1) sent state tensor params [0, 3)")):
         swarm.fetch(["p1"], timeout_s=0.2)
     assert donor.late > 0 and not donor.misbehaving  # an overshoot, not a flood: not counted against p0
     clock.now += 2 * StateLimits().copies * StateLimits().refill_s  # refilled, its debt too

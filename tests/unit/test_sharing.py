@@ -138,7 +138,7 @@ def test_screens_hold_the_grids_sharing():
     lane, _ = model._lanes(batch.transpose(0, 2, 1), counts[None, None, :], slowdown)
     stage_bytes = np.broadcast_to(counts * model.wire_per_layer + model.wire_fixed, (len(batch), shape.stages))
     allreduce, gossip = model._groups(batch, stage_bytes)
-    sync_s, _ = model._sync(allreduce, gossip, lane.max(axis=1))
+    sync_s = model._sync(allreduce, gossip, lane.max(axis=1))[0]
     overflow = model._overflow(batch, model.mem_fixed + counts * model.mem_per_layer)
     held = model._objective(lane, sync_s, overflow, np.zeros(len(batch)))
     np.testing.assert_allclose(model.screen(grid, batch, cells), held, rtol=1e-12)

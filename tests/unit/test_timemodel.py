@@ -478,13 +478,13 @@ def held_split_objective(model, grids: np.ndarray, counts: np.ndarray) -> np.nda
     lane, _ = model._lanes(grids.transpose(0, 2, 1), counts[None, None, :])
     stage_bytes = np.broadcast_to(counts * model.wire_per_layer + model.wire_fixed, (K, len(counts)))
     allreduce, gossip = model._groups(grids, stage_bytes)
-    sync_s, _ = model._sync(allreduce, gossip, lane.max(axis=1))
+    sync_s = model._sync(allreduce, gossip, lane.max(axis=1))[0]
     overflow = model._overflow(grids, model.mem_fixed + counts * model.mem_per_layer)
     return model._objective(lane, sync_s, overflow, np.zeros(K))
 
 
 @pytest.mark.parametrize("shape", [Shape(1, 6), Shape(2, 2), Shape(3, 4), Shape(2, 5), Shape(4, 7), Shape(8, 3)])
-@pytest.mark.parametrize("sync", ["allreduce", "gossip", "auto"])
+@pytest.mark.parametrize("sync", ["allreduce", "gossip", "auto", "outer"])
 @pytest.mark.parametrize("seed", range(3))
 def test_the_screen_is_the_full_evaluation_with_the_split_held(shape, sync, seed):
     """The screen re-evaluates only the pairs a swap changes; it must give what evaluating every

@@ -51,6 +51,8 @@ class Report:
     recompute: tuple[int, ...] = ()  # per stage, layers that recompute their activations (none when empty)
     # per hop (stage s to s + 1), per lane: the codecs of activations and of their gradients back (() all raw)
     codecs: tuple[tuple[tuple[str, str], ...], ...] = ()
+    outer_every: tuple[int, ...] = ()  # per stage, H of a group with outer steps (0 otherwise; () none has them)
+    outer_delay: tuple[int, ...] = ()  # per stage, the steps its exchange overlaps (D)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -59,7 +59,7 @@ class Screens:
         gossip = np.repeat(base.evaluation["gossip"], K, axis=0)
         if m > 1:
             allreduce[pick, rows], gossip[pick, rows] = self._screen_groups(base, batch[pick, rows], rows, lanes)
-        sync_s, _ = self._sync(allreduce, gossip, lane_s)
+        sync_s = self._sync(allreduce, gossip, lane_s)[0]
         overflow = np.repeat(base.evaluation["row_overflow"], K, axis=0)
         need = base.evaluation["need"][0]
         overflow[pick, rows] = self._overflow(batch[pick, rows], need[rows])

@@ -10,11 +10,12 @@ import numpy as np
 
 from hetpeer.coordinator.planner import dtfm, timemodel
 from hetpeer.coordinator.planner.codecs import candidates
+from hetpeer.coordinator.planner.outer import OUTER_AUTO
 from hetpeer.coordinator.planner.costmodel import CostModel
 from hetpeer.coordinator.planner.problem import PlanningError, Problem, Report, Shape
 from hetpeer.coordinator.planner.prune import Pruned, prune
 from hetpeer.coordinator.planner.search import Progress, SearchConfig, search
-from hetpeer.protocol.plan import COST_MODELS, RECOMPUTE_CHOICES, Plan, StagePlan, standby_runs
+from hetpeer.protocol.plan import COST_MODELS, MAX_OUTER_EVERY, RECOMPUTE_CHOICES, Plan, StagePlan, standby_runs
 from hetpeer.protocol.workload import STATE_BYTES_PER_PARAM
 
 
@@ -32,6 +33,9 @@ class PlannerConfig:
     sync: str = "auto"
     recompute: str = "auto"  # activation recomputation: auto (where a stage fits no other way), never, always
     compress: tuple[str, str] = ("raw", "raw")  # codecs of activations between stages and of their gradients back
+    # outer steps (sync "outer"): None = only where `sync` is "outer", OUTER_AUTO = allowed with H chosen per
+    # group, N = allowed every N steps (`outer.py`)
+    outer_every: int | None = None
     time_budget_s: float = 2.0
     memory_reserve: float = 0.1
     horizon_steps: int = 100
@@ -51,6 +55,11 @@ class PlannerConfig:
         candidates(self.compress)  # a ValueError naming what is wrong
         if self.cost_model == dtfm.NAME and self.compress != ("raw", "raw"):
             raise ValueError("codecs between stages are counted by the time cost model only, not dtfm's")
+        if self.outer_every is not None and not 0 <= self.outer_every <= MAX_OUTER_EVERY:
+            raise ValueError(f"outer steps must be 1 to {MAX_OUTER_EVERY} steps apart (or {OUTER_AUTO}: chosen per group), "
+                             f"got {self.outer_every}")
+        if self.cost_model == dtfm.NAME and (self.outer_every is not None or self.sync == "outer"):
+            raise ValueError("outer steps are counted by the time cost model only, not dtfm's")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +77,7 @@ def make_model(problem: Problem, config: PlannerConfig, shape: Shape) -> CostMod
         return dtfm.DtfmCost(problem, shape)
     return timemodel.TimeCost(
         problem, shape, sync=config.sync, memory_reserve=config.memory_reserve, horizon_steps=config.horizon_steps,
-        recompute=config.recompute, compress=config.compress,
+        recompute=config.recompute, compress=config.compress, outer_every=config.outer_every,
     )
 
 
@@ -146,6 +155,8 @@ def to_plan(problem: Problem, cost_model: str, grid: np.ndarray, report: Report)
             layer_end=int(starts[s + 1]),
             devices=tuple(ids[d] for d in grid[s]),
             sync=report.sync[s],
+            outer_every=report.outer_every[s] if report.sync[s] == "outer" else 0,
+            outer_delay=report.outer_delay[s] if report.sync[s] == "outer" else 0,
             recompute=report.recompute[s] if report.recompute else 0,
             **_stage_codecs(report, s),
         )

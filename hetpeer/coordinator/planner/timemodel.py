@@ -28,6 +28,9 @@ For a grid (rows = stages in order, columns = lanes), with M micro-batches per l
   shows only where it outlasts the step: the mean over rounds of max(0, round - T), where a round
   takes its slowest pair (the mean of the rounds first would hide a slow round behind fast ones);
   `auto` takes all-reduce (exact averaging) unless it costs more than 2% of the step over gossip;
+  or, where the organizer allows them (`outer_every`), by outer steps: the ring once every H steps with
+  the parameter change in fp16, overlapping the next D steps, so max(0, ring - D T) / H a step
+  (`outer.py` says where they pay);
 - step = slowest lane + slowest group's exposed sync (+ the problem's fixed step overhead, 0 unless
   efficiency terms give one); the search minimises the step plus
   TIE_BREAK (1%) of the mean lane time and mean exposed sync, so that swaps which do not move the
@@ -55,6 +58,7 @@ from functools import cached_property
 
 import numpy as np
 
+from hetpeer.coordinator.planner import outer
 from hetpeer.coordinator.planner.codecs import HopCodecs
 from hetpeer.coordinator.planner.problem import PlanningError, Problem, Report, Shape
 from hetpeer.coordinator.planner.screens import Screens
@@ -86,6 +90,7 @@ class TimeCost(Screens):
         horizon_steps: int = 100,
         recompute: str = "auto",
         compress: tuple[str, str] = ("raw", "raw"),
+        outer_every: int | None = None,
     ) -> None:
         if problem.tflops is None:
             raise PlanningError(
@@ -97,7 +102,8 @@ class TimeCost(Screens):
         if recompute not in RECOMPUTE_CHOICES:
             raise PlanningError(f"recompute must be one of {', '.join(RECOMPUTE_CHOICES)}, got {recompute!r}")
         self.problem, self.shape, self.sync, self.horizon_steps = problem, shape, sync, horizon_steps
-        self.recompute, self.compress = recompute, compress
+        self.recompute, self.compress, self.outer_every = recompute, compress, outer_every
+        self.ring_share = outer.ring_share(problem.workload.dtype)
         w, model = problem.workload, problem.workload.model
         stages, m = shape.stages, shape.group_size
         mb = problem.lane_micro_batch(m)
@@ -119,7 +125,7 @@ class TimeCost(Screens):
 
         def memory(layers: int, recomputed: int) -> np.ndarray:
             parts = w.stage_memory(layers, first=first, last=last, in_flight=inflight, micro_batch=mb, group_size=m,
-                                   recompute=recomputed)
+                                   recompute=recomputed, outer=outer_every is not None or sync == "outer")
             return sum(parts.values())
 
         self.mem_fixed = memory(0, 0)
@@ -254,9 +260,9 @@ class TimeCost(Screens):
         index = a * self.problem.n + b
         return self._latency_flat.take(index), self._seconds_per_byte_flat.take(index)
 
-    def _sync(self, allreduce: np.ndarray, gossip: np.ndarray, lane_s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Per group (K, S), from all-reduce (K, S) and gossip rounds (K, S, rounds): exposed sync seconds
-        and whether it gossips."""
+    def _sync(self, allreduce: np.ndarray, gossip: np.ndarray, lane_s: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Per group (K, S), from all-reduce (K, S) and gossip rounds (K, S, rounds): exposed sync seconds,
+        whether it gossips, whether it takes outer steps instead, and their H and D (0 where it does not)."""
         gossip = np.maximum(gossip - lane_s[:, None, None], 0.0).mean(-1)
         if self.shape.group_size == 1 or self.sync == "allreduce":
             use_gossip = np.zeros(allreduce.shape, dtype=bool)
@@ -264,7 +270,12 @@ class TimeCost(Screens):
             use_gossip = np.ones(allreduce.shape, dtype=bool)
         else:
             use_gossip = allreduce > gossip + AUTO_ALLREDUCE_SLACK * lane_s[:, None]
-        return np.where(use_gossip, gossip, allreduce), use_gossip
+        every_s = np.where(use_gossip, gossip, allreduce)
+        if self.shape.group_size == 1:
+            none = np.zeros(every_s.shape, dtype=np.int64)
+            return every_s, use_gossip, use_gossip, none, none
+        sync_s, use_outer, every, delay = outer.choose(every_s, allreduce * self.ring_share, lane_s, self.sync, self.outer_every)
+        return sync_s, use_gossip & ~use_outer, use_outer, every, delay
 
     def _overflow(self, rows: np.ndarray, need: np.ndarray) -> np.ndarray:
         """Bytes by which each group's smallest device falls short of `need`; (..., m) -> (...)."""
@@ -288,7 +299,7 @@ class TimeCost(Screens):
         lane_s = lane[np.arange(K), slowest]
         stage_bytes = counts * self.wire_per_layer + self.wire_fixed  # (K, S)
         allreduce, gossip = self._groups(grids, stage_bytes)
-        sync_s, use_gossip = self._sync(allreduce, gossip, lane_s)
+        sync_s, use_gossip, use_outer, outer_every, outer_delay = self._sync(allreduce, gossip, lane_s)
         need = self._need(counts, recompute)  # (K, S)
         overflow = self._overflow(grids, need)
         if self._current is not None and self.usable_memory is not None:
@@ -300,6 +311,7 @@ class TimeCost(Screens):
             "counts": counts, "recompute": recompute, "work": work, "need": need, "lane": lane, "t": t,
             "slowest": slowest, "lane_s": lane_s,
             "allreduce": allreduce, "gossip": gossip, "sync_s": sync_s, "use_gossip": use_gossip, "total": total,
+            "use_outer": use_outer, "outer_every": outer_every, "outer_delay": outer_delay,
             "move": move, "overflow": overflow.sum(axis=1), "row_overflow": overflow, "objective": objective,
         }  # fmt: skip
 
@@ -351,7 +363,8 @@ class TimeCost(Screens):
         t, M = e["t"][0, lane], self.micro_batches
         lane_s = float(e["lane"][0, lane])
         sync = tuple(
-            "none" if self.shape.group_size == 1 else ("gossip" if g else "allreduce") for g in e["use_gossip"][0]
+            "none" if self.shape.group_size == 1 else ("outer" if o else "gossip" if g else "allreduce")
+            for g, o in zip(e["use_gossip"][0], e["use_outer"][0])
         )
         cost = {
             "compute_s": float(M * t.max()),
@@ -373,6 +386,8 @@ class TimeCost(Screens):
             fits_memory=bool(e["overflow"][0] == 0),
             recompute=tuple(int(k) for k in e["recompute"][0]),
             codecs=self._hop_codecs(grid),
+            outer_every=tuple(int(h) for h in e["outer_every"][0]),
+            outer_delay=tuple(int(d) for d in e["outer_delay"][0]),
         )
 
     def _hop_codecs(self, grid: np.ndarray) -> tuple[tuple[tuple[str, str], ...], ...]:

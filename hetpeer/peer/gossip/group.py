@@ -1,6 +1,7 @@
 """A peer's part in its group's averaging, step by step: gossip with decentralized Adam, ring all-reduce,
-or nothing (a group of one). Its state (`state_tensors`: parameters and optimizer tensors, under `lock`)
-is what `state.StateServer` serves to a peer that (re)joins; this module moves no state itself.
+outer steps every H steps (`outer.py`), or nothing (a group of one). Its state (`state_tensors`: parameters
+and optimizer tensors, under `lock`) is what `state.StateServer` serves to a peer that (re)joins; this
+module moves no state itself.
 
 Gossip, peer i of the group (members in lane order), step t:
 
@@ -13,6 +14,13 @@ Gossip, peer i of the group (members in lane order), step t:
 All-reduce: the gradient is averaged exactly by a ring (reduce-scatter, then all-gather: 2 (n - 1)
 messages of 1/n of it), then every peer takes the same Adam step. It needs every member: a missing one
 raises `TransportTimeout` (gossip is the mode that tolerates faults).
+
+Outer steps: every peer takes local Adam steps; after step t with (t + 1) divisible by H (the plan's
+`outer_every`, counted on the swarm's step so every member agrees), the parameter changes since the last
+outer step are averaged by the same ring, in `OUTER_CODEC`, and every member takes the same outer step. Like
+all-reduce it needs every member. With the plan's `outer_delay` D the exchange runs in a thread of its own
+beside the next D steps and lands after step t + D (`outer.Exchange`), its frames labelled with that step.
+Before the plan's `outer_after` step such a group all-reduces every step instead (a warm start).
 
 Membership comes from the plan (`set_plan`, at a step boundary). Every `params` and `allreduce` frame
 received is checked by `accept` before the transport hands it over: sender in the group, epoch, step,
@@ -34,11 +42,13 @@ import torch
 
 from hetpeer.peer.gossip.adam import AdamConfig, AdamState, adam_update
 from hetpeer.peer.gossip.flat import FlatParams
+from hetpeer.peer.gossip.outer import Exchange, OuterConfig, OuterState, delta, outer_step
 from hetpeer.peer.gossip.topology import TOPOLOGIES, mixing_matrix, neighbours
 from hetpeer.peer.transport.base import Transport
-from hetpeer.peer.transport.inbox import Late, PeerUnreachable, TransportTimeout
+from hetpeer.peer.transport.codec import as_received
+from hetpeer.peer.transport.inbox import Late, PeerUnreachable, TransportError, TransportTimeout
 from hetpeer.protocol.frame import CODECS, FrameHeader
-from hetpeer.protocol.plan import Plan
+from hetpeer.protocol.plan import OUTER_CODEC, Plan
 
 log = logging.getLogger("hetpeer.gossip")
 DISTANCE_MEMORY = 0.9  # weight of the past in the running typical distance of robust mixing
@@ -49,6 +59,9 @@ OUTLIER_FACTOR = 2.0  # "far": this many times the bound; an honest neighbour dr
 # Peers of a group run at their own pace: one waits only for its neighbours of the round, so a sender
 # may be a few steps ahead of a receiver that waited on someone else. Frames that far ahead are kept.
 AHEAD_STEPS = 4
+# What a stage's state tensors are, by the number a state request names them with (`state.py`): a peer holds
+# the window only under AccumAdam, the anchor and outer momentum only in an outer-step group.
+STATE_TENSORS = ("params", "m", "v", "window", "anchor", "outer_momentum")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +75,7 @@ class SyncConfig:
     # all-reduce cannot leave a member out, so it waits for one as long as for any frame (a failure timeout),
     # not a deadline: a member that enters the plan a little later must not break it
     allreduce_timeout_s: float = 60.0
+    outer: OuterConfig = OuterConfig()  # the outer optimizer of a group the plan gives outer steps
 
     def __post_init__(self) -> None:
         if self.topology not in TOPOLOGIES:
@@ -101,6 +115,8 @@ class GroupSync:
         self.clip_streaks: collections.Counter[str] = collections.Counter()  # rounds in a row a neighbour was far past the bound
         self.unclipped: dict[str, int] = {}  # the last step each neighbour came within OUTLIER_FACTOR x the bound
         self.suspects: set[str] = set()
+        self.outer: OuterState | None = None  # anchor and outer momentum, in an outer-step group
+        self.exchange: Exchange | None = None  # an outer step's exchange still running beside compute
         self.set_plan(plan)
 
     def set_plan(self, plan: Plan) -> None:
@@ -110,6 +126,10 @@ class GroupSync:
         self.members = plan.stages[stage].devices
         self.index = self.members.index(self.device_id)
         self.mode = "none" if len(self.members) == 1 else plan.stages[stage].sync
+        self.outer_every = plan.stages[stage].outer_every if self.mode == "outer" else 0
+        self.outer_delay = plan.stages[stage].outer_delay if self.mode == "outer" else 0
+        if self.mode == "outer" and self.outer is None:
+            self.outer = OuterState(self.flat.data)
         self.ring_sizes = [len(part) for part in torch.empty(self.flat.size, device="meta").tensor_split(len(self.members))]
         if self.mode == "none" and len(self.members) > 1:
             log.warning("%s: plan says sync none for a group of %d; its lanes will drift apart", self.device_id, len(self.members))
@@ -123,7 +143,9 @@ class GroupSync:
         if header.step < self.step:
             self.suspects.discard(header.sender)  # late, but alive: it gets a whole deadline again
             return Late(f"step {header.step} is done (this peer is at {self.step})")
-        if header.step > self.step + AHEAD_STEPS:
+        # members of an outer-step group train apart between outer steps: one may reach the next a whole H ahead,
+        # and an overlapped exchange is labelled with the step it lands after, up to H later again
+        if header.step > self.step + max(AHEAD_STEPS, 2 * self.outer_every):
             self.ahead = max(self.ahead or 0, header.step)
             return Late(f"step {header.step} is far ahead of this peer ({self.step})")
         expected = self._params_chunk_shape(header.micro) if header.kind == "params" else self._ring_shape(header)
@@ -146,8 +168,8 @@ class GroupSync:
         started = time.perf_counter()
         received: dict[int, torch.Tensor] = {}
         left_out: list[str] = []
-        if self.mode == "allreduce":
-            self._ring_allreduce(step)
+        if self.mode == "allreduce" or self.warming(step):
+            self._ring_allreduce(self.flat.grad, step)
         elif self.mode == "gossip":
             if self.sent != step:
                 self._send_params(step)
@@ -158,11 +180,22 @@ class GroupSync:
         with self.lock:
             clipped = self._mix(w[self.index], received, step) if self.mode == "gossip" else 0
             adam_update(self.flat.data, self.flat.grad, self.state, self.adam, self.flat.decay_ranges)
+            if self.warming(step):  # the members move together: the anchor is where they are
+                self.outer.anchor.copy_(self.flat.data)
+        if self.exchange is not None and self.exchange.at == step:
+            started = time.perf_counter()
+            self._outer_land()
+            wait_s += time.perf_counter() - started
+        if self.outer_step_due(step):
+            started = time.perf_counter()
+            self._outer_sync(step)
+            wait_s += time.perf_counter() - started
         for device in left_out:
             self.left_out[device] += 1
         if left_out:
             log.info("%s left %s out of step %d", self.device_id, ", ".join(left_out), step)
-        mixed = len(self.members) - 1 if self.mode == "allreduce" else len(received)
+        exchanged = self.mode == "allreduce" or self.warming(step) or self.outer_step_due(step)
+        mixed = len(self.members) - 1 if exchanged else len(received)
         return SyncReport(self.mode, mixed, tuple(left_out), clipped, wait_s)
 
     # -- gossip -----------------------------------------------------------------------------------
@@ -256,23 +289,92 @@ class GroupSync:
             )
         return len(left_out) + sum(scale < 1.0 for scale in scales.values())
 
+    # -- outer steps ------------------------------------------------------------------------------
+    def warming(self, step: int) -> bool:
+        """Whether an outer-step group still all-reduces every step at `step` (before the plan's `outer_after`)."""
+        return self.mode == "outer" and step < self.plan.outer_after
+
+    def outer_step_due(self, step: int) -> bool:
+        """Whether step `step` ends with an outer step."""
+        return self.mode == "outer" and step >= self.plan.outer_after and (step + 1) % self.outer_every == 0
+
+    def _outer_sync(self, step: int) -> None:
+        with self.lock:
+            change = delta(self.flat.data, self.outer)
+        if not torch.isfinite(change).all():
+            # an fp16 frame cannot carry it, and a peer whose own training diverged must not take the group with it
+            raise FloatingPointError(f"{self.device_id}: its parameter change before the outer step of step {step} is not finite")
+        if not self.outer_delay:
+            self._ring_allreduce(change, step, OUTER_CODEC)
+            with self.lock:
+                outer_step(self.flat.data, change, self.outer, self.config.outer)
+            return
+        # labelled with the step it lands after: frames of steps done are dropped, and this one is not done yet
+        at = step + self.outer_delay
+        self.exchange = Exchange(lambda: self._ring_allreduce(change, at, OUTER_CODEC), change.clone(), change, at).start()
+
+    def _outer_land(self) -> None:
+        exchange, self.exchange = self.exchange, None
+        exchange.wait()
+        with self.lock:
+            outer_step(self.flat.data, exchange.mean, self.outer, self.config.outer, own=exchange.own)
+
+    def take(self, old: "GroupSync") -> None:
+        """Continue from `old`, this peer's sync of the same layers under the plan before: parameters and
+        optimizer tensors, and the outer state where both run outer steps. A group that enters outer steps
+        anchors where it is; one that leaves them goes back to the anchor, which every member shares (the
+        local steps since the last outer step are dropped: the members would otherwise differ from then on)."""
+        if old.exchange is not None:  # its members all wait for it here, so it completes unless one of them left
+            try:
+                old._outer_land()
+            except TransportError as error:
+                log.info("%s: the outer step in flight when the plan changed was dropped: %s", self.device_id, error)
+        with old.lock, self.lock:
+            for name, tensor in old.named_state().items():
+                if name in ("anchor", "outer_momentum"):
+                    continue
+                mine = self.named_state().get(name)
+                if mine is not None:
+                    mine.copy_(tensor)
+            self.state.step = old.state.step
+            if old.outer is not None and self.outer is not None:
+                self.outer.anchor.copy_(old.outer.anchor)
+                self.outer.momentum.copy_(old.outer.momentum)
+            elif old.outer is not None:
+                self.flat.data.copy_(old.outer.anchor)
+            elif self.outer is not None:
+                self.outer.restart(self.flat.data)
+
+    def arrived(self, names: set[str]) -> None:
+        """State tensors `names` were just filled from elsewhere (donors, a checkpoint): in an outer-step group,
+        enter at the group's anchor, or anchor here when what came had no outer state. Call under `lock`."""
+        if self.outer is None:
+            return
+        if {"anchor", "outer_momentum"} <= names:
+            self.flat.data.copy_(self.outer.anchor)
+        else:
+            self.outer.restart(self.flat.data)
+
     # -- all-reduce -------------------------------------------------------------------------------
-    def _ring_allreduce(self, step: int) -> None:
+    def _ring_allreduce(self, vector: torch.Tensor, step: int, codec: str = "raw") -> None:
+        """Average `vector` (in place) over the group: a ring reduce-scatter, then an all-gather."""
         n, i = len(self.members), self.index
-        parts = list(self.flat.grad.tensor_split(n))
+        parts = list(vector.tensor_split(n))
         after, before = self.members[(i + 1) % n], self.members[(i - 1) % n]
         timeout = self.config.allreduce_timeout_s
         for r in range(2 * (n - 1)):
             reduce = r < n - 1
             send_index = (i - r) % n if reduce else (i + 1 - (r - n + 1)) % n
             receive_index = (i - r - 1) % n if reduce else (i - (r - n + 1)) % n
-            self.transport.send(after, "allreduce", parts[send_index], step=step, micro=r, epoch=self.plan.epoch)
+            if r == n - 1 and codec != "raw":  # the part this peer reduced: keep what the others will receive of it
+                parts[send_index].copy_(as_received(parts[send_index], codec))
+            self.transport.send(after, "allreduce", parts[send_index], step=step, micro=r, epoch=self.plan.epoch, codec=codec)
             incoming = self.transport.recv("allreduce", before, step, r, timeout).to(parts[0].device)
             if reduce:
                 parts[receive_index].add_(incoming)
             else:
                 parts[receive_index].copy_(incoming)
-        self.flat.grad.div_(n)
+        vector.div_(n)
 
     def _ring_shape(self, header: FrameHeader) -> tuple[int, ...] | None:
         n, i = len(self.members), self.index
@@ -287,5 +389,12 @@ class GroupSync:
         return (min(self.chunk_elems, self.flat.size - start),) if start < self.flat.size else None
 
     # -- state for (re)joining peers ---------------------------------------------------------------
+    def named_state(self) -> dict[str, torch.Tensor]:
+        """This peer's state tensors by their `STATE_TENSORS` names, in that order."""
+        held = dict(zip(("params", "m", "v", "window"), (self.flat.data, *self.state.tensors())))
+        if self.outer is not None:
+            held |= {"anchor": self.outer.anchor, "outer_momentum": self.outer.momentum}
+        return held
+
     def state_tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.flat.data, *self.state.tensors())
+        return tuple(self.named_state().values())

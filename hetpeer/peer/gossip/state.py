@@ -6,8 +6,11 @@ A peer's optimizer tensors are slices of equally long vectors. So a peer that mo
 holds exactly can assemble them from several peers, each serving the part it holds.
 
 Protocol: a request is an int64 frame [k, start, length]. k >= 0 asks for elements [start, start +
-length) of state tensor k (0 parameters, 1 and 2 the Adam moments, 3 AccumAdam's window); k = -1 asks
-for a description of what the donor holds there: [Adam step, start, end, step, tensors]. Answers are
+length) of state tensor k, named by `group.STATE_TENSORS` (0 parameters, 1 and 2 the Adam moments, 3
+AccumAdam's window, 4 and 5 an outer-step group's anchor and outer momentum); k = -1 asks for a
+description of what the donor holds there: [Adam step, start, end, step, held], held a bit mask of the
+tensors it holds (bit k for tensor k). Parameters and moments are needed from someone; a tensor that no
+donor holds otherwise starts afresh here (an empty window; an anchor at the parameters). Answers are
 `state` frames carrying the request id as the step and the asker's chunk number as the micro-batch,
 and the asker accepts only the chunks it asked of that donor, of the length it asked.
 
@@ -40,7 +43,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from hetpeer.peer.gossip.group import GroupSync
+from hetpeer.peer.gossip.group import STATE_TENSORS, GroupSync
 from hetpeer.peer.ratelimit import Rate, TokenBuckets, in_bytes, refusal
 from hetpeer.peer.transport.base import Transport
 from hetpeer.peer.transport.inbox import PeerUnreachable, TransportError, TransportTimeout
@@ -52,6 +55,16 @@ DESCRIBE = -1
 MAX_CHUNK_ELEMS = 1 << 24  # 64 MiB of fp32: a donor serves no larger slice in one frame
 HOLDINGS = 2  # the current stage and, while a plan change settles, the one before
 OTHERS_WAIT_S = 0.5  # after the first description, how much longer the other donors get
+NEEDED = frozenset(("params", "m", "v"))  # what a joiner cannot start without; the rest it can start afresh
+
+
+def held_mask(sync: GroupSync) -> int:
+    """The bit mask of `STATE_TENSORS` that `sync` holds."""
+    return sum(1 << STATE_TENSORS.index(name) for name in sync.named_state())
+
+
+def held_names(mask: int) -> frozenset[str]:
+    return frozenset(name for k, name in enumerate(STATE_TENSORS) if mask >> k & 1)
 
 
 class StateDownloadError(TransportError):
@@ -172,15 +185,16 @@ class StateServer:
                 answer = torch.tensor([0, 0, 0, 0, 0])
             else:
                 sync = holding.sync
-                answer = torch.tensor([sync.state.step, holding.start, holding.end, sync.step, len(sync.state_tensors())])
+                answer = torch.tensor([sync.state.step, holding.start, holding.end, sync.step, held_mask(sync)])
         else:
             holding = next((h for h in holdings if h.start <= start and start + length <= h.end), None)
-            if holding is None or not 0 <= k < len(holding.sync.state_tensors()) or not 0 < length <= MAX_CHUNK_ELEMS:
+            tensor = holding.sync.named_state().get(STATE_TENSORS[k]) if holding is not None and 0 <= k < len(STATE_TENSORS) else None
+            if tensor is None or not 0 < length <= MAX_CHUNK_ELEMS:
                 self.transport.inbox.reject(
                     header.sender, f"state request for tensor {k} [{start}, {start + length}), which this peer does not hold"
                 )
                 return
-            tensor, rate = holding.sync.state_tensors()[k], self.served.rate
+            rate = self.served.rate
             refused = refusal(
                 self.served.take(header.sender, length * tensor.element_size()),
                 f"state request for tensor {k} [{start}, {start + length}) over {in_bytes(rate.burst)} at once or "
@@ -216,24 +230,22 @@ def fetch_state(
     me = server.device_id
     donors = tuple(d for d in dict.fromkeys(donors) if d != me)
     own = server.own(sync, start, end) if keep_own else None
-    if own is not None and len(own.sync.state_tensors()) != len(sync.state_tensors()):
-        own = None  # another optimizer's state (a window more or less): not this one's to take
     if not donors and own is None:
         raise StateDownloadError(f"{me} has no peer to download its state from")
     started = time.perf_counter()
     request = next(_request_ids)
-    transport, epoch, tensors = server.transport, sync.plan.epoch, sync.state_tensors()
+    transport, epoch, tensors = server.transport, sync.plan.epoch, sync.named_state()
     try:
-        held: dict[str, tuple[int, int, int, int]] = {}
+        held: dict[str, tuple[int, int, int, int, int]] = {}
         if own is not None:
-            held[me] = (own.sync.state.step, own.start, own.end, own.sync.step)
+            held[me] = (own.sync.state.step, own.start, own.end, own.sync.step, held_mask(own.sync))
         if donors and (own is None or not (own.start <= start and end <= own.end)):
             try:
-                held |= _describe(server, request, donors, start, end, len(tensors), timeout_s)
+                held |= _describe(server, request, donors, start, end, timeout_s)
             except StateDownloadError:
                 if own is None:
                     raise  # else: the pieces no one holds are named below
-        chunks = _chunks(me, held, start, end, len(tensors), sync.chunk_elems)
+        chunks = _chunks(me, held, start, end, tuple(tensors), sync.chunk_elems)
         asked = [0] * len(chunks)  # chunk c goes to holder (c + asked[c]) mod D: D donors serve at once
         failed: set[str] = set()  # donors that let a chunk time out: none of their chunks is waited for again
 
@@ -246,7 +258,8 @@ def fetch_state(
             donor = holder(c)
             server.expect(request, c, donor, (length,), "fp32")
             try:
-                transport.send(donor, "state_request", torch.tensor([k, lo, length]), step=request, micro=c, epoch=epoch)
+                transport.send(donor, "state_request", torch.tensor([STATE_TENSORS.index(k), lo, length]), step=request,
+                               micro=c, epoch=epoch)
             except PeerUnreachable as error:
                 log.info("%s: state request to %s failed: %s", server.device_id, donor, error)
 
@@ -278,32 +291,37 @@ def fetch_state(
         server.forget(request)
     size = end - start
     with sync.lock:
-        offset = [0] * len(tensors)
+        offset = dict.fromkeys(tensors, 0)
         for (k, lo, length, _), part in zip(chunks, parts):
             if part is None:
                 with own.sync.lock:
-                    part = own.sync.state_tensors()[k][lo - own.start : lo - own.start + length]
+                    part = own.sync.named_state()[k][lo - own.start : lo - own.start + length]
                     tensors[k][lo - start : lo - start + length].copy_(part.to(tensors[k].device))
             else:
                 tensors[k][lo - start : lo - start + length].copy_(part.to(tensors[k].device))
             offset[k] += length
-        assert all(o == size for o in offset), "the chunks cover the range exactly once"
-        sync.state.step = max(adam_step for adam_step, _, _, _ in held.values())
-    step = max(s for _, _, _, s in held.values())
+        arrived = {name for name, o in offset.items() if o == size}
+        assert arrived >= NEEDED and all(o in (0, size) for o in offset.values()), "the chunks cover each tensor once or not at all"
+        for name in set(tensors) - arrived:
+            if name != "anchor" and name != "outer_momentum":  # those `arrived` restarts
+                tensors[name].zero_()
+        sync.arrived(arrived)
+        sync.state.step = max(adam_step for adam_step, *_ in held.values())
+    step = max(s for _, _, _, s, _ in held.values())
     kept = sum(length for _, _, length, holders in chunks if holders == (me,)) * 4
-    return Download(step, len(chunks), tuple(d for d in donors if d in served), size * len(tensors) * 4 - kept,
+    return Download(step, len(chunks), tuple(d for d in donors if d in served), size * len(arrived) * 4 - kept,
                     time.perf_counter() - started, kept)
 
 
-def _missing(chunk: tuple[int, int, int, tuple[str, ...]]) -> str:
+def _missing(chunk: tuple[str, int, int, tuple[str, ...]]) -> str:
     k, lo, length, holders = chunk
     return f"no donor ({', '.join(holders)}) sent state tensor {k} [{lo}, {lo + length})"
 
 
 def _describe(
-    server: StateServer, request: int, donors: tuple[str, ...], start: int, end: int, tensors: int, timeout_s: float
-) -> dict[str, tuple[int, int, int, int]]:
-    """Donor -> (Adam step, start, end, step) for the donors that hold part of [start, end)."""
+    server: StateServer, request: int, donors: tuple[str, ...], start: int, end: int, timeout_s: float
+) -> dict[str, tuple[int, int, int, int, int]]:
+    """Donor -> (Adam step, start, end, step, held mask) for the donors that hold part of [start, end)."""
     transport = server.transport
     base = 2**31  # descriptions travel as chunk numbers past any real chunk's, one per donor
     for i, donor in enumerate(donors):
@@ -312,20 +330,21 @@ def _describe(
             transport.send(donor, "state_request", torch.tensor([DESCRIBE, start, end - start]), step=request, micro=base + i)
         except PeerUnreachable as error:
             log.info("%s: %s cannot be asked for state: %s", server.device_id, donor, error)
-    held: dict[str, tuple[int, int, int, int]] = {}
+    held: dict[str, tuple[int, int, int, int, int]] = {}
     until = time.monotonic() + timeout_s  # one deadline for all: dead donors do not add up
     for i, donor in enumerate(donors):
         try:
             answer = transport.recv("state", donor, request, base + i, max(0.0, until - time.monotonic()))
         except TransportTimeout:
             continue
-        adam_step, lo, hi, step, count = (int(v) for v in answer)
+        adam_step, lo, hi, step, mask = (int(v) for v in answer)
         if not held:
             until = time.monotonic() + OTHERS_WAIT_S
-        if hi > lo and count == tensors and adam_step >= 0 and step >= 0:
-            held[donor] = (adam_step, lo, hi, step)
+        if hi > lo and adam_step >= 0 and step >= 0 and NEEDED <= held_names(mask):
+            held[donor] = (adam_step, lo, hi, step, mask)
         elif hi > lo:
-            log.info("%s: %s holds %d state tensors, this peer %d; not asked", server.device_id, donor, count, tensors)
+            log.info("%s: %s holds state tensors %s, not the %s a joiner needs; not asked", server.device_id, donor,
+                     ", ".join(sorted(held_names(mask))) or "none", ", ".join(sorted(NEEDED)))
     if not held:
         raise StateDownloadError(
             f"{server.device_id}: no donor ({', '.join(donors)}) described its state of parameters [{start}, {end}) "
@@ -335,19 +354,27 @@ def _describe(
 
 
 def _chunks(
-    device: str, held: dict[str, tuple[int, int, int, int]], start: int, end: int, tensors: int, chunk_elems: int
-) -> list[tuple[int, int, int, tuple[str, ...]]]:
-    """(tensor, start, length, holders) pieces of at most `chunk_elems`, cut where holders change; a
-    piece `device` itself holds (a stage it held before) has it as its only holder."""
-    cuts = sorted({start, end} | {b for _, lo, hi, _ in held.values() for b in (lo, hi) if start < b < end})
-    pieces = []
-    for lo, hi in zip(cuts, cuts[1:]):
-        holders = tuple(d for d, (_, a, b, _) in held.items() if a <= lo and hi <= b)
-        if device in holders:
-            holders = (device,)
-        if not holders:
-            raise StateDownloadError(f"{device}: no donor holds parameters [{lo}, {hi}) (donors hold "
-                                     + ", ".join(f"{d} [{a}, {b})" for d, (_, a, b, _) in held.items()) + ")")
-        for at in range(lo, hi, min(chunk_elems, MAX_CHUNK_ELEMS)):
-            pieces.append((at, min(hi, at + min(chunk_elems, MAX_CHUNK_ELEMS)) - at, holders))
-    return [(k, at, length, holders) for k in range(tensors) for at, length, holders in pieces]
+    device: str, held: dict[str, tuple[int, int, int, int, int]], start: int, end: int, names: tuple[str, ...],
+    chunk_elems: int,
+) -> list[tuple[str, int, int, tuple[str, ...]]]:
+    """(tensor name, start, length, holders) pieces of at most `chunk_elems`, cut where holders change; a
+    piece `device` itself holds (a stage it held before) has it as its only holder. A tensor outside `NEEDED`
+    that some piece has no holder of is left out whole (it starts afresh)."""
+    cuts = sorted({start, end} | {b for _, lo, hi, _, _ in held.values() for b in (lo, hi) if start < b < end})
+    step = min(chunk_elems, MAX_CHUNK_ELEMS)
+    chunks = []
+    for name in names:
+        pieces = []
+        for lo, hi in zip(cuts, cuts[1:]):
+            holders = tuple(d for d, (_, a, b, _, mask) in held.items() if a <= lo and hi <= b and name in held_names(mask))
+            if device in holders:
+                holders = (device,)
+            if not holders and name in NEEDED:
+                raise StateDownloadError(f"{device}: no donor holds parameters [{lo}, {hi}) (donors hold "
+                                         + ", ".join(f"{d} [{a}, {b})" for d, (_, a, b, _, _) in held.items()) + ")")
+            if not holders:
+                break
+            pieces += [(name, at, min(hi, at + step) - at, holders) for at in range(lo, hi, step)]
+        else:
+            chunks += pieces
+    return chunks

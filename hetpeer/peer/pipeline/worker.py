@@ -305,16 +305,18 @@ class StageWorker:
 
     # -- checkpoints ------------------------------------------------------------------------------
     def save(self, folder: Path) -> Path:
-        """Write this stage (weights, Adam moments, the step to train next) to folder/DEVICE.safetensors, atomically."""
+        """Write this stage (weights, optimizer tensors, the step to train next) to folder/DEVICE.safetensors, atomically."""
         with self.sync.lock:
-            return save_stage(folder / f"{self.device_id}.safetensors", self.model, self.sync.state.tensors(), spec=self.spec,
+            optimizer = {name: t for name, t in self.sync.named_state().items() if name != "params"}
+            return save_stage(folder / f"{self.device_id}.safetensors", self.model, optimizer, spec=self.spec,
                               layers=self.layers, step=self.step, epoch=self.plan.epoch, adam_step=self.sync.state.step)
 
     def restore(self, path: Path) -> StageCheckpoint:
         """Take this stage's weights, moments and step from a checkpoint of exactly this stage of this model."""
         checkpoint = StageCheckpoint.read(path)
         with self.sync.lock:
-            load_stage(checkpoint, self.model, self.sync.state.tensors(), self.spec, self.layers)
+            optimizer = {name: t for name, t in self.sync.named_state().items() if name != "params"}
+            self.sync.arrived(load_stage(checkpoint, self.model, optimizer, self.spec, self.layers))
             self.sync.state.step = checkpoint.adam_step
         self.step = self.sync.step = checkpoint.step
         self.sync.sent = None

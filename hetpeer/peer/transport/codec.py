@@ -168,18 +168,33 @@ def decode(header: FrameHeader, payload: memoryview | bytearray, check: PayloadC
             return torch.empty(header.shape, dtype=dtype)
         except RuntimeError as error:  # a 0 beside dimensions whose strides overflow int64
             raise FrameError(f"empty tensor of shape {list(header.shape)} cannot be built: {error}") from None
-    raw = torch.frombuffer(payload, dtype=torch.uint8)
-    if header.codec == "raw":
-        return raw.view(dtype).reshape(header.shape)
-    if header.codec in ("fp16", "bf16"):
-        tensor = raw.view(TORCH_DTYPES[header.codec]).reshape(header.shape).to(dtype)
-        if (header.codec, header.dtype) == ("bf16", "fp16"):  # bf16 reaches 3.4e38, fp16 only 65504
-            _check_range(tensor, header)
+    tensor = _rebuild(torch.frombuffer(payload, dtype=torch.uint8), header.codec, dtype, header.numel, header.shape)
+    if header.codec in BLOCKED_CODECS or (header.codec, header.dtype) == ("bf16", "fp16"):
+        # finite scales times up to 127 (or 8) can still overflow, in float32 or in dtype; bf16 reaches 3.4e38, fp16 65504
+        _check_range(tensor, header)
+    return tensor
+
+
+def as_received(tensor: torch.Tensor, codec: str) -> torch.Tensor:
+    """The values a receiver rebuilds from `tensor` sent in `codec`: a sender that keeps these where every
+    receiver keeps what it received holds the same bits as they do."""
+    codec = wire_codec(tensor, codec)
+    if codec == "raw":
         return tensor
-    blocks = -(-header.numel // BLOCK)
+    _, payload = encode(tensor, codec)
+    rebuilt = _rebuild(torch.frombuffer(payload, dtype=torch.uint8), codec, tensor.dtype, tensor.numel(), tuple(tensor.shape))
+    return rebuilt.to(tensor.device)
+
+
+def _rebuild(raw: torch.Tensor, codec: str, dtype: torch.dtype, numel: int, shape: tuple[int, ...]) -> torch.Tensor:
+    if codec == "raw":
+        return raw.view(dtype).reshape(shape)
+    if codec in ("fp16", "bf16"):
+        return raw.view(TORCH_DTYPES[codec]).reshape(shape).to(dtype)
+    blocks = -(-numel // BLOCK)
     scales = raw[: blocks * 4].view(torch.float32)
-    if header.codec == "int8":
-        values = torch.nn.functional.pad(raw[blocks * 4 :].view(torch.int8).float(), (0, -header.numel % BLOCK))
+    if codec == "int8":
+        values = torch.nn.functional.pad(raw[blocks * 4 :].view(torch.int8).float(), (0, -numel % BLOCK))
         tiles = values.view(blocks, BLOCK) * scales[:, None]
     else:
         packed = raw[blocks * 4 :].view(blocks, BLOCK // 2)
@@ -188,9 +203,7 @@ def decode(header: FrameHeader, payload: memoryview | bytearray, check: PayloadC
         rotated = scales < 0
         if bool(rotated.any()):
             tiles[rotated] = tiles[rotated] @ _hadamard(tiles.device)
-    tensor = tiles.reshape(-1)[: header.numel].reshape(header.shape).to(dtype)
-    _check_range(tensor, header)  # finite scales times up to 127 (or 8) can still overflow, in float32 or in dtype
-    return tensor
+    return tiles.reshape(-1)[:numel].reshape(shape).to(dtype)
 
 
 def _check_range(tensor: torch.Tensor, header: FrameHeader) -> None:

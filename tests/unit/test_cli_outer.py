@@ -1,0 +1,54 @@
+"""`--outer-every` as `plan`, `coordinator` and `swarm` take it (auto or a number of steps), what `swarm` hands
+its coordinator, and the outer optimizer's settings on the peers' commands; anything else is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetpeer.cli import build_parser, main
+from hetpeer.cli.common import outer_every_choice, outer_every_text
+
+COMMANDS = [["plan", "--scenario", "regional"], ["coordinator", "--swarm", "s"], ["swarm"]]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_outer_steps_are_off_unless_asked_and_auto_or_a_number_when_asked(command):
+    parser = build_parser()
+    assert parser.parse_args(command).outer_every is None
+    assert parser.parse_args([*command, "--outer-every", "auto"]).outer_every == 0
+    assert parser.parse_args([*command, "--outer-every", "50"]).outer_every == 50
+
+
+@pytest.mark.parametrize("value", ["auto", "1", "50", "10000"])
+def test_a_choice_written_back_reads_as_the_same_choice(value):
+    assert outer_every_text(outer_every_choice(value)) == value
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "10001", "50.5", "Auto", ""])
+def test_a_number_of_steps_out_of_range_is_refused_naming_the_range(value, capsys):
+    with pytest.raises(SystemExit) as exit:
+        build_parser().parse_args(["coordinator", "--swarm", "s", "--outer-every", value])
+    assert exit.value.code == 2
+    assert "--outer-every" in (error := capsys.readouterr().err) and "1 to 10000" in error and repr(value) in error
+
+
+def test_the_coordinator_takes_sync_outer_and_a_warm_start():
+    args = build_parser().parse_args(["coordinator", "--swarm", "s", "--sync", "outer", "--outer-warmup", "0"])
+    assert (args.sync, args.outer_warmup) == ("outer", 0)
+    assert build_parser().parse_args(["coordinator", "--swarm", "s"]).outer_warmup == 100
+
+
+def test_plan_refuses_outer_steps_with_the_cost_model_that_cannot_count_them(capsys):
+    assert main(["plan", "--scenario", "regional", "--cost-model", "dtfm", "--outer-every", "10"]) == 2
+    assert "--outer-every and --sync outer apply to --cost-model time only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["launch"], ["join", "--swarm", "s"]])
+@pytest.mark.parametrize("option, value", [("--outer-momentum", "1.0"), ("--outer-momentum", "nan"), ("--outer-lr", "-1"),
+                                           ("--outer-lr", "0")])
+def test_peers_refuse_outer_settings_out_of_range_before_they_start(command, option, value, capsys):
+    with pytest.raises(SystemExit) as exit:
+        build_parser().parse_args([*command, option, value])
+    assert exit.value.code == 2
+    assert option in (error := capsys.readouterr().err) and repr(value) in error
+    assert build_parser().parse_args([*command, "--outer-lr", "0.5", "--outer-momentum", "0"]).outer_momentum == 0.0
