@@ -12,11 +12,11 @@ def format_plan(plan: Plan, baselines: dict[str, float | None], random_samples: 
         + (f", {len(plan.standby)} on standby" if plan.standby else "")
         + f"; {plan.micro_batches} micro-batches of {plan.micro_batch} per lane per step",
         "",
-        "stage  layers    sync         devices (one per lane, in lane order)",
+        "stage  layers    sync            devices (one per lane, in lane order)",
     ]
     for stage in plan.stages:
         span = f"{stage.layer_start}-{stage.layer_end - 1}"
-        lines.append(f"{stage.index:<6} {span:<9} {stage.sync_words:<12} {' '.join(stage.devices)}")
+        lines.append(f"{stage.index:<6} {span:<9} {stage.sync_words:<15} {' '.join(stage.devices)}")
     hops = [stage for stage in plan.stages if stage.hop_codecs]
     if hops:
         lines += ["", "between stages (activations forward / their gradients back):"]
