@@ -25,11 +25,12 @@ from typing import Mapping
 
 import torch
 
+from hetpeer.peer.gossip.group import NEEDED, STATE_TENSORS
 from hetpeer.protocol.modelspec import ModelSpec
 
 FORMAT = "hetpeer-stage-1"
-OPTIMIZER = ("m", "v", "window", "anchor", "outer_momentum")
-OPTIONAL = ("window", "anchor", "outer_momentum")  # a checkpoint without them still restores: they start afresh
+OPTIMIZER = STATE_TENSORS[1:]  # a stage's state tensors but its parameters, which go under the model's own names
+OPTIONAL = tuple(name for name in OPTIMIZER if name not in NEEDED)  # a checkpoint without them still restores: they start afresh
 _BLOCK_RE = re.compile(r"^(?:blocks|transformer\.h|model\.layers)\.(\d+)\.")
 _FIRST = ("tokens.", "positions.", "transformer.wte.", "transformer.wpe.", "model.embed_tokens.")
 

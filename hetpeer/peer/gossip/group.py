@@ -62,6 +62,7 @@ AHEAD_STEPS = 4
 # What a stage's state tensors are, by the number a state request names them with (`state.py`): a peer holds
 # the window only under AccumAdam, the anchor and outer momentum only in an outer-step group.
 STATE_TENSORS = ("params", "m", "v", "window", "anchor", "outer_momentum")
+NEEDED = frozenset(("params", "m", "v"))  # what a peer cannot start without; the rest it can start afresh
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,7 +43,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from hetpeer.peer.gossip.group import STATE_TENSORS, GroupSync
+from hetpeer.peer.gossip.group import NEEDED, STATE_TENSORS, GroupSync
 from hetpeer.peer.ratelimit import Rate, TokenBuckets, in_bytes, refusal
 from hetpeer.peer.transport.base import Transport
 from hetpeer.peer.transport.inbox import PeerUnreachable, TransportError, TransportTimeout
@@ -55,7 +55,6 @@ DESCRIBE = -1
 MAX_CHUNK_ELEMS = 1 << 24  # 64 MiB of fp32: a donor serves no larger slice in one frame
 HOLDINGS = 2  # the current stage and, while a plan change settles, the one before
 OTHERS_WAIT_S = 0.5  # after the first description, how much longer the other donors get
-NEEDED = frozenset(("params", "m", "v"))  # what a joiner cannot start without; the rest it can start afresh
 
 
 def held_mask(sync: GroupSync) -> int:
