@@ -39,6 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+MAX_PEERS = 64  # the order's slices a step: peer I reads the I-th
+
 
 def say(text: str) -> None:
     from hetpeer import logline
@@ -82,7 +84,9 @@ class Peer:
         """The loss of this peer's batch of local step `step` (lane `--peer`'s), its gradient accumulated."""
         import torch
 
-        batch = self.corpus.batch(args.peer, step, args.local_batch, self.spec.seq_len, seed=args.seed)
+        # the peers step apart, so each reads its own slice of every step's MAX_PEERS slices of the order
+        position = (step * MAX_PEERS + args.peer) * args.local_batch
+        batch = self.corpus.batch(position, args.local_batch, self.spec.seq_len, seed=args.seed)
         tokens, labels = torch.from_numpy(batch.tokens), torch.from_numpy(batch.labels)
         with self.slowdown.of("forward"):
             loss = self.model.loss(self.model(tokens), labels)
@@ -207,7 +211,7 @@ def main() -> int:
     parser.add_argument("--peers-file", type=Path, required=True, help="the bootstrap's addresses (written or read)")
     parser.add_argument("--announce-ip", required=True, help="the address other containers reach this one at")
     parser.add_argument("--port", type=int, default=31340, help="the DHT's TCP port (default 31340)")
-    parser.add_argument("--peer", type=int, default=0, help="this peer's index: its batches are lane I's")
+    parser.add_argument("--peer", type=int, default=0, help=f"this peer's index, below {MAX_PEERS}: its batches are lane I's")
     parser.add_argument("--run-id", default="vs-hetpeer")
     parser.add_argument("--model", default="small")
     parser.add_argument("--target-batch", type=int, default=64, help="sequences per collaborative step (epoch)")

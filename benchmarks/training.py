@@ -76,7 +76,7 @@ class Plain:
         self.step = 0
 
     def train_step(self) -> float:
-        data = self.corpus.batch(0, self.step, self.batch, self.spec.seq_len)
+        data = self.corpus.batch(self.step * self.batch, self.batch, self.spec.seq_len)
         sizes = [self.micro_batch] * (self.batch // self.micro_batch)
         total = torch.zeros((), device=self.device)
         self.optimizer.zero_grad()

@@ -442,7 +442,7 @@ def peer_record(name: str = "gpu0", **changes: Any) -> PeerRecord:
     fields: dict[str, Any] = dict(
         device_id=device_id(name, KEY), model="tiny", dtype="fp16", device_name="NVIDIA H100", tflops=312.5,
         memory_bytes=80 << 30, address=PeerAddress(direct=("10.0.0.7", 7000), p2p=(P2P,)), state="training",
-        time=NOW - 1.5, epoch=3, layers=(4, 8), step=120, loss=2.75, val_loss=2.9, checkpoint=(4, 8, 100),
+        time=NOW - 1.5, epoch=3, layers=(4, 8), step=120, loss=2.75, val_loss=2.9, checkpoint=(4, 8, 100, 1600),
         tokens_per_s=1234.5,
         links={"gpu1-0123456789ab": LinkMeasurement(0.012, 1.25e8), "cpu2-000000000000": LinkMeasurement(0.0, 3.0e6)},
         dht=("/dns4/peer1/tcp/31338/p2p/12D3KooWDhtNode",), achieved_tflops=250.0, software="hetpeer 0.1",

@@ -1,7 +1,7 @@
 """The `hetpeer` command. Thin: builds the parser from the command modules, runs the chosen command, and turns
 user errors into one line on stderr and exit code 2.
 
-`common` is below every command module; a command module (`plan`, `peer`, `swarm`, `testbed`) imports
+`common` is below every command module; a command module (`plan`, `peer`, `swarm`, `data`, `testbed`) imports
 `common` and the rest of hetpeer, never another command module. What runs a command is imported when it runs:
 `hetpeer --version` and `hetpeer plan` never load torch or hivemind (the planner is pure), and building the
 parser loads nothing heavier than numpy."""
@@ -13,7 +13,7 @@ import sys
 from typing import Sequence
 
 from hetpeer import __version__
-from hetpeer.cli import peer, plan, swarm, testbed
+from hetpeer.cli import data, peer, plan, swarm, testbed
 from hetpeer.cli.common import UserError
 from hetpeer.protocol.wire import SchemaError
 
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hetpeer", description="Train foundation models on volunteer GPUs over slow, uneven links.")
     parser.add_argument("--version", action="version", version=f"hetpeer {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for family in (plan, peer, swarm, testbed):  # in the order `hetpeer --help` lists them
+    for family in (plan, peer, swarm, data, testbed):  # in the order `hetpeer --help` lists them
         family.add_commands(commands)
     return parser
 

@@ -161,8 +161,14 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--steps", type=positive_int, metavar="N",
                      help="optimizer steps to run (default 20; with --swarm: until Ctrl+C, else leave at step N)")
     run.add_argument("--data", type=Path, metavar="PATH",
-                     help="what to train on: a folder or file of text, .jsonl (a \"text\" string a line) or .parquet (a \"text\" "
-                     "column) files (default: the Python standard library's sources)")
+                     help="what to train on: a folder prepared by hetpeer data prepare, or a folder or file of text, .jsonl "
+                     "(a \"text\" string a line) or .parquet (a \"text\" column) files (default: the Python standard "
+                     "library's sources); a plan that names a dataset takes it from here when it holds it, else downloads it")
+    run.add_argument("--data-cache", type=Path, metavar="DIR",
+                     help="where shards of the plan's dataset are downloaded to and large local text is prepared "
+                     "(default: ~/.cache/hetpeer/data)")
+    run.add_argument("--data-cache-gb", type=positive_float, default=20.0, metavar="GB",
+                     help="downloaded shards kept at most, least recently used deleted first (default 20)")
     run.add_argument("--tokenizer", type=Path, metavar="PATH",
                      help="a tokenizer.json (tokenizers) to turn text into tokens (default: the --model folder's "
                      "tokenizer.json if it has one, else bytes)")
@@ -212,6 +218,14 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
                        help="send parameters after the gradient instead of during it (to measure what overlap hides)")
 
 
+def data_cache(args: argparse.Namespace):
+    """The `DataCache` of `--data-cache` and `--data-cache-gb`."""
+    from hetpeer.peer.data.source import DataCache
+
+    given = {"folder": args.data_cache} if args.data_cache is not None else {}
+    return DataCache(max_bytes=int(args.data_cache_gb * 2**30), **given)
+
+
 def run_options_argv(args: argparse.Namespace) -> list[str]:
     """The training options (`add_run_options`'s, and the model), as `hetpeer launch` passes them on to each
     `hetpeer join`."""
@@ -224,6 +238,9 @@ def run_options_argv(args: argparse.Namespace) -> list[str]:
         passed += ["--decay-steps", str(args.decay_steps)]
     if args.data is not None:
         passed += ["--data", str(args.data.resolve())]
+    if args.data_cache is not None:
+        passed += ["--data-cache", str(args.data_cache.resolve())]
+    passed += ["--data-cache-gb", repr(args.data_cache_gb)]
     if args.tokenizer is not None:
         passed += ["--tokenizer", str(args.tokenizer.resolve())]
     if args.model is not None:

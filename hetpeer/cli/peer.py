@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from hetpeer.cli.common import (
-    DEFAULT_STEPS, SWARM_DTYPES, UserError, add_link_option, add_model_options, add_run_options, codec_pair, home_dir,
+    DEFAULT_STEPS, SWARM_DTYPES, UserError, add_link_option, add_model_options, add_run_options, codec_pair, data_cache, home_dir,
     log_to_stdout, model_spec, non_negative_int, positive_float, positive_int, read_json, run_options_argv, say, stop_on_sigterm,
 )
 from hetpeer.protocol.addresses import maddr_host
@@ -248,6 +248,7 @@ def run_join(args: argparse.Namespace) -> int:
             listen=_host_port(args.listen) if args.listen else None,
             identity_path=args.identity,
             data=str(args.data) if args.data else None,
+            data_cache=data_cache(args),
             tokenizer=tokenizer,
             threads=args.threads,
             rejoin=args.rejoin,
@@ -298,7 +299,8 @@ def run_swarm_join(args: argparse.Namespace) -> int:
             listen=_host_port(args.listen) if args.listen else (("127.0.0.1", 0) if here else ("0.0.0.0", TENSOR_PORT)),
             announce_host=args.announce_host, reach=_host_port(args.reach, "--reach") if args.reach else None,
             dht_maddrs=(args.dht_listen or ("/ip4/127.0.0.1/tcp/0" if here else f"/ip4/0.0.0.0/tcp/{DHT_PORT}"),), dht_announce=tuple(args.dht_announce), heartbeat_s=args.heartbeat, probe_targets=args.probe_targets, steps=args.steps,
-            data=str(args.data) if args.data else None, tokenizer=_tokenizer_path(args, model), threads=args.threads,
+            data=str(args.data) if args.data else None, data_cache=data_cache(args), tokenizer=_tokenizer_path(args, model),
+            threads=args.threads,
             emulation=_emulation(args), save=args.save, save_every=args.save_every, token=args.token,
             clock_skew_s=args.emulate_clock_skew,
         )

@@ -48,6 +48,12 @@ def add_commands(commands) -> None:
     coordinator.add_argument("--http", metavar="[HOST:]PORT",
                              help="serve the web dashboard (plan, charts, events, peers; JSON under /api/) and Prometheus "
                              "/metrics here (host default 127.0.0.1; port 0: a free one; default: no dashboard)")
+    coordinator.add_argument("--data", type=Path, metavar="DIR",
+                             help="a corpus prepared by hetpeer data prepare: plans name it, first-stage peers fetch the "
+                             "shards they read next and the swarm reads it in one order without replacement (docs/data.md); "
+                             "served under /data/ on --http unless --data-url says where it is")
+    coordinator.add_argument("--data-url", metavar="URL",
+                             help="where --data's folder is also served over HTTP(S) (its manifest.json at URL/manifest.json)")
     coordinator.add_argument("--tls-cert", type=Path, metavar="FILE",
                              help="serve the API (and the dashboard) over TLS with this PEM certificate (give --tls-key with it)")
     coordinator.add_argument("--tls-key", type=Path, metavar="FILE", help="the --tls-cert certificate's PEM private key, unencrypted")
@@ -144,7 +150,11 @@ def add_commands(commands) -> None:
     swarm.add_argument("--replan-interval", type=positive_float, default=30.0, metavar="SECONDS", help="coordinator re-solve interval (default 30)")
     swarm.add_argument("--lr", type=positive_float, default=3e-3, metavar="LR", help="learning rate (default 3e-3)")
     swarm.add_argument("--seed", type=non_negative_int, default=0, metavar="N", help="seed (default 0)")
-    swarm.add_argument("--data", type=Path, metavar="PATH", help="text to train on (default: the Python standard library's sources)")
+    swarm.add_argument("--data", type=Path, metavar="PATH",
+                       help="text to train on (default: the Python standard library's sources), or a folder prepared by "
+                       "hetpeer data prepare: then the coordinator serves it and the peers, which start without it, "
+                       "download the shards their lanes read (docs/data.md)")
+    swarm.add_argument("--batch", type=positive_int, default=16, metavar="N", help="global batch in sequences (default 16)")
     swarm.add_argument("--save", type=Path, metavar="DIR",
                        help="peers save their stage checkpoints to DIR when they leave; run again with the same --out and "
                        "--save to resume the swarm from them")
@@ -185,7 +195,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
             time_budget_s=args.time_budget, stages=args.stages, group_size=args.group_size, compress=args.compress,
             sync=args.sync, outer_every=args.outer_every, outer_warmup=args.outer_warmup, seed=args.seed,
             steps=args.steps, join_file=args.join_file, reach_port=args.reach_port, eval_every=args.eval_every, eval_batch=args.eval_batch,
-            **_admission(args.admission), ban_period_s=args.ban_period,
+            **_admission(args.admission), ban_period_s=args.ban_period, **_dataset(args),
         )
         coordinator = Coordinator(config, say)  # checks the swarm name
     except ValueError as error:
@@ -248,6 +258,28 @@ def _reach_port(text: str) -> int | None:
     if not (text.isascii() and text.isdigit()) or int(text) > 65535:
         raise argparse.ArgumentTypeError(f"must be a port (0 for any free one) or 'off', got {text!r}")
     return int(text)
+
+
+def _dataset(args: argparse.Namespace) -> dict:
+    """CoordinatorConfig's dataset and data folder from --data and --data-url."""
+    from hetpeer.protocol.dataset import ManifestError, read_folder
+    from hetpeer.protocol.plan import Dataset
+    from hetpeer.protocol.wire import SchemaError
+
+    if args.data is None:
+        if args.data_url is not None:
+            raise UserError("--data-url says where --data's folder is served: give --data DIR (the prepared folder) too")
+        return {}
+    try:
+        manifest, name = read_folder(args.data)
+        dataset = Dataset(name, args.data_url or "")
+    except (ManifestError, SchemaError) as error:
+        raise UserError(str(error)) from None
+    model = model_spec(args)
+    if manifest.vocab > model.vocab:
+        raise UserError(f"{args.data} holds ids up to {manifest.vocab - 1}, past model {model.name}'s vocabulary of {model.vocab}: "
+                        "prepare it with the model's tokenizer")
+    return {"dataset": dataset, "data_folder": args.data.resolve()}
 
 
 def _http_listen(text: str | None, tls: bool) -> str | None:
@@ -375,7 +407,8 @@ def run_swarm(args: argparse.Namespace) -> int:
             out=args.out or Path("."), peers=args.peers, steps=args.steps,
             slowdowns=parse_per_peer(args.slowdowns, args.peers, "--slowdowns"),
             bandwidth_caps=parse_per_peer(args.bandwidth_caps, args.peers, "--bandwidth-caps", none_value="none"),
-            heartbeat_s=args.heartbeat, replan_interval_s=args.replan_interval, lr=args.lr, seed=args.seed, data=args.data,
+            heartbeat_s=args.heartbeat, replan_interval_s=args.replan_interval, lr=args.lr, seed=args.seed,
+            data=args.data.resolve() if args.data else None, batch=args.batch,
             save=args.save.resolve() if args.save else None, coordinator_args=(
                 "--eval-every", str(args.eval_every), "--eval-batch", str(args.eval_batch), "--compress", compress_text(args.compress),
                 "--sync", args.sync, "--outer-warmup", str(args.outer_warmup),

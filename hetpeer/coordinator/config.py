@@ -11,7 +11,7 @@ from pathlib import Path
 from hetpeer.coordinator import gate
 from hetpeer.coordinator.tls import ServerTls
 from hetpeer.protocol.modelspec import PRESETS, ModelSpec
-from hetpeer.protocol.plan import MAX_OUTER_EVERY, SYNC_CHOICES
+from hetpeer.protocol.plan import MAX_OUTER_EVERY, SYNC_CHOICES, Dataset
 from hetpeer.protocol.workload import Workload
 
 
@@ -51,6 +51,10 @@ class CoordinatorConfig:
     admission: str = "open"  # who may be planned: open, allowlist (of `allowlist`) or token (`hetpeer invite`)
     allowlist: Path | None = None  # read again whenever it changes
     ban_period_s: float = 300.0  # the first ban of a peer its group reports; doubles on each repeat; 0: no bans
+    # the prepared corpus plans name (its URL empty: served from `data_folder` on the dashboard's port); None: each
+    # peer's own data
+    dataset: Dataset | None = None
+    data_folder: Path | None = None
 
     def __post_init__(self) -> None:
         self.workload  # a ValueError naming what does not fit
@@ -71,6 +75,8 @@ class CoordinatorConfig:
             raise ValueError(f"outer steps must be 1 to {MAX_OUTER_EVERY} steps apart (0: chosen per group), got {self.outer_every}")
         if self.outer_warmup < 0:
             raise ValueError(f"outer warmup must be a step >= 0, got {self.outer_warmup}")
+        if self.dataset is not None and not self.dataset.url and (self.data_folder is None or self.http_listen is None):
+            raise ValueError("a dataset with no URL is served by the coordinator: give its folder and --http (or --data-url)")
         if self.min_peers < 1 or not 0 <= self.gain < 1:
             raise ValueError(f"min_peers must be >= 1 and gain in [0, 1), got {self.min_peers}, {self.gain}")
 

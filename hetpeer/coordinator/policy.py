@@ -333,11 +333,12 @@ def start_step(
 @dataclass(frozen=True, slots=True)
 class Resumption:
     """A swarm's shape rebuilt from the stage checkpoints its peers announce: stages (start, end, devices in
-    lane order), the step to resume at, and the peers left out."""
+    lane order), the step to resume at, the swarm's data position at that step, and the peers left out."""
 
     stages: tuple[tuple[int, int, tuple[str, ...]], ...]
     step: int
     standby: tuple[str, ...]
+    data_position: int = 0
 
 
 def resume_from_checkpoints(records: Mapping[str, PeerRecord], layers: int) -> Resumption | str:
@@ -347,7 +348,7 @@ def resume_from_checkpoints(records: Mapping[str, PeerRecord], layers: int) -> R
     they hold. A layer no tiling covers is the answer in words, naming it. O(ranges x layers) plus a sort."""
     held = {d: r.checkpoint for d, r in records.items() if r.checkpoint is not None and r.state != "leaving"}
     by_range: dict[tuple[int, int], list[str]] = {}
-    for device, (start, end, step) in sorted(held.items(), key=lambda item: (-item[1][2], item[0])):
+    for device, (start, end, step, _) in sorted(held.items(), key=lambda item: (-item[1][2], item[0])):
         if end <= layers:
             by_range.setdefault((start, end), []).append(device)
     # best[at]: (holders of the thinnest stage, -stages) of the best tiling of [at, layers), and its first range
@@ -377,8 +378,8 @@ def resume_from_checkpoints(records: Mapping[str, PeerRecord], layers: int) -> R
     lanes = min(len(by_range[r]) for r in stages)
     chosen = tuple((start, end, tuple(by_range[(start, end)][:lanes])) for start, end in stages)
     used = {d for _, _, devices in chosen for d in devices}
-    step = max(held[d][2] for d in used)
-    return Resumption(chosen, step, tuple(sorted(d for d in records if d not in used)))
+    step, position = max(held[d][2:] for d in used)
+    return Resumption(chosen, step, tuple(sorted(d for d in records if d not in used)), position)
 
 
 def orphaned_layers(records: Mapping[str, PeerRecord], layers: int) -> list[tuple[int, int]]:

@@ -23,11 +23,13 @@ from hetpeer.coordinator.repair import repair
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.records import PeerRecord
 
+RECENT_PLANS = 8  # plans kept to find the swarm's data position at a new plan's start step
+
 
 class Publisher:
     """Mixed into `service.Coordinator`, whose state it reads and advances: `config`, `planner`, `executor`,
     `control`, `plan` and `plan_time`, `view`, `history`, `considered`, `reached`, `repaired_epoch`,
-    `last_publish`, `_kept` and `_rng`; it says what it does with `report`, `_event` and `_log_once`."""
+    `last_publish`, `_kept`, `_rng`, `recent_plans` and `dataset`; it says what it does with `report`, `_event` and `_log_once`."""
 
     def _solve_and_publish(self, decision: policy.Decision, live: dict[str, PeerRecord], ours: dict[str, PeerRecord]) -> None:
         """Plan over the `live` peers; `ours` (leaving peers included) tells how far the swarm got."""
@@ -149,9 +151,20 @@ class Publisher:
         )
         if config.compress != AUTO:  # codecs the organizer fixed; auto's are the next solve's to choose
             plan = plan.with_codecs(*config.compress)
-        self._publish(plan, f"resumed from the peers' checkpoints at step {found.step}")
+        self._publish(plan, f"resumed from the peers' checkpoints at step {found.step}", data_position=found.data_position)
 
-    def _publish(self, plan: Plan, why: str) -> bool:
+    def _data_position(self, step: int) -> int:
+        """Windows the swarm will have read before `step`: by the latest plan it ran that starts by then (a plan
+        published but superseded before its start step never ran, and one starting later has not yet)."""
+        ran = [p for p in self.recent_plans if p.start_step <= step]
+        return max(ran, key=lambda p: p.epoch).data_position_at(step) if ran else 0
+
+    def _publish(self, plan: Plan, why: str, data_position: int | None = None) -> bool:
+        """Store `plan` in the DHT; a new plan first gets the swarm's data position at its start step (from
+        `data_position`, a resumption's, or the plans before it) and the organizer's dataset."""
+        if plan is not self.plan:
+            position = self._data_position(plan.start_step) if data_position is None else data_position
+            plan = replace(plan, data_position=position, dataset=self.dataset)
         steps = self.config.steps
         if plan is not self.plan and self.plan is not None and steps is not None and plan.start_step >= steps:
             # the swarm ends before it would take effect; its peers leave under the running plan, whose progress
@@ -165,6 +178,7 @@ class Publisher:
         self.last_publish = self.control.now()
         if plan is not self.plan:
             self.plan, self.plan_time = plan, self.last_publish
+            self.recent_plans = [*self.recent_plans[-RECENT_PLANS + 1:], plan]
             self.view = replace(self.view, plan=plan, plan_time=self.last_publish)  # the API shows it now, not a round later
             self.history.plan(plan, self.last_publish, why)
             shape = f"{len(plan.stages)} stage(s) x {plan.group_size} lane(s)"

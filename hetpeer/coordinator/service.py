@@ -16,6 +16,7 @@ import logging
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -27,14 +28,15 @@ from hetpeer.coordinator.config import CoordinatorConfig
 from hetpeer.coordinator.gatekeeper import Gatekeeper
 from hetpeer.coordinator.history import History
 from hetpeer.coordinator.planner import PlannerConfig
-from hetpeer.coordinator.publishing import Publisher
+from hetpeer.coordinator.publishing import RECENT_PLANS, Publisher
 from hetpeer.coordinator.reach import ReachServer
 from hetpeer.coordinator.view import SwarmView, progress
 from hetpeer.coordinator.web import DashboardServer
 from hetpeer.protocol.addresses import maddr_host
 from hetpeer.protocol.control import ControlPlane, key_digest
 from hetpeer.protocol.join import JoinInfo
-from hetpeer.protocol.plan import Plan
+from hetpeer.protocol.dataset import MANIFEST, Manifest, served_files
+from hetpeer.protocol.plan import Dataset, Plan
 from hetpeer.protocol.records import TTL_HEARTBEATS
 
 log = logging.getLogger("hetpeer.coordinator")
@@ -61,6 +63,8 @@ class Coordinator(Gatekeeper, Publisher):
         self.view = SwarmView(config.swarm, "", None, None, {}, 0, 0.0)
         self.plan: Plan | None = None
         self.plan_time: float | None = None
+        self.dataset: Dataset | None = None  # what plans name: the configured dataset, with where it is served
+        self.recent_plans: list[Plan] = []  # the last plans published or found: where the swarm's data position comes from
         self.first_seen: dict[str, float] = {}
         self.considered: set[str] = set()  # newcomers the running plan was kept without (see `policy.decide`)
         self.rechecked_epoch = -1  # the plan whose estimated links were solved again once measured
@@ -92,7 +96,9 @@ class Coordinator(Gatekeeper, Publisher):
             self.api = ApiServer(lambda: self.view, self.config.api_listen, tls=self.config.api_tls)
             self.api.start()
         if self.config.http_listen is not None:
-            self.dashboard = DashboardServer(lambda: self.board, self.config.http_listen, tls=self.config.api_tls).start()
+            self.dashboard = DashboardServer(lambda: self.board, self.config.http_listen, tls=self.config.api_tls,
+                                             data=self._served_data()).start()
+        self.dataset = self._dataset()
         if self.config.reach_port is not None:
             self.reach = ReachServer(maddr_host(self.config.dht_maddrs[0]) or "127.0.0.1", self.config.reach_port,
                                      clock=self.control.now).start()
@@ -106,6 +112,8 @@ class Coordinator(Gatekeeper, Publisher):
             self.report(f"API: {self.api.address} (hetpeer status --api {self.api.address})")
         if self.dashboard is not None:
             self.report(f"dashboard: {self.dashboard.url} (Prometheus: {self.dashboard.url}metrics)")
+        if self.dataset is not None:
+            self.report(f"data: plans name dataset {self.dataset.manifest[:16]}..., which peers fetch from {self.dataset.url}")
         if self.reach is not None:
             self.report(f"reach service: port {self.reach.port} (peers learn there whether others can dial them: docs/nat.md)")
         self.history.event(self.control.now(), "coordinator", "coordinator started")
@@ -221,7 +229,30 @@ class Coordinator(Gatekeeper, Publisher):
                 # its estimated links were solved again once measured, or will be at the next periodic re-solve:
                 # a restart is no news, and re-planning on it moved weights for a few percent (measurements vary)
                 self.rechecked_epoch = mine[0].plan.epoch
+            if self.plan is None or mine[0].plan.epoch > self.plan.epoch:
+                self.recent_plans = [*self.recent_plans[-RECENT_PLANS + 1:], mine[0].plan]
             self.plan, self.plan_time = mine[0].plan, mine[0].time
+
+    def _served_data(self) -> tuple[Path, frozenset[str]] | None:
+        """The prepared folder the dashboard serves, with the files of it peers may fetch."""
+        folder = self.config.data_folder
+        if folder is None:
+            return None
+        manifest = Manifest.from_bytes((folder / MANIFEST).read_bytes(), str(folder / MANIFEST))
+        return folder, served_files(manifest)
+
+    def _dataset(self) -> Dataset | None:
+        """The configured dataset; with no URL of its own, at the dashboard's: its host, or where peers dial the DHT
+        when the dashboard listens on every address."""
+        dataset = self.config.dataset
+        if dataset is None or dataset.url:
+            return dataset
+        host = self.config.http_listen.rpartition(":")[0].strip("[]")
+        if host in ("", "0.0.0.0", "::"):
+            announced = map(maddr_host, self.config.dht_announce or self.config.dht_maddrs)
+            host = next((h for h in announced if h and h not in ("0.0.0.0", "::")), "127.0.0.1")
+        host = f"[{host}]" if ":" in host else host
+        return replace(dataset, url=f"{'https' if self.config.api_tls else 'http'}://{host}:{self.dashboard.port}/data/")
 
     def _log_once(self, key: str, line: str, kind: str | None = None) -> None:
         """Say `line` the first time it comes up for `key`; an event of `kind` on the dashboard too, when given."""

@@ -7,6 +7,7 @@ Routes (GET or HEAD only):
   /api/progress, /api/plan, /api/peers, /api/history   its parts
   /api/stream       server-sent events: `{"version": N}` each time the coordinator has a new round
   /metrics          Prometheus text format (`board.SwarmCollector`)
+  /data/FILE        with `data`: the prepared corpus the plans name (its manifest, tokenizer and shards; no other file)
 
 `DashboardServer` serves whatever `get_board()` returns (the coordinator's latest round); it keeps only
 the last document it encoded. It is read-only, binds 127.0.0.1 unless told otherwise, serves TLS with
@@ -24,6 +25,8 @@ import http.server
 import json
 import logging
 import math
+import os
+import shutil
 import socket
 import ssl
 import sys
@@ -51,6 +54,7 @@ log = logging.getLogger("hetpeer.coordinator")
 STREAM_POLL_S = 0.5
 STREAM_KEEPALIVE_S = 15.0
 GZIP_AT_LEAST = 1024
+DATA_CHUNK_BYTES = 1 << 20
 HANDSHAKE_S = 10.0
 MAX_CONNECTIONS = 64
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -98,8 +102,9 @@ def _script_text(raw: bytes) -> str:
 
 class DashboardServer:
     def __init__(self, get_board: Callable[[], boards.Board | None], listen: str = "127.0.0.1:0",
-                 tls: ServerTls | None = None, max_streams: int = 16) -> None:
+                 tls: ServerTls | None = None, max_streams: int = 16, data: tuple[Path, frozenset[str]] | None = None) -> None:
         self.get_board = get_board
+        self.data = data  # a prepared folder and the files of it that may be served
         self.listen = listen
         self.tls = tls
         self.max_streams = max_streams
@@ -279,6 +284,8 @@ def _handler(server: DashboardServer) -> type[http.server.BaseHTTPRequestHandler
                 self._send(200, _asset_pair(name), ASSETS[name], head, cache=True)
             elif path == "/metrics":
                 self._send(200, server.metrics(), CONTENT_TYPE_LATEST, head)
+            elif path.startswith("/data/") and server.data is not None and path[len("/data/"):] in server.data[1]:
+                self._send_file(server.data[0] / path[len("/data/"):], head)
             elif path == "/api/stream":
                 self._stream(head)
             elif path == "/api/state" or (path.startswith("/api/") and path[len("/api/"):] in PARTS):
@@ -325,6 +332,23 @@ def _handler(server: DashboardServer) -> type[http.server.BaseHTTPRequestHandler
             self.end_headers()
             if not head:
                 self.wfile.write(body)
+
+        def _send_file(self, file: Path, head: bool) -> None:
+            """A file of the prepared folder, streamed (shards are tens of megabytes)."""
+            try:
+                handle = file.open("rb")
+            except OSError:
+                self._error(404, f"the coordinator's data folder lacks {file.name}")
+                return
+            with handle:
+                size = os.fstat(handle.fileno()).st_size
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json" if file.suffix == ".json" else "application/octet-stream")
+                self.send_header("Content-Length", str(size))
+                self.send_header("Cache-Control", "max-age=3600")
+                self.end_headers()
+                if not head:
+                    shutil.copyfileobj(handle, self.wfile, DATA_CHUNK_BYTES)
 
         def _stream(self, head: bool) -> None:
             with server._lock:

@@ -65,7 +65,7 @@ class Announcing:
             step=status.step,
             loss=status.loss,
             val_loss=status.val_loss,
-            checkpoint=(*checkpoint.layers, checkpoint.step) if (checkpoint := self.checkpoint) is not None else None,
+            checkpoint=(*checkpoint.layers, checkpoint.step, checkpoint.data_position) if (checkpoint := self.checkpoint) is not None else None,
             tokens_per_s=status.tokens_per_s,
             achieved_tflops=status.achieved_tflops,
             links=links,

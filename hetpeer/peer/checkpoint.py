@@ -47,6 +47,7 @@ class StageCheckpoint:
     step: int  # the next step to train: the checkpoint holds the weights after step - 1
     epoch: int
     adam_step: int
+    data_position: int = 0  # windows the swarm had read before `step` (peer/data/order.py); 0 in older checkpoints
 
     @classmethod
     def read(cls, path: str | Path) -> "StageCheckpoint":
@@ -67,7 +68,7 @@ class StageCheckpoint:
             raw = json.loads(meta["spec"])
             spec = ModelSpec(**{f.name: _tupled(raw[f.name]) for f in fields(ModelSpec)})
             return cls(path, spec, (int(meta["layer_start"]), int(meta["layer_end"])), int(meta["step"]),
-                       int(meta["epoch"]), int(meta["adam_step"]))
+                       int(meta["epoch"]), int(meta["adam_step"]), int(meta.get("data_position", 0)))
         except (KeyError, ValueError, TypeError) as error:
             raise CheckpointError(f"{path}: unreadable checkpoint metadata ({error})") from None
 
@@ -83,7 +84,7 @@ def _tupled(value):
 
 
 def save_stage(path: str | Path, model: torch.nn.Module, optimizer: Mapping[str, torch.Tensor], *, spec: ModelSpec,
-               layers: tuple[int, int], step: int, epoch: int, adam_step: int) -> Path:
+               layers: tuple[int, int], step: int, epoch: int, adam_step: int, data_position: int = 0) -> Path:
     """Write a stage checkpoint atomically, `optimizer` by its `OPTIMIZER` names; returns its path."""
     from safetensors.torch import save_file
 
@@ -95,7 +96,8 @@ def save_stage(path: str | Path, model: torch.nn.Module, optimizer: Mapping[str,
             raise ValueError(f"optimizer tensor {name!r} is not one a checkpoint holds ({', '.join(OPTIMIZER)})")
         tensors[f"optimizer.{name}"] = tensor.detach().to("cpu", torch.float32).contiguous()
     meta = {"format": FORMAT, "model": spec.name, "spec": json.dumps(asdict(spec)), "layer_start": str(layers[0]),
-            "layer_end": str(layers[1]), "step": str(step), "epoch": str(epoch), "adam_step": str(adam_step)}
+            "layer_end": str(layers[1]), "step": str(step), "epoch": str(epoch), "adam_step": str(adam_step),
+            "data_position": str(data_position)}
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         save_file(tensors, str(temporary), metadata=meta)

@@ -33,6 +33,9 @@ import torch
 from hetpeer.peer.announcing import Announcing, Status, stage_flops
 from hetpeer.peer.checkpoint import StageCheckpoint
 from hetpeer.peer.data.corpus import Corpus
+from hetpeer.peer.data.shards import ShardedCorpus
+from hetpeer.peer.data.sharing import ShardServer
+from hetpeer.peer.data.source import DataCache
 from hetpeer.peer.following import Following, not_arrived
 from hetpeer.peer.gossip.state import StateServer
 from hetpeer.peer.handover import Handover
@@ -51,7 +54,7 @@ from hetpeer.peer.transport.relay import Relay, RelayLink
 from hetpeer.protocol.addresses import AddressBook
 from hetpeer.protocol.control import ControlPlane
 from hetpeer.protocol.identity import device_id
-from hetpeer.protocol.plan import Plan
+from hetpeer.protocol.plan import Dataset, Plan
 from hetpeer.protocol.records import TTL_HEARTBEATS, PeerRecord
 from hetpeer.protocol.modelspec import PRESETS, ModelSpec
 
@@ -81,6 +84,7 @@ class SwarmPeerConfig:
     steps: int | None = None  # leave once the swarm's step count reaches this
     data: str | None = None
     tokenizer: str | None = None  # tokenizer.json (or a folder with one); default: bytes
+    data_cache: DataCache = DataCache()  # where shards a plan's dataset needs are downloaded to, and how much
     threads: int | None = None
     emulation: Emulation = Emulation()  # slow or far links emulated on a fast network (tests, demos, testbeds)
     probe_s: float = 1.0  # seconds of the compute probe
@@ -126,7 +130,8 @@ class SwarmPeer(Following, Handover, Announcing, Probing, Reaching):
         self.stopping = threading.Event()
         self.plan_hint = threading.Event()  # a neighbour sent frames of a plan this peer has not read
         self.threads: list[threading.Thread] = []
-        self._corpus: Corpus | None = None
+        self._corpus: Corpus | ShardedCorpus | None = None
+        self._corpus_dataset: Dataset | None = None  # the plan's dataset it was opened for
         self._refused: set[tuple[str, int]] = set()
         self._entering_until: float | None = None  # a peer that entered a plan from outside waits for its neighbours until then
         self.checkpoint: StageCheckpoint | None = None  # its own stage checkpoint, offered until a plan uses it
@@ -157,6 +162,7 @@ class SwarmPeer(Following, Handover, Announcing, Probing, Reaching):
         self.prober = LinkProber(self.transport, self.device_id, max_probe_bytes=config.probe_bytes)
         self.prober.install()
         self.server = StateServer(self.transport, self.device_id, known=lambda d: d in self.transport.book.peers)
+        self.shards = ShardServer(self.transport, self.device_id, known=lambda d: d in self.transport.book.peers)
         self.transport.set_policy(self.accept)
         self.report(
             f"peer {self.device_id} in swarm {config.swarm}: tensors on {self.transport.address().direct[0]}:"
@@ -188,6 +194,8 @@ class SwarmPeer(Following, Handover, Announcing, Probing, Reaching):
             self.transport.inbox.interrupt("leaving")
         for thread in self.threads:
             thread.join(timeout=10 * self.config.heartbeat_s)
+        if self._corpus is not None:
+            self._corpus.close()  # its downloads stop
         self._linger_as_relay()
         self._say_relayed("in all")
         if self.control.dht is not None and self.device_id:

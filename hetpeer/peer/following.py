@@ -18,7 +18,9 @@ from __future__ import annotations
 import time
 from typing import Mapping
 
-from hetpeer.peer.data.corpus import Corpus, open_corpus
+from hetpeer.peer.data.shards import ShardedCorpus
+from hetpeer.peer.data.sharing import from_peers
+from hetpeer.peer.data.source import open_data
 from hetpeer.peer.pipeline.worker import StageWorker
 from hetpeer.peer.transport.inbox import Interrupted, Late
 from hetpeer.protocol.control import key_digest
@@ -28,6 +30,7 @@ from hetpeer.protocol.records import TTL_HEARTBEATS, PeerRecord
 
 RUNNING_KINDS = ("activation", "gradient", "labels", "params", "allreduce", "tied")  # frames that belong to a plan
 FUTURE_EPOCHS = 2  # frames of plans this much newer than the newest this peer has read are kept for it
+SHARD_WAIT_S = 10.0  # for each chunk of a shard asked of a group member, before the next member (or the URL)
 
 
 def switch_now(running: Plan | None, new: Plan, step: int) -> bool:
@@ -75,7 +78,8 @@ def fetching(plan: Plan, records: Mapping[str, PeerRecord], device: str) -> bool
 class Following:
     """The part of `SwarmPeer` that follows plans: reads them (control thread), switches to them when due
     (main thread) and routes frames (the transport's policy). It changes the peer's `pending` and `running`
-    plans and its `worker` and `previous` stages; a new stage's state comes from `Handover._fill`."""
+    plans and its `worker` and `previous` stages; a new stage's state comes from `Handover._fill`, a first
+    stage's data from `open_data`, its shards from its group (`shards`) before the plan's URL."""
 
     # -- the frame policy -----------------------------------------------------------------------------
     def accept(self, header: FrameHeader) -> str | None:
@@ -85,6 +89,8 @@ class Following:
             return self.prober.accept(header)
         if header.kind in ("state_request", "state"):
             return self.server.accept(header)
+        if header.kind in ("shard_request", "shard"):
+            return self.shards.accept(header)
         worker = self.worker
         if worker is not None and header.epoch == worker.plan.epoch:
             return worker.accept(header)
@@ -151,7 +157,7 @@ class Following:
         stage, lane = plan.position(self.device_id)
         stage_plan = plan.stages[stage]
         layers = (stage_plan.layer_start, stage_plan.layer_end)
-        corpus = self._corpus_for(stage)
+        corpus = self._corpus_for(stage, plan)
         if self.worker is None:  # entering from outside the plan: the first step waits for the neighbours (`not_arrived`)
             self._entering_until = time.monotonic() + min(self.config.worker.timeout_s, (TTL_HEARTBEATS + 1) * self.config.heartbeat_s)
         worker = StageWorker(plan, self.device_id, self.transport, corpus, self.config.worker, server=self.server)
@@ -172,9 +178,20 @@ class Following:
             f"{layers[0]}-{layers[1] - 1}), lane {lane + 1}/{plan.group_size}, group with {group}; {how}"
         )
 
-    def _corpus_for(self, stage: int) -> Corpus | None:
+    def _corpus_for(self, stage: int, plan: Plan):
+        """The data a first stage reads (None on the others): opened once, and again when a plan names other data."""
         if stage != 0:
             return None
-        if self._corpus is None:
-            self._corpus = open_corpus(self.config.data, self.config.tokenizer, self.spec.vocab, self.spec.seq_len)
+        if self._corpus is None or self._corpus_dataset != plan.dataset:
+            if self._corpus is not None:
+                self._corpus.close()
+            self._corpus = open_data(self.config.data, self.config.tokenizer, self.spec.vocab, self.spec.seq_len,
+                                     dataset=plan.dataset, cache=self.config.data_cache, say=self.report)
+            self._corpus_dataset = plan.dataset
+            store = self._corpus.store if isinstance(self._corpus, ShardedCorpus) else None  # shared with the group
+            if store is not None and store.local is None:
+                group = lambda: [d for d in (self.running or plan).stages[0].devices if d != self.device_id]
+                store.peers = from_peers(self.shards, store, group, min(SHARD_WAIT_S, self.config.worker.timeout_s))
+            self.shards.offer(store)
+            self.report(f"data: {self._corpus.description}")
         return self._corpus

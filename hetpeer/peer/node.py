@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from hetpeer.peer.data.corpus import open_corpus
+from hetpeer.peer.data.source import DataCache, open_data
 from hetpeer.peer.pipeline.schedule import in_flight
 from hetpeer.peer.pipeline.worker import StageWorker, StepResult, WorkerConfig, model_for
 from hetpeer.peer.probe import peak_resident_bytes, resident_bytes
@@ -43,6 +43,7 @@ class PeerSetup:
     identity_path: str | None = None  # P2P private key; its peer id must be the book's
     data: str | None = None  # corpus folder or file; default: the Python standard library's sources
     tokenizer: str | None = None  # tokenizer.json (or a folder with one); default: bytes
+    data_cache: DataCache = DataCache()  # where a plan's dataset is downloaded to
     threads: int | None = None  # torch intra-op threads
     rejoin: bool = False  # download the stage's state from the group first
     save: Path | None = None  # folder to write the stage's checkpoint to (DEVICE.safetensors)
@@ -103,7 +104,8 @@ def run(setup: PeerSetup, report: Callable[[str], None]) -> list[StepResult]:
     corpus = None
     if stage == 0:
         spec = model_for(setup.plan, setup.worker.model)
-        corpus = open_corpus(setup.data, setup.tokenizer, spec.vocab, spec.seq_len)
+        corpus = open_data(setup.data, setup.tokenizer, spec.vocab, spec.seq_len, dataset=setup.plan.dataset,
+                           cache=setup.data_cache, say=report)
         report(f"data: {corpus.description}")
     start_bytes = resident_bytes()
     results = []
@@ -187,7 +189,8 @@ def format_step(result: StepResult, seconds: float, last_step: int) -> str:
         if result.sync.left_out:
             sync += f" without {', '.join(result.sync.left_out)}"
     val = f"  val {result.val_loss:.4f}" if result.val_loss is not None else ""
+    windows = f"windows {result.windows[0]}-{result.windows[1] - 1}  " if result.windows is not None else ""
     return (
-        f"step {result.step + 1}/{last_step}  {loss}  {result.tokens / seconds:,.0f} tok/s  "
+        f"step {result.step + 1}/{last_step}  {loss}  {result.tokens / seconds:,.0f} tok/s  {windows}"
         f"{seconds:.2f} s (compute {result.compute_s:.2f}, wait {result.wait_s:.2f}{sync}){val}"
     )

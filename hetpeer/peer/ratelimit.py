@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from hetpeer.peer.transport.inbox import Late
+from hetpeer.protocol.frame import FrameHeader
 
 EXCESSIVE_BURSTS = 1.0  # past this (a sender that asked over twice what its rate allows), a refusal counts against it
 DEBT_BURSTS = 2.0  # a sender's debt stops here: one that stops asking is served again within (1 + this) bursts' refill
@@ -94,6 +95,20 @@ def refusal(over: float, reason: str) -> str | None:
     if over <= 0:
         return None
     return reason if over > EXCESSIVE_BURSTS else Late(reason)
+
+
+def screen_request(header: FrameHeader, known: Callable[[str], bool], buckets: TokenBuckets, what: str, shape: str
+                   ) -> str | None:
+    """The frame policy for a request of int64 values (`what`, e.g. "state request", of `shape` in words, e.g.
+    "three int64"): from a known peer, of that shape, within its sender's request rate."""
+    if not known(header.sender):
+        return f"{header.sender} is not a known peer of the swarm"
+    count = {"three": 3, "four": 4}[shape.split()[0]]
+    if header.shape != (count,) or header.dtype != "int64":
+        return f"a {what} is {shape}"
+    rate = buckets.rate
+    return refusal(buckets.take(header.sender), f"over {rate.burst:.0f} {what}s at once or {rate.per_s:.3g} a second "
+                                                f"from {header.sender}")
 
 
 def in_bytes(count: float) -> str:

@@ -18,7 +18,10 @@ A plan is what the coordinator publishes and what `hetpeer plan --json` prints. 
      "cost": {"total_s": float, ...},                 # predicted seconds, by component
      "estimated_links": [[device id, device id], ...],  # optional: links it uses that were never measured (estimated)
      "eval_every": int, "eval_batch": int,            # optional: validation every N steps, sequences per lane
-     "outer_after": int}                              # optional: groups with outer steps all-reduce every step before it
+     "outer_after": int,                              # optional: groups with outer steps all-reduce every step before it
+     "data_position": int,                            # optional: training windows the swarm read before start_step
+     "dataset": {"manifest": str, "url": str}}        # optional: the prepared corpus (its manifest's sha256) and
+                                                      #   where its files are served (optional)
 
 `from_wire` checks every invariant a peer relies on, so a plan that parses is a plan a peer can run.
 """
@@ -52,6 +55,7 @@ RECOMPUTE_CHOICES = ("auto", "never", "always")  # activation recomputation: aut
 COST_MODELS = ("dtfm", "time")
 MAX_STANDBY_REASONS = 16  # distinct reasons a plan states; each covers many devices
 MAX_REASON_CHARS = 200
+MAX_URL_CHARS = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +99,32 @@ class StagePlan:
 
 
 @dataclass(frozen=True, slots=True)
+class Dataset:
+    """A prepared corpus as a plan names it: the sha256 of its manifest.json, and the URL its folder is served
+    at (empty: peers find it in their own --data folder)."""
+
+    manifest: str
+    url: str = ""
+
+    def __post_init__(self) -> None:
+        if len(self.manifest) != 64 or any(c not in "0123456789abcdef" for c in self.manifest):
+            raise SchemaError("plan.dataset.manifest", f"must be a sha256 in 64 lowercase hex digits, got {self.manifest!r}")
+        if self.url and (not self.url.startswith(("http://", "https://")) or len(self.url) > MAX_URL_CHARS
+                         or any(c.isspace() for c in self.url)):
+            raise SchemaError("plan.dataset.url", f"must be an http(s) URL of at most {MAX_URL_CHARS} characters, got {self.url[:100]!r}")
+
+    def to_wire(self) -> dict[str, str]:
+        return {"manifest": self.manifest, **({"url": self.url} if self.url else {})}
+
+    @staticmethod
+    def from_wire(raw: Any) -> "Dataset":
+        record = need_mapping(raw, "plan.dataset")
+        no_extra_fields(record, {"manifest", "url"}, "plan.dataset")
+        url = need_str(record["url"], "plan.dataset.url") if "url" in record else ""
+        return Dataset(need_str(field(record, "manifest", "plan.dataset"), "plan.dataset.manifest"), url)
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     cost_model: str
     model: str
@@ -118,6 +148,9 @@ class Plan:
     # groups with outer steps take them only from this swarm step on; before it they all-reduce every step (a
     # warm start: training apart from a fresh model costs far more than from a trained one: docs/gossip.md)
     outer_after: int = 0
+    # the position in the swarm's window order (peer/data/order.py) at start_step: windows read before it
+    data_position: int = 0
+    dataset: Dataset | None = None  # the prepared corpus every first stage reads; None: each peer's own data
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
@@ -170,6 +203,17 @@ class Plan:
     def lane_batch(self) -> int:
         """Sequences each lane processes per step: the batch split over the lanes, rounded up."""
         return -(-self.batch // self.group_size)
+
+    @property
+    def rows_per_step(self) -> int:
+        """Training windows the swarm reads a step: every lane's lane batch."""
+        return self.group_size * self.lane_batch
+
+    def data_position_at(self, step: int) -> int:
+        """The swarm's data position at `step` (>= start_step) of this plan: windows read before that step."""
+        if step < self.start_step:
+            raise ValueError(f"step {step} is before plan epoch {self.epoch}'s start step {self.start_step}")
+        return self.data_position + (step - self.start_step) * self.rows_per_step
 
     @property
     def micro_batch_sizes(self) -> tuple[int, ...]:
@@ -257,6 +301,8 @@ class Plan:
             **({"standby_reasons": [[r, n] for r, n in self.standby_reasons]} if self.standby_reasons else {}),
             **({"eval_every": self.eval_every, "eval_batch": self.eval_batch} if self.eval_every else {}),
             **({"outer_after": self.outer_after} if self.outer_after else {}),
+            **({"data_position": self.data_position} if self.data_position else {}),
+            **({"dataset": self.dataset.to_wire()} if self.dataset is not None else {}),
         }
 
     @staticmethod
@@ -266,7 +312,7 @@ class Plan:
             root,
             {"version", "epoch", "start_step", "cost_model", "model", "layers", "batch", "micro_batch",
              "micro_batches", "dtype", "stages", "lanes", "standby", "cost", "estimated_links", "standby_reasons",
-             "eval_every", "eval_batch", "seq_len", "outer_after"},
+             "eval_every", "eval_batch", "seq_len", "outer_after", "data_position", "dataset"},
             "plan",
         )
         version = need_int(field(root, "version", "plan"), "plan.version")
@@ -327,6 +373,8 @@ class Plan:
             eval_batch=need_int(root.get("eval_batch", 0), "plan.eval_batch", minimum=0),
             seq_len=need_int(root.get("seq_len", 0), "plan.seq_len", minimum=0),
             outer_after=need_int(root.get("outer_after", 0), "plan.outer_after", minimum=0),
+            data_position=need_int(root.get("data_position", 0), "plan.data_position", minimum=0),
+            dataset=Dataset.from_wire(root["dataset"]) if "dataset" in root else None,
             version=version,
         )
         if "lanes" in root:
@@ -371,6 +419,8 @@ def _check(plan: Plan) -> None:
     """Raise SchemaError unless the plan is runnable: contiguous layers, equal groups, no device twice."""
     if plan.cost_model not in COST_MODELS:
         raise SchemaError("plan.cost_model", f"must be one of {', '.join(COST_MODELS)}, got {plan.cost_model!r}")
+    if plan.data_position < 0:
+        raise SchemaError("plan.data_position", f"must be a count of windows >= 0, got {plan.data_position}")
     if plan.dtype not in DTYPE_BYTES:
         raise SchemaError("plan.dtype", f"must be one of {', '.join(DTYPE_BYTES)}, got {plan.dtype!r}")
     if plan.micro_batch > plan.batch:

@@ -36,7 +36,7 @@ from hetpeer.protocol.wire import SchemaError
 # 4: records say which device a peer computes on (an opaque key peers sharing one device share) and its share of it
 # 5: records say whether others can dial the peer (`reachable`); connections carry frames both ways
 # 6: plans name each hop's codecs (forward, backward) and frames may be int4
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 COMPUTE_KEY_RE = re.compile(r"[0-9a-f]{16}\Z")
 OWNER_RE = re.compile(rb"\[owner:(.+)\]\Z", re.DOTALL)  # \Z, not $: $ also matches before a final newline
 STATES = ("probing", "waiting", "fetching", "training", "standby", "leaving")
@@ -163,7 +163,9 @@ class PeerRecord:
     step: int = 0
     loss: float | None = None
     val_loss: float | None = None  # its lane's latest validation loss (last stage), once the plan asked for one
-    checkpoint: tuple[int, int, int] | None = None  # (start, end, step) of the stage checkpoint it can resume from
+    # (start, end, step, data position) of the stage checkpoint it can resume from: its layers, the next step to
+    # train and the windows the swarm had read before that step (peer/data/order.py)
+    checkpoint: tuple[int, int, int, int] | None = None
     tokens_per_s: float = 0.0
     links: Dict[str, LinkMeasurement] = dataclass_field(default_factory=dict)
     achieved_tflops: float | None = None  # what its training steps achieve (FLOPs over compute time), once it trains
@@ -275,10 +277,11 @@ class PeerRecord:
             layers = (parsed.layers[0], parsed.layers[1])
         checkpoint = None
         if parsed.checkpoint is not None:
-            if len(parsed.checkpoint) != 3 or not 0 <= parsed.checkpoint[0] < parsed.checkpoint[1] or parsed.checkpoint[2] < 0:
-                raise SchemaError("peer.checkpoint", f"must be [start, end, step] with 0 <= start < end and step >= 0, "
-                                                     f"got {parsed.checkpoint}")
-            checkpoint = (parsed.checkpoint[0], parsed.checkpoint[1], parsed.checkpoint[2])
+            if (len(parsed.checkpoint) != 4 or not 0 <= parsed.checkpoint[0] < parsed.checkpoint[1]
+                    or min(parsed.checkpoint[2:]) < 0):
+                raise SchemaError("peer.checkpoint", f"must be [start, end, step, data position] with 0 <= start < end, "
+                                                     f"step >= 0 and data position >= 0, got {parsed.checkpoint}")
+            checkpoint = (parsed.checkpoint[0], parsed.checkpoint[1], parsed.checkpoint[2], parsed.checkpoint[3])
         measured = parsed.links
         count = len(measured.peers)
         if count > MAX_LINKS:

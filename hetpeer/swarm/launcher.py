@@ -25,6 +25,8 @@ from typing import Callable
 from hetpeer import logline
 from hetpeer.coordinator.api_client import ApiClient
 from hetpeer.coordinator.api_errors import ApiError
+from hetpeer.peer.launch import free_port
+from hetpeer.protocol.dataset import is_prepared
 from hetpeer.swarm.report import Event, LaneStep, PeerInfo, PlanUse, RunReport, StageUse, lane_step, samples_from_lanes, summarize
 from hetpeer.swarm.watch import StalledError, describe, follow
 
@@ -143,6 +145,8 @@ class Process:
 class LocalSwarm:
     def __init__(self, config: SwarmConfig, echo: Callable[[str], None], api_port: int, http_port: int | None = None) -> None:
         self.config, self.echo, self.api_address = config, echo, f"127.0.0.1:{api_port}"
+        if http_port is None and is_prepared(config.data):
+            http_port = free_port()  # the coordinator serves the prepared corpus there
         self.http_listen = f"127.0.0.1:{http_port}" if http_port is not None else None  # the coordinator's --http
         self.dashboard_url = f"http://{self.http_listen}/" if self.http_listen else None
         self.coordinator: Process | None = None
@@ -177,6 +181,7 @@ class LocalSwarm:
             "--time-budget", repr(c.time_budget_s), "--seed", str(c.seed), "--min-peers", str(min(2, c.peers)),
             "--steps", str(c.steps),
             *(("--http", self.http_listen) if self.http_listen else ()),
+            *(("--data", str(c.data)) if is_prepared(c.data) else ()),  # served to the peers, which start without it
             *c.coordinator_args,
         ]
         alive = [self.peer_maddrs[i] for i, p in enumerate(self.peers) if p.alive and i in self.peer_maddrs]
@@ -213,8 +218,10 @@ class LocalSwarm:
             command += ["--bandwidth-cap", repr(c.cap(i))]
         if c.save is not None:
             command += ["--save", str(c.save)]
-        if c.data is not None:
-            command += ["--data", str(c.data)]
+        if is_prepared(c.data):
+            command += ["--data-cache", str(c.out / f"peer{i}" / "data")]  # its own: it downloads what its lane reads
+        elif c.data is not None:  # text: one peer prepares it when it is too large for memory, the others wait and share
+            command += ["--data", str(c.data), "--data-cache", str(c.out / "data")]
         return command + list(c.peer_args)
 
     def kill_peer(self, i: int) -> None:

@@ -100,7 +100,7 @@ def cli():
 def lane_loss(lane: int, lane_batch: int) -> float:
     """The untrained model's mean loss on a lane's batch of step 0: what that lane's first step reports."""
     model = build_stage(SPEC, 0, SPEC.layers)
-    batch = Corpus.default().batch(lane=lane, step=0, sequences=lane_batch, seq_len=SPEC.seq_len, seed=0)
+    batch = Corpus.default().batch(lane * lane_batch, lane_batch, SPEC.seq_len, seed=0)  # the lane's slice of step 0
     with torch.no_grad():
         return model.loss(model(torch.from_numpy(batch.tokens)), torch.from_numpy(batch.labels)).item()
 
@@ -341,7 +341,7 @@ def test_launch_trains_a_model_folder_across_two_stages(tmp_path, cli, gpt2_fold
     from hetpeer.peer.data.corpus import load_tokenizer  # the folder's tokenizer, taken by default
 
     corpus = Corpus.from_folder(data, tokenizer=load_tokenizer(gpt2_folder / "tokenizer.json"))
-    batch = corpus.batch(lane=0, step=0, sequences=4, seq_len=16, seed=0)
+    batch = corpus.batch(position=0, sequences=4, seq_len=16, seed=0)  # lane 0 of step 0: the first windows
     with torch.no_grad():
         logits = model(torch.from_numpy(batch.tokens)).logits
     expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), torch.from_numpy(batch.labels).flatten()).item()

@@ -36,6 +36,12 @@ CASES = {
     "coordinator with a micro-batch over the batch": (
         ["coordinator", "--swarm", "demo", "--batch", "4", "--micro-batch", "8"], 2, ["micro-batch 8", "batch 4"]
     ),
+    "coordinator with --data-url but no --data": (
+        ["coordinator", "--swarm", "demo", "--data-url", "http://127.0.0.1:1/d/"], 2, ["--data-url", "--data DIR"]
+    ),
+    "coordinator with --data that is not prepared": (
+        ["coordinator", "--swarm", "demo", "--data", str(ROOT / "docs")], 2, ["not a prepared corpus", "hetpeer data prepare"]
+    ),
     "coordinator with a gain of 1.5": (["coordinator", "--swarm", "demo", "--gain", "1.5"], 2, ["gain", "1.5"]),
     "coordinator with a negative gain": (["coordinator", "--swarm", "demo", "--gain", "-0.1"], 2, ["gain", "-0.1"]),
     "coordinator of a badly named swarm": (["coordinator", "--swarm", "no spaces!"], 2, ["swarm", "'no spaces!'"]),

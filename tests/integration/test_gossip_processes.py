@@ -235,7 +235,8 @@ def fresh_loss(lane: int, step: int) -> float:
 
     spec, plan = preset("tiny"), make_plan("gossip")
     model = build_stage(spec, 0, spec.layers)
-    batch = Corpus.default().batch(lane=lane, step=step, sequences=plan.lane_batch, seq_len=spec.seq_len, seed=0)
+    position = plan.data_position_at(step) + lane * plan.lane_batch  # the lane's windows of that step
+    batch = Corpus.default().batch(position, plan.lane_batch, spec.seq_len, seed=0)
     with torch.no_grad():
         return model.loss(model(torch.from_numpy(batch.tokens)), torch.from_numpy(batch.labels)).item()
 

@@ -119,7 +119,7 @@ def peers(tmp_path):
 def reference():
     """Loss and gradients of the whole model on lane 0's batch of step 0, in this process."""
     model = build_stage(SPEC, 0, SPEC.layers)
-    batch = Corpus.default().batch(lane=0, step=0, sequences=BATCH, seq_len=SPEC.seq_len, seed=0)
+    batch = Corpus.default().batch(position=0, sequences=BATCH, seq_len=SPEC.seq_len, seed=0)
     loss = model.loss(model(torch.from_numpy(batch.tokens)), torch.from_numpy(batch.labels))
     loss.backward()
     return loss.item(), {name: p.grad.numpy().copy() for name, p in model.named_parameters()}
@@ -286,7 +286,7 @@ def test_bad_frames_are_refused_and_the_worker_goes_on(tmp_path):
     """The test plays stage 0 with raw sockets against a real stage-1 peer (transport and worker)."""
     plan = make_plan([2, 2], BATCH)  # one micro-batch of 4 sequences
     max_frame_bytes = 100_000  # above the activation's 65,536 bytes, below the oversize frame's 131,072
-    batch = Corpus.default().batch(lane=0, step=0, sequences=BATCH, seq_len=SPEC.seq_len, seed=0)
+    batch = Corpus.default().batch(position=0, sequences=BATCH, seq_len=SPEC.seq_len, seed=0)
     tokens, labels = torch.from_numpy(batch.tokens), torch.from_numpy(batch.labels)
     with torch.no_grad():
         activation = build_stage(SPEC, 0, 2)(tokens)

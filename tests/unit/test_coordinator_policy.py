@@ -518,16 +518,17 @@ def fresh(device: str, checkpoint=None, **changes) -> PeerRecord:
 
 
 def test_checkpoints_make_the_plan_a_swarm_resumes_with():
-    peers = {"a": fresh("a", (0, 2, 40)), "b": fresh("b", (2, 4, 40)), "c": fresh("c", (0, 2, 38)),
-             "d": fresh("d", (2, 4, 40)), "e": fresh("e", (0, 2, 40)), "f": fresh("f")}
+    peers = {"a": fresh("a", (0, 2, 40, 640)), "b": fresh("b", (2, 4, 40, 640)), "c": fresh("c", (0, 2, 38, 608)),
+             "d": fresh("d", (2, 4, 40, 640)), "e": fresh("e", (0, 2, 40, 640)), "f": fresh("f")}
     found = policy.resume_from_checkpoints(peers, 4)
     # two lanes: the thinner stage has two holders; of layers 0-1 the two at the highest step
     assert found.stages == ((0, 2, ("a", "e")), (2, 4, ("b", "d")))
     assert found.step == 40 and found.standby == ("c", "f")
+    assert found.data_position == 640  # the swarm's position at that step goes on from where it stopped
 
 
 def test_layers_no_checkpoint_holds_are_named():
-    peers = {"a": fresh("a", (0, 1, 10)), "b": fresh("b", (2, 4, 10)), "c": fresh("c", (0, 1, 10), state="leaving")}
+    peers = {"a": fresh("a", (0, 1, 10, 160)), "b": fresh("b", (2, 4, 10, 160)), "c": fresh("c", (0, 1, 10, 160), state="leaving")}
     found = policy.resume_from_checkpoints(peers, 4)
     assert isinstance(found, str)
     assert "no live peer holds a checkpoint of layers 1-1" in found and "a layers 0-0 (step 10)" in found
@@ -536,14 +537,14 @@ def test_layers_no_checkpoint_holds_are_named():
 
 
 def test_a_longer_range_wins_a_tie_and_ranges_past_the_model_are_ignored():
-    peers = {"a": fresh("a", (0, 4, 7)), "b": fresh("b", (0, 2, 7)), "c": fresh("c", (0, 6, 9))}
+    peers = {"a": fresh("a", (0, 4, 7, 112)), "b": fresh("b", (0, 2, 7, 112)), "c": fresh("c", (0, 6, 9, 144))}
     found = policy.resume_from_checkpoints(peers, 4)
     assert found.stages == ((0, 4, ("a",)),) and found.step == 7 and found.standby == ("b", "c")
 
 
 def test_a_tiling_the_most_held_range_does_not_start_is_still_found():
     """Layers 0-1 have the most holders, but nothing starts at layer 2; layer 0 alone and then 1-3 tile the model."""
-    peers = {"a": fresh("a", (0, 2, 5)), "b": fresh("b", (0, 2, 5)), "c": fresh("c", (0, 1, 5)), "d": fresh("d", (1, 4, 5))}
+    peers = {"a": fresh("a", (0, 2, 5, 80)), "b": fresh("b", (0, 2, 5, 80)), "c": fresh("c", (0, 1, 5, 80)), "d": fresh("d", (1, 4, 5, 80))}
     found = policy.resume_from_checkpoints(peers, 4)
     assert found.stages == ((0, 1, ("c",)), (1, 4, ("d",))) and found.standby == ("a", "b")
 

@@ -1,5 +1,5 @@
 """The corpus: real text with no download, documents from .jsonl and .parquet files, a tokenizer's ids, and
-batches that replay exactly per (seed, lane, step)."""
+batches that replay exactly per (seed, position) and visit every window once an epoch."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def test_default_corpus_stops_at_max_bytes():
 
 
 def test_batch_shapes_and_types(stdlib):
-    batch = stdlib.batch(lane=0, step=0, sequences=5, seq_len=33)
+    batch = stdlib.batch(position=0, sequences=5, seq_len=33)
     tokens, labels = batch
     assert isinstance(batch, Batch)
     assert tokens.shape == labels.shape == (5, 33)
@@ -53,25 +53,25 @@ def test_batch_shapes_and_types(stdlib):
     assert tokens.min() >= 0 and tokens.max() <= 255
 
 
-def test_same_seed_lane_step_replays_the_same_batch(stdlib):
-    a = stdlib.batch(lane=2, step=17, sequences=4, seq_len=64, seed=3)
-    b = stdlib.batch(lane=2, step=17, sequences=4, seq_len=64, seed=3)
+def test_same_seed_and_position_replay_the_same_batch(stdlib):
+    a = stdlib.batch(position=170, sequences=4, seq_len=64, seed=3)
+    b = stdlib.batch(position=170, sequences=4, seq_len=64, seed=3)
     assert np.array_equal(a.tokens, b.tokens) and np.array_equal(a.labels, b.labels)
 
 
-@pytest.mark.parametrize("change", [{"lane": 1}, {"step": 1}, {"seed": 1}])
-def test_other_lanes_steps_and_seeds_read_other_data(stdlib, change):
-    base = {"lane": 0, "step": 0, "seed": 0}
+@pytest.mark.parametrize("change", [{"position": 4}, {"seed": 1}])
+def test_other_positions_and_seeds_read_other_data(stdlib, change):
+    base = {"position": 0, "seed": 0}
     a = stdlib.batch(sequences=4, seq_len=64, **base)
     b = stdlib.batch(sequences=4, seq_len=64, **{**base, **change})
     assert not np.array_equal(a.tokens, b.tokens)
 
 
 def test_labels_are_the_next_bytes(cyclic, stdlib):
-    tokens, labels = cyclic.batch(lane=0, step=0, sequences=8, seq_len=25)
+    tokens, labels = cyclic.batch(position=0, sequences=8, seq_len=25)
     successor = {CYCLE[i]: CYCLE[(i + 1) % len(CYCLE)] for i in range(len(CYCLE))}
     assert np.array_equal(labels, np.vectorize(successor.get)(tokens))
-    tokens, labels = stdlib.batch(lane=1, step=5, sequences=8, seq_len=40)
+    tokens, labels = stdlib.batch(position=48, sequences=8, seq_len=40)
     assert np.array_equal(tokens[:, 1:], labels[:, :-1])
     text = stdlib.tokens.tobytes()
     for row_tokens, row_labels in zip(tokens, labels):
@@ -80,12 +80,12 @@ def test_labels_are_the_next_bytes(cyclic, stdlib):
 
 def test_a_corpus_just_long_enough_gives_its_one_window(tmp_path):
     (tmp_path / "a.txt").write_bytes(b"hello")
-    tokens, labels = Corpus.from_folder(tmp_path).batch(lane=0, step=0, sequences=3, seq_len=4)
+    tokens, labels = Corpus.from_folder(tmp_path).batch(position=0, sequences=3, seq_len=4)
     assert (tokens == np.frombuffer(b"hell", np.uint8)).all() and (labels == np.frombuffer(b"ello", np.uint8)).all()
 
 
 def test_split_into_micro_batches(stdlib):
-    batch = stdlib.batch(lane=0, step=0, sequences=6, seq_len=16)
+    batch = stdlib.batch(position=0, sequences=6, seq_len=16)
     parts = batch.split([1, 3, 2])
     assert [part.tokens.shape[0] for part in parts] == [1, 3, 2]
     assert np.array_equal(np.concatenate([part.tokens for part in parts]), batch.tokens)
@@ -118,11 +118,11 @@ def test_a_single_file_is_a_corpus(tmp_path):
     assert corpus.tokens.tobytes() == b"just this one file\n" and corpus.files == 1
 
 
-def test_max_bytes_cuts_inside_a_file(tmp_path):
-    (tmp_path / "a.txt").write_text("0123456789")
-    (tmp_path / "b.txt").write_text("abcdefghij")
-    corpus = Corpus.from_folder(tmp_path, max_bytes=14)
-    assert corpus.tokens.tobytes() == b"0123456789abcd" and corpus.files == 2
+def test_a_folder_past_max_bytes_is_never_cut():
+    from hetpeer.peer.data.corpus import CorpusTooLarge
+
+    with pytest.raises(CorpusTooLarge, match="more than 100000 bytes"):
+        Corpus.from_folder(Path(Corpus.default(max_bytes=2).source) / "email", max_bytes=100_000)
 
 
 def test_folder_errors_name_the_path(tmp_path):
@@ -151,8 +151,7 @@ def test_folder_errors_name_the_path(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, words",
     [
-        ({"lane": -1}, "lane.*-1"),
-        ({"step": -2}, "step.*-2"),
+        ({"position": -1}, "position.*-1"),
         ({"seed": -3}, "seed.*-3"),
         ({"sequences": 0}, "sequences.*0"),
         ({"seq_len": 0}, "seq_len.*0"),
@@ -160,7 +159,7 @@ def test_folder_errors_name_the_path(tmp_path):
     ],
 )
 def test_bad_batch_arguments(cyclic, kwargs, words):
-    args = {"lane": 0, "step": 0, "sequences": 2, "seq_len": 8, "seed": 0, **kwargs}
+    args = {"position": 0, "sequences": 2, "seq_len": 8, "seed": 0, **kwargs}
     with pytest.raises(CorpusError, match=words):
         cyclic.batch(**args)
 
@@ -219,17 +218,19 @@ def test_a_tokenizer_turns_documents_into_its_ids(tmp_path):
     assert corpus.tokens.dtype == np.uint16 and corpus.tokens.tolist() == expected
     assert corpus.vocab == tokenizer.get_vocab_size() and corpus.tokens.size < len("".join(DOCS * 10).encode())
     assert f"tokens (vocabulary {corpus.vocab})" in corpus.description
-    first = corpus.batch(lane=0, step=3, sequences=2, seq_len=8)
-    np.testing.assert_array_equal(first.tokens, corpus.batch(lane=0, step=3, sequences=2, seq_len=8).tokens)
+    first = corpus.batch(position=6, sequences=2, seq_len=8)
+    np.testing.assert_array_equal(first.tokens, corpus.batch(position=6, sequences=2, seq_len=8).tokens)
     np.testing.assert_array_equal(first.labels[:, :-1], first.tokens[:, 1:])
     assert first.tokens.dtype == np.int64 and int(first.tokens.max()) < corpus.vocab
 
 
 def test_reading_stops_at_max_bytes_without_opening_the_rest(tmp_path):
+    from hetpeer.peer.data.corpus import CorpusTooLarge
+
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": "x" * 100}) + "\n" for _ in range(10)))
     (tmp_path / "b.parquet").write_bytes(b"never opened: not a parquet file")
-    corpus = Corpus.from_folder(tmp_path, max_bytes=250)
-    assert corpus.tokens.size == 300 and corpus.files == 1  # whole documents, up to the first past the limit
+    with pytest.raises(CorpusTooLarge):  # the parquet file's error would come first, had it been opened
+        Corpus.from_folder(tmp_path, max_bytes=250)
 
 
 @pytest.mark.parametrize(
@@ -256,7 +257,7 @@ def test_parquet_without_a_text_column_is_named(tmp_path):
 
 
 def test_a_tokenizer_that_does_not_fit_the_model_is_refused(tmp_path):
-    from hetpeer.peer.data.corpus import open_corpus
+    from hetpeer.peer.data.source import open_data as open_corpus
 
     path = bpe_tokenizer(tmp_path, DOCS * 20, vocab=300)
     (tmp_path / "t.txt").write_text("".join(DOCS) * 50)
@@ -276,7 +277,7 @@ def test_held_out_windows_never_meet_training_windows():
     corpus = Corpus(np.arange(20_000, dtype=np.uint32), "positions", 1, vocab=20_000)
     assert corpus.train_end == 19_800
     seq = 16
-    firsts = np.concatenate([corpus.batch(lane, step, 32, seq).tokens[:, 0] for lane in range(4) for step in range(100)])
+    firsts = corpus.batch(0, 4 * 19_800 // seq, seq).tokens[:, 0]  # four epochs
     assert firsts.max() + seq < corpus.train_end  # its label too: the last token a training window reads
     held = corpus.validation_batch(64, seq)
     assert held.tokens[:, 0].min() >= corpus.train_end and held.labels[:, -1].max() < 20_000
@@ -284,3 +285,15 @@ def test_held_out_windows_never_meet_training_windows():
     assert not np.array_equal(held.tokens, corpus.validation_batch(64, seq, seed=1).tokens)
     with pytest.raises(CorpusError, match="validation needs 201 held-out tokens a sequence"):
         corpus.validation_batch(1, 200)
+
+
+def test_an_epoch_reads_every_training_window_once_in_a_shuffled_order():
+    corpus = Corpus(np.arange(20_000, dtype=np.uint32), "positions", 1, vocab=20_000)
+    seq = 16
+    windows = corpus.windows(seq)
+    assert windows == (19_800 - 1) // seq
+    firsts = np.concatenate([corpus.batch(p, 7, seq).tokens[:, 0] for p in range(0, windows, 7)])[:windows]
+    assert sorted(firsts.tolist()) == list(range(0, windows * seq, seq))  # each window once: starts at multiples of seq
+    assert not np.array_equal(firsts, np.sort(firsts))  # shuffled
+    second = corpus.batch(windows, windows, seq).tokens[:, 0]
+    assert sorted(second.tolist()) == sorted(firsts.tolist()) and not np.array_equal(second, firsts)  # another order

@@ -97,6 +97,17 @@ def test_a_codec_this_peer_does_not_know_is_refused_with_a_clear_line():
         Plan.from_wire(_with(lambda r: r["stages"][0].update(forward=["int4", "int3"])))
 
 
+def test_the_data_position_and_dataset_round_trip_and_are_left_out_where_none():
+    raw = wire()
+    plain = Plan.from_wire(raw)
+    assert plain.data_position == 0 and plain.dataset is None and "dataset" not in plain.to_wire()
+    raw.update(data_position=4096, dataset={"manifest": "ab" * 32, "url": "https://example.org/corpus/"})
+    plan = Plan.from_wire(raw)
+    assert plan.to_wire()["dataset"] == raw["dataset"] and Plan.from_wire(plan.to_wire()) == plan
+    assert plan.rows_per_step == plan.group_size * plan.lane_batch
+    assert plan.data_position_at(plan.start_step + 3) == 4096 + 3 * plan.rows_per_step
+
+
 def test_lanes_may_be_left_out():
     raw = wire()
     del raw["lanes"]
@@ -141,6 +152,10 @@ BAD = [
     ("codecs on the last stage", lambda r: r["stages"][1].update(backward=["int8", "int8"]), "plan.stages[1].backward"),
     ("a codec that is no string", lambda r: r["stages"][0].update(backward=["int8", 8]), "plan.stages[0].backward[1]"),
     ("codecs as a string", lambda r: r["stages"][0].update(forward="int8"), "plan.stages[0].forward"),
+    ("negative data position", lambda r: r.update(data_position=-1), "plan.data_position"),
+    ("a dataset named by no sha256", lambda r: r.update(dataset={"manifest": "abc"}), "plan.dataset.manifest"),
+    ("a dataset at no http url", lambda r: r.update(dataset={"manifest": "a" * 64, "url": "file:///etc/"}), "plan.dataset.url"),
+    ("a dataset with more", lambda r: r.update(dataset={"manifest": "a" * 64, "mirror": "x"}), "plan.dataset.mirror"),
 ]
 
 

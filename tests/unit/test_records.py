@@ -210,14 +210,15 @@ def test_bad_layers_are_refused(layers):
     refused(wire(layers=layers), "peer.layers")
 
 
-@pytest.mark.parametrize("checkpoint", [[3, 3, 0], [0, 2], [0, 2, -1], [-1, 2, 5], [0, 2, 5, 1]])
+@pytest.mark.parametrize("checkpoint", [[3, 3, 0, 0], [0, 2], [0, 2, 5], [0, 2, -1, 0], [-1, 2, 5, 0], [0, 2, 5, -1],
+                                        [0, 2, 5, 1, 1]])
 def test_bad_checkpoints_are_refused(checkpoint):
     refused(wire(checkpoint=checkpoint), "peer.checkpoint")
 
 
 def test_a_checkpoint_and_a_validation_loss_survive_the_wire():
-    sent = record(checkpoint=(0, 4, 250), val_loss=2.5)
-    assert sent.to_wire()["checkpoint"] == [0, 4, 250]
+    sent = record(checkpoint=(0, 4, 250, 4000), val_loss=2.5)
+    assert sent.to_wire()["checkpoint"] == [0, 4, 250, 4000]
     assert parse(sent.to_wire()) == sent
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import re
 import time
+from dataclasses import replace
 from typing import Callable
 
 import pytest
@@ -94,10 +95,11 @@ class Pipeline:
         return [self.workers[d] for d in self.plan.lanes[lane]]
 
 
-def whole_model(corpus: Corpus, lane: int, step: int, lane_batch: int, seed: int = 0):
-    """The loss and gradients of the uncut model on one lane's batch."""
+def whole_model(corpus: Corpus, lane: int, lane_batch: int, seed: int = 0):
+    """The loss and gradients of the uncut model on one lane's batch of its plan's first step (from data position 0:
+    the lane's slice is the lane-th `lane_batch` windows of the order)."""
     model = build_stage(SPEC, 0, SPEC.layers, seed)
-    batch = corpus.batch(lane, step, lane_batch, SEQ, seed=seed)
+    batch = corpus.batch(lane * lane_batch, lane_batch, SEQ, seed=seed)
     loss = model.loss(model(torch.from_numpy(batch.tokens)), torch.from_numpy(batch.labels))
     loss.backward()
     return loss.item(), {name: p.grad.clone() for name, p in model.named_parameters()}
@@ -131,7 +133,7 @@ def test_pipeline_loss_and_gradients_equal_the_whole_model(corpus, stages, lane_
     results = pipeline.compute()
     assert all(results[d].loss is None for d in plan.devices if d != pipeline.last())
     assert results[pipeline.last()].sequences == lane_batch
-    assert_lane_matches(pipeline, results, whole_model(corpus, 0, 0, lane_batch))
+    assert_lane_matches(pipeline, results, whole_model(corpus, 0, lane_batch))
     assert not any(t.inbox.misbehaving for t in pipeline.transports.values())
 
 
@@ -139,7 +141,7 @@ def test_two_lanes_read_their_own_batches(corpus):
     plan = make_plan(2, lanes=2, lane_batch=3, micro_batch=2, start_step=4)
     pipeline = Pipeline(plan, corpus)
     results = pipeline.compute()
-    references = [whole_model(corpus, lane, 4, 3) for lane in range(2)]
+    references = [whole_model(corpus, lane, 3) for lane in range(2)]
     for lane in range(2):
         assert_lane_matches(pipeline, results, references[lane], lane)
     # ... and not the other lane's: its batch gives another loss and other gradients.
@@ -152,13 +154,13 @@ def test_two_lanes_read_their_own_batches(corpus):
     for device, header, _ in pipeline.frames:
         assert plan.position(device)[1] == plan.position(header.sender)[1]
 
-    # The same lane and step replays the same batch; another step reads another.
+    # The same lane, step and data position replay the same batch; the swarm's next windows are another.
     replay = Pipeline(plan, corpus)
     replayed = replay.compute()
     assert [replayed[pipeline.last(lane)].loss for lane in range(2)] == pytest.approx(losses, rel=1e-6)
     for lane in range(2):
         assert relative(replay.workers[pipeline.last(lane)].model.head.weight.grad, head[lane]) < 1e-6
-    later = Pipeline(make_plan(2, lanes=2, lane_batch=3, micro_batch=2, start_step=5), corpus)
+    later = Pipeline(replace(plan, data_position=plan.rows_per_step), corpus)
     later.compute()
     assert relative(later.workers[pipeline.last(0)].model.head.weight.grad, head[0]) > 0.1
 
@@ -283,7 +285,7 @@ def test_bad_frames_are_refused_counted_and_the_step_still_completes(corpus):
 
     # Nothing bad was kept: the step runs on the honest frames and computes the whole model's numbers.
     results = pipeline.compute()
-    assert_lane_matches(pipeline, results, whole_model(corpus, 0, 0, 4))
+    assert_lane_matches(pipeline, results, whole_model(corpus, 0, 4))
     assert last.inbox.misbehaving == {"s0l0": len(bad_for_last), "mallory": 1}
     assert first.inbox.misbehaving == {"s1l0": 2}
 
@@ -310,7 +312,7 @@ def test_a_neighbour_that_is_still_fetching_its_state_is_waited_for_past_the_dea
         return worker.compute()
 
     results = pipeline.run(arriving_late)
-    assert_lane_matches(pipeline, results, whole_model(corpus, 0, 0, 4))
+    assert_lane_matches(pipeline, results, whole_model(corpus, 0, 4))
     assert len(asked) >= 2 and set(asked) == {"s0l0"}  # the deadline passed, and the lane waited on
 
 
@@ -320,7 +322,7 @@ def test_bf16_plan_runs_on_the_cpu(corpus):
     results = pipeline.compute()
     loss = results[pipeline.last()].loss
     assert math.isfinite(loss)
-    assert loss == pytest.approx(whole_model(corpus, 0, 0, 4)[0], rel=0.05)
+    assert loss == pytest.approx(whole_model(corpus, 0, 4)[0], rel=0.05)
     sent = [(h.kind, h.dtype) for _, h, _ in pipeline.frames]
     assert ("activation", "bf16") in sent and ("gradient", "bf16") in sent and ("labels", "int64") in sent
     assert all(parameter.grad is not None and bool(torch.isfinite(parameter.grad).all())
@@ -340,7 +342,7 @@ def test_compressed_activations_and_gradients_give_a_close_loss(corpus, forward,
     plan = make_plan(2, lane_batch=4, micro_batch=2).with_codecs(forward, backward)
     pipeline = Pipeline(plan, corpus, WorkerConfig())
     results = pipeline.compute()
-    loss, grads = whole_model(corpus, 0, 0, 4)
+    loss, grads = whole_model(corpus, 0, 4)
     assert results[pipeline.last()].loss == pytest.approx(loss, rel=tolerance)
     if forward != "raw":
         assert results[pipeline.last()].loss != loss  # the forward codec really rounded something

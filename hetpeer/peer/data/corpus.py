@@ -1,31 +1,37 @@
-"""Training data from local files: every lane reads its own reproducible batches.
+"""Training data from local files, held in memory: every lane reads its own reproducible batches.
 
 Without a tokenizer, tokens are bytes (0..255), so a model needs no tokenizer and a corpus needs no
 download: a folder of text files, or by default the Python standard library's own sources, which every
 machine running a peer has. With a tokenizer (a `tokenizers` tokenizer.json), documents become its token
 ids. Documents come from text files, from `.jsonl` files (one JSON object a line, its `"text"` string)
-and from `.parquet` files (a `"text"` column, read one row group at a time). A batch is a set of
-random windows of the token stream; its offsets come from a generator seeded by (seed, lane, step), so a
-restarted lane replays exactly the batches it would have read and different lanes read different data.
-Labels are the same windows shifted by one token. The last hundredth of the stream is held out: training
+and from `.parquet` files (a `"text"` column, read one row group at a time). The training part is cut
+into windows of seq_len + 1 tokens, and `batch(position, n, seq_len)` reads positions [position, position + n)
+of the swarm's order over them (`order.py`: each window once an epoch, shuffled), so a restarted lane
+replays exactly the batches it would have read and different lanes read different data. Labels are the
+same windows shifted by one token. The last hundredth of the stream is held out: training
 windows never reach into it, and validation windows (`validation_batch`, the same ones every time and
 for every lane, so that validation losses compare across lanes, plans and runs) lie wholly inside it.
 
-Loading reads files in sorted path order until `max_bytes` of text and is linear in what it reads (the
-rest of a large dataset is never opened); a batch of n sequences of length L costs O(n L).
+Loading reads files in sorted path order and is linear in what it reads; a folder with more than
+`max_bytes` of text is CorpusTooLarge, never cut (`source.open_data` prepares it into shards instead),
+and the default corpus stops at `max_bytes` (the rest is never opened). A batch of n sequences of length
+L costs O(n L).
 """
 
 from __future__ import annotations
 
 import codecs
-import json
 import os
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import numpy as np
+
+from hetpeer.peer.data.documents import json_text, lines, parquet_text
+from hetpeer.peer.data.errors import CorpusError, CorpusTooLarge
+from hetpeer.peer.data.order import WindowOrder
 
 DEFAULT_MAX_BYTES = 32 * 2**20
 TOKEN_DTYPES = (np.uint8, np.uint16, np.uint32)
@@ -33,10 +39,6 @@ VALIDATION_SHARE = 0.01  # the end of the token stream held out for validation
 ENCODE_BATCH = 256  # documents a tokenizer encodes at once
 # Subtrees of the standard library that are not its own source: installed packages and test suites.
 _STDLIB_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests"})
-
-
-class CorpusError(ValueError):
-    """A corpus path or a batch request that cannot give training data."""
 
 
 class Batch(NamedTuple):
@@ -62,6 +64,7 @@ class Corpus:
     source: str
     files: int
     vocab: int = 256  # the ids are below this: 256 bytes, or the tokenizer's vocabulary
+    _orders: dict = field(default_factory=dict, repr=False)  # (seq_len, seed) -> its WindowOrder
 
     def __post_init__(self) -> None:
         if self.tokens.dtype not in TOKEN_DTYPES or self.tokens.ndim != 1:
@@ -91,12 +94,13 @@ class Corpus:
         return f"{self.tokens.size} {unit} from {self.files} files under {self.source}"
 
     @classmethod
-    def from_folder(cls, path: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES, min_tokens: int = 2,
+    def from_folder(cls, path: str | os.PathLike, max_bytes: int | None = None, min_tokens: int = 2,
                     tokenizer: Any = None) -> "Corpus":
         """Every document under `path` (or in `path` itself, if a file), folder by folder in sorted order:
         UTF-8 text files (hidden entries, files with NUL bytes and files that are not UTF-8 are skipped),
         `.jsonl` and `.parquet` files (whose every record must hold a "text" string: a file that is not what
-        its suffix says is an error naming it); at most `max_bytes` of text. `tokenizer` (`load_tokenizer`)
+        its suffix says is an error naming it); more than `max_bytes` of text (default DEFAULT_MAX_BYTES) is
+        CorpusTooLarge. `tokenizer` (`load_tokenizer`)
         turns each document into its ids; without one the tokens are its bytes. Pass `min_tokens = seq_len +
         1` to fail here rather than at the first batch."""
         root = Path(path)
@@ -108,7 +112,7 @@ class Corpus:
             paths = _walk(root, keep_dir=_visible, keep_file=_visible)
         else:
             raise CorpusError(f"corpus path {str(root)!r} is neither a file nor a folder")
-        return cls._read(paths, str(root), max_bytes, min_tokens, tokenizer)
+        return cls._read(paths, str(root), DEFAULT_MAX_BYTES if max_bytes is None else max_bytes, min_tokens, tokenizer, whole=True)
 
     @classmethod
     def default(cls, max_bytes: int = DEFAULT_MAX_BYTES, min_tokens: int = 2, tokenizer: Any = None) -> "Corpus":
@@ -124,7 +128,9 @@ class Corpus:
         return cls._read(paths, str(root), max_bytes, min_tokens, tokenizer)
 
     @classmethod
-    def _read(cls, paths: Iterator[Path], source: str, max_bytes: int, min_tokens: int, tokenizer: Any) -> "Corpus":
+    def _read(cls, paths: Iterator[Path], source: str, max_bytes: int, min_tokens: int, tokenizer: Any,
+              whole: bool = False) -> "Corpus":
+        """Documents up to `max_bytes` of text; with `whole`, CorpusTooLarge when there is that much (never cut)."""
         if max_bytes < 2:
             raise CorpusError(f"max_bytes must be at least 2, got {max_bytes}")
         if tokenizer is None and min_tokens > max_bytes:
@@ -140,6 +146,8 @@ class Corpus:
                 total_bytes += len(text)
                 found = True
                 if total_bytes >= max_bytes:
+                    if whole:
+                        raise CorpusTooLarge(f"{source} holds more than {max_bytes} bytes of text")
                     break
             files += found
         if not documents:
@@ -155,11 +163,11 @@ class Corpus:
             )
         return cls(tokens, source, files, vocab)
 
-    def batch(self, lane: int, step: int, sequences: int, seq_len: int, seed: int = 0) -> Batch:
-        """`sequences` windows of `seq_len` bytes at offsets drawn by default_rng([seed, lane, step]),
-        with the next byte of each as its label."""
-        for name, value, least in (("lane", lane, 0), ("step", step, 0), ("seed", seed, 0),
-                                   ("sequences", sequences, 1), ("seq_len", seq_len, 1)):
+    def batch(self, position: int, sequences: int, seq_len: int, seed: int = 0) -> Batch:
+        """The windows at positions [position, position + sequences) of the swarm's order (`order.py`) over the
+        training part's windows of `seq_len` + 1 tokens, with the next token of each as its label."""
+        for name, value, least in (("position", position, 0), ("seed", seed, 0), ("sequences", sequences, 1),
+                                   ("seq_len", seq_len, 1)):
             if value < least:
                 raise CorpusError(f"{name} must be at least {least}, got {value}")
         if seq_len + 1 > self.size_bytes:
@@ -169,8 +177,18 @@ class Corpus:
             )
         if seq_len + 1 > self.train_end:
             raise CorpusError(f"seq_len {seq_len} needs {seq_len + 1} tokens; the corpus's training part has {self.train_end}")
-        rng = np.random.default_rng([seed, lane, step])
-        return self._windows(rng.integers(0, self.train_end - seq_len, size=sequences), seq_len)
+        key = (seq_len, seed)
+        if key not in self._orders:
+            self._orders[key] = WindowOrder([(self.train_end - 1) // seq_len], seed)
+        _, windows = self._orders[key].locate(np.arange(position, position + sequences))
+        return self._windows(windows * seq_len, seq_len)
+
+    def close(self) -> None:
+        """Nothing to release (a prepared corpus's `close` stops its downloads)."""
+
+    def windows(self, seq_len: int) -> int:
+        """Training windows of `seq_len` + 1 tokens: one epoch of the swarm's order."""
+        return max(0, (self.train_end - 1) // seq_len)
 
     def validation_batch(self, sequences: int, seq_len: int, seed: int = 0) -> Batch:
         """`sequences` windows of the held-out part, the same every time (offsets drawn by
@@ -187,22 +205,6 @@ class Corpus:
     def _windows(self, offsets: np.ndarray, seq_len: int) -> Batch:
         windows = np.lib.stride_tricks.sliding_window_view(self.tokens, seq_len + 1)[offsets].astype(np.int64)
         return Batch(windows[:, :-1], windows[:, 1:])
-
-
-def open_corpus(data: str | None, tokenizer: str | None, vocab: int, seq_len: int) -> Corpus:
-    """The corpus a peer trains on: `data` (default: the standard library's sources), tokenized by the
-    tokenizer.json at `tokenizer` (default: bytes), checked against the model's vocabulary."""
-    loaded = None
-    if tokenizer is not None:
-        loaded = load_tokenizer(tokenizer)
-        if loaded.get_vocab_size() > vocab:
-            raise CorpusError(f"tokenizer {tokenizer} has {loaded.get_vocab_size()} tokens, more than the model's "
-                              f"vocabulary of {vocab}")
-    elif vocab < 256:
-        raise CorpusError(f"the model's vocabulary of {vocab} cannot hold bytes: give a tokenizer (--tokenizer)")
-    if data:
-        return Corpus.from_folder(data, min_tokens=seq_len + 1, tokenizer=loaded)
-    return Corpus.default(min_tokens=seq_len + 1, tokenizer=loaded)
 
 
 def load_tokenizer(path: str | os.PathLike) -> Any:
@@ -247,37 +249,16 @@ def _documents(path: Path, limit_bytes: int) -> Iterator[bytes]:
 def _jsonl(path: Path) -> Iterator[bytes]:
     try:
         with path.open("rb") as handle:
-            for number, line in enumerate(handle, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except (ValueError, UnicodeDecodeError):
-                    raise CorpusError(f"{path}:{number} is not a JSON object: a .jsonl file holds one a line") from None
-                text = record.get("text") if isinstance(record, dict) else None
-                if not isinstance(text, str):
-                    raise CorpusError(f"{path}:{number} has no \"text\" string")
-                yield text.encode("utf-8")
+            for number, (_, line) in enumerate(lines(handle, 0, path.stat().st_size), 1):
+                for text, _ in json_text(line, f"{path}:{number}"):
+                    yield text
     except OSError as error:
         raise CorpusError(f"cannot read {path}: {error.strerror or error}") from None
 
 
 def _parquet(path: Path) -> Iterator[bytes]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise CorpusError(f"{path}: .parquet files need the pyarrow package: pip install hetpeer[hf]") from None
-    try:
-        table = pq.ParquetFile(str(path))
-    except Exception as error:  # pyarrow's ArrowInvalid for a file that is not Parquet
-        raise CorpusError(f"{path} is not a Parquet file ({error})") from None
-    if "text" not in table.schema_arrow.names:
-        raise CorpusError(f"{path} has no \"text\" column (columns: {', '.join(table.schema_arrow.names)})")
-    for group in range(table.num_row_groups):  # one row group in memory at a time
-        for text in table.read_row_group(group, columns=["text"]).column("text").to_pylist():
-            if not isinstance(text, str):
-                raise CorpusError(f"{path}: a \"text\" value is {type(text).__name__}, not a string")
-            yield text.encode("utf-8")
+    for text, _ in parquet_text(path):
+        yield text
 
 
 def _visible(name: str) -> bool:

@@ -44,7 +44,7 @@ from typing import Callable, Sequence
 import torch
 
 from hetpeer.peer.gossip.group import NEEDED, STATE_TENSORS, GroupSync
-from hetpeer.peer.ratelimit import Rate, TokenBuckets, in_bytes, refusal
+from hetpeer.peer.ratelimit import Rate, TokenBuckets, in_bytes, refusal, screen_request
 from hetpeer.peer.transport.base import Transport
 from hetpeer.peer.transport.inbox import PeerUnreachable, TransportError, TransportTimeout
 from hetpeer.protocol.frame import FrameHeader
@@ -158,13 +158,7 @@ class StateServer:
     def accept(self, header: FrameHeader) -> str | None:
         """The policy for `state_request` and `state` frames."""
         if header.kind == "state_request":
-            if not self.known(header.sender):
-                return f"{header.sender} is not a known peer of the swarm"
-            if header.shape != (3,) or header.dtype != "int64":
-                return "a state request is three int64"
-            rate = self.requests.rate
-            return refusal(self.requests.take(header.sender), f"over {rate.burst:.0f} state requests at once or "
-                                                              f"{rate.per_s:.3g} a second from {header.sender}")
+            return screen_request(header, self.known, self.requests, "state request", "three int64")
         with self.lock:
             expected = self.expected.get((header.step, header.micro))
         if expected is None or expected[0] != header.sender:

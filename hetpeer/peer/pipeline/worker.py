@@ -80,6 +80,7 @@ class StepResult:
     wait_s: float  # blocked on lane neighbours
     sync: SyncReport | None = None  # the group's averaging, once the step is applied
     val_loss: float | None = None  # the lane's loss on its held-out batch, at the plan's validation steps (last stage)
+    windows: tuple[int, int] | None = None  # [first, end) of the positions in the swarm's data order it read (first stage)
 
 
 class StageWorker:
@@ -230,6 +231,7 @@ class StageWorker:
             compute_s=time.perf_counter() - started - wait_s,
             wait_s=wait_s,
             val_loss=val_loss,
+            windows=(self._position(step), self._position(step) + sequences) if self.previous is None else None,
         )
 
     def apply(self, last: bool = False) -> SyncReport:
@@ -309,7 +311,8 @@ class StageWorker:
         with self.sync.lock:
             optimizer = {name: t for name, t in self.sync.named_state().items() if name != "params"}
             return save_stage(folder / f"{self.device_id}.safetensors", self.model, optimizer, spec=self.spec,
-                              layers=self.layers, step=self.step, epoch=self.plan.epoch, adam_step=self.sync.state.step)
+                              layers=self.layers, step=self.step, epoch=self.plan.epoch, adam_step=self.sync.state.step,
+                              data_position=self.plan.data_position_at(self.step))
 
     def restore(self, path: Path) -> StageCheckpoint:
         """Take this stage's weights, moments and step from a checkpoint of exactly this stage of this model."""
@@ -368,12 +371,16 @@ class StageWorker:
     def _lane_data(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         if self.previous is not None:
             return None
-        batch = self.corpus.batch(self.lane, step, self.plan.lane_batch, self.spec.seq_len, seed=self.config.seed)
+        batch = self.corpus.batch(self._position(step), self.plan.lane_batch, self.spec.seq_len, seed=self.config.seed)
         device = self.config.device
         return [
             (torch.from_numpy(part.tokens).to(device), torch.from_numpy(part.labels).to(device))
             for part in batch.split(self.sizes)
         ]
+
+    def _position(self, step: int) -> int:
+        """The first of the lane's windows at `step`: its slice of the step's in the swarm's order."""
+        return self.plan.data_position_at(step) + self.lane * self.plan.lane_batch
 
     def _recv(self, kind: str, sender: str, step: int, micro: int) -> torch.Tensor:
         while True:
