@@ -10,11 +10,11 @@ windows a swarm reads across a plan change, each against its reference from the 
   input. Reference: the tokenizer's own `encode_batch` in one process with TOKENIZERS_PARALLELISM off, on
   the corpus's first 64 MB, times the cores. Goal: at least 80% of it.
 - memory: a fresh process builds a model (the tiny GPT with the tokenizer's vocabulary and 512-token
-  sequences) and its AdamW,
-  then reads every training window of the prepared corpus in the swarm's order through the peer's reader
-  (`ShardedCorpus`), taking an optimizer step every 1,000 batches; its resident memory is sampled all
-  along. Reference: the same process's resident memory once the model is built. Goal: growth under 200 MB,
-  flat (the last quarter's peak no higher than the first's plus 10 MB).
+  sequences) and its AdamW, then reads every training window of the prepared corpus in the swarm's order
+  through the peer's reader (`ShardedCorpus`), 64 a batch, taking an optimizer step on 4 of them every
+  1,000 batches; its resident memory is sampled every 200 batches. Reference: the same process's resident
+  memory after its first step. Goal: growth under 200 MB, flat (the last quarter's peak no higher than the
+  first's plus 10 MB).
 - join: a coordinator serves a bytes-prepared corpus (the first GB of the same text) through a proxy that
   sends at most 100 Mbit/s (user-space token bucket); one peer joins with no data and trains. Measured:
   from the peer's start to its first step, and from its plan (data opened) to its first step, with the MiB
@@ -66,16 +66,19 @@ spec = replace(PRESETS["tiny"], vocab=manifest.vocab, seq_len=512, name="tiny-bp
 model = build_stage(spec, 0, spec.layers)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 data = ShardedCorpus(ShardStore(manifest, name, local=__import__("pathlib").Path(folder)), folder)
-first = data.batch(0, batch, spec.seq_len)
-loss = model.loss(model(torch.from_numpy(first.tokens)), torch.from_numpy(first.labels)); loss.backward(); optimizer.step()
+def train(b):  # a micro-batch of 4 of the batch's sequences: a peer's step, with activations of a bounded size
+    optimizer.zero_grad()
+    loss = model.loss(model(torch.from_numpy(b.tokens[:4])), torch.from_numpy(b.labels[:4])); loss.backward(); optimizer.step()
+    return loss
+
+loss = train(data.batch(0, batch, spec.seq_len))
 base = rss()
 windows = data.windows(spec.seq_len)
 samples, steps, started = [], 0, time.perf_counter()
 for i, position in enumerate(range(0, windows - batch + 1, batch)):
     b = data.batch(position, batch, spec.seq_len)
     if i % 1000 == 0:
-        optimizer.zero_grad()
-        loss = model.loss(model(torch.from_numpy(b.tokens)), torch.from_numpy(b.labels)); loss.backward(); optimizer.step()
+        loss = train(b)
         steps += 1
     if i % 200 == 0:
         samples.append(rss())
@@ -197,10 +200,13 @@ def memory_pass(prepared: Path, batch: int = 64) -> dict:
 
 # -- join over a 100 Mbit/s link ------------------------------------------------------------------------
 class Proxy:
-    """127.0.0.1:port -> target port, sending what comes back at most `rate` bytes a second per connection."""
+    """127.0.0.1:port -> target port, sending what comes back at most `rate` bytes a second over all its
+    connections together (one link)."""
 
     def __init__(self, target: int, rate: float) -> None:
         self.target, self.rate = target, rate
+        self.lock = threading.Lock()
+        self.started, self.sent = time.perf_counter(), 0
         self.server = socket.create_server(("127.0.0.1", 0))
         self.port = self.server.getsockname()[1]
         self.threads: list[threading.Thread] = []
@@ -218,22 +224,23 @@ class Proxy:
             except OSError:
                 return
             upstream = socket.create_connection(("127.0.0.1", self.target))
-            for args in ((client, upstream, None), (upstream, client, self.rate)):
+            for args in ((client, upstream, False), (upstream, client, True)):
                 thread = threading.Thread(target=self._pipe, args=args, daemon=True)
                 thread.start()
                 self.threads.append(thread)
 
-    @staticmethod
-    def _pipe(source: socket.socket, sink: socket.socket, rate: float | None) -> None:
-        started, sent = time.perf_counter(), 0
+    def _pipe(self, source: socket.socket, sink: socket.socket, limited: bool) -> None:
         try:
             while data := source.recv(65536):
+                if limited:
+                    with self.lock:  # the link's schedule: this chunk leaves once the ones before it have
+                        now = time.perf_counter()
+                        self.started = max(self.started, now - self.sent / self.rate)  # an idle link saves nothing up
+                        self.sent += len(data)
+                        due = self.started + self.sent / self.rate
+                    if due > now:
+                        time.sleep(due - now)
                 sink.sendall(data)
-                sent += len(data)
-                if rate is not None:
-                    ahead = sent / rate - (time.perf_counter() - started)
-                    if ahead > 0:
-                        time.sleep(ahead)
         except OSError:
             pass
         finally:
@@ -278,6 +285,7 @@ def join_time(prepared: Path, work: Path, local: bool) -> dict:
                "--data-cache", str(out / "cache")] + (["--data", str(prepared)] if local else [])
     started = time.time()
     peer = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    (out / "peer.log").write_text(peer.stdout + peer.stderr)
     coordinator.terminate()
     coordinator.wait(timeout=60)
     proxy.close()

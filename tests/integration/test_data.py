@@ -158,3 +158,63 @@ def test_a_swarm_fetches_the_corpus_stops_and_resumes_without_repeating_or_skipp
     assert read == list(range(10 * 16 + 10 * 12))  # every position once: none twice, none skipped
     downloaded = [p for p in run.glob("peer*/data/shards/*/train/*.bin")]
     assert downloaded  # the peers started without the corpus and fetched what they read
+
+
+@pytest.mark.slow
+def test_a_plan_change_mid_epoch_neither_repeats_nor_skips_a_window(tmp_path):
+    """The test is the coordinator: it signs a plan of two lanes at batch 8, and while the peers train, one from
+    step S with the lanes swapped at batch 6 and the data position the coordinator gives it (`Plan.data_position_at`:
+    the unit tests hold the coordinator to that). The peers read the prepared folder from their disks."""
+    from hetpeer.protocol.control import ControlPlane, key_digest
+    from hetpeer.protocol.modelspec import PRESETS
+    from hetpeer.protocol.plan import Plan, StagePlan
+
+    data = corpus(tmp_path / "text", files=1, documents=300)
+    prepare([data], tmp_path / "prepared", Settings(None, shard_tokens=4096, validation=0.05), workers=1, say=lambda _: None)
+    control = ControlPlane("datachange", tmp_path / "coordinator.key").start()
+    peers, logs = [], []
+    try:
+        for i in range(2):
+            logs.append((tmp_path / f"p{i}.log").open("w"))
+            peers.append(subprocess.Popen(
+                [sys.executable, "-m", "hetpeer", "join", "--swarm", "datachange", "--name", f"p{i}", "--home", str(tmp_path / f"p{i}"),
+                 "--coordinator-key", key_digest(control.public_key), "--initial-peers", control.visible_maddrs()[0],
+                 "--heartbeat", "1", "--steps", "24", "--threads", "1", "--slowdown", "10", "--data", str(tmp_path / "prepared")],
+                stdout=logs[-1], stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)}))
+        deadline = time.monotonic() + HANG_GUARD_S
+
+        def records() -> dict:
+            while time.monotonic() < deadline:
+                found = control.read_peers(max_age_s=30)[0]
+                if len(found) == 2:
+                    return found
+                time.sleep(0.5)
+            raise AssertionError("the peers never announced themselves")
+
+        ids = sorted(records())
+        tiny = PRESETS["tiny"]
+        first = Plan("time", "tiny", tiny.layers, 8, 2, 2, "fp32", (StagePlan(0, 0, tiny.layers, tuple(ids), "gossip"),), epoch=1)
+        assert control.publish_plan(first, ttl_s=600)
+        while time.monotonic() < deadline and max(r.step for r in records().values()) < 3:
+            time.sleep(0.5)
+        start = max(r.step for r in records().values()) + 8  # well ahead: peers switch at that step boundary
+        second = Plan("time", "tiny", tiny.layers, 6, 2, 2, "fp32", (StagePlan(0, 0, tiny.layers, tuple(reversed(ids)), "gossip"),),
+                      epoch=2, start_step=start, data_position=first.data_position_at(start))
+        assert control.publish_plan(second, ttl_s=600)
+        for peer in peers:
+            assert peer.wait(timeout=HANG_GUARD_S) == 0, (tmp_path / "p0.log").read_text()[-3000:]
+    finally:
+        for peer in peers:
+            if peer.poll() is None:
+                peer.kill()
+        for log in logs:
+            log.close()
+        control.shutdown()
+    read = []
+    for i in range(2):
+        for line in (tmp_path / f"p{i}.log").read_text(errors="replace").splitlines():
+            if match := re.search(r" e(\d) stage 1 lane \d +step \d+/\d+ .* tok/s  windows (\d+)-(\d+)  ", line):
+                read += [(int(match.group(1)), p) for p in range(int(match.group(2)), int(match.group(3)) + 1)]
+    assert {e for e, _ in read} == {1, 2}  # both plans ran
+    positions = sorted(p for _, p in read)
+    assert positions == list(range(start * 8 + (24 - start) * 6))  # none twice, none skipped, across the change

@@ -179,7 +179,7 @@ def documented_commands(path: Path) -> list[list[str]]:
     return commands
 
 
-DOCUMENTED = [ROOT / "docs" / "swarm.md", ROOT / "README.md", DOCKER / "README.md"]
+DOCUMENTED = [ROOT / "docs" / "swarm.md", ROOT / "docs" / "data.md", ROOT / "README.md", DOCKER / "README.md"]
 
 
 @pytest.mark.parametrize("path", DOCUMENTED, ids=lambda p: str(p.relative_to(ROOT)))
