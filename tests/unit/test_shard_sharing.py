@@ -4,7 +4,6 @@ rejects a peer that sends a changed shard and falls back to the next source; req
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
