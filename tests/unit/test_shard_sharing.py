@@ -35,6 +35,13 @@ def swarm(tmp_path):
         transport.start()
         server = ShardServer(transport, device, known=lambda d: d in ("holder", "joiner", "other"))
         transport.set_policy(server.accept)
+        transport.headers = []  # every frame delivered to it, refused or not
+
+        def recording(header, payload, authenticated=None, deliver=transport.deliver, seen=transport.headers):
+            seen.append(header)
+            return deliver(header, payload, authenticated)
+
+        transport.deliver = recording
         peers[device] = (transport, server)
     holder_store = ShardStore(manifest, name, local=tmp_path / "p")
     for shard in manifest.train:
@@ -45,13 +52,18 @@ def swarm(tmp_path):
         transport.shutdown()
 
 
+def frames_to(peers, device: str) -> list[FrameHeader]:
+    return peers[device][0].headers
+
+
 def joiner_store(manifest, name, peers, tmp_path, url="http://127.0.0.1:9/nowhere/") -> ShardStore:
     store = ShardStore(manifest, name, url=url, cache_folder=tmp_path / "cache", cache_bytes=10**9)
     store.peers = from_peers(peers["joiner"][1], store, lambda: ["other", "holder"], timeout_s=10.0)
     return store
 
 
-def test_a_joiner_reads_the_whole_dataset_from_its_group(swarm):
+def test_a_joiner_reads_the_whole_dataset_from_its_group(swarm, monkeypatch):
+    monkeypatch.setattr(sharing, "CHUNK_BYTES", 1000)  # several chunks a shard: a peer without it is asked for one
     manifest, name, peers, tmp_path = swarm
     store = joiner_store(manifest, name, peers, tmp_path)
     data = ShardedCorpus(store, "peers")
@@ -63,7 +75,9 @@ def test_a_joiner_reads_the_whole_dataset_from_its_group(swarm):
         data.close()
     total = sum(manifest.shard_bytes(s) for s in data.train)  # (prepared without validation: the last shard is held out)
     assert store.from_peers_bytes == total and store.downloaded_bytes == 0  # "other" holds nothing: "holder" served
-    assert not peers["joiner"][0].inbox.rejections
+    assert not peers["joiner"][0].inbox.rejections and not peers["joiner"][0].inbox.misbehaving
+    asked_other = [h for h in frames_to(peers, "other") if h.kind == "shard_request"]
+    assert len(asked_other) == len(data.train)  # the first chunk of each shard, and nothing more
 
 
 def test_a_changed_shard_from_a_peer_is_rejected_and_the_url_is_next(swarm, monkeypatch):

@@ -9,14 +9,16 @@ Protocol: a `shard_request` frame is int64 [dataset, shard, offset, length]: byt
 of shard `shard` (the manifest's training shards, then its validation shards) of the dataset whose
 manifest's sha256 begins with `dataset`'s 8 bytes (big-endian, sign bit cleared), `length` at most
 `CHUNK_BYTES`; the request id travels as the step and the chunk number as the micro-batch. The answer is a
-`shard` frame of exactly that many uint8, or of none when the peer does not hold the shard. The asker takes
-only the chunks it asked of that peer, checks the whole shard's sha256 against the manifest, and on a
+`shard` frame of exactly that many uint8, or of none when the peer does not hold the shard. The asker asks a
+peer for the first chunk alone and for the rest once that one came, takes only the chunks it asked of that
+peer (one that comes after its request was given up is dropped as late, not counted against the sender), checks the whole shard's sha256 against the manifest, and on a
 mismatch rejects the peer (counted as misbehaving: `Inbox.reject`) and asks the next one. A server limits
 the requests and bytes it serves to each sender (`ratelimit.TokenBuckets`).
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import itertools
 import logging
@@ -30,7 +32,7 @@ import torch
 from hetpeer.peer.data.fetch import ShardStore
 from hetpeer.peer.ratelimit import Rate, TokenBuckets, refusal, screen_request
 from hetpeer.peer.transport.base import Transport
-from hetpeer.peer.transport.inbox import PeerUnreachable, TransportTimeout
+from hetpeer.peer.transport.inbox import Late, PeerUnreachable, TransportTimeout
 from hetpeer.protocol.dataset import Shard
 from hetpeer.protocol.frame import FrameHeader
 
@@ -38,6 +40,7 @@ log = logging.getLogger("hetpeer.peer")
 CHUNK_BYTES = 4 << 20
 REQUESTS = Rate(per_s=64.0, burst=256.0)  # chunk requests a sender may make
 SERVED = Rate(per_s=64e6, burst=256 << 20)  # bytes served to a sender: a block of shards at once, then 64 MB/s
+FINISHED_KEPT = 256  # requests remembered after they ended, so that their stragglers are dropped as late
 _request_ids = itertools.count(int(time.time()) % 2**31)
 
 
@@ -54,6 +57,7 @@ class ShardServer:
         self.transport, self.device_id, self.known = transport, device_id, known
         self.store: ShardStore | None = None
         self.expected: dict[tuple[int, int], tuple[str, int]] = {}  # (request, chunk) -> peer, bytes
+        self.finished: collections.deque[int] = collections.deque(maxlen=FINISHED_KEPT)  # requests given up or done
         self.lock = threading.Lock()
         self.requests, self.served = TokenBuckets(REQUESTS, clock), TokenBuckets(SERVED, clock)
         self.from_peers_bytes = 0
@@ -70,6 +74,9 @@ class ShardServer:
             return screen_request(header, self.known, self.requests, "shard request", "four int64")
         with self.lock:
             expected = self.expected.get((header.step, header.micro))
+            finished = header.step in self.finished
+        if expected is None and finished:  # a chunk that came after its request was given up on: no one's fault
+            return Late(f"shard chunk {header.micro} of request {header.step} came after it was given up")
         if expected is None or expected[0] != header.sender:
             return f"shard chunk {header.micro} of request {header.step} was not asked of {header.sender}"
         if header.dtype != "uint8" or header.shape not in ((expected[1],), (0,)):
@@ -107,19 +114,23 @@ class ShardServer:
 
     def fetch(self, name: str, index: int, shard: Shard, size: int, peers: Sequence[str], timeout_s: float) -> bytes | None:
         """Shard `index` of dataset `name` (`size` bytes) from the first of `peers` that has it and sends it whole
-        and true; None when none does."""
+        and true; None when none does. Each peer is asked for the first chunk alone, and for the rest only once
+        it sent that one: a peer without the shard costs one round trip and sends nothing unasked."""
         tag = dataset_tag(name)
+        chunks = [(offset, min(CHUNK_BYTES, size - offset)) for offset in range(0, size, CHUNK_BYTES)]
         for peer in (p for p in dict.fromkeys(peers) if p != self.device_id):
             request = next(_request_ids)
-            chunks = [(offset, min(CHUNK_BYTES, size - offset)) for offset in range(0, size, CHUNK_BYTES)]
             try:
                 with self.lock:
                     for c, (_, length) in enumerate(chunks):
                         self.expected[(request, c)] = (peer, length)
-                for c, (offset, length) in enumerate(chunks):
-                    self.transport.send(peer, "shard_request", torch.tensor([tag, index, offset, length]), step=request, micro=c)
                 parts = []
-                for c in range(len(chunks)):
+                for c, (offset, length) in enumerate(chunks):
+                    if c <= 1:  # chunk 0 alone; once it came, every other
+                        for asked in range(c, len(chunks) if c == 1 else 1):
+                            at, many = chunks[asked]
+                            self.transport.send(peer, "shard_request", torch.tensor([tag, index, at, many]), step=request,
+                                                micro=asked)
                     part = self.transport.recv("shard", peer, request, c, timeout_s)
                     if part.numel() == 0:
                         break  # it does not hold the shard
@@ -136,8 +147,8 @@ class ShardServer:
                 with self.lock:
                     for c in range(len(chunks)):
                         self.expected.pop((request, c), None)
+                    self.finished.append(request)
         return None
-
 
 def from_peers(server: ShardServer, store: ShardStore, peers: Callable[[], Sequence[str]], timeout_s: float
                ) -> Callable[[Shard], bytes | None]:
