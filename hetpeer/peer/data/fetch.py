@@ -65,7 +65,6 @@ class ShardStore:
         self.manifest, self.name, self.local, self.url = manifest, name, local, url
         self.cache_folder, self.cache_bytes = cache_folder, cache_bytes
         self.downloaded_bytes = 0  # from the URL
-        self.download_s = 0.0
         self.peers: Callable[[Shard], bytes | None] | None = None  # a verified shard from other peers, or None
         self.from_peers_bytes = 0
         self._lock = threading.Lock()
@@ -168,12 +167,10 @@ class ShardStore:
         url = _join(self.url, shard.file)
         last: Exception | None = None
         for attempt in range(TRIES):
-            started = time.perf_counter()
             try:
                 _download_to(url, target, size, shard.sha256)
                 with self._lock:
                     self.downloaded_bytes += size
-                    self.download_s += time.perf_counter() - started
                 return
             except DataFetchError as error:
                 last = error

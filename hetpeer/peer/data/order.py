@@ -60,14 +60,6 @@ class WindowOrder:
             shards.reshape(-1)[chosen], windows.reshape(-1)[chosen] = s, w
         return shards, windows
 
-    def shards_for(self, start: int, count: int) -> list[int]:
-        """The shards that positions [start, start + count) read, in the order they are first read."""
-        if count <= 0:
-            return []
-        shards, _ = self.locate(np.arange(start, start + count))
-        _, first = np.unique(shards, return_index=True)
-        return [int(shards[i]) for i in sorted(first)]
-
     def blocks_at(self, position: int) -> tuple[list[int], list[int]]:
         """The shards of the block that `position` is in, and of the block after it (the next epoch's first, after
         an epoch's last): what a peer reading there needs now, and soon."""

@@ -60,7 +60,6 @@ class ShardServer:
         self.finished: collections.deque[int] = collections.deque(maxlen=FINISHED_KEPT)  # requests given up or done
         self.lock = threading.Lock()
         self.requests, self.served = TokenBuckets(REQUESTS, clock), TokenBuckets(SERVED, clock)
-        self.from_peers_bytes = 0
         transport.inbox.handlers["shard_request"] = self.serve
 
     def offer(self, store: ShardStore | None) -> None:
@@ -138,7 +137,6 @@ class ShardServer:
                 else:
                     data = b"".join(parts)
                     if hashlib.sha256(data).hexdigest() == shard.sha256:
-                        self.from_peers_bytes += len(data)
                         return data
                     self.transport.inbox.reject(peer, f"sent shard {shard.file}, which does not match the manifest's sha256")
             except (TransportTimeout, PeerUnreachable) as error:
