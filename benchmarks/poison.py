@@ -71,7 +71,8 @@ class PoisonedSwarm(LocalSwarm):
 def run(out: Path, steps: int, poison: str | None, defended: bool, clip: float) -> dict:
     config = SwarmConfig(
         out=out, peers=4, steps=steps, swarm="poison", replan_interval_s=600.0, stall_s=180.0, batch=BATCH,
-        coordinator_args=("--stages", "1") + (() if defended else ("--ban-period", "0")),
+        # gossip pinned: robust mixing is the defence measured, and `auto` may pick all-reduce on a loaded machine
+        coordinator_args=("--stages", "1", "--sync", "gossip") + (() if defended else ("--ban-period", "0")),
         peer_args=("--robust", repr(clip)) if defended else (),
     )
     swarm = PoisonedSwarm(config, poison)
