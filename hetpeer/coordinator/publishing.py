@@ -29,7 +29,7 @@ RECENT_PLANS = 8  # plans kept to find the swarm's data position at a new plan's
 class Publisher:
     """Mixed into `service.Coordinator`, whose state it reads and advances: `config`, `planner`, `executor`,
     `control`, `plan` and `plan_time`, `view`, `history`, `considered`, `reached`, `repaired_epoch`,
-    `last_publish`, `_kept`, `_rng`, `recent_plans` and `dataset`; it says what it does with `report`, `_event` and `_log_once`."""
+    `last_publish`, `_kept`, `_rng`, `recent_plans`, `dataset` and `search_memory`; it says what it does with `report`, `_event` and `_log_once`."""
 
     def _solve_and_publish(self, decision: policy.Decision, live: dict[str, PeerRecord], ours: dict[str, PeerRecord]) -> None:
         """Plan over the `live` peers; `ours` (leaving peers included) tells how far the swarm got."""
@@ -95,8 +95,12 @@ class Publisher:
             self._log_once("sharing", problem.sharing.describe())
         rng = np.random.default_rng(self._rng.integers(2**32))
         try:
-            future = self.executor.submit(solve, problem, self.planner, rng)
-            return future.result(timeout=config.time_budget_s * 3 + 10)
+            # each round's search goes on from the last one's (`search.Memory`): a swarm that stays gets, round after
+            # round, the plan of an ever longer search, and a plan change still has to pay for itself (--gain)
+            future = self.executor.submit(solve, problem, self.planner, rng, memory=self.search_memory)
+            solution = future.result(timeout=config.time_budget_s * 3 + 10)
+            self.search_memory = solution.memory
+            return solution
         except PlanningError as error:
             self._event("coordinator", f"no plan: {error}")
         except concurrent.futures.TimeoutError:

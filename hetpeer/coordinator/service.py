@@ -3,9 +3,10 @@
 Its loop, every heartbeat: fetch (the peers' announcements and the newest plan under its own key),
 gate (`gatekeeper.py`: admission and bans), decide (`policy.py`, pure), act (`publishing.py`: run the
 planner in an executor with a time budget; publish a plan with the next epoch and the step it takes
-effect at). It keeps nothing that is not in the DHT: the running plan is read back from there, so a
+effect at). It keeps nothing it needs that is not in the DHT: the running plan is read back from there, so a
 restarted coordinator (same key file) carries on with the plan the peers are running and publishes a
-new one only for the reasons a running one would. It serves what it read through the gRPC API
+new one only for the reasons a running one would; only the planner's memory of its last search, which each
+search goes on from, is lost, and the first search after a restart starts afresh. It serves what it read through the gRPC API
 (`api.py`) and the dashboard (`web.py`); what it is told is a `config.CoordinatorConfig`.
 """
 
@@ -27,7 +28,7 @@ from hetpeer.coordinator.board import Board
 from hetpeer.coordinator.config import CoordinatorConfig
 from hetpeer.coordinator.gatekeeper import Gatekeeper
 from hetpeer.coordinator.history import History
-from hetpeer.coordinator.planner import PlannerConfig
+from hetpeer.coordinator.planner import Memory, PlannerConfig
 from hetpeer.coordinator.publishing import RECENT_PLANS, Publisher
 from hetpeer.coordinator.reach import ReachServer
 from hetpeer.coordinator.view import SwarmView, progress
@@ -65,6 +66,7 @@ class Coordinator(Gatekeeper, Publisher):
         self.plan_time: float | None = None
         self.dataset: Dataset | None = None  # what plans name: the configured dataset, with where it is served
         self.recent_plans: list[Plan] = []  # the last plans published or found: where the swarm's data position comes from
+        self.search_memory: Memory | None = None  # where the last solve stopped, which the next goes on from (not in the DHT)
         self.first_seen: dict[str, float] = {}
         self.considered: set[str] = set()  # newcomers the running plan was kept without (see `policy.decide`)
         self.rechecked_epoch = -1  # the plan whose estimated links were solved again once measured

@@ -5,10 +5,11 @@ executor, and `hetpeer plan` calls it directly.
 """
 
 from hetpeer.coordinator.planner.problem import PlanningError, Problem, Report, Shape
-from hetpeer.coordinator.planner.search import SearchConfig
+from hetpeer.coordinator.planner.search import Memory, SearchConfig
 from hetpeer.coordinator.planner.solve import PlannerConfig, Solution, make_model, solve, to_plan
 
 __all__ = [
+    "Memory",
     "PlannerConfig",
     "PlanningError",
     "Problem",

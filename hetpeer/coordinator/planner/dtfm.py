@@ -55,6 +55,11 @@ class DtfmCost:
         dp, pp = self.parts(grids)
         return dp + 2 * pp
 
+    def seed_costs(self, grids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Objectives of seed grids, twice: they promise their objective (alignment sets both of its terms)."""
+        costs = self.batch_cost(grids)
+        return costs, costs
+
     def screen(self, grid: np.ndarray, batch: np.ndarray, cells: np.ndarray) -> np.ndarray:
         """Objectives of grids that differ from `grid` at a few cells: exact, as cheap as it gets
         at the sizes this model is used for."""

@@ -70,6 +70,21 @@ def layouts(shape: Shape, ordered: np.ndarray) -> list[np.ndarray]:
     return [ordered.reshape(S, m).copy(), ordered.reshape(m, S).T.copy()]
 
 
+def tiers(shape: Shape, fastest: np.ndarray, chain: np.ndarray) -> list[np.ndarray]:
+    """Two grids whose groups are tiers of speed: the `shape.devices` first of `fastest` (devices, fastest first),
+    cut into stages of like speed, each stage's devices in the order of `chain` so that a lane's devices sit at
+    like places of it; fastest stage first, and last. A stage runs at its slowest member's pace (the layer split
+    follows it), so mixing generations slows every stage, and single swaps cannot sort them (taking one slow
+    device out of a group with three changes nothing): on a swarm of unlike GPUs these seeds tell which shapes
+    can leave the slow ones out."""
+    S, m = shape.stages, shape.group_size
+    rank = np.empty(len(chain), dtype=np.int64)
+    rank[chain] = np.arange(len(chain))
+    rows = fastest[: S * m].reshape(S, m)
+    grid = np.take_along_axis(rows, np.argsort(rank[rows], axis=1, kind="stable"), axis=1)
+    return [grid, grid[::-1].copy()]
+
+
 def crossover(
     first: np.ndarray, second: np.ndarray, n: int, group_cost: np.ndarray, rng: np.random.Generator
 ) -> np.ndarray:

@@ -27,6 +27,7 @@ a seed whenever the deadline is not hit, and anytime when it is.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -34,7 +35,7 @@ from typing import Callable
 import numpy as np
 
 from hetpeer.coordinator.planner.costmodel import IMPROVEMENT, CostModel
-from hetpeer.coordinator.planner.grid import Aligner, chain_order, crossover, layouts
+from hetpeer.coordinator.planner.grid import Aligner, chain_order, crossover, layouts, tiers
 from hetpeer.coordinator.planner.moves import descend, nudge, perturb, reorder_lanes
 from hetpeer.coordinator.planner.problem import Problem, Shape
 
@@ -42,6 +43,7 @@ TRIAL_SHARE = 0.3  # of the budget, spent evolving the most promising shapes bef
 CLUSTER_SEEDS = 8  # active sets grown around random centres, when some devices may stand by
 POPULATION_CELLS = 4096  # large swarms get a smaller population: each member costs a local search
 ELITES = 2  # best grids every restart's population starts with
+FORGET_SHARE = 0.25  # a remembered grid that lost more of its devices than this is not worth going on from
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,9 +73,51 @@ class Found:
     generations: int
     converged: bool  # stopped for lack of progress, not at the deadline
     population: tuple[np.ndarray, ...]  # best first
+    memory: "Memory | None" = None  # what the search learnt, to go on from (set by `search`)
+
+
+@dataclass(frozen=True, slots=True)
+class Remembered:
+    """One shape a search evolved: its population as device ids (best first) and the seconds it was given."""
+
+    shape: Shape
+    population: tuple[tuple[tuple[str, ...], ...], ...]
+    searched_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Memory:
+    """What a search learnt, for the next search of the same swarm to go on from instead of starting again
+    (`hetpeer coordinator` keeps it between its rounds): the shapes it evolved, the best first. Grids are
+    kept as device ids, so that peers who joined, left or were renumbered since change only what they touch."""
+
+    shapes: tuple[Remembered, ...]
+
+    @property
+    def searched_s(self) -> float:
+        return sum(entry.searched_s for entry in self.shapes)
 
 
 Progress = Callable[[str], None]
+
+
+@dataclass(slots=True)
+class _Shape:
+    """A shape under search: its model, seeds, the population it reached and the seconds it has had."""
+
+    shape: Shape
+    model: CostModel
+    seeds: list[np.ndarray]
+    found: Found | None = None
+    population: list[np.ndarray] = dataclasses.field(default_factory=list)
+    searched_s: float = 0.0
+
+    def evolve(self, problem, config, rng, deadline, clock) -> Found:
+        started = clock()
+        self.found = _evolve(problem, self.model, self.seeds, self.population, config, rng, deadline, clock)
+        self.population = list(self.found.population)
+        self.searched_s += clock() - started
+        return self.found
 
 
 def search(
@@ -85,42 +129,103 @@ def search(
     deadline: float,
     clock: Callable[[], float] = time.perf_counter,
     progress: Progress | None = None,
+    memory: Memory | None = None,
 ) -> Found:
-    """Best grid over the given shapes. `deadline` is a reading of `clock`."""
-    scored = []
+    """Best grid over the given shapes. `deadline` is a reading of `clock`. With `memory` (an earlier
+    search's, `Found.memory`) the search goes on from where that one stopped (`_resume`); the result's
+    `memory` is where this one stopped."""
+    say = progress or (lambda line: None)
     orders = None
-    for shape in shapes:
-        model = make_model(shape)
-        if orders is None:  # shared by every shape: link costs differ between shapes only in scale
-            orders = _device_orders(problem, model, rng)
-        costs = model.batch_cost(np.stack(_constructed(problem, shape, orders)))
-        scored.append((float(costs.min()), shape, model))
-        if clock() > deadline:
-            break
-    scored.sort(key=lambda entry: entry[0])
-    chosen = [
-        (cost, shape, model, _constructed(problem, shape, orders) + _sampled(problem, shape, rng))
-        for cost, shape, model in scored[: config.shapes_searched]
-    ]
-    # Trials: each promising shape evolves for an equal share of TRIAL_SHARE of the budget (a share
-    # it leaves unused goes to the next); the best then evolves on from its population with the
-    # rest, unless converged. A large swarm's trial affords about one local search, which tells the
-    # shapes apart; the rest of the budget pays for more descents of the best one.
-    trials = []
-    trials_end = clock() + (TRIAL_SHARE if len(chosen) > 1 else 1.0) * (deadline - clock())
-    for k, (_, shape, model, seeds) in enumerate(chosen):
-        share = (trials_end - clock()) / (len(chosen) - k)
-        found = _evolve(problem, model, seeds, [], config, rng, clock() + share, clock)
-        if progress is not None:
-            progress(f"{shape}: trial {found.objective:.4g} s after {found.generations} generations")
-        trials.append((found, model))
-    found, model = min(trials, key=lambda entry: entry[0].objective)
-    if not found.converged and clock() < deadline:
-        seeds = next(seeds for _, shape, _, seeds in chosen if shape == found.shape)
-        found = _evolve(problem, model, seeds, list(found.population), config, rng, deadline, clock)
-        if progress is not None:
-            progress(f"{found.shape}: {found.objective:.4g} s after {found.generations} more generations")
-    return _restart(problem, model, found, orders, config, rng, deadline, clock, progress)
+    recalled = _recall(memory, problem, shapes, rng) if memory is not None else []
+    if recalled:
+        orders = _device_orders(problem, make_model(recalled[0][0]), rng)
+        book = [_Shape(shape, make_model(shape), _constructed(problem, shape, orders) + _sampled(problem, shape, rng),
+                       population=population, searched_s=searched_s) for shape, population, searched_s in recalled]
+        entry = _resume(problem, book, config, rng, deadline, clock, say)
+    else:
+        scored = []
+        for shape in shapes:
+            model = make_model(shape)
+            if orders is None:  # shared by every shape: link costs differ between shapes only in scale
+                orders = _device_orders(problem, model, rng)
+            costs, promised = model.seed_costs(np.stack(_constructed(problem, shape, orders)))
+            scored.append((float(costs.min()), float(promised.min()), shape, model))
+            if clock() > deadline:
+                break
+        ranked = sorted(scored, key=lambda entry: entry[0])
+        book = [_Shape(shape, model, _constructed(problem, shape, orders) + _sampled(problem, shape, rng))
+                for _, _, shape, model in ranked[: config.shapes_searched]]
+        # Trials: each promising shape evolves for an equal share of TRIAL_SHARE of the budget (a share
+        # it leaves unused goes to the next); the best then evolves on from its population with the
+        # rest, unless converged. A large swarm's trial affords about one local search, which tells the
+        # shapes apart; the rest of the budget pays for more descents of the best one.
+        trials_end = clock() + (TRIAL_SHARE if len(book) > 1 else 1.0) * (deadline - clock())
+        for k, entry in enumerate(book):
+            found = entry.evolve(problem, config, rng, clock() + (trials_end - clock()) / (len(book) - k), clock)
+            say(f"{entry.shape}: trial {found.objective:.4g} s after {found.generations} generations")
+        entry = min(book, key=lambda e: e.found.objective)
+        if not entry.found.converged and clock() < deadline:
+            found = entry.evolve(problem, config, rng, deadline, clock)
+            say(f"{found.shape}: {found.objective:.4g} s after {found.generations} more generations")
+    started = clock()
+    found = _restart(problem, entry.model, entry.found, orders, config, rng, deadline, clock, say)
+    entry.population, entry.searched_s = list(found.population), entry.searched_s + clock() - started
+    return dataclasses.replace(found, memory=_remember(problem, book, entry))
+
+
+def _resume(problem, book: list[_Shape], config, rng, deadline, clock, say) -> _Shape:
+    """Go on from remembered shapes as a search given their time and this budget together would: each shape
+    but the best gets its share of the trials first (TRIAL_SHARE of all the time, in equal shares, less what it
+    has had), then the best shape (re-evaluated on this swarm) evolves on with the rest."""
+    total = sum(entry.searched_s for entry in book) + max(0.0, deadline - clock())
+    best = book[0]
+    for entry in book[1:]:
+        owed = TRIAL_SHARE / len(book) * total - entry.searched_s
+        if owed > 0 and clock() < deadline:
+            found = entry.evolve(problem, config, rng, min(deadline, clock() + owed), clock)
+            say(f"{entry.shape}: trial goes on, {found.objective:.4g} s after {found.generations} generations")
+    if clock() < deadline:
+        found = best.evolve(problem, config, rng, deadline, clock)
+        say(f"{found.shape}: goes on, {found.objective:.4g} s after {found.generations} generations")
+    searched = [entry for entry in book if entry.found is not None]
+    if not searched:  # no time at all: the remembered best as it is, re-evaluated
+        best.found = _evolve(problem, best.model, [], best.population, config, rng, deadline, clock)
+        searched = [best]
+    return min(searched, key=lambda e: e.found.objective)
+
+
+def _recall(memory: Memory, problem: Problem, shapes: list[Shape], rng: np.random.Generator) -> list:
+    """The remembered shapes still searched, best first, as (shape, population as device indices of `problem`,
+    seconds searched). A device no longer in the problem is replaced by a random unused one; a grid that lost
+    more than `FORGET_SHARE` of its devices is forgotten, and so is a shape that lost every grid."""
+    index = {device: i for i, device in enumerate(problem.device_ids)}
+    recalled = []
+    for entry in memory.shapes:
+        if entry.shape not in shapes:
+            continue
+        population = []
+        for ids in entry.population:
+            grid = np.array([[index.get(d, -1) for d in row] for row in ids], dtype=np.int64)
+            missing = grid < 0
+            if missing.mean() > FORGET_SHARE:
+                continue
+            if missing.any():
+                unused = rng.permutation(np.setdiff1d(np.arange(problem.n), grid[~missing]))
+                grid[missing] = unused[: int(missing.sum())]
+            population.append(grid)
+        if population:
+            recalled.append((entry.shape, population, entry.searched_s))
+    return recalled
+
+
+def _remember(problem: Problem, book: list[_Shape], best: _Shape) -> Memory:
+    ids = np.asarray(problem.device_ids, dtype=object)
+    ordered = [best] + [entry for entry in book if entry is not best and entry.population]
+    return Memory(tuple(
+        Remembered(entry.shape, tuple(tuple(tuple(row) for row in ids[grid].tolist()) for grid in entry.population),
+                   entry.searched_s)
+        for entry in ordered
+    ))
 
 
 def _restart(problem, model, found, orders, config, rng, deadline, clock, progress) -> Found:
@@ -197,6 +302,8 @@ def _constructed(problem: Problem, shape: Shape, orders: dict[str, np.ndarray]) 
         actives += [np.sort(order[:k]) for key, order in orders.items() if key != "chain"]
     for active in actives:
         seeds += layouts(shape, chain[np.isin(chain, active)])
+    if "fastest" in orders:
+        seeds += tiers(shape, orders["fastest"], chain)
     return seeds
 
 
@@ -224,8 +331,9 @@ def _evolve(
     starts = list(improved)
     count = max(size - len(starts), min_seeds) if seeds else 0
     if count > 0:
-        seed_costs = model.batch_cost(np.stack(seeds))
-        starts += _start_order([seeds[int(i)] for i in np.argsort(seed_costs, kind="stable")], count)
+        costs, promised = model.seed_costs(np.stack(seeds))
+        ranked = _interleaved(np.argsort(promised, kind="stable").tolist(), np.argsort(costs, kind="stable").tolist())
+        starts += _start_order([seeds[i] for i in ranked], count)
     population: list[np.ndarray] = []
     costs: list[float] = []
     for start in starts:
@@ -263,6 +371,16 @@ def _evolve(
     best = int(ranked[0])
     ranked_population = tuple(population[int(k)] for k in ranked)
     return Found(model.shape, population[best], costs[best], generations, converged, ranked_population)
+
+
+def _interleaved(first: list, second: list) -> list:
+    """The items of two rankings of the same items, in turn from each, each item once where it first comes."""
+    merged: list = []
+    for pair in zip(first, second):
+        for item in pair:
+            if item not in merged:
+                merged.append(item)
+    return merged
 
 
 def _start_order(ranked: list[np.ndarray], count: int) -> list[np.ndarray]:

@@ -14,7 +14,7 @@ from hetpeer.coordinator.planner.outer import OUTER_AUTO
 from hetpeer.coordinator.planner.costmodel import CostModel
 from hetpeer.coordinator.planner.problem import PlanningError, Problem, Report, Shape
 from hetpeer.coordinator.planner.prune import Pruned, prune
-from hetpeer.coordinator.planner.search import Progress, SearchConfig, search
+from hetpeer.coordinator.planner.search import Memory, Progress, SearchConfig, search
 from hetpeer.protocol.plan import COST_MODELS, MAX_OUTER_EVERY, RECOMPUTE_CHOICES, Plan, StagePlan, standby_runs
 from hetpeer.protocol.workload import STATE_BYTES_PER_PARAM
 
@@ -70,6 +70,7 @@ class Solution:
     grid: np.ndarray  # indices into the problem's devices
     generations: int
     pruned: Pruned | None = None
+    memory: Memory | None = None  # where the search stopped: give it to the next `solve` of this swarm to go on from
 
 
 def make_model(problem: Problem, config: PlannerConfig, shape: Shape) -> CostModel:
@@ -87,9 +88,12 @@ def solve(
     rng: np.random.Generator,
     clock: Callable[[], float] = time.perf_counter,
     progress: Progress | None = None,
+    memory: Memory | None = None,
 ) -> Solution:
     """The best plan found within the time budget (deterministic for a seed when the search
-    converges before the deadline)."""
+    converges before the deadline). With `memory` (an earlier solution's, for the same workload and
+    configuration) the search goes on from where that one stopped: a swarm solved every round gets, after
+    k rounds, about the plan of one search k budgets long."""
     if problem.current is not None and problem.current.layers != problem.layers:
         raise PlanningError(
             f"the current plan splits {problem.current.layers} layers but the workload has {problem.layers}"
@@ -113,7 +117,7 @@ def solve(
         return models[shape]
 
     found = search(
-        searched, shapes, model_for, config.search, rng, clock() + config.time_budget_s, clock, progress
+        searched, shapes, model_for, config.search, rng, clock() + config.time_budget_s, clock, progress, memory
     )
     report = model_for(found.shape).report(found.grid)
     if not report.fits_memory:
@@ -122,7 +126,8 @@ def solve(
     plan = to_plan(problem, config.cost_model, grid, report)
     if pruned is not None:
         plan = with_reasons(plan, pruned.reasons(problem.device_ids))
-    return Solution(plan=plan, report=report, shape=found.shape, grid=grid, generations=found.generations, pruned=pruned)
+    return Solution(plan=plan, report=report, shape=found.shape, grid=grid, generations=found.generations, pruned=pruned,
+                    memory=found.memory)
 
 
 def _prune(problem: Problem, config: PlannerConfig) -> Pruned:
