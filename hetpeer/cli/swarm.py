@@ -69,7 +69,8 @@ def add_commands(commands) -> None:
     coordinator.add_argument("--min-peers", type=positive_int, default=2, metavar="N", help="peers to wait for before the first plan (default 2)")
     coordinator.add_argument("--gain", type=float, default=0.1, metavar="FRACTION",
                              help="a new plan must predict a step this much faster than the running one (default 0.1)")
-    coordinator.add_argument("--time-budget", type=positive_float, default=2.0, metavar="SECONDS", help="planner search time (default 2)")
+    coordinator.add_argument("--time-budget", type=positive_float, default=2.0, metavar="SECONDS",
+                             help="planner search time per solve (default 2); each solve goes on from the last one's search")
     coordinator.add_argument("--stages", type=positive_int, metavar="S", help="fix the number of pipeline stages")
     coordinator.add_argument("--group-size", type=positive_int, metavar="M", help="fix the data-parallel group size")
     coordinator.add_argument("--compress", type=compress_choice, default=("auto", "auto"), metavar="auto|CODEC[/CODEC]",

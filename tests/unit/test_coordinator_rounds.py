@@ -224,3 +224,25 @@ def test_a_plan_that_cannot_avoid_a_pair_without_a_path_leaves_a_peer_out_and_sa
     assert not any(("a", "b") in p.plan.links for p in control.plans)
     assert any(line.startswith("a stays on standby: nobody can dial it, nor b, whom the plan needed as its neighbours")
                for line in coordinator.lines), coordinator.lines[-10:]
+
+
+def test_each_solve_goes_on_from_the_search_before_it(coordinator, monkeypatch):
+    """The coordinator keeps the planner's memory between rounds: every solve but the first is given the one before's."""
+    from hetpeer.coordinator import publishing
+
+    given, returned = [], []
+
+    def solve(problem, config, rng, memory=None):
+        given.append(memory)
+        returned.append(real(problem, config, rng, memory=memory))
+        return returned[-1]
+
+    real = publishing.solve
+    monkeypatch.setattr(publishing, "solve", solve)
+    coordinator.config = replace(coordinator.config, steps=None, replan_interval_s=2.0)
+    for d in ("a", "b", "c"):
+        coordinator.control.announce(d)
+    rounds(coordinator, FIRST_PLAN_ROUNDS + 6)
+    assert len(given) >= 3 and given[0] is None
+    assert all(memory is solution.memory for memory, solution in zip(given[1:], returned))
+    assert coordinator.search_memory is returned[-1].memory and returned[-1].memory.shapes

@@ -234,7 +234,10 @@ def _restart(problem, model, found, orders, config, rng, deadline, clock, progre
     devices: a 2 s budget converged after 1.5 s). Each restart grows a population from fresh seeds
     and the best grids found so far (the elites, which every restart shares), so crossovers take
     new material into what is known to be good. Stops after `config.restarts` restarts in a row
-    without a better grid, or at the deadline; the best grid of all is returned."""
+    without a better grid, or at the deadline; the best grid of all is returned, with a population of
+    it, the elites and the last restart's population, which a later search goes on from: a restart cut
+    short by the deadline is carried on, not begun again (a round of 60 s at 1024 devices affords about
+    one restart's descents)."""
     best, stale, generations = found, 0, found.generations
     elites = list(found.population[:ELITES])
     while found.converged and stale < config.restarts and clock() < deadline:
@@ -250,7 +253,16 @@ def _restart(problem, model, found, orders, config, rng, deadline, clock, progre
         if progress is not None:
             progress(f"{found.shape}: restart {found.objective:.4g} s after {found.generations} generations"
                      f"{' (best)' if improved else ''}")
-    return Found(best.shape, best.grid, best.objective, generations, found.converged, best.population)
+    population: list[np.ndarray] = []
+    for grid in [best.grid, *elites, *found.population]:
+        if not any(_same_partition(grid, other) for other in population):
+            population.append(grid)
+    return Found(best.shape, best.grid, best.objective, generations, found.converged,
+                 tuple(population[: _population_size(config, model.shape)]))
+
+
+def _population_size(config: SearchConfig, shape: Shape) -> int:
+    return max(2, min(config.population, POPULATION_CELLS // shape.devices))
 
 
 def _fresh_seeds(problem: Problem, model: CostModel, orders: dict[str, np.ndarray], elite: np.ndarray,
@@ -327,7 +339,7 @@ def _evolve(
     search resumes first: a trial may end before its local optima) and then the best raw seeds, at
     least `min_seeds` of them."""
     aligner = Aligner(model.link_cost)
-    size = max(2, min(config.population, POPULATION_CELLS // model.shape.devices))
+    size = _population_size(config, model.shape)
     starts = list(improved)
     count = max(size - len(starts), min_seeds) if seeds else 0
     if count > 0:

@@ -13,8 +13,8 @@ Every generator is `(devices, rng) -> topology file (wire form)` and is listed i
   inside, 1-10 Gbit/s between them), the rest scattered over small regions of the world map.
 - `home`: consumer GPUs behind home connections: cities on the world map where even two homes of one city
   meet through their uplinks (10-30 ms, 20-300 Mbit/s) and home links cap every WAN link at 0.3 Gbit/s;
-  a fifth of the devices are laptops and old cards with 2 GB or less, too small for any stage of a large
-  model, and some too slow to matter.
+  a fifth of the devices are old cards and laptops: 4 TFLOPS with 2 GB, and 1 TFLOPS with 1 GB, less than
+  one GPT-3 XL layer's training state and activations (too small for any stage).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ GPU_CLASSES = ((125.0, 16.0), (70.0, 24.0), (312.0, 40.0), (312.0, 80.0), (165.0
 # eight generations, slowest first: GTX 1080, RTX 3060, T4, RTX 3090, V100, RTX 4090, A100-40GB, A100-80GB
 MIXED_CLASSES = ((8.0, 8.0), (25.0, 12.0), (65.0, 16.0), (71.0, 24.0), (125.0, 16.0), (165.0, 24.0), (312.0, 40.0),
                  (312.0, 80.0))
-# (tflops, memory in GB, share): RTX 3060, 3070, 3080, 3090, 4090; laptops and old cards of 2 GB and 1 GB
+# (tflops, memory in GB, share): RTX 3060, 3070, 3080, 3090, 4090; old cards and laptops of 2 GB and 1 GB
 HOME_CLASSES = ((25.0, 12.0, 0.25), (40.0, 8.0, 0.15), (60.0, 10.0, 0.15), (71.0, 24.0, 0.15), (165.0, 24.0, 0.1),
                 (4.0, 2.0, 0.12), (1.0, 1.0, 0.08))
 SITE_CLASSES = ((312.0, 80.0), (312.0, 40.0), (125.0, 16.0), (70.0, 24.0))  # one kind per data centre
