@@ -1,0 +1,95 @@
+"""A search goes on from an earlier one's memory: what it found is not lost, the time it had adds up, and peers
+that left since are replaced while grids that lost too many of theirs are forgotten. Budgets run on a clock
+that ticks per reading, so that what a search does in them does not depend on the machine's load."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hetpeer.coordinator.planner import Memory, PlannerConfig, Problem, Shape, solve
+from hetpeer.coordinator.planner.search import FORGET_SHARE, Remembered, _recall
+from hetpeer.coordinator.planner.synthetic import random_topology
+from hetpeer.protocol.modelspec import preset
+from hetpeer.protocol.topology import Topology
+from hetpeer.protocol.workload import Workload
+
+
+def problem(devices: int = 40, seed: int = 3) -> Problem:
+    raw = random_topology(devices, 5, np.random.default_rng(seed))
+    return Problem.from_topology(Topology.from_wire(raw), Workload(preset("gpt3-xl", 8), batch=64))
+
+
+class TickingClock:
+    def __init__(self, step: float = 0.001) -> None:
+        self.step, self.now = step, 0.0
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def run(p: Problem, budget_s: float, seed: int, memory: Memory | None = None, **config):
+    return solve(p, PlannerConfig(time_budget_s=budget_s, **config), np.random.default_rng(seed), clock=TickingClock(),
+                 memory=memory)
+
+
+def test_rounds_never_lose_the_best_plan_and_their_time_adds_up():
+    p = problem()
+    first = run(p, 0.5, 0)
+    memory, best = first.memory, first.report.objective
+    assert memory.shapes and memory.shapes[0].shape == first.shape
+    for seed in range(1, 5):
+        again = run(p, 0.5, seed, memory)
+        assert again.report.objective <= best * (1 + 1e-9)
+        assert again.memory.searched_s > memory.searched_s  # each round's time is added to what the shapes had
+        memory, best = again.memory, again.report.objective
+
+
+def test_a_round_without_time_answers_with_what_the_last_one_found():
+    p = problem()
+    searched = run(p, 0.5, 0)
+    resumed = run(p, 1e-6, 1, searched.memory)
+    fresh = run(p, 1e-6, 1)
+    assert resumed.report.objective <= searched.report.objective * (1 + 1e-9)
+    assert fresh.report.objective > searched.report.objective  # without the memory, a seed as it was constructed
+
+
+def test_devices_that_left_are_replaced_and_grids_that_lost_too_many_are_forgotten():
+    p = problem()
+    ids = p.device_ids
+    kept = [ids[i] for i in range(8)]
+    gone = [f"gone-{i}" for i in range(8)]
+    one_lost = ((kept[0], kept[1]), (kept[2], gone[0]))  # a quarter lost: within FORGET_SHARE, mended
+    most_lost = ((gone[1], gone[2]), (gone[3], kept[3]))  # three quarters lost: forgotten
+    assert 1 / 4 <= FORGET_SHARE < 3 / 4
+    memory = Memory((Remembered(Shape(2, 2), (one_lost, most_lost), 1.0),
+                     Remembered(Shape(2, 1), (((gone[4],), (gone[5],)),), 1.0),  # every grid forgotten: the shape too
+                     Remembered(Shape(4, 1), (((kept[4],), (kept[5],), (kept[6],), (kept[7],)),), 1.0)))
+    shapes = [Shape(2, 2), Shape(2, 1)]  # 4 x 1 is no longer searched: not recalled
+    recalled = _recall(memory, p, shapes, np.random.default_rng(0))
+    assert [shape for shape, _, _ in recalled] == [Shape(2, 2)]
+    (grid,) = recalled[0][1]
+    assert grid.shape == (2, 2) and len(set(grid.ravel().tolist())) == 4 and grid.max() < p.n
+    assert [ids[i] for i in grid.ravel()[:3]] == [kept[0], kept[1], kept[2]]  # what stayed stays where it was
+    assert ids[grid[1, 1]] not in kept[:3]
+
+
+def test_a_remembered_plan_over_peers_that_changed_still_gives_a_valid_plan(check_plan):
+    p = problem(40)
+    first = run(p, 0.5, 0)
+    survivors = np.setdiff1d(np.arange(p.n), first.grid.ravel()[:3])  # three planned peers left
+    smaller = p.subset(survivors)
+    again = run(smaller, 0.3, 1, first.memory)
+    check_plan(smaller, again)
+    assert not set(again.plan.devices) - set(smaller.device_ids)
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_memory_of_a_shape_no_longer_allowed_is_not_used(stages, check_plan):
+    p = problem(16)
+    remembered = run(p, 0.3, 0, stages=2, group_size=4).memory
+    solution = run(p, 0.3, 1, remembered, stages=stages, group_size=8 // stages)
+    check_plan(p, solution)
+    assert solution.shape == Shape(stages, 8 // stages)
+    assert solution.memory.shapes[0].shape == Shape(stages, 8 // stages)
