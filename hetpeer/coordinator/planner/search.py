@@ -1,11 +1,13 @@
 """The hybrid genetic search of Yuan et al. (NeurIPS 2022), on grids, over shapes.
 
-Per shape: a small population of grids, seeded by construction (clustered, strided, file order),
-at random, and, where devices may stand by, as tight clusters around random centres; each seed is
-improved by local search, the best seed every other time (descents of one seed along different
-random paths end far apart on large swarms, where a few descents are all a budget affords). Nine
-generations in ten (`nudges`) take one member by tournament, swap three random pairs of it and
-descend only around them (iterated local search); the child replaces that member if better. The
+Per shape: a small population of grids, seeded by construction (clustered, strided, file order,
+tiers of speed), at random, and, where devices may stand by, as tight clusters around random
+centres; each seed is improved by local search, starting from the seeds best by objective and by
+promise (the objective without sync, which a descent mends most) in turn, the best seed every other
+time (descents of one seed along different random paths end far apart on large swarms, where a few
+descents are all a budget affords). Nine generations in ten (`nudges`) take one member by tournament,
+swap three random pairs of it and descend only around them (iterated local search); the child
+replaces that member if better. The
 others pick two parents by tournament and cross their partitions (balanced, see grid.crossover),
 or kick one with many random swaps when the tournament picks the same member twice (so that a
 population of one still searches); that child is aligned (TSP order over bottleneck matchings),
@@ -23,13 +25,16 @@ around new centres, kicked copies of the best grid) with the best grids found so
 so that new material is crossed with what earlier populations learnt. The search stops after
 `restarts` restarts in a row that found nothing better, or at the deadline: it is deterministic for
 a seed whenever the deadline is not hit, and anytime when it is.
+
+Across searches: a search returns its `Memory` (each shape it evolved, its population by device id and
+the seconds it had); a search given one goes on from there instead of starting again (`_resume`), as a
+coordinator's rounds do.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -109,7 +114,7 @@ class _Shape:
     model: CostModel
     seeds: list[np.ndarray]
     found: Found | None = None
-    population: list[np.ndarray] = dataclasses.field(default_factory=list)
+    population: list[np.ndarray] = field(default_factory=list)
     searched_s: float = 0.0
 
     def evolve(self, problem, config, rng, deadline, clock) -> Found:
@@ -148,13 +153,13 @@ def search(
             model = make_model(shape)
             if orders is None:  # shared by every shape: link costs differ between shapes only in scale
                 orders = _device_orders(problem, model, rng)
-            costs, promised = model.seed_costs(np.stack(_constructed(problem, shape, orders)))
-            scored.append((float(costs.min()), float(promised.min()), shape, model))
+            costs = model.batch_cost(np.stack(_constructed(problem, shape, orders)))
+            scored.append((float(costs.min()), shape, model))
             if clock() > deadline:
                 break
-        ranked = sorted(scored, key=lambda entry: entry[0])
+        scored.sort(key=lambda entry: entry[0])
         book = [_Shape(shape, model, _constructed(problem, shape, orders) + _sampled(problem, shape, rng))
-                for _, _, shape, model in ranked[: config.shapes_searched]]
+                for _, shape, model in scored[: config.shapes_searched]]
         # Trials: each promising shape evolves for an equal share of TRIAL_SHARE of the budget (a share
         # it leaves unused goes to the next); the best then evolves on from its population with the
         # rest, unless converged. A large swarm's trial affords about one local search, which tells the
@@ -170,7 +175,7 @@ def search(
     started = clock()
     found = _restart(problem, entry.model, entry.found, orders, config, rng, deadline, clock, say)
     entry.population, entry.searched_s = list(found.population), entry.searched_s + clock() - started
-    return dataclasses.replace(found, memory=_remember(problem, book, entry))
+    return replace(found, memory=_remember(problem, book, entry))
 
 
 def _resume(problem, book: list[_Shape], config, rng, deadline, clock, say) -> _Shape:
