@@ -179,7 +179,7 @@ def test_a_plan_change_mid_epoch_neither_repeats_nor_skips_a_window(tmp_path):
             peers.append(subprocess.Popen(
                 [sys.executable, "-m", "hetpeer", "join", "--swarm", "datachange", "--name", f"p{i}", "--home", str(tmp_path / f"p{i}"),
                  "--coordinator-key", key_digest(control.public_key), "--initial-peers", control.visible_maddrs()[0],
-                 "--heartbeat", "1", "--steps", "24", "--threads", "1", "--slowdown", "10", "--data", str(tmp_path / "prepared")],
+                 "--heartbeat", "1", "--steps", "24", "--threads", "1", "--slowdown", "40", "--data", str(tmp_path / "prepared")],
                 stdout=logs[-1], stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)}))
         deadline = time.monotonic() + HANG_GUARD_S
 
@@ -197,7 +197,10 @@ def test_a_plan_change_mid_epoch_neither_repeats_nor_skips_a_window(tmp_path):
         assert control.publish_plan(first, ttl_s=600)
         while time.monotonic() < deadline and max(r.step for r in records().values()) < 3:
             time.sleep(0.5)
-        start = max(r.step for r in records().values()) + 8  # well ahead: peers switch at that step boundary
+        # well ahead, as a coordinator's start step is: a peer reads plans once a heartbeat and records lag by one, so
+        # the plan must reach both before either gets there (a peer past it would run that step under both plans);
+        # at about 0.5 s a step (--slowdown 40) ten steps are five heartbeats
+        start = max(r.step for r in records().values()) + 10
         second = Plan("time", "tiny", tiny.layers, 6, 2, 2, "fp32", (StagePlan(0, 0, tiny.layers, tuple(reversed(ids)), "gossip"),),
                       epoch=2, start_step=start, data_position=first.data_position_at(start))
         assert control.publish_plan(second, ttl_s=600)
