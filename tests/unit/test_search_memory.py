@@ -9,28 +9,15 @@ import pytest
 
 from hetpeer.coordinator.planner import Memory, PlannerConfig, Problem, Shape, solve
 from hetpeer.coordinator.planner.search import FORGET_SHARE, Remembered, _recall
-from hetpeer.coordinator.planner.synthetic import random_topology
-from hetpeer.protocol.modelspec import preset
-from hetpeer.protocol.topology import Topology
-from hetpeer.protocol.workload import Workload
+from tests.unit.test_solve_determinism import TickingClock, problem as swarm
 
 
 def problem(devices: int = 40, seed: int = 3) -> Problem:
-    raw = random_topology(devices, 5, np.random.default_rng(seed))
-    return Problem.from_topology(Topology.from_wire(raw), Workload(preset("gpt3-xl", 8), batch=64))
-
-
-class TickingClock:
-    def __init__(self, step: float = 0.001) -> None:
-        self.step, self.now = step, 0.0
-
-    def __call__(self) -> float:
-        self.now += self.step
-        return self.now
+    return swarm(devices, 5, seed)
 
 
 def run(p: Problem, budget_s: float, seed: int, memory: Memory | None = None, **config):
-    return solve(p, PlannerConfig(time_budget_s=budget_s, **config), np.random.default_rng(seed), clock=TickingClock(),
+    return solve(p, PlannerConfig(time_budget_s=budget_s, **config), np.random.default_rng(seed), clock=TickingClock(0.001),
                  memory=memory)
 
 
