@@ -12,6 +12,8 @@ forward and backward passes of step 0 (no optimizer step), and writes into OUT_D
     DEVICE.npz   the gradient of every parameter of its stage, by global parameter name
     DEVICE.json  {"loss": float or null, "routes": {device: link}, "error": null}
 
+and then keeps its transport up until its lane neighbours have written theirs (`_linger`).
+
 When the transport fails (a dead or unreachable neighbour) DEVICE.json holds
 {"error": {"type": exception class name, "message": str}} and the exit code is 3.
 `--die-after-first-activation` kills this process (SIGKILL) as soon as the first activation arrived:
@@ -26,6 +28,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -87,7 +90,18 @@ def main() -> int:
         grads = {name: p.grad.detach().numpy() for name, p in worker.model.named_parameters()}
         np.savez(args.out / f"{args.device}.npz", **grads)
         report.write_text(json.dumps({"loss": result.loss, "routes": dict(transport.routes), "error": None}))
+        _linger(args.out, [d for d in (worker.previous, worker.next) if d is not None], args.timeout)
     return 0
+
+
+def _linger(out: Path, neighbours: list[str], timeout_s: float) -> None:
+    """Keep the transport up until the lane's neighbours have written their results too (or `timeout_s`).
+    `flush` returns once the last frames left this process, but over P2P they may still sit in this peer's
+    p2pd, which stops with the transport: a peer that left at once dropped its last gradients to a busy
+    neighbour (seen in CI: "no gradient for step 0 micro-batch 2 from d1 within 30 s", d1 done)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not all((out / f"{d}.json").exists() for d in neighbours):
+        time.sleep(0.05)
 
 
 def _die_after_first_activation(transport) -> None:
