@@ -14,6 +14,7 @@ from hetpeer.coordinator.api_client import ApiClient
 from hetpeer.coordinator.api_errors import ApiError
 from hetpeer.coordinator.console import render_status, status_json
 from hetpeer.coordinator.view import Progress, SwarmView, progress
+from hetpeer.peer.launch import free_port
 from hetpeer.protocol import swarm_pb2
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan
@@ -68,12 +69,6 @@ def view(plan: Plan | None = None, peers=None) -> SwarmView:
         swarm="demo", coordinator_key="ab" * 32, plan=plan, plan_time=990.0 if plan else None,
         peers=make_peers() if peers is None else peers, dropped=2, now=NOW,
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- the pure figures -------------------------------------------------------------------------------
