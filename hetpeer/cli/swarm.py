@@ -399,7 +399,7 @@ def _watch(read, first, every_s: float) -> int:
 
 
 def run_swarm(args: argparse.Namespace) -> int:
-    from hetpeer.peer.launch import free_port
+    from hetpeer.peer.reach import free_port
     from hetpeer.swarm.launcher import LocalSwarm, SwarmConfig, SwarmError, parse_per_peer
     from hetpeer.swarm.report import write_report
 

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
-import socket
 import subprocess
 import sys
 import threading
@@ -17,54 +15,9 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from hetpeer import logline
+from hetpeer.peer.reach import free_port
 from hetpeer.protocol.addresses import AddressBook, PeerAddress
 from hetpeer.protocol.plan import Plan
-
-
-_LOWEST_PORT = 20000  # below it lie the ports that services on a machine commonly listen on
-_handed_out: set[int] = set()
-_handed_out_lock = threading.Lock()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on `host` now, for a listener that binds it later (a peer started after its address book is
-    written). It is drawn below the kernel's ephemeral range: a port from that range can meanwhile become the
-    source port of any outgoing connection on the machine, which then refuses the bind. No port is handed out
-    twice in one process."""
-    low = _ephemeral_low()
-    with _handed_out_lock:
-        if low - _LOWEST_PORT >= 1000:
-            draw = random.SystemRandom()
-            for _ in range(200):
-                port = draw.randrange(_LOWEST_PORT, low)
-                if port not in _handed_out and _bindable(host, port):
-                    _handed_out.add(port)
-                    return port
-        # no room below the ephemeral range (or none of it free): take what the kernel gives
-        with socket.socket() as sock:
-            sock.bind((host, 0))
-            port = sock.getsockname()[1]
-        _handed_out.add(port)
-        return port
-
-
-def _ephemeral_low() -> int:
-    """The lowest port the kernel gives to outgoing connections; Linux's and macOS's defaults start at 32768 or
-    above, so that is assumed where the setting cannot be read."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def _bindable(host: str, port: int) -> bool:
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the listeners bind it
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def write_address_book(devices: Sequence[str], out_dir: Path, links: str, host: str = "127.0.0.1") -> Path:

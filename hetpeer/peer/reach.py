@@ -9,9 +9,12 @@ ask (no reach service named, or it does not answer) says its reachability is unk
 from __future__ import annotations
 
 import logging
+import random
 import socket
+import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Sequence
 
 from hetpeer.protocol.reach import MAX_LINE_BYTES, ReachReply, ReachRequest
@@ -56,11 +59,61 @@ def ask(service: tuple[str, int], ports: Sequence[int], timeout_s: float = 15.0,
     return Reach(reply.observed, reply.open, reply.time - (sent + received) / 2, received - sent)
 
 
-def listening(host: str, port: int) -> socket.socket:
-    """A bare listener on (host, port) (port 0: a free one) for the reach check of a port whose server starts
-    after it; close it before the server starts."""
+_LOWEST_PORT = 20000  # below it lie the ports that services on a machine commonly listen on
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` now, for a listener that binds it later (a peer started after its address book is
+    written, a server started after the reach check). It is drawn below the kernel's ephemeral range: a port
+    from that range can meanwhile become the source port of any outgoing connection on the machine, which then
+    refuses the bind. No port is handed out twice in one process."""
+    low = _ephemeral_low()
+    with _handed_out_lock:
+        if low - _LOWEST_PORT >= 1000:
+            draw = random.SystemRandom()
+            for _ in range(200):
+                port = draw.randrange(_LOWEST_PORT, low)
+                if port not in _handed_out and _bindable(host, port):
+                    _handed_out.add(port)
+                    return port
+        # no room below the ephemeral range (or none of it free): take what the kernel gives
+        with socket.socket(_family(host)) as sock:
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        _handed_out.add(port)
+        return port
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel gives to outgoing connections; Linux's and macOS's defaults start at 32768 or
+    above, so that is assumed where the setting cannot be read."""
     try:
-        return socket.create_server((host, port))
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(_family(host)) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the listeners bind it
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
+def listening(host: str, port: int) -> socket.socket:
+    """A bare listener on (host, port) (port 0: a `free_port`) for the reach check of a port whose server
+    starts after it; close it before the server starts."""
+    try:
+        return socket.create_server((host, port or free_port(host)))
     except OSError as error:
         raise ReachError(f"cannot listen on {host}:{port}: {error.strerror or error}"
                          + (" (another peer on this machine? give it another port)" if port else "")) from None

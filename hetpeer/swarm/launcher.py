@@ -25,7 +25,7 @@ from typing import Callable
 from hetpeer import logline
 from hetpeer.coordinator.api_client import ApiClient
 from hetpeer.coordinator.api_errors import ApiError
-from hetpeer.peer.launch import free_port
+from hetpeer.peer.reach import free_port
 from hetpeer.protocol.dataset import is_prepared
 from hetpeer.swarm.report import Event, LaneStep, PeerInfo, PlanUse, RunReport, StageUse, lane_step, samples_from_lanes, summarize
 from hetpeer.swarm.watch import StalledError, describe, follow

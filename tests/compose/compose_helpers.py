@@ -16,7 +16,7 @@ from typing import Callable, TypeVar
 import pytest
 
 from hetpeer.coordinator.api_errors import ApiError
-from hetpeer.peer.launch import free_port
+from hetpeer.peer.reach import free_port
 from hetpeer.swarm.report import RunReport
 from hetpeer.testbed.compose import Compose, run
 

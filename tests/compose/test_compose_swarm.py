@@ -14,7 +14,7 @@ from compose_helpers import ROOT, unique, wait_for
 from hetpeer.coordinator.api_client import ApiClient
 from hetpeer.coordinator.config import CoordinatorConfig
 from hetpeer.logline import unstamp
-from hetpeer.peer.launch import free_port
+from hetpeer.peer.reach import free_port
 from hetpeer.testbed.compose import Compose
 
 PEERS = ("peer1", "peer2", "peer3", "peer4")

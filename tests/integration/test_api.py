@@ -14,7 +14,7 @@ from hetpeer.coordinator.api_client import ApiClient
 from hetpeer.coordinator.api_errors import ApiError
 from hetpeer.coordinator.console import render_status, status_json
 from hetpeer.coordinator.view import Progress, SwarmView, progress
-from hetpeer.peer.launch import free_port
+from hetpeer.peer.reach import free_port
 from hetpeer.protocol import swarm_pb2
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan

@@ -22,7 +22,7 @@ from p2p_keys import make_keys
 from processes import live_processes
 from hetpeer.logline import unstamp
 from hetpeer.peer.data.corpus import Corpus
-from hetpeer.peer.launch import free_port
+from hetpeer.peer.reach import free_port
 from hetpeer.peer.model import build_stage
 from hetpeer.protocol.addresses import AddressBook
 from hetpeer.protocol.plan import Plan, StagePlan

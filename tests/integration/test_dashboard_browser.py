@@ -16,7 +16,7 @@ import pytest
 
 from dashboard_boards import board
 from hetpeer.coordinator.web import DashboardServer
-from hetpeer.peer.launch import free_port
+from hetpeer.peer.reach import free_port
 from hetpeer.swarm import browser
 from hetpeer.swarm.launcher import LocalSwarm, SwarmConfig
 from hetpeer.swarm.report import Event, PeerInfo, PlanUse, RunReport, Sample, write_report

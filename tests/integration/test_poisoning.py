@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hetpeer.logline import unstamp
-from hetpeer.peer.launch import free_port
+from hetpeer.peer.reach import free_port
 from hetpeer.swarm.launcher import LocalSwarm, SwarmConfig
 
 pytestmark = pytest.mark.slow

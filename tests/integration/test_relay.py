@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hetpeer.peer.launch import free_port
+from hetpeer.peer.reach import free_port
 from hetpeer.peer.transport.inbox import PeerUnreachable, TransportTimeout
 from hetpeer.peer.transport.links import TcpLink
 from hetpeer.peer.transport.network import NetworkTransport

@@ -19,7 +19,7 @@ import torch
 from hetpeer.coordinator.api_client import ApiClient
 from hetpeer.coordinator.api_errors import ApiError
 from hetpeer.logline import unstamp
-from hetpeer.peer.launch import free_port
+from hetpeer.peer.reach import free_port
 from hetpeer.protocol.control import ControlPlane, key_digest
 from hetpeer.protocol.records import peers_key
 from hetpeer.swarm.launcher import LocalSwarm, SwarmConfig

@@ -1,12 +1,15 @@
-"""The reach check's wire format (`protocol/reach.py`) and what a peer says of its answer (`peer/reach.py`)."""
+"""The reach check's wire format (`protocol/reach.py`), what a peer says of its answer (`peer/reach.py`), and the
+free ports it and the local launcher choose, which must still be free when they are bound."""
 
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 
-from hetpeer.peer.reach import Reach, advice, clock_words
+from hetpeer.peer import reach
+from hetpeer.peer.reach import Reach, advice, clock_words, free_port
 from hetpeer.protocol.reach import MAX_LINE_BYTES, ReachReply, ReachRequest
 from hetpeer.protocol.wire import SchemaError
 
@@ -60,3 +63,37 @@ def test_a_clock_far_off_is_said_and_a_close_one_is_not():
     assert clock_words(1.5) is None
     assert "90 s behind" in clock_words(90.0)
     assert "120 s ahead of" in clock_words(-120.0)
+
+
+def test_free_ports_lie_below_the_range_outgoing_connections_take_theirs_from_and_are_never_handed_out_twice():
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50
+    assert all(reach._LOWEST_PORT <= port < reach._ephemeral_low() for port in ports)
+    for port in ports[:5]:  # still free: a listener binds each
+        socket.create_server(("127.0.0.1", port)).close()
+    with reach.listening("127.0.0.1", 0) as checked:  # the reach check's listeners on "any port" take one too
+        assert reach._LOWEST_PORT <= checked.getsockname()[1] < reach._ephemeral_low()
+
+
+def test_a_port_something_listens_on_or_already_handed_out_is_passed_over(monkeypatch):
+    handed = free_port()
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        taken = busy.getsockname()[1]
+        with socket.create_server(("127.0.0.1", 0)) as spare:
+            free = spare.getsockname()[1]
+        draws = iter([taken, handed, free])
+
+        class Draw:
+            def randrange(self, low, high):
+                return next(draws)
+
+        monkeypatch.setattr(reach, "_ephemeral_low", lambda: 65536)
+        monkeypatch.setattr(reach.random, "SystemRandom", Draw)
+        assert free_port() == free
+
+
+def test_with_no_room_below_the_ephemeral_range_the_kernel_picks(monkeypatch):
+    monkeypatch.setattr(reach, "_ephemeral_low", lambda: reach._LOWEST_PORT + 10)
+    port = free_port()
+    assert port >= reach._LOWEST_PORT + 10
+    socket.create_server(("127.0.0.1", port)).close()
