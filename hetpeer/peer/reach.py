@@ -79,11 +79,13 @@ def free_port(host: str = "127.0.0.1") -> int:
                     _handed_out.add(port)
                     return port
         # no room below the ephemeral range (or none of it free): take what the kernel gives
-        with socket.socket(_family(host)) as sock:
-            sock.bind((host, 0))
-            port = sock.getsockname()[1]
-        _handed_out.add(port)
-        return port
+        while True:
+            with socket.socket(_family(host)) as sock:
+                sock.bind((host, 0))
+                port = sock.getsockname()[1]
+            if port not in _handed_out:
+                _handed_out.add(port)
+                return port
 
 
 def _ephemeral_low() -> int:
@@ -112,10 +114,11 @@ def _family(host: str) -> socket.AddressFamily:
 def listening(host: str, port: int) -> socket.socket:
     """A bare listener on (host, port) (port 0: a `free_port`) for the reach check of a port whose server
     starts after it; close it before the server starts."""
+    chosen = port or free_port(host)
     try:
-        return socket.create_server((host, port or free_port(host)))
+        return socket.create_server((host, chosen))
     except OSError as error:
-        raise ReachError(f"cannot listen on {host}:{port}: {error.strerror or error}"
+        raise ReachError(f"cannot listen on {host}:{chosen}: {error.strerror or error}"
                          + (" (another peer on this machine? give it another port)" if port else "")) from None
 
 

@@ -92,8 +92,16 @@ def test_a_port_something_listens_on_or_already_handed_out_is_passed_over(monkey
         assert free_port() == free
 
 
-def test_with_no_room_below_the_ephemeral_range_the_kernel_picks(monkeypatch):
+def test_with_no_room_below_the_ephemeral_range_the_kernel_picks_and_still_never_twice(monkeypatch):
     monkeypatch.setattr(reach, "_ephemeral_low", lambda: reach._LOWEST_PORT + 10)
     port = free_port()
     assert port >= reach._LOWEST_PORT + 10
     socket.create_server(("127.0.0.1", port)).close()
+    picks = iter([port, port + 1])  # the kernel gives the same port again, then another
+
+    class Socket(socket.socket):
+        def getsockname(self):
+            return ("127.0.0.1", next(picks))
+
+    monkeypatch.setattr(reach.socket, "socket", Socket)
+    assert free_port() == port + 1
