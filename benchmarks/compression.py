@@ -22,17 +22,18 @@ import statistics
 import sys
 import threading
 import time
+from dataclasses import replace
 
 import torch
 
 from hetpeer.peer.data.corpus import Corpus
-from hetpeer.peer.gossip.adam import AdamConfig
 from hetpeer.peer.pipeline.worker import StageWorker, WorkerConfig
 from hetpeer.peer.transport import MemoryHub, MemoryTransport
 from hetpeer.peer.transport.codec import checksum, decode, encode
 from hetpeer.protocol.frame import CODECS, FrameHeader, bytes_per_value
 from hetpeer.protocol.modelspec import preset
 from hetpeer.protocol.plan import Plan, StagePlan
+from hetpeer.protocol.recipe import Recipe
 
 PAIRS = [("raw", "raw"), ("bf16", "bf16"), ("int8", "int8"), ("int4", "int8"), ("int4", "int4")]
 GOALS = {"int8": 0.005, "int4": 0.02}  # the forward codec's allowed gap to raw, at equal tokens
@@ -49,7 +50,8 @@ def two_by_two(model: str, lane_batch: int, micro_batch: int) -> Plan:
 def train(plan: Plan, steps: int, every: int, lr: float, corpus: Corpus, seed: int) -> list[tuple[int, float]]:
     """(step, validation loss) every `every` steps of `plan` (its codecs on the hops) trained from `seed`."""
     hub = MemoryHub()
-    config = WorkerConfig(adam=AdamConfig(lr=lr), seed=seed)
+    plan = replace(plan, recipe=Recipe(lr=lr, seed=seed, clip_norm=0.0))  # unclipped, as its documented figures were
+    config = WorkerConfig()
     workers = {}
     for device in plan.devices:
         transport = MemoryTransport(device, hub)

@@ -43,7 +43,6 @@ from pathlib import Path
 
 import torch
 
-from hetpeer.cli.common import OUTER_WARMUP
 from hetpeer.logline import unstamp
 from hetpeer.peer.data.corpus import Corpus
 from hetpeer.peer.gossip.adam import AdamConfig
@@ -60,6 +59,7 @@ from hetpeer.peer.transport.network import Emulation, NetworkTransport
 from hetpeer.protocol.addresses import AddressBook, PeerAddress
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.modelspec import preset
+from hetpeer.protocol.recipe import OUTER_AFTER, Recipe
 
 HIDDEN_GOAL = 0.8
 OUTER_GOAL_H, OUTER_GOAL = 50, 0.03  # H = 50 within 3% of every-step sync
@@ -102,9 +102,14 @@ def train_in_memory(peers: int, sync: str, steps: int, adam: AdamConfig, codec: 
     """n peers of one group in threads over the in-memory transport; every `every` steps, the validation loss
     of the group's mean parameters (what a final exact average would export)."""
     plan = one_group("tiny", peers, sync, batch_per_peer=batch_per_peer, micro_batch=batch_per_peer, outer_every=outer_every)
-    plan = replace(plan, outer_after=outer_after, stages=(replace(plan.stages[0], outer_delay=outer_delay),))
+    # no gradient clipping: the figures in docs/gossip.md were measured without it
+    recipe = Recipe(lr=adam.lr, betas=adam.betas, eps=adam.eps, weight_decay=adam.weight_decay, clip_norm=0.0,
+                    warmup_steps=adam.warmup_steps, decay_steps=adam.decay_steps or 0, min_lr_ratio=adam.min_lr_ratio,
+                    accumulate=adam.accumulate, topology=topology, sync_codec=codec, mix_deadline_s=60.0,
+                    outer_lr=outer.lr, outer_momentum=outer.momentum, outer_after=outer_after)
+    plan = replace(plan, recipe=recipe, stages=(replace(plan.stages[0], outer_delay=outer_delay),))
     hub = MemoryHub()
-    config = WorkerConfig(adam=adam, sync=SyncConfig(topology=topology, codec=codec, deadline_s=60, outer=outer))
+    config = WorkerConfig()
     workers = []
     for device in plan.devices:
         transport = MemoryTransport(device, hub)
@@ -300,8 +305,8 @@ def main() -> int:
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run only these optimizers of the loss part (by name)")
     parser.add_argument("--outer", type=int, nargs="+", default=[1, 10, 50, 200], metavar="H",
                         help="steps between outer steps, outer part (default 1 10 50 200)")
-    parser.add_argument("--outer-warmup", type=int, default=OUTER_WARMUP, metavar="STEPS",
-                        help=f"outer part: also run each H with a warm start of this many steps (default {OUTER_WARMUP}; 0: none)")
+    parser.add_argument("--outer-warmup", type=int, default=OUTER_AFTER, metavar="STEPS",
+                        help=f"outer part: also run each H with a warm start of this many steps (default {OUTER_AFTER}; 0: none)")
     parser.add_argument("--outer-delays", type=int, nargs="*", default=[1, 5, 10, OUTER_GOAL_H - 1], metavar="D",
                         help=f"outer part: also run H = {OUTER_GOAL_H} with its exchange overlapping D steps (default 1 5 10 "
                         f"{OUTER_GOAL_H - 1})")

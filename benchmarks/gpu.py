@@ -292,7 +292,7 @@ def launch_part(out: Path, sizes: Sizes, cuda: bool) -> dict:
                                     "--quiet", "--time-budget", "0.5"))
         run = out / f"run-{name.replace(' ', '-')}"
         started = time.perf_counter()
-        hetpeer("launch", str(plan), "--model", str(folder), "--steps", str(sizes.launch_steps), "--lr", "1e-3",
+        hetpeer("launch", str(plan), "--model", str(folder), "--steps", str(sizes.launch_steps), "--set", "lr=1e-3",
                 "--link", "tcp", "--device", device, "--out", str(run))
         found[name] = {"seconds": time.perf_counter() - started, **read_run(run, json.loads(plan.read_text()))}
         say(f"  (b) {name}: {sizes.launch_steps} steps in {found[name]['seconds']:.1f} s, loss {found[name]['losses'][0]:.4f} "

@@ -19,6 +19,8 @@ standby trains no more), against the same peers' in the honest run of this bench
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import argparse
 import collections
 import json
@@ -31,7 +33,7 @@ from pathlib import Path
 
 from hetpeer import logline
 from hetpeer.peer.launch import free_port
-from hetpeer.swarm.launcher import LocalSwarm, SwarmConfig, SwarmError
+from hetpeer.swarm.launcher import DEMO_RECIPE, LocalSwarm, SwarmConfig, SwarmError
 from hetpeer.swarm.report import lane_step
 
 GOAL = 1.10
@@ -73,7 +75,7 @@ def run(out: Path, steps: int, poison: str | None, defended: bool, clip: float) 
         out=out, peers=4, steps=steps, swarm="poison", replan_interval_s=600.0, stall_s=180.0, batch=BATCH,
         # gossip pinned: robust mixing is the defence measured, and `auto` may pick all-reduce on a loaded machine
         coordinator_args=("--stages", "1", "--sync", "gossip") + (() if defended else ("--ban-period", "0")),
-        peer_args=("--robust", repr(clip)) if defended else (),
+        recipe=replace(DEMO_RECIPE, robust=clip if defended else 0.0),
     )
     swarm = PoisonedSwarm(config, poison)
     try:

@@ -26,6 +26,8 @@ At least three honest peers stay up. Reported, against the goals:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import argparse
 import json
 import os
@@ -40,7 +42,7 @@ from pathlib import Path
 
 from poison import PoisonedSwarm
 
-from hetpeer.swarm.launcher import SwarmConfig
+from hetpeer.swarm.launcher import DEMO_RECIPE, SwarmConfig
 
 STALL_GOAL_S = 60.0
 SOCKETS = "p2pd sockets in the temp folder"
@@ -176,7 +178,7 @@ def main() -> int:
     out = args.out or Path(tempfile.mkdtemp(prefix="hetpeer-soak-"))
     before = machine(out)
     config = SwarmConfig(out=out, peers=args.peers, steps=10**6, swarm="soak", stall_s=3600.0,
-                         peer_args=("--robust", repr(args.clip)))
+                         recipe=replace(DEMO_RECIPE, robust=args.clip))
     swarm = PoisonedSwarm(config, "scale", poisoner=args.peers - 1)
     soak = Soak(swarm, random.Random(args.seed), lambda line: print(line, flush=True))
     early: dict[int, dict[str, int]] = {}

@@ -51,7 +51,7 @@ from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.records import PeerRecord
 from hetpeer.protocol.modelspec import preset
 from hetpeer.protocol.workload import Workload
-from hetpeer.swarm.launcher import LocalSwarm, SwarmConfig
+from hetpeer.swarm.launcher import DEMO_RECIPE, LocalSwarm, SwarmConfig
 
 LEAD_S = 8.0  # a published plan takes effect this far ahead, so every peer has read it
 SETTLE_STEPS = 10  # steps a plan runs before its window opens: switching, downloads and first steps excluded
@@ -146,7 +146,7 @@ def main() -> int:
     caps = tuple(40.0 if i in full_speed[-2:] else None for i in range(args.peers))
     config = SwarmConfig(
         out=out, peers=args.peers, steps=10**6, slowdowns=slowdowns, bandwidth_caps=caps, heartbeat_s=2.0,
-        replan_interval_s=10**6, timeout_s=10.0, mix_deadline_s=3.0, seed=args.seed,
+        replan_interval_s=10**6, timeout_s=10.0, recipe=replace(DEMO_RECIPE, seed=args.seed),
         coordinator_args=("--stages", str(args.stages)) + (("--group-size", str(args.group_size)) if args.group_size else ()),
     )
     workload = Workload(preset(config.model), batch=config.batch, micro_batch=config.micro_batch, dtype=config.dtype)

@@ -46,6 +46,7 @@ from hetpeer.peer.model import build_stage
 from hetpeer.peer.pipeline.worker import StageWorker, WorkerConfig
 from hetpeer.peer.transport import MemoryHub, MemoryTransport
 from hetpeer.protocol.plan import Plan, StagePlan
+from hetpeer.protocol.recipe import Recipe
 from hetpeer.protocol.modelspec import ModelSpec, preset
 
 GOAL = 1.10
@@ -98,10 +99,11 @@ class Plain:
 def hetpeer_worker(spec: ModelSpec, corpus: Corpus, batch: int, micro_batch: int, device: str = "cpu",
                    dtype: str = "fp32") -> StageWorker:
     plan = Plan(cost_model="time", model=spec.name, layers=spec.layers, batch=batch, micro_batch=micro_batch,
-                micro_batches=batch // micro_batch, dtype=dtype, stages=(StagePlan(0, 0, spec.layers, ("peer",), "none"),))
+                micro_batches=batch // micro_batch, dtype=dtype, stages=(StagePlan(0, 0, spec.layers, ("peer",), "none"),),
+                recipe=Recipe(lr=ADAM.lr, betas=ADAM.betas, eps=ADAM.eps, weight_decay=ADAM.weight_decay, clip_norm=0.0))
     transport = MemoryTransport("peer", MemoryHub())
     transport.start()
-    return StageWorker(plan, "peer", transport, corpus, WorkerConfig(device=device, model=spec, adam=ADAM))
+    return StageWorker(plan, "peer", transport, corpus, WorkerConfig(device=device, model=spec))
 
 
 def timed(step, count: int) -> list[float]:
@@ -129,7 +131,7 @@ def pipeline_run(folder: Path, topology: Path, out: Path, stages: int, lanes: in
     last_stage = json.loads(plan_text)["stages"][-1]["devices"]
     run = out / f"run-{stages}x{lanes}"
     started = time.perf_counter()
-    hetpeer("launch", str(plan_path), "--model", str(folder), "--steps", str(args.pipeline_steps), "--lr", "3e-3",
+    hetpeer("launch", str(plan_path), "--model", str(folder), "--steps", str(args.pipeline_steps), "--set", "lr=3e-3",
             "--out", str(run), "--link", "tcp")
     seconds = time.perf_counter() - started
     found: dict[int, list[float]] = {}

@@ -410,8 +410,8 @@ def main() -> int:
             topology=topology, out=out / name, slowdown=args.slowdown if model == "small" else 1.0, emulate_latency=False,
             image=args.image, project=f"hetpeer-vs-{name}-{time.time_ns() % 10**8}", subnet=free_subnet(), api_port=free_port(),
             swarm="vs", model=model, batch=batch, micro_batch=2, heartbeat_s=args.heartbeat,
-            coordinator_args=("--compress", compress, *outer),
-            peer_args=("--sync-compress", "fp16", "--lr", repr(args.lr), "--probe-targets", "7"),
+            coordinator_args=("--compress", compress, *outer, "--set", "sync_codec=fp16", "--set", f"lr={args.lr!r}"),
+            peer_args=("--probe-targets", "7"),
         )
 
     result: dict = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}}

@@ -473,7 +473,7 @@ PLAN_WIRE = {
         {"index": 1, "layer_start": 4, "layer_end": 6, "devices": ["c", "d"], "sync": "gossip"},
     ],
     "lanes": [["a", "c"], ["b", "d"]], "standby": ["e"], "cost": {"total_s": 1.5, "sync_s": 0.25},
-    "estimated_links": [["a", "d"]], "eval_every": 10, "eval_batch": 2,
+    "estimated_links": [["a", "d"]], "recipe": {"lr": 1e-3, "eval_every": 10, "eval_batch": 2},
 }
 
 

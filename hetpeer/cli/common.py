@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hetpeer import logline
-from hetpeer.peer.gossip.topology import TOPOLOGIES
 from hetpeer.protocol.addresses import LINK_CHOICES
 from hetpeer.protocol.frame import CODECS
 from hetpeer.protocol.modelspec import PRESETS, ModelSpec, load_model
 from hetpeer.protocol.plan import MAX_OUTER_EVERY
+from hetpeer.protocol.recipe import FIELDS, OUTER_AFTER, Recipe, load as load_recipe
+from hetpeer.protocol.wire import SchemaError
 
 DEFAULT_STEPS = 20
 SWARM_DTYPES = ("fp32", "bf16")  # what the stage worker computes in
@@ -96,16 +97,10 @@ def outer_every_choice(text: str) -> int:
     return every
 
 
-def momentum(text: str) -> float:
-    """A momentum coefficient: a number in [0, 1)."""
-    return _number(text, lambda value: 0 <= value < 1, "a number in [0, 1)")
-
-
 def outer_every_text(every: int) -> str:
     return "auto" if every == 0 else str(every)
 
 
-OUTER_WARMUP = 100  # steps of every-step all-reduce before outer steps begin (docs/gossip.md measures why)
 OUTER_HELP = ("let groups sync every N steps with an outer step (DiLoCo) where every-step sync costs more than a tenth "
               "of their step: N, or auto (per group, from its link, 10 to 50); default: groups sync every step "
               "(docs/gossip.md, Outer steps)")
@@ -140,12 +135,71 @@ def add_model_options(parser, default: str | None, default_text: str | None = No
                         help=f"tokens per training sequence, for a model folder (default: {seq_len_text})")
 
 
-def add_eval_options(parser) -> None:
-    """--eval-every and --eval-batch: the validation the plans ask every lane for."""
-    parser.add_argument("--eval-every", type=non_negative_int, default=0, metavar="N",
-                        help="every lane measures its loss on held-out data at every N-th step (default 0: never)")
-    parser.add_argument("--eval-batch", type=positive_int, default=8, metavar="N",
-                        help="held-out sequences per lane for it (default 8)")
+def add_recipe_options(parser, outer: bool = False) -> None:
+    """--recipe, --set and their shorthands: the training recipe every peer of the plans trains by (the organizer's:
+    `hetpeer coordinator`, or `hetpeer plan` and `launch` for a fixed plan)."""
+    recipe = parser.add_argument_group("the training recipe (every peer trains by it: docs/swarm.md, The recipe)")
+    recipe.add_argument("--recipe", type=Path, metavar="FILE",
+                        help="the recipe as a JSON or TOML file: optimizer, schedule, averaging, seed, validation; fields "
+                        "left out keep their defaults (`hetpeer coordinator --print-recipe` writes them all)")
+    recipe.add_argument("--set", dest="recipe_settings", action="append", default=[], metavar="NAME=VALUE",
+                        help=f"set one field of the recipe, after --recipe (repeatable; e.g. --set lr=1e-3 --set "
+                        f"betas=0.9,0.95): {', '.join(FIELDS)}")
+    recipe.add_argument("--eval-every", type=non_negative_int, metavar="N",
+                        help="the recipe's eval_every: every lane measures its loss on held-out data at every N-th step "
+                        f"(default {Recipe().eval_every}: never)")
+    recipe.add_argument("--eval-batch", type=positive_int, metavar="N",
+                        help=f"the recipe's eval_batch: held-out sequences per lane for it (default {Recipe().eval_batch})")
+    if outer:
+        recipe.add_argument("--outer-warmup", type=non_negative_int, metavar="STEP",
+                            help="the recipe's outer_after: groups with outer steps all-reduce every step until this step of "
+                            f"the swarm (default {OUTER_AFTER}: a warm start, docs/gossip.md)")
+
+
+def recipe_from(args: argparse.Namespace, base: Recipe | None = None) -> Recipe:
+    """The recipe `add_recipe_options`' options make: `base` (the defaults when None), the --recipe file's fields,
+    the shorthands, then each --set in order. A bad one is a user error naming the field."""
+    try:
+        recipe = load_recipe(args.recipe, base) if args.recipe is not None else base or Recipe()
+        shorthands = {"eval_every": args.eval_every, "eval_batch": args.eval_batch,
+                      "outer_after": getattr(args, "outer_warmup", None)}
+        recipe = Recipe.from_wire({k: v for k, v in shorthands.items() if v is not None}, base=recipe)
+        for setting in args.recipe_settings:
+            recipe = recipe.with_setting(setting)
+    except SchemaError as error:
+        raise UserError(str(error)) from None
+    return recipe
+
+
+def recipe_argv(args: argparse.Namespace) -> list[str]:
+    """`add_recipe_options`' options as given, for another process's command line."""
+    passed = ["--recipe", str(args.recipe.resolve())] if args.recipe is not None else []
+    for flag, value in (("--eval-every", args.eval_every), ("--eval-batch", args.eval_batch),
+                        ("--outer-warmup", getattr(args, "outer_warmup", None))):
+        passed += [flag, str(value)] if value is not None else []
+    return passed + [item for setting in args.recipe_settings for item in ("--set", setting)]
+
+
+# the training options a peer took before the recipe was the organizer's: each names the recipe's field instead
+ORGANIZER_FLAGS = {"--lr": "lr", "--warmup-steps": "warmup_steps", "--decay-steps": "decay_steps", "--seed": "seed",
+                   "--topology": "topology", "--accumulate": "accumulate", "--mix-deadline": "mix_deadline_s",
+                   "--sync-compress": "sync_codec", "--outer-lr": "outer_lr", "--outer-momentum": "outer_momentum",
+                   "--robust": "robust"}
+
+
+class _OrganizerFlag(argparse.Action):
+    """Keeps a training option a peer no longer takes, for `refuse_organizer_flags` to name in one line."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        namespace.organizer_flags = [*namespace.organizer_flags, option_string]
+
+
+def refuse_organizer_flags(args: argparse.Namespace, where: str) -> None:
+    """A UserError naming the recipe field of the first training option given to a peer; `where` says who sets it."""
+    if args.organizer_flags:
+        flag = args.organizer_flags[0]
+        raise UserError(f"{flag} is the organizer's, not a peer's: the plan's recipe sets {ORGANIZER_FLAGS[flag]} for every "
+                        f"peer ({where} --set {ORGANIZER_FLAGS[flag]}=VALUE, or --recipe FILE)")
 
 
 def add_link_option(parser: argparse.ArgumentParser) -> None:
@@ -178,12 +232,6 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--recompute", action="store_true",
                      help="recompute every layer's activations in the backward pass (far less memory for a third more "
                      "compute), whatever the plan says; plans ask for it per stage where a device needs it")
-    run.add_argument("--lr", type=positive_float, default=3e-4, metavar="LR", help="AdamW learning rate (default 3e-4)")
-    run.add_argument("--warmup-steps", type=non_negative_int, default=0, metavar="N",
-                     help="raise the learning rate linearly from LR / N to LR over the first N steps (default 0)")
-    run.add_argument("--decay-steps", type=positive_int, metavar="N",
-                     help="then lower it on a cosine to LR / 10 at step N, and hold it there (default: no decay)")
-    run.add_argument("--seed", type=non_negative_int, default=0, metavar="N", help="seed of the initial weights and the data order (default 0)")
     run.add_argument("--timeout", type=positive_float, default=60.0, metavar="SECONDS",
                      help="deadline for every tensor a peer waits for (default 60)")
     run.add_argument("--threads", type=positive_int, metavar="N", help="torch threads per peer (default: torch's)")
@@ -198,24 +246,12 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--emulate-latency", type=_latency_map, default={}, metavar="HOST=MS,...",
                      help="emulate far links: hold each frame to HOST (or HOST:PORT; * for any other) back MS milliseconds "
                      "before it leaves (one way; the DHT's own traffic is not delayed)")
-    group = parser.add_argument_group("averaging within groups (gossip mode)")
-    group.add_argument("--topology", choices=TOPOLOGIES, default="one-peer-exp",
-                       help="who mixes with whom each step (default one-peer-exp)")
-    group.add_argument("--accumulate", type=positive_int, default=1, metavar="A",
-                       help="AccumAdam: update the Adam moments every A steps from the mean gradient (default 1: Adam)")
-    group.add_argument("--mix-deadline", type=positive_float, default=10.0, metavar="SECONDS",
-                       help="how long to wait for a neighbour's parameters before leaving it out of the step (default 10)")
-    group.add_argument("--sync-compress", choices=CODECS, default="raw",
-                       help=f"how parameters travel: {', '.join(CODECS)} (default raw)")
-    group.add_argument("--outer-lr", type=positive_float, default=0.7, metavar="LR",
-                       help="a group with outer steps (the plan says which): the outer learning rate (default 0.7, DiLoCo's)")
-    group.add_argument("--outer-momentum", type=momentum, default=0.9, metavar="MU",
-                       help="and its Nesterov momentum, in [0, 1) (default 0.9)")
-    group.add_argument("--robust", type=positive_float, metavar="CLIP",
-                       help="robust mixing: clip each neighbour's difference at CLIP x the typical distance, and leave "
-                       "out (and report to the coordinator) a neighbour far past that round after round (2 is a start)")
-    group.add_argument("--no-overlap", action="store_true",
-                       help="send parameters after the gradient instead of during it (to measure what overlap hides)")
+    run.add_argument("--no-overlap", action="store_true",
+                     help="send a gossip group's parameters after the gradient instead of during it (to measure what "
+                     "overlap hides)")
+    for flag in ORGANIZER_FLAGS:  # the recipe's now: given, they are refused in one line naming the recipe
+        parser.add_argument(flag, action=_OrganizerFlag, help=argparse.SUPPRESS)
+    parser.set_defaults(organizer_flags=[])
 
 
 def data_cache(args: argparse.Namespace):
@@ -229,13 +265,7 @@ def data_cache(args: argparse.Namespace):
 def run_options_argv(args: argparse.Namespace) -> list[str]:
     """The training options (`add_run_options`'s, and the model), as `hetpeer launch` passes them on to each
     `hetpeer join`."""
-    passed = ["--steps", str(args.steps or DEFAULT_STEPS), "--device", args.device, "--lr", repr(args.lr), "--seed", str(args.seed),
-              "--timeout", repr(args.timeout), "--topology", args.topology,
-              "--accumulate", str(args.accumulate), "--mix-deadline", repr(args.mix_deadline),
-              "--sync-compress", args.sync_compress, "--warmup-steps", str(args.warmup_steps),
-              "--outer-lr", repr(args.outer_lr), "--outer-momentum", repr(args.outer_momentum)]
-    if args.decay_steps is not None:
-        passed += ["--decay-steps", str(args.decay_steps)]
+    passed = ["--steps", str(args.steps or DEFAULT_STEPS), "--device", args.device, "--timeout", repr(args.timeout)]
     if args.data is not None:
         passed += ["--data", str(args.data.resolve())]
     if args.data_cache is not None:
@@ -246,8 +276,6 @@ def run_options_argv(args: argparse.Namespace) -> list[str]:
     if args.model is not None:
         model = args.model if args.model in PRESETS else str(Path(args.model).resolve())  # the peers' own working folder
         passed += ["--model", model] + (["--seq-len", str(args.seq_len)] if args.seq_len else [])
-    if args.robust is not None:
-        passed += ["--robust", repr(args.robust)]
     if args.save is not None:
         passed += ["--save", str(args.save.resolve())] + (["--save-every", str(args.save_every)] if args.save_every else [])
     if args.bandwidth_cap is not None:

@@ -13,8 +13,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from hetpeer.cli.common import (
-    DEFAULT_STEPS, SWARM_DTYPES, UserError, add_link_option, add_model_options, add_run_options, codec_pair, data_cache, home_dir,
-    log_to_stdout, model_spec, non_negative_int, positive_float, positive_int, read_json, run_options_argv, say, stop_on_sigterm,
+    DEFAULT_STEPS, SWARM_DTYPES, UserError, add_link_option, add_model_options, add_recipe_options, add_run_options, codec_pair,
+    data_cache, home_dir, log_to_stdout, model_spec, non_negative_int, positive_float, positive_int, read_json, recipe_from,
+    refuse_organizer_flags, run_options_argv, say, stop_on_sigterm,
 )
 from hetpeer.protocol.addresses import maddr_host
 from hetpeer.protocol.frame import CODECS
@@ -78,6 +79,7 @@ def add_commands(commands) -> None:
                         "(default: the plan's own, raw where it names none)")
     add_link_option(launch)
     add_run_options(launch)
+    add_recipe_options(launch)
     launch.set_defaults(run=run_launch)
 
     export = commands.add_parser(
@@ -138,28 +140,18 @@ def _add_swarm_options(join: argparse.ArgumentParser) -> None:
 
 
 def _worker_config(args: argparse.Namespace, model: ModelSpec | None = None):
-    """The worker's settings; `model` is the model `--model` gave this peer (a folder's weights are read from it)."""
-    from hetpeer.peer.gossip.adam import AdamConfig
-    from hetpeer.peer.gossip.group import SyncConfig
-    from hetpeer.peer.gossip.outer import OuterConfig
+    """How this peer's machine takes part (how it trains is the plan's recipe); `model` is the model `--model` gave
+    this peer (a folder's weights are read from it)."""
     from hetpeer.peer.pipeline.worker import WorkerConfig
 
     folder = model is not None and args.model not in PRESETS  # a path: the model's weights may be there too
-    if args.decay_steps is not None and args.decay_steps <= args.warmup_steps:
-        raise UserError(f"--decay-steps ({args.decay_steps}) must be past the --warmup-steps ({args.warmup_steps})")
     return WorkerConfig(
         model=model,
         weights=str(args.model) if folder else None,
         device=args.device,
-        seed=args.seed,
-        adam=AdamConfig(lr=args.lr, accumulate=args.accumulate, warmup_steps=args.warmup_steps, decay_steps=args.decay_steps),
-        sync=SyncConfig(
-            topology=args.topology, deadline_s=args.mix_deadline, codec=args.sync_compress, clip=args.robust,
-            overlap=not args.no_overlap, allreduce_timeout_s=args.timeout,
-            outer=OuterConfig(lr=args.outer_lr, momentum=args.outer_momentum),
-        ),
         timeout_s=args.timeout,
         recompute=args.recompute,
+        overlap=not args.no_overlap,
     )
 
 
@@ -229,6 +221,7 @@ def run_join(args: argparse.Namespace) -> int:
 
     if args.swarm is not None or args.join_file is not None:
         return run_swarm_join(args)
+    refuse_organizer_flags(args, "a fixed plan carries it: hetpeer plan or hetpeer launch")
     missing = [flag for flag, value in (("--plan", args.plan), ("--as", args.device_id), ("--peers", args.peers)) if value is None]
     if missing:
         raise UserError(f"give --swarm NAME to join a swarm, or {', '.join(missing)} to run a peer of a fixed plan")
@@ -280,6 +273,7 @@ def run_swarm_join(args: argparse.Namespace) -> int:
     fixed = [flag for flag, value in (("--plan", args.plan), ("--as", args.device_id), ("--peers", args.peers)) if value is not None]
     if fixed:
         raise UserError(f"{', '.join(fixed)} run a fixed plan; a swarm peer follows the coordinator's plans (drop them or --swarm)")
+    refuse_organizer_flags(args, "the coordinator's: hetpeer coordinator")
     if args.join_file is not None:
         _take_join_file(args)
     if args.coordinator_key is None:
@@ -384,6 +378,7 @@ def run_export(args: argparse.Namespace) -> int:
 def run_launch(args: argparse.Namespace) -> int:
     from hetpeer.peer.launch import launch
 
+    refuse_organizer_flags(args, "hetpeer launch takes it as")
     out = args.out or Path(tempfile.mkdtemp(prefix="hetpeer-launch-"))
     out.mkdir(parents=True, exist_ok=True)
     if args.plan is None:
@@ -395,7 +390,12 @@ def run_launch(args: argparse.Namespace) -> int:
     if args.compress is not None:
         plan = plan.with_codecs(*args.compress)
         print(f"activations travel in {args.compress[0]}, their gradients in {args.compress[1]}", flush=True)
-    if args.plan is None or args.compress is not None:  # the peers read the plan they run from a file
+    recipe = recipe_from(args, plan.recipe)
+    changed = recipe != plan.recipe
+    if changed:
+        print(f"recipe: {'; '.join(plan.recipe.changes(recipe))}", flush=True)
+        plan = replace(plan, recipe=recipe)
+    if args.plan is None or args.compress is not None or changed:  # the peers read the plan they run from a file
         path = out / "plan.json"
         path.write_text(json.dumps(plan.to_wire(), indent=1))
     if args.model is not None or plan.model not in PRESETS:  # the peers would each refuse it: say so once, here

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from hetpeer import scenarios
 from hetpeer.cli.common import (
-    COMPRESS_HELP, OUTER_HELP, UserError, add_eval_options, add_model_options, compress_choice, model_spec, non_negative_int, outer_every_choice,
-    positive_float, positive_int, read_json,
+    COMPRESS_HELP, OUTER_HELP, UserError, add_model_options, add_recipe_options, compress_choice, model_spec, non_negative_int, outer_every_choice,
+    positive_float, positive_int, read_json, recipe_from,
 )
 from hetpeer.protocol.plan import COST_MODELS, RECOMPUTE_CHOICES, SYNC_CHOICES, Plan
 from hetpeer.protocol.modelspec import DTYPE_BYTES
@@ -81,7 +81,7 @@ def add_commands(commands) -> None:
                         metavar="SECONDS", help="seconds to search (default 2)")
     search.add_argument("--random-samples", type=positive_int, default=100,
                         metavar="N", help="random plans averaged for the baseline (default 100)")
-    add_eval_options(plan)
+    add_recipe_options(plan, outer=True)
     plan.add_argument("--json", action="store_true", help="print the plan as the protocol's Plan object")
     plan.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     plan.set_defaults(run=run_plan)
@@ -112,6 +112,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         args.compress = ("raw", "raw")
         if args.outer_every is not None or args.sync == "outer":
             raise UserError("--outer-every and --sync outer apply to --cost-model time only (dtfm counts every-step all-reduce)")
+    recipe = recipe_from(args)
     raw = scenarios.load(args.scenario) if args.scenario else read_json(args.topology, "topology file")
     topology = Topology.from_wire(raw)
     try:
@@ -150,11 +151,11 @@ def _run_plan(args: argparse.Namespace) -> int:
     solution = solve(problem, config, np.random.default_rng(args.seed), progress=progress)
     if not args.quiet:
         print(f"  done in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+    plan = replace(solution.plan, recipe=recipe)
     if args.json:
-        plan = replace(solution.plan, eval_every=args.eval_every, eval_batch=args.eval_batch if args.eval_every else 0)
         print(json.dumps(plan.to_wire(), indent=1))
         return 0
     model = make_model(problem, config, solution.shape)
     baselines = baseline_costs(problem, model, args.random_samples, np.random.default_rng(args.seed))
-    print(format_plan(solution.plan, baselines, args.random_samples))
+    print(format_plan(plan, baselines, args.random_samples))
     return 0

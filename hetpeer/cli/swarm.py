@@ -17,8 +17,8 @@ from pathlib import Path
 from hetpeer import logline
 from hetpeer.protocol.plan import SYNC_CHOICES
 from hetpeer.cli.common import (
-    COMPRESS_HELP, OUTER_HELP, OUTER_WARMUP, SWARM_DTYPES, UserError, add_eval_options, add_model_options, compress_choice, compress_text, home_dir, log_to_stdout, model_spec,
-    non_negative_float, non_negative_int, outer_every_choice, outer_every_text, positive_float, positive_int, say, stop_on_sigterm,
+    COMPRESS_HELP, OUTER_HELP, SWARM_DTYPES, UserError, add_model_options, add_recipe_options, compress_choice, compress_text, home_dir, log_to_stdout, model_spec,
+    non_negative_float, non_negative_int, outer_every_choice, outer_every_text, positive_float, positive_int, recipe_from, say, stop_on_sigterm,
 )
 
 
@@ -34,7 +34,7 @@ def add_commands(commands) -> None:
         "--gain faster (moving weights included). Serves the swarm's state over gRPC (--api) and, with --http, as a "
         "web dashboard with Prometheus metrics. Prints the key peers must trust and the DHT address they join through.",
     )
-    coordinator.add_argument("--swarm", required=True, metavar="NAME", help="the swarm's name")
+    coordinator.add_argument("--swarm", metavar="NAME", help="the swarm's name (needed but with --print-recipe)")
     coordinator.add_argument("--home", type=Path, metavar="DIR",
                              help="keeps the coordinator's key: a restart with the same DIR is the same coordinator "
                              "(default ~/.hetpeer/coordinator-NAME)")
@@ -79,14 +79,14 @@ def add_commands(commands) -> None:
                              help="how groups average weights: auto (default: per group), allreduce, gossip, or outer "
                              "(every group takes outer steps, every --outer-every steps)")
     coordinator.add_argument("--outer-every", type=outer_every_choice, metavar="N|auto", help=OUTER_HELP)
-    coordinator.add_argument("--outer-warmup", type=non_negative_int, default=OUTER_WARMUP, metavar="STEP",
-                             help=f"groups with outer steps all-reduce every step until this step of the swarm (default "
-                             f"{OUTER_WARMUP}: a warm start, docs/gossip.md)")
     coordinator.add_argument("--seed", type=non_negative_int, default=0, metavar="N", help="planner seed (default 0)")
     coordinator.add_argument("--steps", type=positive_int, metavar="N",
                              help="the swarm's last step: once the running plan reaches it, publish no new plan "
                              "(peers leave there with their own --steps; default: train on)")
-    add_eval_options(coordinator)
+    add_recipe_options(coordinator, outer=True)
+    coordinator.add_argument("--print-recipe", action="store_true",
+                             help="print the recipe these options make (the defaults without any) as the JSON file --recipe "
+                             "reads, and exit")
     coordinator.add_argument("--admission", nargs="+", default=["open"], metavar="MODE",
                              help="who may be planned: 'open' (every peer with a valid record; the default), "
                              "'allowlist FILE' (the device ids or key fingerprints FILE lists, one a line; read again when "
@@ -149,8 +149,6 @@ def add_commands(commands) -> None:
     swarm.add_argument("--out", type=Path, metavar="DIR", help="logs, keys and the report (default: a new temporary folder)")
     swarm.add_argument("--heartbeat", type=positive_float, default=2.0, metavar="SECONDS", help="peers' and coordinator's heartbeat (default 2)")
     swarm.add_argument("--replan-interval", type=positive_float, default=30.0, metavar="SECONDS", help="coordinator re-solve interval (default 30)")
-    swarm.add_argument("--lr", type=positive_float, default=3e-3, metavar="LR", help="learning rate (default 3e-3)")
-    swarm.add_argument("--seed", type=non_negative_int, default=0, metavar="N", help="seed (default 0)")
     swarm.add_argument("--data", type=Path, metavar="PATH",
                        help="text to train on (default: the Python standard library's sources), or a folder prepared by "
                        "hetpeer data prepare: then the coordinator serves it and the peers, which start without it, "
@@ -159,9 +157,6 @@ def add_commands(commands) -> None:
     swarm.add_argument("--save", type=Path, metavar="DIR",
                        help="peers save their stage checkpoints to DIR when they leave; run again with the same --out and "
                        "--save to resume the swarm from them")
-    swarm.add_argument("--eval-every", type=non_negative_int, default=25, metavar="N",
-                       help="every lane measures its loss on held-out data at every N-th step (default 25; 0: never)")
-    swarm.add_argument("--eval-batch", type=positive_int, default=8, metavar="N", help="held-out sequences per lane for it (default 8)")
     swarm.add_argument("--compress", type=compress_choice, default=("auto", "auto"), metavar="auto|CODEC[/CODEC]",
                        help="the coordinator's --compress (default auto)")
     swarm.add_argument("--stages", type=positive_int, metavar="S", help="the coordinator's --stages (default: its planner's)")
@@ -169,8 +164,7 @@ def add_commands(commands) -> None:
     swarm.add_argument("--sync", choices=SYNC_CHOICES, default="auto", help="the coordinator's --sync (default auto)")
     swarm.add_argument("--outer-every", type=outer_every_choice, metavar="N|auto",
                        help="the coordinator's --outer-every (default: groups sync every step)")
-    swarm.add_argument("--outer-warmup", type=non_negative_int, default=OUTER_WARMUP, metavar="STEP",
-                       help=f"the coordinator's --outer-warmup (default {OUTER_WARMUP})")
+    add_recipe_options(swarm, outer=True)
     swarm.add_argument("--verbose", action="store_true", help="show every process's output, not just the progress")
     swarm.set_defaults(run=run_swarm)
 
@@ -183,6 +177,12 @@ def run_coordinator(args: argparse.Namespace) -> int:
     from hetpeer.protocol.admission import AdmissionError
     from hetpeer.protocol.control import ControlError
 
+    recipe = recipe_from(args)
+    if args.print_recipe:
+        print(recipe.to_text())
+        return 0
+    if not args.swarm:
+        raise UserError("hetpeer coordinator needs --swarm NAME")
     log_to_stdout()
     api_tls = _api_tls(args)
     http = _http_listen(args.http, api_tls is not None)
@@ -194,8 +194,8 @@ def run_coordinator(args: argparse.Namespace) -> int:
             batch=args.batch, micro_batch=args.micro_batch, dtype=args.dtype, heartbeat_s=args.heartbeat,
             replan_interval_s=args.replan_interval, min_peers=args.min_peers, gain=args.gain,
             time_budget_s=args.time_budget, stages=args.stages, group_size=args.group_size, compress=args.compress,
-            sync=args.sync, outer_every=args.outer_every, outer_warmup=args.outer_warmup, seed=args.seed,
-            steps=args.steps, join_file=args.join_file, reach_port=args.reach_port, eval_every=args.eval_every, eval_batch=args.eval_batch,
+            sync=args.sync, outer_every=args.outer_every, recipe=recipe, seed=args.seed,
+            steps=args.steps, join_file=args.join_file, reach_port=args.reach_port,
             **_admission(args.admission), ban_period_s=args.ban_period, **_dataset(args),
         )
         coordinator = Coordinator(config, say)  # checks the swarm name
@@ -400,7 +400,7 @@ def _watch(read, first, every_s: float) -> int:
 
 def run_swarm(args: argparse.Namespace) -> int:
     from hetpeer.peer.reach import free_port
-    from hetpeer.swarm.launcher import LocalSwarm, SwarmConfig, SwarmError, parse_per_peer
+    from hetpeer.swarm.launcher import DEMO_RECIPE, LocalSwarm, SwarmConfig, SwarmError, parse_per_peer
     from hetpeer.swarm.report import write_report
 
     try:
@@ -408,11 +408,10 @@ def run_swarm(args: argparse.Namespace) -> int:
             out=args.out or Path("."), peers=args.peers, steps=args.steps,
             slowdowns=parse_per_peer(args.slowdowns, args.peers, "--slowdowns"),
             bandwidth_caps=parse_per_peer(args.bandwidth_caps, args.peers, "--bandwidth-caps", none_value="none"),
-            heartbeat_s=args.heartbeat, replan_interval_s=args.replan_interval, lr=args.lr, seed=args.seed,
+            heartbeat_s=args.heartbeat, replan_interval_s=args.replan_interval, recipe=recipe_from(args, DEMO_RECIPE),
             data=args.data.resolve() if args.data else None, batch=args.batch,
             save=args.save.resolve() if args.save else None, coordinator_args=(
-                "--eval-every", str(args.eval_every), "--eval-batch", str(args.eval_batch), "--compress", compress_text(args.compress),
-                "--sync", args.sync, "--outer-warmup", str(args.outer_warmup),
+                "--compress", compress_text(args.compress), "--sync", args.sync,
                 *(("--outer-every", outer_every_text(args.outer_every)) if args.outer_every is not None else ()),
                 *(("--stages", str(args.stages)) if args.stages else ()),
                 *(("--group-size", str(args.group_size)) if args.group_size else ()),

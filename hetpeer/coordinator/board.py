@@ -73,6 +73,7 @@ def plan_document(plan: Plan | None, published: float | None, peers: Mapping[str
         "standby": list(plan.standby),
         "standby_reasons": [[reason, count] for reason, count in plan.standby_reasons],
         "links": plan_links(plan, peers),
+        "recipe": plan.recipe.to_wire(), "recipe_words": plan.recipe.words,
     }
 
 

@@ -12,6 +12,7 @@ from hetpeer.coordinator import gate
 from hetpeer.coordinator.tls import ServerTls
 from hetpeer.protocol.modelspec import PRESETS, ModelSpec
 from hetpeer.protocol.plan import MAX_OUTER_EVERY, SYNC_CHOICES, Dataset
+from hetpeer.protocol.recipe import Recipe
 from hetpeer.protocol.workload import Workload
 
 
@@ -40,14 +41,12 @@ class CoordinatorConfig:
     compress: tuple[str, str] = ("auto", "auto")  # codecs between stages: auto (the planner's, per hop) or a fixed pair
     sync: str = "auto"  # how groups average: auto (per group), allreduce, gossip or outer (`plan.SYNC_CHOICES`)
     outer_every: int | None = None  # groups may take outer steps: every N steps, or 0 (chosen per group); None: never
-    outer_warmup: int = 100  # ... from this swarm step on; before it those groups all-reduce every step (`Plan.outer_after`)
     seed: int = 0
     plan_ttl_s: float = 3600.0  # the plan stays in the DHT this long after its last (re)publication
     steps: int | None = None  # the swarm's last step: no new plan once the running one reaches it
     join_file: Path | None = None  # where to write what peers need to join (`hetpeer join --join-file`)
     reach_port: int | None = 0  # the reach service's port on the DHT's host (0: any free one; None: no service)
-    eval_every: int = 0  # plans ask every lane for its validation loss at the steps divisible by this (0: never)
-    eval_batch: int = 8  # held-out sequences per lane for it
+    recipe: Recipe = Recipe()  # the training recipe every plan carries: every peer trains by it (protocol/recipe.py)
     admission: str = "open"  # who may be planned: open, allowlist (of `allowlist`) or token (`hetpeer invite`)
     allowlist: Path | None = None  # read again whenever it changes
     ban_period_s: float = 300.0  # the first ban of a peer its group reports; doubles on each repeat; 0: no bans
@@ -67,14 +66,10 @@ class CoordinatorConfig:
             raise ValueError("heartbeat, re-plan interval and time budget must be positive")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"steps must be at least 1, got {self.steps}")
-        if self.eval_every < 0 or self.eval_batch < 1:
-            raise ValueError(f"eval_every must be >= 0 and eval_batch >= 1, got {self.eval_every}, {self.eval_batch}")
         if self.sync not in SYNC_CHOICES:
             raise ValueError(f"sync must be one of {', '.join(SYNC_CHOICES)}, got {self.sync!r}")
         if self.outer_every is not None and not 0 <= self.outer_every <= MAX_OUTER_EVERY:
             raise ValueError(f"outer steps must be 1 to {MAX_OUTER_EVERY} steps apart (0: chosen per group), got {self.outer_every}")
-        if self.outer_warmup < 0:
-            raise ValueError(f"outer warmup must be a step >= 0, got {self.outer_warmup}")
         if self.dataset is not None and not self.dataset.url and (self.data_folder is None or self.http_listen is None):
             raise ValueError("a dataset with no URL is served by the coordinator: give its folder and --http (or --data-url)")
         if self.min_peers < 1 or not 0 <= self.gain < 1:

@@ -81,8 +81,6 @@ class Publisher:
         plan = replace(
             solution.plan, epoch=(current.epoch + 1) if current is not None else 1, start_step=step,
             estimated_links=policy.estimated_links(solution.plan, problem.device_ids, estimated),
-            eval_every=config.eval_every, eval_batch=config.eval_batch if config.eval_every else 0,
-            outer_after=config.outer_warmup,
         )
         self._say_orphans(plan, live)
         if self._publish(plan, f"{why}; searched {searched_s:.1f} s"):
@@ -106,6 +104,16 @@ class Publisher:
         except concurrent.futures.TimeoutError:
             self._event("coordinator", f"the planner did not finish within {config.time_budget_s * 3 + 10:g} s")
         return None
+
+    def _publish_recipe(self, ours: dict[str, PeerRecord]) -> None:
+        """The running plan again under the organizer's recipe (a coordinator restarted with another one), from a
+        step far enough ahead that every member reads it first: every member of every group switches at that
+        step, and the optimizer's step count and schedule go on from it."""
+        current = self.plan
+        changed = "; ".join(current.recipe.changes(self.config.recipe))
+        step = policy.start_step(current, ours, False, self.config.heartbeat_s, self.config.workload.model.seq_len, self.reached)
+        self._event("coordinator", f"the organizer's recipe changed from epoch {current.epoch}'s: {changed}")
+        self._publish(replace(current, epoch=current.epoch + 1, start_step=step), f"the recipe changed: {changed}")
 
     def _say_orphans(self, plan: Plan, live: dict[str, PeerRecord]) -> None:
         """An event when the plan holds layers no live peer holds: they start again from fresh weights."""
@@ -151,7 +159,6 @@ class Publisher:
             seq_len=config.model.seq_len, stages=tuple(StagePlan(i, start, end, devices, "gossip" if lanes > 1 else "none")
                          for i, (start, end, devices) in enumerate(found.stages)),
             standby=found.standby, epoch=(current.epoch + 1) if current is not None else 1, start_step=found.step,
-            eval_every=config.eval_every, eval_batch=config.eval_batch if config.eval_every else 0,
         )
         if config.compress != AUTO:  # codecs the organizer fixed; auto's are the next solve's to choose
             plan = plan.with_codecs(*config.compress)
@@ -165,10 +172,10 @@ class Publisher:
 
     def _publish(self, plan: Plan, why: str, data_position: int | None = None) -> bool:
         """Store `plan` in the DHT; a new plan first gets the swarm's data position at its start step (from
-        `data_position`, a resumption's, or the plans before it) and the organizer's dataset."""
+        `data_position`, a resumption's, or the plans before it), the organizer's dataset and recipe."""
         if plan is not self.plan:
             position = self._data_position(plan.start_step) if data_position is None else data_position
-            plan = replace(plan, data_position=position, dataset=self.dataset)
+            plan = replace(plan, data_position=position, dataset=self.dataset, recipe=self.config.recipe)
         steps = self.config.steps
         if plan is not self.plan and self.plan is not None and steps is not None and plan.start_step >= steps:
             # the swarm ends before it would take effect; its peers leave under the running plan, whose progress

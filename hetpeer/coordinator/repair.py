@@ -75,7 +75,7 @@ def repair(plan: Plan, problem: Problem, config: PlannerConfig) -> Plan | None:
     return replace(
         made, standby=standby, standby_reasons=reasons, epoch=plan.epoch + 1, start_step=plan.start_step,
         estimated_links=tuple(p for p in plan.estimated_links if p[0] in made.devices and p[1] in made.devices),
-        eval_every=plan.eval_every, eval_batch=plan.eval_batch, outer_after=plan.outer_after,
+        recipe=plan.recipe,
     )
 
 

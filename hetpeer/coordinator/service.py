@@ -206,7 +206,9 @@ class Coordinator(Gatekeeper, Publisher):
             estimates_rechecked=self.plan is not None and self.rechecked_epoch == self.plan.epoch,
             links_wait_s=policy.LINKS_WAIT_HEARTBEATS * config.heartbeat_s,
         )
-        if decision.solve:
+        if self.plan is not None and not decision.broken and self.plan.recipe != config.recipe:
+            self._publish_recipe(ours)
+        elif decision.solve:
             if decision.broken and self._repair(decision, live, ours):
                 return  # the periodic re-solve stays due when it was: a repair is no search (docs/churn.md)
             self.last_solve = now

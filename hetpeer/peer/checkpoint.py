@@ -27,6 +27,7 @@ import torch
 
 from hetpeer.peer.gossip.group import NEEDED, STATE_TENSORS
 from hetpeer.protocol.modelspec import ModelSpec
+from hetpeer.protocol.recipe import Recipe
 
 FORMAT = "hetpeer-stage-1"
 OPTIMIZER = STATE_TENSORS[1:]  # a stage's state tensors but its parameters, which go under the model's own names
@@ -48,6 +49,7 @@ class StageCheckpoint:
     epoch: int
     adam_step: int
     data_position: int = 0  # windows the swarm had read before `step` (peer/data/order.py); 0 in older checkpoints
+    recipe: Recipe | None = None  # the recipe it trained by; None in older checkpoints
 
     @classmethod
     def read(cls, path: str | Path) -> "StageCheckpoint":
@@ -67,8 +69,9 @@ class StageCheckpoint:
         try:
             raw = json.loads(meta["spec"])
             spec = ModelSpec(**{f.name: _tupled(raw[f.name]) for f in fields(ModelSpec)})
+            recipe = Recipe.from_wire(json.loads(meta["recipe"]), f"{path} recipe") if "recipe" in meta else None
             return cls(path, spec, (int(meta["layer_start"]), int(meta["layer_end"])), int(meta["step"]),
-                       int(meta["epoch"]), int(meta["adam_step"]), int(meta.get("data_position", 0)))
+                       int(meta["epoch"]), int(meta["adam_step"]), int(meta.get("data_position", 0)), recipe)
         except (KeyError, ValueError, TypeError) as error:
             raise CheckpointError(f"{path}: unreadable checkpoint metadata ({error})") from None
 
@@ -84,7 +87,8 @@ def _tupled(value):
 
 
 def save_stage(path: str | Path, model: torch.nn.Module, optimizer: Mapping[str, torch.Tensor], *, spec: ModelSpec,
-               layers: tuple[int, int], step: int, epoch: int, adam_step: int, data_position: int = 0) -> Path:
+               layers: tuple[int, int], step: int, epoch: int, adam_step: int, data_position: int = 0,
+               recipe: Recipe | None = None) -> Path:
     """Write a stage checkpoint atomically, `optimizer` by its `OPTIMIZER` names; returns its path."""
     from safetensors.torch import save_file
 
@@ -97,7 +101,7 @@ def save_stage(path: str | Path, model: torch.nn.Module, optimizer: Mapping[str,
         tensors[f"optimizer.{name}"] = tensor.detach().to("cpu", torch.float32).contiguous()
     meta = {"format": FORMAT, "model": spec.name, "spec": json.dumps(asdict(spec)), "layer_start": str(layers[0]),
             "layer_end": str(layers[1]), "step": str(step), "epoch": str(epoch), "adam_step": str(adam_step),
-            "data_position": str(data_position)}
+            "data_position": str(data_position), **({"recipe": json.dumps(recipe.to_wire())} if recipe is not None else {})}
     temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         save_file(tensors, str(temporary), metadata=meta)

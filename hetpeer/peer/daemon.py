@@ -133,6 +133,7 @@ class SwarmPeer(Following, Handover, Announcing, Probing, Reaching):
         self._corpus: Corpus | ShardedCorpus | None = None
         self._corpus_dataset: Dataset | None = None  # the plan's dataset it was opened for
         self._refused: set[tuple[str, int]] = set()
+        self.unrunnable = False  # the coordinator's newest plan is one this peer cannot run: it stays on standby
         self._entering_until: float | None = None  # a peer that entered a plan from outside waits for its neighbours until then
         self.checkpoint: StageCheckpoint | None = None  # its own stage checkpoint, offered until a plan uses it
         self._profiled_at = 0.0

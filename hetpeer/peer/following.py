@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from typing import Mapping
 
+from hetpeer import __version__
 from hetpeer.peer.data.shards import ShardedCorpus
 from hetpeer.peer.data.sharing import from_peers
 from hetpeer.peer.data.source import open_data
@@ -105,7 +106,17 @@ class Following:
 
     # -- plans ------------------------------------------------------------------------------------------
     def _take_plans(self) -> None:
-        plans, _ = self.control.read_plans()
+        plans, dropped = self.control.read_plans()
+        refused = [d.reason for d in dropped if d.digest == self.config.coordinator_key]
+        if refused and (refused[0], 0) not in self._refused:
+            # the coordinator's newest plan asks for what this peer cannot do (a recipe field it does not know):
+            # training on under the old plan would break its lanes, and under rules it does not know, its group
+            self._refused.add((refused[0], 0))
+            self.report(f"refused the coordinator's plan: {refused[0]}; on standby until a plan this hetpeer can run "
+                        f"(hetpeer {__version__} here: upgrade it)")
+            self.unrunnable = True
+            if self.worker is not None:
+                self.transport.inbox.interrupt("the coordinator's plan is one this peer cannot run")
         for signed in plans:
             plan, signer = signed.plan, key_digest(signed.signer)
             if signer != self.config.coordinator_key:
@@ -119,6 +130,7 @@ class Following:
                     self.report(f"ignored plan epoch {plan.epoch}: it trains {plan.model} ({plan.layers} layers, "
                                 f"{plan.dtype}); this peer joined for {self.spec.name} in {self.config.dtype}")
                 continue
+            self.unrunnable = False
             with self.lock:
                 newest = max((p.epoch for p in (self.running, self.pending) if p is not None), default=-1)
                 if plan.epoch <= newest:
@@ -131,7 +143,10 @@ class Following:
             return
 
     def _due(self) -> Plan | None:
-        """The pending plan if it takes effect now."""
+        """The pending plan if it takes effect now; a peer that cannot run the coordinator's plan goes on standby."""
+        if self.unrunnable and self.worker is not None:
+            self.previous, self.worker = self.worker, None
+            self._set(state="standby")
         with self.lock:
             plan = self.pending
             if plan is None:
@@ -147,6 +162,10 @@ class Following:
         inbox.resume()
         inbox.discard_before(0, epoch=plan.epoch)
         old = self.worker or self.previous
+        if self.running is None or self.running.recipe != plan.recipe:
+            changed = "; ".join(self.running.recipe.changes(plan.recipe)) if self.running is not None else ""
+            self.report(f"plan epoch {plan.epoch} from step {plan.start_step}: "
+                        + (f"the recipe changed: {changed}" if changed else f"recipe: {plan.recipe.words}"))
         self.running = plan
         if self.device_id not in plan.devices:
             if self.worker is not None:

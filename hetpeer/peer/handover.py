@@ -103,6 +103,8 @@ class Handover:
             worker.restore(checkpoint.path)
             worker.step = worker.sync.step = worker.plan.start_step  # the plan resumes at the newest checkpoint's step
             how = f"resumed from its checkpoint (step {checkpoint.step}, plan epoch {checkpoint.epoch})"
+            if changed := worker.recipe_changes(checkpoint):
+                how += f"; the recipe changed since: {changed}"
         elif old is not None and old.param_range == worker.param_range and (not stale or not self._donors(layers)):
             worker.sync.take(old.sync)
             how = "kept its weights"

@@ -117,13 +117,16 @@ def run(setup: PeerSetup, report: Callable[[str], None]) -> list[StepResult]:
             f"stage {stage + 1}/{len(setup.plan.stages)} (layers {worker.model.layer_start}-"
             f"{worker.model.layer_end - 1}, {params:,} parameters), lane {lane + 1}/{setup.plan.group_size}, "
             f"on {setup.worker.device}, group of {len(worker.sync.members)} ({worker.sync.mode}"
-            + (f", {setup.worker.sync.topology})" if worker.sync.mode == "gossip" else ")")
+            + (f", {worker.sync.config.topology})" if worker.sync.mode == "gossip" else ")")
             + (f", recomputing {worker.recompute} of its {stage_layers} layers' activations in backward"
                if worker.recompute else "")
         )
+        report(f"recipe: {setup.plan.recipe.words}")
         if setup.resume is not None:
             checkpoint = worker.restore(setup.resume / f"{setup.device_id}.safetensors")
             report(f"resumed from {checkpoint.path}: step {checkpoint.step}, plan epoch {checkpoint.epoch}")
+            if changed := worker.recipe_changes(checkpoint):
+                report(f"the plan's recipe is not the one the checkpoint trained by: {changed}")
         elif worker.loaded_bytes:
             report(f"weights: {worker.loaded_bytes / 2**20:.1f} MiB of this stage's tensors read from {setup.worker.weights}")
         if setup.rejoin:

@@ -98,6 +98,7 @@ class Dropped:
 
     signer: str
     reason: str
+    digest: str = ""  # of a plan record: the SHA-256 of the key that signed it (what peers are told to trust)
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,9 +323,13 @@ class ControlPlane:
         for subkey, raw in self._entries(plan_key(self.swarm)):
             try:
                 signer = owner_key(subkey)
-                plan, time = plan_from_wire(raw)
             except SchemaError as error:
                 dropped.append(Dropped(_signer(subkey), str(error)))
+                continue
+            try:
+                plan, time = plan_from_wire(raw)
+            except SchemaError as error:  # a newer coordinator's plan, say: its signer's peers say why they refuse it
+                dropped.append(Dropped(_signer(subkey), str(error), key_digest(signer)))
                 continue
             plans.append(SignedPlan(plan, time, signer))
         plans.sort(key=lambda p: (-p.plan.epoch, -p.time))

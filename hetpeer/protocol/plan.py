@@ -17,8 +17,8 @@ A plan is what the coordinator publishes and what `hetpeer plan --json` prints. 
      "standby_reasons": [[reason, count], ...],       # optional: why, in runs over the standby list (words)
      "cost": {"total_s": float, ...},                 # predicted seconds, by component
      "estimated_links": [[device id, device id], ...],  # optional: links it uses that were never measured (estimated)
-     "eval_every": int, "eval_batch": int,            # optional: validation every N steps, sequences per lane
-     "outer_after": int,                              # optional: groups with outer steps all-reduce every step before it
+     "recipe": {...},                                 # the organizer's training recipe (protocol/recipe.py); optional in
+                                                      #   the file: the defaults
      "data_position": int,                            # optional: training windows the swarm read before start_step
      "dataset": {"manifest": str, "url": str}}        # optional: the prepared corpus (its manifest's sha256) and
                                                       #   where its files are served (optional)
@@ -34,6 +34,7 @@ from typing import Any, Mapping
 
 from hetpeer.protocol.frame import CODECS
 from hetpeer.protocol.modelspec import DTYPE_BYTES
+from hetpeer.protocol.recipe import Recipe
 from hetpeer.protocol.wire import (
     SchemaError,
     field,
@@ -142,12 +143,8 @@ class Plan:
     # Why the standby devices were left out, in runs over `standby`: its first n1 devices for reason 1, the next
     # n2 for reason 2... (device ids are most of a plan's bytes at 10,000 peers: none is written twice).
     standby_reasons: tuple[tuple[str, int], ...] = ()
-    eval_every: int = 0  # every lane measures the validation loss at the steps divisible by this (0: never)
-    eval_batch: int = 0  # held-out sequences each lane measures it on
     seq_len: int = 0  # tokens per training sequence it was made for (0: not stated, the model's own)
-    # groups with outer steps take them only from this swarm step on; before it they all-reduce every step (a
-    # warm start: training apart from a fresh model costs far more than from a trained one: docs/gossip.md)
-    outer_after: int = 0
+    recipe: Recipe = Recipe()  # the organizer's training recipe: every peer of the plan trains by it
     # the position in the swarm's window order (peer/data/order.py) at start_step: windows read before it
     data_position: int = 0
     dataset: Dataset | None = None  # the prepared corpus every first stage reads; None: each peer's own data
@@ -155,6 +152,22 @@ class Plan:
 
     def __post_init__(self) -> None:
         _check(self)
+
+    @property
+    def eval_every(self) -> int:
+        """Every lane measures the validation loss at the steps divisible by this (0: never)."""
+        return self.recipe.eval_every
+
+    @property
+    def eval_batch(self) -> int:
+        """Held-out sequences each lane measures it on."""
+        return self.recipe.eval_batch
+
+    @property
+    def outer_after(self) -> int:
+        """Groups with outer steps take them only from this swarm step on; before it they all-reduce every step (a
+        warm start: training apart from a fresh model costs far more than from a trained one: docs/gossip.md)."""
+        return self.recipe.outer_after
 
     @property
     def reasons(self) -> dict[str, tuple[str, ...]]:
@@ -299,8 +312,7 @@ class Plan:
             "cost": dict(self.cost),
             **({"estimated_links": [list(pair) for pair in self.estimated_links]} if self.estimated_links else {}),
             **({"standby_reasons": [[r, n] for r, n in self.standby_reasons]} if self.standby_reasons else {}),
-            **({"eval_every": self.eval_every, "eval_batch": self.eval_batch} if self.eval_every else {}),
-            **({"outer_after": self.outer_after} if self.outer_after else {}),
+            "recipe": self.recipe.to_wire(),
             **({"data_position": self.data_position} if self.data_position else {}),
             **({"dataset": self.dataset.to_wire()} if self.dataset is not None else {}),
         }
@@ -312,7 +324,7 @@ class Plan:
             root,
             {"version", "epoch", "start_step", "cost_model", "model", "layers", "batch", "micro_batch",
              "micro_batches", "dtype", "stages", "lanes", "standby", "cost", "estimated_links", "standby_reasons",
-             "eval_every", "eval_batch", "seq_len", "outer_after", "data_position", "dataset"},
+             "seq_len", "recipe", "data_position", "dataset"},
             "plan",
         )
         version = need_int(field(root, "version", "plan"), "plan.version")
@@ -369,10 +381,8 @@ class Plan:
             start_step=need_int(field(root, "start_step", "plan"), "plan.start_step", minimum=0),
             estimated_links=_pairs(root.get("estimated_links", []), "plan.estimated_links"),
             standby_reasons=_reasons(root.get("standby_reasons", [])),
-            eval_every=need_int(root.get("eval_every", 0), "plan.eval_every", minimum=0),
-            eval_batch=need_int(root.get("eval_batch", 0), "plan.eval_batch", minimum=0),
             seq_len=need_int(root.get("seq_len", 0), "plan.seq_len", minimum=0),
-            outer_after=need_int(root.get("outer_after", 0), "plan.outer_after", minimum=0),
+            recipe=Recipe.from_wire(root["recipe"], "plan.recipe") if "recipe" in root else Recipe(),
             data_position=need_int(root.get("data_position", 0), "plan.data_position", minimum=0),
             dataset=Dataset.from_wire(root["dataset"]) if "dataset" in root else None,
             version=version,
@@ -470,11 +480,6 @@ def _check(plan: Plan) -> None:
             raise SchemaError("plan.standby", f"device {device!r} appears more than once in the plan")
         seen.add(device)
     _check_reasons(plan)
-    if (plan.eval_every > 0) != (plan.eval_batch > 0) or plan.eval_every < 0 or plan.eval_batch < 0:
-        raise SchemaError("plan.eval_batch", f"validation needs both eval_every and eval_batch positive (or both 0), got "
-                                             f"{plan.eval_every} and {plan.eval_batch}")
-    if plan.outer_after < 0:
-        raise SchemaError("plan.outer_after", f"must be a step >= 0, got {plan.outer_after}")
     for key, value in plan.cost.items():
         if not math.isfinite(value) or value < 0:
             raise SchemaError(f"plan.cost.{key}", f"must be a finite, non-negative number of seconds, got {value!r}")

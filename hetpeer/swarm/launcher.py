@@ -27,6 +27,7 @@ from hetpeer.coordinator.api_client import ApiClient
 from hetpeer.coordinator.api_errors import ApiError
 from hetpeer.peer.reach import free_port
 from hetpeer.protocol.dataset import is_prepared
+from hetpeer.protocol.recipe import Recipe
 from hetpeer.swarm.report import Event, LaneStep, PeerInfo, PlanUse, RunReport, StageUse, lane_step, samples_from_lanes, summarize
 from hetpeer.swarm.watch import StalledError, describe, follow
 
@@ -34,6 +35,8 @@ KEY_RE = re.compile(r"its key \(give peers --coordinator-key\): ([0-9a-f]{64})")
 DHT_RE = re.compile(r"^DHT: (\S+)")
 PEER_RE = re.compile(r"^peer (\S+) in swarm \S+: tensors on \S+, DHT on (\S+)")
 START_TIMEOUT_S = 120.0
+# the tiny model on a few CPU peers learns fast at a higher rate; gossip's deadline is short on one machine
+DEMO_RECIPE = Recipe(lr=3e-3, mix_deadline_s=3.0)
 
 
 class SwarmError(RuntimeError):
@@ -56,14 +59,12 @@ class SwarmConfig:
     replan_interval_s: float = 30.0
     time_budget_s: float = 2.0
     timeout_s: float = 10.0  # per frame a peer waits for
-    mix_deadline_s: float = 3.0
-    lr: float = 3e-3
-    seed: int = 0
+    recipe: Recipe = DEMO_RECIPE  # the coordinator's: every peer trains by it (its seed seeds the planner too)
     data: Path | None = None
     save: Path | None = None  # the peers' stage checkpoints: saved when they leave, resumed from when started again
     stall_s: float = 120.0  # give up when the swarm's step has not moved for this long
     coordinator_args: tuple[str, ...] = ()  # more `hetpeer coordinator` options, e.g. ("--stages", "2")
-    peer_args: tuple[str, ...] = ()  # more `hetpeer join` options for every peer, e.g. ("--robust", "2")
+    peer_args: tuple[str, ...] = ()  # more `hetpeer join` options for every peer, e.g. ("--probe-targets", "8")
 
     def __post_init__(self) -> None:
         if self.peers < 1 or self.steps < 1:
@@ -174,11 +175,14 @@ class LocalSwarm:
 
     def start_coordinator(self) -> None:
         c = self.config
+        recipe = c.out / "recipe.json"
+        recipe.write_text(c.recipe.to_text() + "\n")
         command = [
             sys.executable, "-m", "hetpeer", "coordinator", "--swarm", c.swarm, "--home", str(c.out / "coordinator"),
+            "--recipe", str(recipe),
             "--api", self.api_address, "--heartbeat", repr(c.heartbeat_s), "--replan-interval", repr(c.replan_interval_s),
             "--model", c.model, "--batch", str(c.batch), "--micro-batch", str(c.micro_batch), "--dtype", c.dtype,
-            "--time-budget", repr(c.time_budget_s), "--seed", str(c.seed), "--min-peers", str(min(2, c.peers)),
+            "--time-budget", repr(c.time_budget_s), "--seed", str(c.recipe.seed), "--min-peers", str(min(2, c.peers)),
             "--steps", str(c.steps),
             *(("--http", self.http_listen) if self.http_listen else ()),
             *(("--data", str(c.data)) if is_prepared(c.data) else ()),  # served to the peers, which start without it
@@ -211,8 +215,7 @@ class LocalSwarm:
             sys.executable, "-m", "hetpeer", "join", "--swarm", c.swarm, "--name", f"peer{i}",
             "--home", str(c.out / f"peer{i}"), "--coordinator-key", self.key, "--initial-peers", *self.dht_maddrs[:1],
             "--model", c.model, "--dtype", c.dtype, "--heartbeat", repr(c.heartbeat_s), "--steps", str(c.steps),
-            "--threads", str(threads), "--timeout", repr(c.timeout_s), "--mix-deadline", repr(c.mix_deadline_s),
-            "--lr", repr(c.lr), "--seed", str(c.seed), "--slowdown", repr(c.slowdown(i)),
+            "--threads", str(threads), "--timeout", repr(c.timeout_s), "--slowdown", repr(c.slowdown(i)),
         ]
         if c.cap(i) is not None:
             command += ["--bandwidth-cap", repr(c.cap(i))]

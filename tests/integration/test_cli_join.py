@@ -151,7 +151,7 @@ def test_launch_runs_groups_with_outer_steps_that_end_each_window_on_equal_weigh
     plan = replace(plan, stages=tuple(replace(s, sync="outer", outer_every=3) for s in plan.stages))
     plan_path = write_json(tmp_path / "plan.json", plan.to_wire())
     done = cli("launch", str(plan_path), "--steps", "6", "--out", str(tmp_path / "run"), "--link", "tcp",
-               "--save", str(tmp_path / "saved"), "--outer-lr", "0.5", "--outer-momentum", "0.5")
+               "--save", str(tmp_path / "saved"), "--set", "outer_lr=0.5", "--set", "outer_momentum=0.5", "--set", "outer_after=0")
     assert done.returncode == 0, done.stdout + done.stderr
     saved = {d: StageCheckpoint.read(tmp_path / "saved" / f"{d}.safetensors").tensors() for d in plan.devices}
     for a, b in (("d0", "d1"), ("d2", "d3")):  # each group's members, after their second outer step
@@ -249,8 +249,8 @@ def join_case(case: str, tmp_path: Path, keys) -> tuple[list[str], list[str]]:
         words = ["addresses.peers.d1.direct", "HOST:PORT", "'127.0.0.1'"]
     elif case == "not a device":
         extra, words = ["--device", "gpu"], ["--device", "auto, cpu, cuda or cuda:N", "'gpu'"]
-    elif case == "decay that ends before the warmup":
-        extra, words = ["--warmup-steps", "10", "--decay-steps", "10"], ["--decay-steps (10)", "past the --warmup-steps (10)"]
+    elif case == "a training option, which is the plan's":
+        extra, words = ["--lr", "1e-3"], ["--lr is the organizer's", "--set lr=VALUE"]
     elif case == "a codec this peer does not know":  # a plan from a newer hetpeer
         raw = plan.to_wire()
         raw["stages"][0]["forward"] = ["int3"]
@@ -326,7 +326,7 @@ def test_launch_trains_a_model_folder_across_two_stages(tmp_path, cli, gpt2_fold
     saved = tmp_path / "checkpoints"
     data = tmp_path / "code.jsonl"
     data.write_text("".join(json.dumps({"text": text}) + "\n" for text in DOCUMENTS))
-    done = cli("launch", str(plan_path), "--model", str(gpt2_folder), "--steps", "3", "--lr", "1e-2", "--out", str(tmp_path / "run"),
+    done = cli("launch", str(plan_path), "--model", str(gpt2_folder), "--steps", "3", "--set", "lr=1e-2", "--out", str(tmp_path / "run"),
                "--save", str(saved), "--data", str(data))
     assert done.returncode == 0, done.stdout + done.stderr
     lines = [unstamp(line) for line in done.stdout.splitlines()]

@@ -157,7 +157,20 @@ def test_a_plan_can_ask_for_validation(tmp_path):
     plan = Plan.from_wire(json.loads(done.stdout))
     assert (plan.eval_every, plan.eval_batch) == (10, 3)
     plain = hetpeer("plan", str(topology), "--model", "tiny", "--batch", "8", "--json", "--quiet", "--time-budget", "0.3")
-    assert "eval_every" not in json.loads(plain.stdout)
+    assert json.loads(plain.stdout)["recipe"]["eval_every"] == 0  # none unless asked
+
+
+def test_a_plan_carries_the_recipe_it_was_given_and_a_bad_one_is_one_line(tmp_path):
+    topology = topology_file(tmp_path, [device(i) for i in range(2)])
+    (tmp_path / "recipe.json").write_text('{"lr": 1e-3, "warmup_steps": 20}')
+    done = hetpeer("plan", str(topology), "--model", "tiny", "--batch", "8", "--recipe", str(tmp_path / "recipe.json"),
+                   "--set", "seed=4", "--json", "--quiet", "--time-budget", "0.3")
+    assert done.returncode == 0, done.stderr
+    recipe = Plan.from_wire(json.loads(done.stdout)).recipe
+    assert (recipe.lr, recipe.warmup_steps, recipe.seed) == (1e-3, 20, 4)
+    (tmp_path / "recipe.json").write_text('{"lr": 1e-3, "lookahead": 2}')
+    bad = hetpeer("plan", str(topology), "--model", "tiny", "--recipe", str(tmp_path / "recipe.json"), "--quiet")
+    assert bad.returncode == 2 and "lookahead: is not a known field" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
 
 
 def test_stages_recompute_only_where_they_fit_no_other_way(tmp_path):

@@ -28,6 +28,7 @@ import pytest
 from hetpeer.logline import unstamp
 from hetpeer.peer.launch import write_address_book
 from hetpeer.protocol.plan import Plan, StagePlan
+from hetpeer.protocol.recipe import Recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVICES = ("p0", "p1", "p2", "p3")
@@ -38,11 +39,11 @@ STEP_LINE = re.compile(r"^step (\d+)/(\d+)\s+loss (\d+\.\d+)\s")
 LEFT_OUT_LINE = re.compile(r"^left out of mixing: (\w+ \d+x(?:, \w+ \d+x)*)")
 
 
-def make_plan(sync: str) -> Plan:
+def make_plan(sync: str, recipe: Recipe = Recipe()) -> Plan:
     """The tiny model as one stage held by four peers, one per lane; lane batch 4, one micro-batch."""
     return Plan(
         "time", "tiny", 4, batch=16, micro_batch=4, micro_batches=1, dtype="fp32",
-        stages=(StagePlan(0, 0, 4, DEVICES, sync),),
+        stages=(StagePlan(0, 0, 4, DEVICES, sync),), recipe=recipe,
     )  # fmt: skip
 
 
@@ -53,10 +54,10 @@ class Group:
     save: Path
 
 
-def make_group(folder: Path, sync: str) -> Group:
+def make_group(folder: Path, sync: str, recipe: Recipe = Recipe()) -> Group:
     folder.mkdir(parents=True, exist_ok=True)
     plan = folder / "plan.json"
-    plan.write_text(json.dumps(make_plan(sync).to_wire()))
+    plan.write_text(json.dumps(make_plan(sync, recipe).to_wire()))
     return Group(plan, write_address_book(DEVICES, folder, links="tcp"), folder / "save")
 
 
@@ -214,7 +215,8 @@ def test_gossip_group_learns_and_stays_in_consensus(tmp_path, peers):
 
 # A short mixing deadline so that a dead neighbour costs the survivors one 2 s wait (after that they
 # only glance for it), a larger learning rate so that trained and fresh weights are far apart in loss.
-FAULT_OPTIONS = ("--mix-deadline", "2", "--timeout", "10", "--lr", "1e-3")
+FAULT_OPTIONS = ("--timeout", "10",)
+FAULT_RECIPE = Recipe(lr=1e-3, mix_deadline_s=2.0)
 SURVIVOR_STEPS = 400  # a step takes tens of ms: ample to outlast the victim's restart (98 steps once, in CI) and its own steps
 REJOIN_STEPS = 15
 KILL_AFTER_STEP = 5
@@ -247,7 +249,7 @@ def step_lines(peer: Peer) -> dict[int, str]:
 
 @pytest.mark.slow
 def test_killed_peer_is_left_out_and_rejoins_from_the_group(tmp_path, peers):
-    group = make_group(tmp_path / "group", "gossip")
+    group = make_group(tmp_path / "group", "gossip", FAULT_RECIPE)
     survivors = {device: peers.join(group, device, "--steps", str(SURVIVOR_STEPS), *FAULT_OPTIONS)
                  for device in DEVICES if device != VICTIM}  # fmt: skip
     victim = peers.join(group, VICTIM, "--steps", str(SURVIVOR_STEPS), *FAULT_OPTIONS)
@@ -310,8 +312,8 @@ def test_killed_peer_is_left_out_and_rejoins_from_the_group(tmp_path, peers):
 
 @pytest.mark.slow
 def test_rejoin_without_a_live_group_member_fails_clearly(tmp_path, peers):
-    group = make_group(tmp_path / "group", "gossip")  # nobody else runs: every donor is unreachable
-    alone = peers.join(group, VICTIM, "--rejoin", "--steps", "3", "--timeout", "2", "--mix-deadline", "2")
+    group = make_group(tmp_path / "group", "gossip", FAULT_RECIPE)  # nobody else runs: every donor is unreachable
+    alone = peers.join(group, VICTIM, "--rejoin", "--steps", "3", "--timeout", "2")
     code = alone.finish()
     assert code not in (0, None), alone.output
     assert "Traceback" not in alone.output, alone.output

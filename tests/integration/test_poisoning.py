@@ -4,6 +4,8 @@ dashboard says so), and the others train on without it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import json
 import math
 import re
@@ -15,7 +17,7 @@ import pytest
 
 from hetpeer.logline import unstamp
 from hetpeer.peer.reach import free_port
-from hetpeer.swarm.launcher import LocalSwarm, SwarmConfig
+from hetpeer.swarm.launcher import DEMO_RECIPE, LocalSwarm, SwarmConfig
 
 pytestmark = pytest.mark.slow
 POISON_PEER = Path(__file__).parents[2] / "benchmarks" / "poison_peer.py"
@@ -45,9 +47,10 @@ def wait_for(condition, what: str, swarm: LocalSwarm) -> None:
 
 def test_a_poisoner_is_left_out_reported_banned_and_the_group_trains_on(tmp_path):
     config = SwarmConfig(
-        out=tmp_path, peers=4, steps=100_000, batch=64, heartbeat_s=1.0, replan_interval_s=3600, mix_deadline_s=2.0,
+        out=tmp_path, peers=4, steps=100_000, batch=64, heartbeat_s=1.0, replan_interval_s=3600,
+        recipe=replace(DEMO_RECIPE, mix_deadline_s=2.0, robust=2.0),
         time_budget_s=1.0, # gossip pinned: robust mixing is what sees the poison, and `auto` may pick all-reduce on a loaded machine
-        coordinator_args=("--stages", "1", "--group-size", "4", "--min-peers", "4", "--sync", "gossip"), peer_args=("--robust", "2"),
+        coordinator_args=("--stages", "1", "--group-size", "4", "--min-peers", "4", "--sync", "gossip"),
     )
     swarm = PoisonedSwarm(config, lambda line: None, free_port(), http_port=free_port())
     try:

@@ -22,7 +22,7 @@ from hetpeer.logline import unstamp
 from hetpeer.peer.reach import free_port
 from hetpeer.protocol.control import ControlPlane, key_digest
 from hetpeer.protocol.records import peers_key
-from hetpeer.swarm.launcher import LocalSwarm, SwarmConfig
+from hetpeer.swarm.launcher import DEMO_RECIPE, LocalSwarm, SwarmConfig
 
 pytestmark = pytest.mark.slow
 HEARTBEAT_S = 1.0
@@ -65,7 +65,7 @@ def swarm(tmp_path_factory):
     out = tmp_path_factory.mktemp("swarm")
     config = SwarmConfig(
         out=out, peers=4, steps=100_000, batch=64, heartbeat_s=HEARTBEAT_S, replan_interval_s=3600, timeout_s=5.0,
-        mix_deadline_s=2.0, time_budget_s=1.0, coordinator_args=("--stages", "2", "--gain", "0.05"),
+        recipe=replace(DEMO_RECIPE, mix_deadline_s=2.0), time_budget_s=1.0, coordinator_args=("--stages", "2", "--gain", "0.05"),
         # the four peers compute on this machine's cores and say so (planner/sharing.py): slowed as GPUs slower
         # than the cores, they leave them room, so the plan takes every peer and a returning one back (four of them
         # flat out take a quarter of the cores: room still when other work has kept the machine busy)

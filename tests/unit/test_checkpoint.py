@@ -11,22 +11,23 @@ import torch
 
 from hetpeer.peer.checkpoint import CheckpointError, StageCheckpoint, export
 from hetpeer.peer.data.corpus import Corpus
-from hetpeer.peer.gossip.adam import AdamConfig
 from hetpeer.peer.model import build_stage
 from hetpeer.peer.pipeline.worker import StageWorker, WorkerConfig
 from hetpeer.peer.transport import MemoryHub, MemoryTransport
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.modelspec import ModelSpec, load_model, preset
+from hetpeer.protocol.recipe import Recipe
 from in_threads import results
 
 SPEC = preset("tiny")
-CONFIG = WorkerConfig(adam=AdamConfig(lr=1e-2))
+CONFIG = WorkerConfig()
+RECIPE = Recipe(lr=1e-2)
 
 
-def plan_of(stages: int, spec: ModelSpec = SPEC) -> Plan:
+def plan_of(stages: int, spec: ModelSpec = SPEC, recipe: Recipe = RECIPE) -> Plan:
     bounds = [round(s * spec.layers / stages) for s in range(stages + 1)]
     return Plan(cost_model="time", model=spec.name, layers=spec.layers, batch=2, micro_batch=1, micro_batches=2, dtype="fp32",
-                stages=tuple(StagePlan(s, bounds[s], bounds[s + 1], (f"s{s}",), "none") for s in range(stages)))
+                stages=tuple(StagePlan(s, bounds[s], bounds[s + 1], (f"s{s}",), "none") for s in range(stages)), recipe=recipe)
 
 
 def workers(plan: Plan, config: WorkerConfig = CONFIG) -> dict[str, StageWorker]:
@@ -61,12 +62,22 @@ def test_a_restored_stage_trains_on_as_the_saved_one(tmp_path):
         assert torch.equal(second[device].flat.data, first[device].flat.data), device
 
 
+def test_a_checkpoint_records_its_recipe_and_a_resume_under_another_says_what_changed(tmp_path):
+    saved = workers(plan_of(1))["s0"]
+    saved.save(tmp_path)
+    assert StageCheckpoint.read(tmp_path / "s0.safetensors").recipe == RECIPE
+    same = workers(plan_of(1))["s0"]
+    assert same.recipe_changes(same.restore(tmp_path / "s0.safetensors")) == ""
+    other = workers(plan_of(1, recipe=Recipe(lr=2e-3, warmup_steps=10)))["s0"]
+    assert other.recipe_changes(other.restore(tmp_path / "s0.safetensors")) == "lr 0.01 -> 0.002; warmup_steps 0 -> 10"
+
+
 def test_a_plain_adam_checkpoint_resumes_under_accumadam_with_an_empty_window(tmp_path):
     plain = workers(plan_of(1))
     train(plain, 2)
     assert len(plain["s0"].sync.state.tensors()) == 2  # plain Adam keeps no window
     plain["s0"].save(tmp_path)
-    accumulating = workers(plan_of(1), WorkerConfig(adam=AdamConfig(lr=1e-2, accumulate=4)))["s0"]
+    accumulating = workers(plan_of(1, recipe=Recipe(lr=1e-2, accumulate=4)))["s0"]
     accumulating.sync.state.window.fill_(7.0)
     accumulating.restore(tmp_path / "s0.safetensors")
     assert torch.equal(accumulating.flat.data, plain["s0"].flat.data)
@@ -145,7 +156,7 @@ def test_an_exported_gpt2_loads_in_transformers_and_computes_what_the_stages_did
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "start")
     spec = load_model(str(tmp_path / "start"), seq_len=16)
-    built = workers(plan_of(3, spec), WorkerConfig(model=spec, weights=str(tmp_path / "start"), adam=AdamConfig(lr=1e-2)))
+    built = workers(plan_of(3, spec), WorkerConfig(model=spec, weights=str(tmp_path / "start")))
     train(built, 2)
     for worker in built.values():
         worker.save(tmp_path / "run")

@@ -1,12 +1,12 @@
 """`--outer-every` as `plan`, `coordinator` and `swarm` take it (auto or a number of steps), what `swarm` hands
-its coordinator, and the outer optimizer's settings on the peers' commands; anything else is refused by name."""
+its coordinator, and the outer optimizer's settings in the recipe; anything else is refused by name."""
 
 from __future__ import annotations
 
 import pytest
 
 from hetpeer.cli import build_parser, main
-from hetpeer.cli.common import outer_every_choice, outer_every_text
+from hetpeer.cli.common import outer_every_choice, outer_every_text, recipe_from
 
 COMMANDS = [["plan", "--scenario", "regional"], ["coordinator", "--swarm", "s"], ["swarm"]]
 
@@ -32,10 +32,10 @@ def test_a_number_of_steps_out_of_range_is_refused_naming_the_range(value, capsy
     assert "--outer-every" in (error := capsys.readouterr().err) and "1 to 10000" in error and repr(value) in error
 
 
-def test_the_coordinator_takes_sync_outer_and_a_warm_start():
+def test_the_coordinator_takes_sync_outer_and_a_warm_start_into_its_recipe():
     args = build_parser().parse_args(["coordinator", "--swarm", "s", "--sync", "outer", "--outer-warmup", "0"])
-    assert (args.sync, args.outer_warmup) == ("outer", 0)
-    assert build_parser().parse_args(["coordinator", "--swarm", "s"]).outer_warmup == 100
+    assert (args.sync, recipe_from(args).outer_after) == ("outer", 0)
+    assert recipe_from(build_parser().parse_args(["coordinator", "--swarm", "s"])).outer_after == 100
 
 
 def test_plan_refuses_outer_steps_with_the_cost_model_that_cannot_count_them(capsys):
@@ -43,12 +43,8 @@ def test_plan_refuses_outer_steps_with_the_cost_model_that_cannot_count_them(cap
     assert "--outer-every and --sync outer apply to --cost-model time only" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("command", [["launch"], ["join", "--swarm", "s"]])
-@pytest.mark.parametrize("option, value", [("--outer-momentum", "1.0"), ("--outer-momentum", "nan"), ("--outer-lr", "-1"),
-                                           ("--outer-lr", "0")])
-def test_peers_refuse_outer_settings_out_of_range_before_they_start(command, option, value, capsys):
-    with pytest.raises(SystemExit) as exit:
-        build_parser().parse_args([*command, option, value])
-    assert exit.value.code == 2
-    assert option in (error := capsys.readouterr().err) and repr(value) in error
-    assert build_parser().parse_args([*command, "--outer-lr", "0.5", "--outer-momentum", "0"]).outer_momentum == 0.0
+@pytest.mark.parametrize("command", [["launch"], ["coordinator", "--swarm", "s", "--print-recipe"], ["plan", "--scenario", "regional"]])
+@pytest.mark.parametrize("setting", ["outer_momentum=1.0", "outer_momentum=nan", "outer_lr=-1", "outer_lr=0"])
+def test_outer_settings_out_of_range_are_refused_naming_the_recipe_field(command, setting, capsys):
+    assert main([*command, "--set", setting]) == 2
+    assert f"recipe.{setting.partition('=')[0]}" in capsys.readouterr().err

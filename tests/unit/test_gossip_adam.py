@@ -218,6 +218,50 @@ def test_without_mixing_it_is_torch_adamw(lr, betas, eps, weight_decay, schedule
     assert state.step == steps
 
 
+@pytest.mark.parametrize("clip", [0.05, 1.0, 100.0], ids=["always-clipped", "sometimes", "never-reached"])
+def test_clipping_is_torch_clip_grad_norm_before_adamw(clip):
+    """The recipe's clip_norm: the stage's gradient scaled as torch.nn.utils.clip_grad_norm_ scales a module's,
+    then AdamW, step for step (and the clipped gradient is what the moments saw)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+    twin = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+    twin.load_state_dict(model.state_dict())
+    flat, config = FlatParams(twin), AdamConfig(lr=1e-2, clip_norm=clip)
+    state = AdamState(flat.size)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay)
+    generator = torch.Generator().manual_seed(1)
+    norms = []
+    for step in range(8):
+        inputs, targets = torch.randn(16, 5, generator=generator), 3 * torch.randn(16, 3, generator=generator)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(inputs), targets).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        optimizer.step()
+        flat.zero_grad()
+        torch.nn.functional.mse_loss(twin(inputs), targets).backward()
+        adam_update(flat.data, flat.grad, state, config)
+        torch.testing.assert_close(flat.grad, torch.cat([p.grad.reshape(-1) for p in model.parameters()]), rtol=1e-5, atol=1e-8)
+        torch.testing.assert_close(flat.data, torch.cat([p.detach().reshape(-1) for p in model.parameters()]),
+                                   rtol=1e-5, atol=1e-7, msg=f"step {step}")
+    if clip == 0.05:
+        assert min(norms) > clip  # the case clips every step, or it tests nothing
+
+
+def test_ranges_clipped_apart_are_each_scaled_by_their_own_norm_and_the_rest_together():
+    """A tied matrix (`clip_apart`) is clipped as torch clips it alone; the rest of the stage as torch clips the rest."""
+    from hetpeer.peer.gossip.adam import clip_gradient
+
+    generator = torch.Generator().manual_seed(2)
+    grad = torch.randn(30, generator=generator) * 4
+    apart, rest = grad[10:20].clone().requires_grad_(), torch.cat([grad[:10], grad[20:]]).clone().requires_grad_()
+    apart.grad, rest.grad = apart.detach().clone(), rest.detach().clone()
+    torch.nn.utils.clip_grad_norm_([apart], 1.0)
+    torch.nn.utils.clip_grad_norm_([rest], 1.0)
+    clip_gradient(grad, 1.0, [(10, 20)])
+    torch.testing.assert_close(grad[10:20], apart.grad)
+    torch.testing.assert_close(torch.cat([grad[:10], grad[20:]]), rest.grad)
+
+
 def test_the_schedule_warms_up_decays_and_holds():
     config = AdamConfig(lr=2e-2, warmup_steps=3, decay_steps=9, min_lr_ratio=0.2)
     assert [config.lr_at(t) for t in (1, 3, 9, 40)] == pytest.approx([2e-2 / 3, 2e-2, 4e-3, 4e-3])
@@ -259,6 +303,7 @@ def test_decay_ranges_are_torch_adamw_with_a_no_decay_group():
     "kwargs, message",
     [
         (dict(lr=0.0), "lr and eps must be positive"),
+        (dict(clip_norm=-1.0), "clip_norm must be a finite number >= 0"),
         (dict(lr=-1e-3), "lr and eps must be positive"),
         (dict(eps=0.0), "lr and eps must be positive"),
         (dict(weight_decay=-0.1), "weight_decay non-negative"),

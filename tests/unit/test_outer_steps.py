@@ -10,30 +10,32 @@ import torch
 
 from hetpeer.peer.checkpoint import StageCheckpoint
 from hetpeer.peer.data.corpus import Corpus
-from hetpeer.peer.gossip.adam import AdamConfig
-from hetpeer.peer.gossip.group import SyncConfig
 from hetpeer.peer.gossip.outer import OuterConfig, OuterState, outer_step
 from hetpeer.peer.gossip.state import StateServer, fetch_state
 from hetpeer.peer.pipeline.worker import StageWorker, WorkerConfig
 from hetpeer.peer.transport import MemoryHub, MemoryTransport
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.modelspec import preset
+from hetpeer.protocol.recipe import Recipe
 from hetpeer.protocol.wire import SchemaError
 from in_threads import results
 
 SPEC = preset("tiny")
 MEMBERS = ("p0", "p1", "p2")
+MEAN_OUTER = Recipe(lr=1e-2, outer_after=0, outer_lr=1.0, outer_momentum=0.0)  # an outer step to the members' mean
 
 
-def group_plan(sync: str, every: int = 0, members: tuple[str, ...] = MEMBERS, epoch: int = 0, start_step: int = 0) -> Plan:
+def group_plan(sync: str, every: int = 0, members: tuple[str, ...] = MEMBERS, epoch: int = 0, start_step: int = 0,
+               recipe: Recipe = Recipe(lr=1e-2, outer_after=0)) -> Plan:
     stage = StagePlan(0, 0, SPEC.layers, members, sync, outer_every=every)
-    return Plan("time", SPEC.name, SPEC.layers, 2 * len(members), 2, 1, "fp32", (stage,), epoch=epoch, start_step=start_step)
+    return Plan("time", SPEC.name, SPEC.layers, 2 * len(members), 2, 1, "fp32", (stage,), epoch=epoch, start_step=start_step,
+                recipe=recipe)
 
 
-def workers(plan: Plan, outer: OuterConfig = OuterConfig(), hub: MemoryHub | None = None, servers: bool = False,
+def workers(plan: Plan, hub: MemoryHub | None = None, servers: bool = False,
             only: tuple[str, ...] | None = None) -> dict[str, StageWorker]:
     hub, corpus, built = hub or MemoryHub(), Corpus.default(), {}
-    config = WorkerConfig(adam=AdamConfig(lr=1e-2), sync=SyncConfig(outer=outer, allreduce_timeout_s=30))
+    config = WorkerConfig(timeout_s=30)
     for device in only or plan.devices:
         transport = MemoryTransport(device, hub)
         transport.start()
@@ -67,7 +69,7 @@ def test_members_train_apart_between_outer_steps_and_end_each_on_the_average_of_
     """With lr 1 and no momentum an outer step is the mean of the members' parameters: checked against the
     same members trained with no sync at all (the same data, the same steps), averaged here."""
     apart = workers(group_plan("none"))
-    outer = workers(group_plan("outer", every=3), OuterConfig(lr=1.0, momentum=0.0))
+    outer = workers(group_plan("outer", every=3, recipe=MEAN_OUTER))
     train(apart, 2)
     train(outer, 2)
     for device in MEMBERS:  # no outer step yet: each member is where training alone took it
@@ -158,9 +160,7 @@ def test_an_outer_plan_round_trips_through_its_wire_form():
 
 
 def test_before_the_plans_outer_after_the_group_all_reduces_every_step_and_anchors_where_it_is():
-    from dataclasses import replace
-
-    group = workers(replace(group_plan("outer", every=2, members=("p0", "p1")), outer_after=3))
+    group = workers(group_plan("outer", every=2, members=("p0", "p1"), recipe=Recipe(lr=1e-2, outer_after=3)))
     train(group, 3)  # steps 0-2: all-reduced, so the members move together
     x = group["p0"].flat.data
     assert torch.equal(x, group["p1"].flat.data) and torch.equal(group["p0"].sync.outer.anchor, x)
@@ -179,10 +179,10 @@ def test_an_overlapped_exchange_lands_d_steps_later_keeping_what_each_member_lea
     from dataclasses import replace
 
     apart = workers(group_plan("none"))
-    plan = group_plan("outer", every=3)
+    plan = group_plan("outer", every=3, recipe=MEAN_OUTER)
     plan = replace(plan, stages=(replace(plan.stages[0], outer_delay=2),))
     assert plan.stages[0].sync_words == "outer H=3 D=2"
-    outer = workers(plan, OuterConfig(lr=1.0, momentum=0.0))
+    outer = workers(plan)
     train(apart, 3)
     train(outer, 3)  # step 2 closes the window; its exchange runs beside steps 3 and 4
     taken = {d: apart[d].flat.data.clone() for d in MEMBERS}

@@ -7,6 +7,7 @@ import copy
 import pytest
 
 from hetpeer.protocol.plan import Plan
+from hetpeer.protocol.recipe import Recipe
 from hetpeer.protocol.wire import SchemaError
 
 
@@ -30,6 +31,7 @@ def wire() -> dict:
         "lanes": [["a", "c"], ["b", "d"]],
         "standby": ["e"],
         "cost": {"total_s": 1.5, "sync_s": 0.25},
+        "recipe": Recipe().to_wire(),
     }
 
 
@@ -45,12 +47,24 @@ def test_round_trip_and_derived_views():
     assert plan.neighbours("e") == [] and plan.neighbours("stranger") == []  # standby and unknown: none
 
 
-def test_validation_settings_round_trip():
-    raw = wire() | {"eval_every": 50, "eval_batch": 3}
+def test_the_recipe_round_trips_with_its_validation_settings_and_a_plan_without_one_has_the_defaults():
+    raw = wire()
+    raw["recipe"] |= {"eval_every": 50, "eval_batch": 3, "lr": 1e-3}
     plan = Plan.from_wire(raw)
-    assert plan.to_wire() == raw
+    assert plan.to_wire() == raw and plan.recipe.lr == 1e-3
     assert plan.eval_sizes == (1, 1, 1) and plan.evaluates(100) and not plan.evaluates(101)
     assert not Plan.from_wire(wire()).evaluates(0)  # none unless asked
+    bare = {k: v for k, v in wire().items() if k != "recipe"}
+    assert Plan.from_wire(bare).recipe == Recipe()
+    partial = wire() | {"recipe": {"lr": 2e-3}}  # fields left out: the defaults
+    assert Plan.from_wire(partial).recipe == Recipe(lr=2e-3)
+
+
+def test_a_recipe_field_this_peer_does_not_know_refuses_the_plan_naming_it():
+    raw = wire()
+    raw["recipe"]["lookahead_steps"] = 5  # a newer coordinator's recipe
+    with pytest.raises(SchemaError, match=r"plan\.recipe\.lookahead_steps: is not a known field"):
+        Plan.from_wire(raw)
 
 
 def test_the_sequence_length_round_trips_and_a_plan_without_it_reads_as_before():
@@ -143,8 +157,10 @@ BAD = [
     ("bool as int", lambda r: r.update(batch=True), "plan.batch"),
     ("unknown dtype", lambda r: r.update(dtype="fp8"), "plan.dtype"),
     ("micro-batch above the batch", lambda r: r.update(micro_batch=r["batch"] + 1), "plan.micro_batch"),
-    ("validation without a batch", lambda r: r.update(eval_every=10), "plan.eval_batch"),
-    ("negative validation interval", lambda r: r.update(eval_every=-1, eval_batch=2), "plan.eval_every"),
+    ("validation without a batch", lambda r: r["recipe"].update(eval_batch=0), "plan.recipe.eval_batch"),
+    ("negative validation interval", lambda r: r["recipe"].update(eval_every=-1), "plan.recipe.eval_every"),
+    ("a negative learning rate", lambda r: r["recipe"].update(lr=-1.0), "plan.recipe.lr"),
+    ("an unknown topology", lambda r: r["recipe"].update(topology="star"), "plan.recipe.topology"),
     ("more layers recomputed than held", lambda r: r["stages"][1].update(recompute=3), "plan.stages[1].recompute"),
     ("negative recomputation", lambda r: r["stages"][0].update(recompute=-1), "plan.stages[0].recompute"),
     ("recomputation as a flag", lambda r: r["stages"][0].update(recompute=True), "plan.stages[0].recompute"),

@@ -16,11 +16,11 @@ import torch
 from in_threads import results
 from hetpeer.peer.data.corpus import Corpus
 from hetpeer.peer.model import build_stage
-from hetpeer.peer.gossip.adam import AdamConfig
 from hetpeer.peer.pipeline.worker import StageWorker, WorkerConfig
 from hetpeer.peer.transport import MemoryHub, MemoryTransport, TransportTimeout
 from hetpeer.peer.transport.codec import checksum, encode
 from hetpeer.protocol.frame import FrameHeader, payload_bytes
+from hetpeer.protocol.recipe import Recipe
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.modelspec import preset
 
@@ -36,7 +36,7 @@ def corpus() -> Corpus:
 
 def make_plan(
     stages: int, *, lanes: int = 1, lane_batch: int = 2, micro_batch: int = 2, dtype: str = "fp32",
-    start_step: int = 0, epoch: int = 0,
+    start_step: int = 0, epoch: int = 0, recipe: Recipe = Recipe(),
 ) -> Plan:
     """`stages` stages over the tiny model's layers, as even as they go; devices are named s<stage>l<lane>."""
     bounds = [round(s * SPEC.layers / stages) for s in range(stages + 1)]
@@ -54,6 +54,7 @@ def make_plan(
         ),
         epoch=epoch,
         start_step=start_step,
+        recipe=recipe,
     )
 
 
@@ -166,8 +167,8 @@ def test_two_lanes_read_their_own_batches(corpus):
 
 
 def test_training_lowers_the_loss(corpus):
-    plan = make_plan(2, lane_batch=4, micro_batch=2)
-    pipeline = Pipeline(plan, corpus, WorkerConfig(adam=AdamConfig(lr=1e-3)))
+    plan = make_plan(2, lane_batch=4, micro_batch=2, recipe=Recipe(lr=1e-3))
+    pipeline = Pipeline(plan, corpus)
     steps = 15
     results = pipeline.run(lambda worker: [worker.train_step() for _ in range(steps)])
     losses = [r.loss for r in results[pipeline.last()]]
@@ -379,9 +380,7 @@ def test_a_download_enters_at_the_donors_step_or_where_the_plan_says(corpus):
 def test_validation_runs_forward_only_through_the_pipeline_at_the_plans_steps(corpus):
     """eval_every 2, 3 held-out sequences in micro-batches of 2 and 1: the last stage reports, at steps 0 and 2,
     the whole model's loss on the held-out batch; nobody sends a gradient for it."""
-    from dataclasses import replace
-
-    plan = replace(make_plan(2, lane_batch=4), eval_every=2, eval_batch=3)
+    plan = make_plan(2, lane_batch=4, recipe=Recipe(eval_every=2, eval_batch=3))
     assert plan.eval_sizes == (2, 1)
     pipeline = Pipeline(plan, corpus)
     reports = [pipeline.run(lambda worker: worker.train_step()) for _ in range(3)]
@@ -406,12 +405,11 @@ def test_a_peer_far_behind_its_group_downloads_the_groups_state_instead_of_mixin
     mixing would take them for poison)."""
     from dataclasses import replace as replaced
 
-    from hetpeer.peer.gossip.group import SyncConfig
     from hetpeer.peer.pipeline.worker import STALE_STEPS
 
-    base = make_plan(1, lanes=2)
+    base = make_plan(1, lanes=2, recipe=Recipe(mix_deadline_s=0.05))
     plan = replaced(base, stages=(replaced(base.stages[0], sync="gossip"),))
-    config = WorkerConfig(sync=SyncConfig(deadline_s=0.05), timeout_s=10.0)
+    config = WorkerConfig(timeout_s=10.0)
     pipeline = Pipeline(plan, corpus, config)
     ahead, behind = pipeline.workers["s0l0"], pipeline.workers["s0l1"]
     for _ in range(STALE_STEPS + 4):  # s0l1 is stopped: s0l0 trains on, leaving it out after each deadline

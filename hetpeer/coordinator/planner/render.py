@@ -25,7 +25,7 @@ def format_plan(plan: Plan, baselines: dict[str, float | None], random_samples: 
     if recomputing:
         lines += ["", "recomputed in the backward pass, to fit memory (one more forward each):"]
         lines += [f"  stage {stage.index}: {stage.recompute} of its {stage.layers} layers" for stage in recomputing]
-    lines += ["", "lanes (stage 0 first):"]
+    lines += ["", f"recipe: {plan.recipe.words}", "", "lanes (stage 0 first):"]
     lines += [f"  lane {i}: {' -> '.join(lane)}" for i, lane in enumerate(lanes)]
     if plan.standby:
         lines += ["", "standby:"] + [f"  {line}" for line in plan.standby_lines(names_shown=len(plan.standby))]

@@ -69,6 +69,7 @@
     const plan = state.plan, box = $("plan-picture");
     if (!plan) {
       $("plan-summary").textContent = "no plan yet: the coordinator waits for peers to settle";
+      $("plan-recipe").textContent = "";
       box.replaceChildren();
       return;
     }
@@ -80,6 +81,7 @@
     const batch = plan.batch ? `, batch ${plan.batch} in ${plan.micro_batches} micro-batch(es) of ${plan.micro_batch}` : "";
     $("plan-summary").textContent = `epoch ${plan.epoch} from step ${plan.start_step}: ${stages} stage(s) x ${lanes} lane(s), ` +
       `${[plan.model, plan.dtype].filter(Boolean).join(" ")}${batch}; ${predicted}${measured}; ${plan.standby.length} on standby`;
+    $("plan-recipe").textContent = plan.recipe_words ? `recipe: ${plan.recipe_words}` : "";
 
     const standbyShown = plan.standby.slice(0, STANDBY_SHOWN);
     const perRow = Math.max(stages, 4), standbyRows = Math.ceil(standbyShown.length / perRow);

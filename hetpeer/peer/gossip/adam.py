@@ -9,7 +9,8 @@ Decentralized Adam (Wang et al., ICLR 2025), peer i at step t (1-based), gradien
 Weight decay (wd) applies to weight matrices only: biases, norm gains and embedding tables take none
 (`flat.decays`), as in common GPT-2 training practice and in the authors' GPT-2 experiment.
 
-With W = I this is AdamW exactly (a test holds it to torch.optim.AdamW). AccumAdam (same paper, for the
+Before the step, the stage's gradient is scaled to at most `clip_norm` in L2 norm (the recipe's clipping: a
+stage clips its own gradient, the group's mean one where it all-reduces). With W = I this is AdamW exactly (a test holds it to torch.optim.AdamW). AccumAdam (same paper, for the
 variance of small local batches) keeps persistent moments M, V that change only at the end of each
 window of A steps, from the window's mean gradient gbar: M = b1 M + (1 - b1) gbar,
 V = b2 V + (1 - b2) gbar^2. Every step still moves the parameters, with m = b1 M + (1 - b1) g and
@@ -25,6 +26,8 @@ from typing import Sequence
 
 import torch
 
+from hetpeer.protocol.recipe import Recipe
+
 
 @dataclass(frozen=True, slots=True)
 class AdamConfig:
@@ -36,6 +39,14 @@ class AdamConfig:
     warmup_steps: int = 0  # the learning rate rises linearly from lr / warmup_steps to lr over these steps
     decay_steps: int | None = None  # then falls on a cosine to min_lr_ratio x lr at this step (None: stays at lr)
     min_lr_ratio: float = 0.1
+    clip_norm: float = 0.0  # the gradient is scaled to at most this L2 norm before the step (0: never)
+
+    @staticmethod
+    def of(recipe: Recipe) -> "AdamConfig":
+        """The optimizer the organizer's recipe asks for."""
+        return AdamConfig(lr=recipe.lr, betas=recipe.betas, eps=recipe.eps, weight_decay=recipe.weight_decay,
+                          accumulate=recipe.accumulate, warmup_steps=recipe.warmup_steps,
+                          decay_steps=recipe.decay_steps or None, min_lr_ratio=recipe.min_lr_ratio, clip_norm=recipe.clip_norm)
 
     def __post_init__(self) -> None:
         numbers = (self.lr, self.eps, self.weight_decay)
@@ -49,6 +60,8 @@ class AdamConfig:
             raise ValueError(f"warmup_steps must be a whole number of steps >= 0, got {self.warmup_steps}")
         if self.decay_steps is not None and (not isinstance(self.decay_steps, int) or self.decay_steps <= self.warmup_steps):
             raise ValueError(f"decay_steps must be a whole number of steps past the warmup ({self.warmup_steps}), got {self.decay_steps}")
+        if not math.isfinite(self.clip_norm) or self.clip_norm < 0:
+            raise ValueError(f"clip_norm must be a finite number >= 0 (0: no clipping), got {self.clip_norm}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
@@ -80,15 +93,18 @@ class AdamState:
 @torch.no_grad()
 def adam_update(
     x: torch.Tensor, grad: torch.Tensor, state: AdamState, config: AdamConfig,
-    decay_ranges: Sequence[tuple[int, int]] | None = None,
+    decay_ranges: Sequence[tuple[int, int]] | None = None, clip_apart: Sequence[tuple[int, int]] = (),
 ) -> None:
-    """Move x (the mixed point, changed in place) by one (Accum)Adam step with `grad`; weight decay applies
-    to the [start, end) `decay_ranges` of x (`FlatParams.decay_ranges`), or to all of it when None.
+    """Move x (the mixed point, changed in place) by one (Accum)Adam step with `grad` (clipped first, in place,
+    where the config says: `clip_gradient`, with `clip_apart`); weight decay applies to the [start, end)
+    `decay_ranges` of x (`FlatParams.decay_ranges`), or to all of it when None.
 
     Plain Adam runs as torch's fused AdamW kernel over views of the flat vectors (one pass over memory
     where the unfused update takes ten; what torch.optim.AdamW(fused=True) runs), AccumAdam as tensor
     operations."""
     b1, b2 = config.betas
+    if config.clip_norm:
+        clip_gradient(grad, config.clip_norm, clip_apart)
     state.step += 1
     t, window = state.step, config.accumulate
     lr = config.lr_at(t)
@@ -114,6 +130,22 @@ def adam_update(
         for start, end in decay_ranges:
             x[start:end].mul_(shrink)
     x.addcdiv_(m, denominator, value=-lr / (1 - b1**k))
+
+
+def clip_gradient(grad: torch.Tensor, max_norm: float, apart: Sequence[tuple[int, int]] = ()) -> None:
+    """Scale `grad` (in place) to at most `max_norm` in L2 norm, as torch's clip_grad_norm_ does over a module's
+    gradients (the same 1e-6 guard), without reading the norm back to the host (no device sync). The [start, end)
+    ranges `apart` are clipped each on its own norm, the rest together: a tied matrix whose copies at the two
+    ends of a lane get the same gradient must take the same step, whatever else each stage holds."""
+    def scale(norm: torch.Tensor) -> torch.Tensor:
+        return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+
+    parts = [torch.linalg.vector_norm(grad[start:end].float()) for start, end in apart]
+    total = torch.linalg.vector_norm(grad.float())
+    rest = scale((total.square() - sum(p.square() for p in parts)).clamp(min=0).sqrt() if parts else total)
+    grad.mul_(rest.to(grad.dtype))
+    for (start, end), part in zip(apart, parts):
+        grad[start:end].mul_((scale(part) / rest).to(grad.dtype))
 
 
 def _fused_adamw(

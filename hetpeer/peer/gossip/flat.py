@@ -42,6 +42,14 @@ class FlatParams:
                     ranges.append((offset, offset + n))
             offset += n
         self.decay_ranges = tuple(ranges)
+        self.clip_apart: tuple[tuple[int, int], ...] = ()  # ranges clipped on their own norm (`adam.clip_gradient`)
+
+    def range_of(self, param: nn.Parameter) -> tuple[int, int]:
+        """[start, end) of one of the module's parameters in the flat vectors."""
+        start = param.data.storage_offset()
+        if param.data.untyped_storage().data_ptr() != self.data.untyped_storage().data_ptr():
+            raise ValueError("the parameter is not one of these flat parameters")
+        return start, start + param.numel()
 
     def zero_grad(self) -> None:
         self.grad.zero_()

@@ -49,6 +49,7 @@ from hetpeer.peer.transport.codec import as_received
 from hetpeer.peer.transport.inbox import Late, PeerUnreachable, TransportError, TransportTimeout
 from hetpeer.protocol.frame import CODECS, FrameHeader
 from hetpeer.protocol.plan import OUTER_CODEC, Plan
+from hetpeer.protocol.recipe import Recipe
 
 log = logging.getLogger("hetpeer.gossip")
 DISTANCE_MEMORY = 0.9  # weight of the past in the running typical distance of robust mixing
@@ -77,6 +78,14 @@ class SyncConfig:
     # not a deadline: a member that enters the plan a little later must not break it
     allreduce_timeout_s: float = 60.0
     outer: OuterConfig = OuterConfig()  # the outer optimizer of a group the plan gives outer steps
+
+    @staticmethod
+    def of(recipe: Recipe, overlap: bool = True, allreduce_timeout_s: float = 60.0) -> "SyncConfig":
+        """The group's averaging as the organizer's recipe asks for it; `overlap` and the all-reduce's patience are
+        the peer's own (they change when, not what, it mixes)."""
+        return SyncConfig(topology=recipe.topology, deadline_s=recipe.mix_deadline_s, codec=recipe.sync_codec,
+                          clip=recipe.robust or None, overlap=overlap, allreduce_timeout_s=allreduce_timeout_s,
+                          outer=OuterConfig(lr=recipe.outer_lr, momentum=recipe.outer_momentum))
 
     def __post_init__(self) -> None:
         if self.topology not in TOPOLOGIES:
@@ -180,7 +189,7 @@ class GroupSync:
         wait_s = time.perf_counter() - started
         with self.lock:
             clipped = self._mix(w[self.index], received, step) if self.mode == "gossip" else 0
-            adam_update(self.flat.data, self.flat.grad, self.state, self.adam, self.flat.decay_ranges)
+            adam_update(self.flat.data, self.flat.grad, self.state, self.adam, self.flat.decay_ranges, self.flat.clip_apart)
             if self.warming(step):  # the members move together: the anchor is where they are
                 self.outer.anchor.copy_(self.flat.data)
         if self.exchange is not None and self.exchange.at == step:

@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-TOPOLOGIES = ("one-peer-exp", "alternating-exp-ring", "ring", "complete")
+from hetpeer.protocol.recipe import TOPOLOGIES  # the names a recipe may give
 
 
 def rounds_to_average(n: int) -> int:

@@ -53,15 +53,16 @@ log = logging.getLogger("hetpeer.peer")
 
 @dataclass(frozen=True, slots=True)
 class WorkerConfig:
+    """How this peer's machine takes part: where it computes, how long it waits, what it emulates. How it trains
+    (optimizer, schedule, averaging, seed) is the plan's recipe, the same for every member of a group."""
+
     device: str = "cpu"  # torch device of this peer
-    seed: int = 0  # model initialisation and data order
-    adam: AdamConfig = AdamConfig()
-    sync: SyncConfig = SyncConfig()  # how the group averages (gossip topology, deadline, codec, clipping)
-    timeout_s: float = 60.0  # deadline for every frame of the lane this peer waits for
+    timeout_s: float = 60.0  # deadline for every frame of the lane this peer waits for (an all-reduce's too)
     slowdown: float = 1.0  # emulate a slower accelerator: compute takes this many times as long
     model: ModelSpec | None = None  # a model read from a folder (plans name presets, or such a model's name)
     weights: str | None = None  # the model folder to read this peer's stage from (its safetensors), if any
     recompute: bool = False  # recompute every block's activations in backward, whatever the plan says
+    overlap: bool = True  # gossip sends x(t) as soon as it exists; False: after the gradient (to measure what overlap hides)
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -114,7 +115,8 @@ class StageWorker:
         if self.previous is None and corpus is None:
             raise ValueError(f"{device_id} holds stage 0 and needs a corpus to read")
         self.corpus = corpus
-        self.model = build_stage(self.spec, stage_plan.layer_start, stage_plan.layer_end, config.seed)
+        self.seed = plan.recipe.seed  # model initialisation and data order
+        self.model = build_stage(self.spec, stage_plan.layer_start, stage_plan.layer_end, self.seed)
         self.loaded_bytes = 0
         if config.weights is not None:
             folder = ModelFolder.open(config.weights, self.spec)
@@ -124,7 +126,11 @@ class StageWorker:
         # the plan's count of this stage's layers that recompute their activations, or all of them
         self.recompute = self.model.recompute = stage_plan.layers if config.recompute else stage_plan.recompute
         self.flat = FlatParams(self.model)
-        self.sync = GroupSync(plan, device_id, transport, self.flat, config.adam, config.sync)
+        tied, _ = self._tied_peer()
+        if tied is not None:  # its copy at the lane's other end gets the same gradient: it must take the same step
+            self.flat.clip_apart = (self.flat.range_of(tied),)
+        self.sync = GroupSync(plan, device_id, transport, self.flat, AdamConfig.of(plan.recipe),
+                              SyncConfig.of(plan.recipe, config.overlap, allreduce_timeout_s=config.timeout_s))
         self.layers = (stage_plan.layer_start, stage_plan.layer_end)
         self.param_range = self.spec.param_range(*self.layers)
         # a static plan serves its own peers; a swarm peer passes the server it keeps across plans
@@ -282,7 +288,7 @@ class StageWorker:
         sizes, first, wait_s = self.plan.eval_sizes, len(self.sizes), 0.0
         data = None
         if self.previous is None:
-            batch = self.corpus.validation_batch(self.plan.eval_batch, self.spec.seq_len, seed=self.config.seed)
+            batch = self.corpus.validation_batch(self.plan.eval_batch, self.spec.seq_len, seed=self.seed)
             data = [(torch.from_numpy(p.tokens).to(self.config.device), torch.from_numpy(p.labels).to(self.config.device))
                     for p in batch.split(sizes)]
         total = torch.zeros((), device=self.config.device)
@@ -312,10 +318,11 @@ class StageWorker:
             optimizer = {name: t for name, t in self.sync.named_state().items() if name != "params"}
             return save_stage(folder / f"{self.device_id}.safetensors", self.model, optimizer, spec=self.spec,
                               layers=self.layers, step=self.step, epoch=self.plan.epoch, adam_step=self.sync.state.step,
-                              data_position=self.plan.data_position_at(self.step))
+                              data_position=self.plan.data_position_at(self.step), recipe=self.plan.recipe)
 
     def restore(self, path: Path) -> StageCheckpoint:
-        """Take this stage's weights, moments and step from a checkpoint of exactly this stage of this model."""
+        """Take this stage's weights, moments and step from a checkpoint of exactly this stage of this model. A
+        checkpoint made under another recipe is taken too (the organizer changed it): `recipe_changes` says how."""
         checkpoint = StageCheckpoint.read(path)
         with self.sync.lock:
             optimizer = {name: t for name, t in self.sync.named_state().items() if name != "params"}
@@ -324,6 +331,13 @@ class StageWorker:
         self.step = self.sync.step = checkpoint.step
         self.sync.sent = None
         return checkpoint
+
+    def recipe_changes(self, checkpoint: StageCheckpoint) -> str:
+        """How this plan's recipe differs from the one `checkpoint` trained by, in words ("" when it does not, or
+        the checkpoint does not say)."""
+        if checkpoint.recipe is None or checkpoint.recipe == self.plan.recipe:
+            return ""
+        return "; ".join(checkpoint.recipe.changes(self.plan.recipe))
 
     # -- a tied head ------------------------------------------------------------------------------
     def _tied_peer(self) -> tuple[torch.nn.Parameter | None, str | None]:
@@ -371,7 +385,7 @@ class StageWorker:
     def _lane_data(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         if self.previous is not None:
             return None
-        batch = self.corpus.batch(self._position(step), self.plan.lane_batch, self.spec.seq_len, seed=self.config.seed)
+        batch = self.corpus.batch(self._position(step), self.plan.lane_batch, self.spec.seq_len, seed=self.seed)
         device = self.config.device
         return [
             (torch.from_numpy(part.tokens).to(device), torch.from_numpy(part.labels).to(device))
