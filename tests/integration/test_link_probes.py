@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from hetpeer.peer.measure import LinkProber
+from hetpeer.peer.daemon.measure import LinkProber
 from hetpeer.peer.transport.links import TcpLink
 from hetpeer.peer.transport.network import Emulation, NetworkTransport
 from hetpeer.protocol.addresses import AddressBook

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hetpeer.peer.launch import free_port
-from hetpeer.peer.measure import LinkProber
+from hetpeer.peer.daemon.measure import LinkProber
 from hetpeer.peer.transport.inbox import PeerUnreachable
 from hetpeer.protocol.addresses import AddressBook, PeerAddress
 

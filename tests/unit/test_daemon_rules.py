@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hetpeer.peer.announcing import stage_flops
-from hetpeer.peer.following import FUTURE_EPOCHS, fetching, held_epochs, not_arrived, switch_now
-from hetpeer.peer.handover import donors_for, still_fetched
+from hetpeer.peer.daemon.announcing import stage_flops
+from hetpeer.peer.daemon.following import FUTURE_EPOCHS, fetching, held_epochs, not_arrived, switch_now
+from hetpeer.peer.daemon.handover import donors_for, still_fetched
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.records import PeerRecord

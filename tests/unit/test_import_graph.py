@@ -117,6 +117,18 @@ def test_the_layers_hold():
                 assert not {m for m in imported if m.startswith(other)}, f"{module} imports {other}"
 
 
+def test_the_swarm_peer_sits_above_what_the_fixed_plan_peer_shares_with_it():
+    # peer/daemon is the swarm peer (hetpeer join --swarm); the rest of peer/ serves both peers and needs none of it
+    graph = import_graph()
+    daemon = {m for m in graph if m.startswith("hetpeer.peer.daemon")}
+    assert {"hetpeer.peer.daemon.peer", "hetpeer.peer.daemon.following", "hetpeer.peer.daemon.measure"} <= daemon
+    for module, imported in graph.items():
+        if module.startswith("hetpeer.peer.") and module not in daemon:
+            assert not imported & daemon, f"{module} imports the swarm peer's {sorted(imported & daemon)}"
+    assert not {m for m in graph if m.startswith("hetpeer.peer.") and m.count(".") == 2} & {
+        "hetpeer.peer.announcing", "hetpeer.peer.following", "hetpeer.peer.handover", "hetpeer.peer.probing"}
+
+
 def test_cli_command_modules_import_only_what_lies_below_them():
     graph = import_graph()
     families = {m for m in graph if m.startswith("hetpeer.cli.") and m not in ("hetpeer.cli.common", "hetpeer.cli.__main__")}

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from in_threads import outcomes
-from hetpeer.peer.measure import (
+from hetpeer.peer.daemon.measure import (
     DATA,
     DATA_ACK,
     PING,

@@ -22,3 +22,31 @@ def test_a_tensor_crosses_the_hub_and_an_unplugged_peer_is_unreachable():
             b.recv("activation", "a", 5, 0, timeout_s=0.05)
     with pytest.raises(PeerUnreachable, match="a is not reachable"):
         b.send("a", "gradient", sent, step=0)  # a has shut down
+
+
+def _frame(value: float, epoch: int, step: int = 120):
+    from hetpeer.peer.transport.codec import checksum, encode
+    from hetpeer.protocol.frame import FrameHeader
+
+    dtype, payload = encode(torch.full((2,), value), "raw")
+    return FrameHeader(kind="activation", dtype=dtype, shape=(2,), sender="a", step=step, epoch=epoch,
+                       checksum=checksum(payload)), payload
+
+
+def test_a_frame_of_a_newer_plan_takes_the_place_of_the_older_plans_frame_for_the_same_step():
+    # a repair plan that restarts from a step its lane already reached under the old plan sends that step again
+    from hetpeer.peer.transport.inbox import Inbox
+
+    inbox = Inbox("b", max_frame_bytes=1 << 20)
+    assert inbox.offer(*_frame(1.0, epoch=1))
+    assert inbox.offer(*_frame(2.0, epoch=2))
+    assert not inbox.misbehaving and inbox.discard_before(0, epoch=2) == 0
+    assert inbox.recv("activation", "a", 120, 0, timeout_s=1.0).tolist() == [2.0, 2.0]
+    # the old plan's frame coming after the new one's is late, not misbehaviour, and does not replace it
+    assert inbox.offer(*_frame(2.0, epoch=2)) and not inbox.offer(*_frame(1.0, epoch=1))
+    assert inbox.late == 1 and not inbox.misbehaving
+    assert inbox.recv("activation", "a", 120, 0, timeout_s=1.0).tolist() == [2.0, 2.0]
+    # the same frame twice under one plan is a sender's fault
+    assert inbox.offer(*_frame(3.0, epoch=2, step=121)) and not inbox.offer(*_frame(4.0, epoch=2, step=121))
+    assert inbox.misbehaving["a"] == 1 and "duplicate activation for step 121 micro 0" in inbox.rejections[-1][1]
+    assert inbox.recv("activation", "a", 121, 0, timeout_s=1.0).tolist() == [3.0, 3.0]

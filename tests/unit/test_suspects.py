@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hetpeer.peer.suspects import REFUSALS, WINDOW_S, Suspicion
+from hetpeer.peer.daemon.suspects import REFUSALS, WINDOW_S, Suspicion
 
 P, Q = "p-000000000001", "q-000000000002"
 

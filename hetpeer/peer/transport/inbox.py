@@ -110,16 +110,20 @@ class Inbox:
             return True
         key = (header.kind, header.sender, header.step, header.micro)
         with self._arrived:
-            if key in self._frames:
-                duplicate = True
-            else:
-                duplicate = False
+            waiting = self._headers.get(key)
+            # a plan that restarts from a step the one before it reached sends that step again: the newer
+            # epoch's frame takes the place of the older one's, which its receiver will discard on switching
+            if waiting is None or waiting.epoch < header.epoch:
                 self._frames[key] = tensor
                 self._headers[key] = header
                 self._arrived.notify_all()
-        if duplicate:
-            self.reject(header.sender, f"duplicate {header.kind} for step {header.step} micro {header.micro}")
-        return not duplicate
+                return True
+        what = f"{header.kind} for step {header.step} micro {header.micro}"
+        if waiting.epoch > header.epoch:
+            self.reject(header.sender, Late(f"{what} of plan epoch {header.epoch}: one of epoch {waiting.epoch} is here"))
+        else:
+            self.reject(header.sender, f"duplicate {what}")
+        return False
 
     def refuse(self, header: FrameHeader, reason: str, consequence: str = "", blame: str | None = None) -> None:
         """`reject` a screened frame, naming it, against `blame` (the device its link proved; else the sender

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from hetpeer.peer.measure import describe_links, pick_targets
+from hetpeer.peer.daemon.measure import describe_links, pick_targets
 from hetpeer.peer.probe import MachineProfile, profile_machine
 
 REPROFILE_S = 60.0  # a peer not training times its device again this often

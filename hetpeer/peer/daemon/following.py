@@ -10,7 +10,7 @@ started) waits before its first step until its lane and group announce the plan:
 before finish that one up to the start step first.
 
 The rules are pure functions (`switch_now`, `not_arrived`, `held_epochs`, `fetching`); `Following` is the
-part of `SwarmPeer` (daemon.py) that acts on them.
+part of `SwarmPeer` (peer.py) that acts on them.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ keeping what it held of them. The stage held before stays, served to the peers t
 until no member of the running plan can still want it.
 
 The rules are pure functions (`donors_for`, `still_fetched`); `Handover` is the part of `SwarmPeer`
-(daemon.py) that acts on them.
+(peer.py) that acts on them.
 """
 
 from __future__ import annotations

@@ -1,20 +1,5 @@
-"""A swarm peer, behind `hetpeer join --swarm`: probe, announce, follow the coordinator's plans.
-
-Three threads, each with one job:
-
-- control (every heartbeat): read the swarm's announcements into the address book, read plans and keep
-  the newest one signed by the trusted coordinator key, announce this peer's record (what it measured,
-  what it holds, where it is: `announcing.py`). All DHT traffic goes through this one thread.
-- probe (every few heartbeats): measure latency and bandwidth to a handful of peers (`probing.py`).
-- main: train, switching to each plan when it takes effect (`following.py`), with the stage's state kept,
-  restored from a checkpoint or downloaded from its group (`handover.py`).
-
-A peer that loses its lane (a neighbour stopped answering) announces "waiting" under the plan's epoch,
-which tells the coordinator that the plan is broken; it resumes with the next plan.
-
-This module holds the peer's configuration, its life cycle and its loops; the parts above are mixins of
-`SwarmPeer`, each over the state that `SwarmPeer.__init__` sets up.
-"""
+"""The swarm peer's configuration, its life cycle and its loops; the package's other modules are mixins of
+`SwarmPeer`, each over the state that `SwarmPeer.__init__` sets up."""
 
 from __future__ import annotations
 
@@ -30,22 +15,22 @@ from typing import Callable
 import numpy
 import torch
 
-from hetpeer.peer.announcing import Announcing, Status, stage_flops
+from hetpeer.peer.daemon.announcing import Announcing, Status, stage_flops
 from hetpeer.peer.checkpoint import StageCheckpoint
 from hetpeer.peer.data.corpus import Corpus
 from hetpeer.peer.data.shards import ShardedCorpus
 from hetpeer.peer.data.sharing import ShardServer
 from hetpeer.peer.data.source import DataCache
-from hetpeer.peer.following import Following, not_arrived
+from hetpeer.peer.daemon.following import Following, not_arrived
 from hetpeer.peer.gossip.state import StateServer
-from hetpeer.peer.handover import Handover
-from hetpeer.peer.measure import LinkHistory, LinkProber
+from hetpeer.peer.daemon.handover import Handover
+from hetpeer.peer.daemon.measure import LinkHistory, LinkProber
 from hetpeer.peer.node import format_step
 from hetpeer.peer.pipeline.worker import StageWorker, WorkerConfig
 from hetpeer.peer.probe import DeviceLoad, MachineProfile
-from hetpeer.peer.probing import Probing
-from hetpeer.peer.reaching import Reaching
-from hetpeer.peer.suspects import Suspicion
+from hetpeer.peer.daemon.probing import Probing
+from hetpeer.peer.daemon.reaching import Reaching
+from hetpeer.peer.daemon.suspects import Suspicion
 from hetpeer.peer.transport.inbox import Interrupted, PeerUnreachable, TransportError, TransportTimeout
 from hetpeer.peer.transport.links import TcpLink
 from hetpeer.peer.transport.stream import LinkIdentity
