@@ -132,6 +132,9 @@ def _add_swarm_options(join: argparse.ArgumentParser) -> None:
                        help="seconds between announcements; a record expires after 3 (default 2)")
     swarm.add_argument("--slowdown", type=positive_float, default=1.0, metavar="X",
                        help="emulate a slower accelerator: compute takes X times as long (>= 1; default 1)")
+    swarm.add_argument("--emulate-memory", type=positive_float, metavar="MIB",
+                       help="emulate an accelerator with this much memory: announce at most MIB MiB free, so plans give "
+                       "this peer no more than fits (for demos and tests of models split across small devices)")
     swarm.add_argument("--emulate-clock-skew", type=float, default=0.0, metavar="SECONDS",
                        help="emulate a machine whose clock is off: every time this peer reads for the swarm is SECONDS "
                        "ahead (negative: behind); for tests and demos of the clock correction (docs/nat.md)")
@@ -297,6 +300,7 @@ def run_swarm_join(args: argparse.Namespace) -> int:
             threads=args.threads,
             emulation=_emulation(args), save=args.save, save_every=args.save_every, token=args.token,
             clock_skew_s=args.emulate_clock_skew,
+            memory_cap_bytes=round(args.emulate_memory * 2**20) if args.emulate_memory is not None else None,
         )
         from hetpeer.protocol.identity import NAME_RE
 

@@ -140,9 +140,17 @@ def add_commands(commands) -> None:
         "matplotlib). Peers can be made unequal (--slowdowns, --bandwidth-caps), so the planner has something to solve.",
     )
     swarm.add_argument("--peers", type=positive_int, default=8, metavar="N", help="peers to start (default 8)")
-    swarm.add_argument("--steps", type=positive_int, default=200, metavar="N", help="steps to train (default 200)")
+    swarm.add_argument("--steps", type=positive_int, default=500, metavar="N", help="steps to train (default 500)")
     swarm.add_argument("--slowdowns", default="1,1,1,1,2,2,3,3", metavar="X,X,...",
-                       help="compute slowdown of each peer, repeated to cover --peers (default 1,1,1,1,2,2,3,3)")
+                       help="compute slowdown of each peer, repeated to cover --peers (default 1,1,1,1,2,2,3,3), on top of "
+                       "the emulation's")
+    swarm.add_argument("--no-emulation", action="store_true",
+                       help="let the peers share this machine's cores as they are; by default each is emulated as a device "
+                       "of its own, its compute slowed by one more factor so that together they ask for no more than the "
+                       "cores, less a share left to the coordinator and the DHT")
+    swarm.add_argument("--leave", type=leave_choice, default="auto", metavar="STEP,STEP|auto|none",
+                       help="a peer of a group leaves at the first step and is started again at the second; auto (default): "
+                       f"at {LEAVE_AT[0] * 100:g}%% and {LEAVE_AT[1] * 100:g}%% of --steps, where they are {LEAVE_MIN_STEPS} or more")
     swarm.add_argument("--bandwidth-caps", default="none,none,none,none,none,none,40,40", metavar="MBIT,...",
                        help="Mbit/s each peer sends at most to each other peer, 'none' for no cap, repeated to cover "
                        "--peers (default none x6, 40, 40)")
@@ -167,6 +175,29 @@ def add_commands(commands) -> None:
     add_recipe_options(swarm, outer=True)
     swarm.add_argument("--verbose", action="store_true", help="show every process's output, not just the progress")
     swarm.set_defaults(run=run_swarm)
+
+
+LEAVE_AT = (0.25, 0.4)  # --leave auto: of --steps, when a peer leaves and when it is started again
+LEAVE_MIN_STEPS = 100  # shorter runs have no time for a re-plan, a return and the training after it
+
+
+def leave_choice(text: str) -> tuple[int, int] | str | None:
+    """--leave: STEP,STEP (leave, back), auto or none."""
+    if text in ("auto", "none"):
+        return None if text == "none" else text
+    at, comma, back = text.partition(",")
+    try:
+        steps = int(at), int(back)
+    except ValueError:
+        steps = (0, 0)
+    if not comma or not 0 < steps[0] < steps[1]:
+        raise argparse.ArgumentTypeError(f"must be auto, none or two steps LEAVE,BACK with 0 < LEAVE < BACK, got {text!r}")
+    return steps
+
+
+def auto_leave(steps: int) -> tuple[int, int] | None:
+    """--leave auto's two steps for a run of `steps`, None for a short run."""
+    return (round(LEAVE_AT[0] * steps), round(LEAVE_AT[1] * steps)) if steps >= LEAVE_MIN_STEPS else None
 
 
 def run_coordinator(args: argparse.Namespace) -> int:
@@ -400,7 +431,7 @@ def _watch(read, first, every_s: float) -> int:
 
 def run_swarm(args: argparse.Namespace) -> int:
     from hetpeer.peer.reach import free_port
-    from hetpeer.swarm.launcher import DEMO_RECIPE, LocalSwarm, SwarmConfig, SwarmError, parse_per_peer
+    from hetpeer.swarm.launcher import DEMO_RECIPE, EMULATION_SHARE, LocalSwarm, SwarmConfig, SwarmError, parse_per_peer
     from hetpeer.swarm.report import write_report
 
     try:
@@ -408,6 +439,7 @@ def run_swarm(args: argparse.Namespace) -> int:
             out=args.out or Path("."), peers=args.peers, steps=args.steps,
             slowdowns=parse_per_peer(args.slowdowns, args.peers, "--slowdowns"),
             bandwidth_caps=parse_per_peer(args.bandwidth_caps, args.peers, "--bandwidth-caps", none_value="none"),
+            emulate=not args.no_emulation, leave=auto_leave(args.steps) if args.leave == "auto" else args.leave,
             heartbeat_s=args.heartbeat, replan_interval_s=args.replan_interval, recipe=recipe_from(args, DEMO_RECIPE),
             data=args.data.resolve() if args.data else None, batch=args.batch,
             save=args.save.resolve() if args.save else None, coordinator_args=(
@@ -430,6 +462,10 @@ def run_swarm(args: argparse.Namespace) -> int:
                 print(line, flush=True)
 
     print(f"a swarm of {config.peers} peers and a coordinator on this machine; logs and report in {out}", flush=True)
+    if config.emulation > 1:
+        print(f"emulation: each peer computes as on a device of its own, its compute slowed {config.emulation:.1f}x more so "
+              f"that together they ask for at most {EMULATION_SHARE:.0%} of this machine's {config.cores_shared} core(s) "
+              f"(--no-emulation: they share them as they are)", flush=True)
     swarm = LocalSwarm(config, echo, free_port(), http_port=free_port())
     stop_on_sigterm()
     try:

@@ -27,16 +27,25 @@ from hetpeer.coordinator.api_client import ApiClient
 from hetpeer.coordinator.api_errors import ApiError
 from hetpeer.peer.reach import free_port
 from hetpeer.protocol.dataset import is_prepared
+from hetpeer.protocol.modelspec import PRESETS
 from hetpeer.protocol.recipe import Recipe
+from hetpeer.protocol.workload import Workload
 from hetpeer.swarm.report import Event, LaneStep, PeerInfo, PlanUse, RunReport, StageUse, lane_step, samples_from_lanes, summarize
 from hetpeer.swarm.watch import StalledError, describe, follow
 
 KEY_RE = re.compile(r"its key \(give peers --coordinator-key\): ([0-9a-f]{64})")
 DHT_RE = re.compile(r"^DHT: (\S+)")
 PEER_RE = re.compile(r"^peer (\S+) in swarm \S+: tensors on \S+, DHT on (\S+)")
+# a peer that enters a plan: how its stage came to it (kept, restored, downloaded from its group)
+ENTERED_RE = re.compile(r"^plan epoch (\d+) from step (\d+): stage (\d+)/\d+ \(layers [^)]*\), lane \d+/\d+, group with [^;]*; (.*)$")
 START_TIMEOUT_S = 120.0
 # the tiny model on a few CPU peers learns fast at a higher rate; gossip's deadline is short on one machine
 DEMO_RECIPE = Recipe(lr=3e-3, mix_deadline_s=3.0)
+# emulated devices ask for at most this share of the cores: the rest is left to the coordinator, the DHT daemons
+# and the peers' own threads (receiving, sending, probing), which would otherwise slow the emulated compute
+EMULATION_SHARE = 0.7
+# an emulated device holds this share of what training the whole model on one device takes: the model is split
+EMULATED_MEMORY = 0.6
 
 
 class SwarmError(RuntimeError):
@@ -65,10 +74,18 @@ class SwarmConfig:
     stall_s: float = 120.0  # give up when the swarm's step has not moved for this long
     coordinator_args: tuple[str, ...] = ()  # more `hetpeer coordinator` options, e.g. ("--stages", "2")
     peer_args: tuple[str, ...] = ()  # more `hetpeer join` options for every peer, e.g. ("--probe-targets", "8")
+    # each peer as a device of its own: every peer's compute is slowed by one more factor (`emulation`), so that
+    # together they ask no more of this machine's cores than they have; else they share the cores, as they are
+    emulate: bool = False
+    leave: tuple[int, int] | None = None  # (step, step): a peer of a group leaves at the first, is started again at the second
+    cores: int = 0  # the cores the peers share; 0: this process's
 
     def __post_init__(self) -> None:
         if self.peers < 1 or self.steps < 1:
             raise ValueError(f"need at least one peer and one step, got {self.peers} and {self.steps}")
+        if self.leave is not None and not 0 < self.leave[0] < self.leave[1] < self.steps:
+            raise ValueError(f"a peer leaves and comes back within the run: need 0 < {self.leave[0]} (leave) "
+                             f"< {self.leave[1]} (back) < {self.steps} (steps)")
         for name, values in (("slowdowns", self.slowdowns), ("bandwidth caps", self.bandwidth_caps)):
             if values and len(values) != self.peers:
                 raise ValueError(f"{len(values)} {name} given for {self.peers} peers")
@@ -78,7 +95,41 @@ class SwarmConfig:
             raise ValueError(f"bandwidth caps must be finite positive numbers, got {list(self.bandwidth_caps)}")
 
     def slowdown(self, i: int) -> float:
-        return self.slowdowns[i] if self.slowdowns else 1.0
+        """Peer `i`'s compute slowdown: its own, times the emulation's."""
+        return (self.slowdowns[i] if self.slowdowns else 1.0) * self.emulation
+
+    @property
+    def memory_mib(self) -> float | None:
+        """The memory each emulated device announces, in MiB: `EMULATED_MEMORY` of what training the whole model
+        on one device takes (`Workload.stage_memory`). None without `emulate`, or for a model that is no preset."""
+        spec = PRESETS.get(self.model)
+        if not self.emulate or spec is None:
+            return None
+        workload = Workload(spec, batch=self.batch, micro_batch=self.micro_batch, dtype=self.dtype)
+        whole = workload.stage_memory(spec.layers, first=True, last=True, in_flight=1, micro_batch=self.micro_batch, group_size=2)
+        return EMULATED_MEMORY * sum(whole.values()) / 2**20
+
+    @property
+    def threads(self) -> int:
+        """The threads each peer computes with: the cores shared out, one at least."""
+        return max(1, self.cores_shared // self.peers)
+
+    @property
+    def emulation(self) -> float:
+        """The slowdown every peer takes on top of its own where `emulate`: the cores the peers' threads ask for
+        computing flat out (a peer slowed s times asks for 1/s of its threads), over `EMULATION_SHARE` of the
+        cores there are. 1 without `emulate`, or where the cores have room for all of them."""
+        if not self.emulate:
+            return 1.0
+        asked = sum(self.threads / (self.slowdowns[i] if self.slowdowns else 1.0) for i in range(self.peers))
+        return max(1.0, asked / (EMULATION_SHARE * self.cores_shared))
+
+    @property
+    def cores_shared(self) -> int:
+        """The cores the peers share: `cores`, else those this process may run on."""
+        if self.cores:
+            return self.cores
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
     def cap(self, i: int) -> float | None:
         return self.bandwidth_caps[i] if self.bandwidth_caps else None
@@ -160,6 +211,8 @@ class LocalSwarm:
         self.lane_steps: list[LaneStep] = []  # what the lanes' last stages printed, step by step
         self.plans: dict[int, PlanUse] = {}
         self.measured: dict[str, tuple[str, float]] = {}  # device id -> (device name, TFLOPS) it announced
+        self.left: int | None = None  # the peer that left (`SwarmConfig.leave`), once it has
+        self.churn = "running"  # of that peer: running, left, back (started again), trains (in a plan again)
         self.started = time.monotonic()
         self._seen = threading.Condition()
 
@@ -210,7 +263,7 @@ class LocalSwarm:
     def peer_command(self, i: int) -> list[str]:
         """The command line of peer `i`: `hetpeer join` into this swarm, with its slowdown, cap and options."""
         c = self.config
-        threads = max(1, (os.cpu_count() or 1) // max(1, c.peers))
+        threads = c.threads
         command = [
             sys.executable, "-m", "hetpeer", "join", "--swarm", c.swarm, "--name", f"peer{i}",
             "--home", str(c.out / f"peer{i}"), "--coordinator-key", self.key, "--initial-peers", *self.dht_maddrs[:1],
@@ -219,6 +272,8 @@ class LocalSwarm:
         ]
         if c.cap(i) is not None:
             command += ["--bandwidth-cap", repr(c.cap(i))]
+        if c.memory_mib is not None:
+            command += ["--emulate-memory", f"{c.memory_mib:.3f}"]
         if c.save is not None:
             command += ["--save", str(c.save)]
         if is_prepared(c.data):
@@ -274,6 +329,10 @@ class LocalSwarm:
             with self._seen:
                 self.device_ids[i], self.peer_maddrs[i] = peer.group(1), peer.group(2).rstrip(",")
                 self._seen.notify_all()
+        elif self.churn == "back" and name == f"peer{self.left}" and (entered := ENTERED_RE.match(line)) is not None:
+            self.churn = "trains"
+            self.event(f"{name} trains again: stage {entered.group(3)} of plan epoch {entered.group(1)} from step "
+                       f"{entered.group(2)}, {entered.group(4)}")
         self.echo(logline.relabel(stamped, name))
 
     def _wait_for(self, ready: Callable[[], bool], what: str, process: Process) -> None:
@@ -310,6 +369,7 @@ class LocalSwarm:
                     pass  # next time
             if status is not None and progress.loss is not None:
                 status(describe(progress, target))
+            self._churn(progress.step)
 
         with ApiClient(self.api_address, timeout_s=2.0) as client:
             try:
@@ -321,6 +381,33 @@ class LocalSwarm:
         if ended == "left":
             self.event("every peer has left")
         return self.report()
+
+    def _churn(self, step: int) -> None:
+        """`SwarmConfig.leave`: at its first step a peer of a group leaves (stopped as a volunteer stops it); at its
+        second it is started again, and the swarm takes it back with its group's state."""
+        if self.config.leave is None:
+            return
+        at, back = self.config.leave
+        if self.churn == "running" and step >= at:
+            self.left = self._leaver()
+            if self.left is not None:
+                self.churn = "left"
+                self.peers[self.left].popen.send_signal(signal.SIGTERM)
+                self.event(f"peer{self.left} leaves at step {step} ({self.device_ids[self.left]}); it comes back at step {back}")
+        elif self.churn == "left" and step >= back and not self.peers[self.left].alive:
+            self.churn = "back"
+            self.start_peer(self.left)
+            self.event(f"peer{self.left} comes back at step {step}")
+
+    def _leaver(self) -> int | None:
+        """A peer of the newest plan's largest group (the last of its lanes), to leave; None until a plan has a group."""
+        if not self.plans:
+            return None
+        plan = self.plans[max(self.plans)]
+        stage = max(plan.stages, key=lambda s: len(s.devices))
+        index = {device: i for i, device in self.device_ids.items()}
+        members = [index[d] for d in stage.devices if d in index and self.peers[index[d]].alive]
+        return members[-1] if len(members) > 1 else None
 
     def report(self) -> RunReport:
         """What was seen so far, for the run report: the loss curve from every step the peers printed."""

@@ -282,7 +282,7 @@ def loss_png(report: RunReport) -> bytes:
     markers = [(p.start_step, f"plan epoch {p.epoch}") for p in sorted(report.plans, key=lambda p: p.start_step)[1:]]
     if samples:
         times, steps_at = [s.time_s for s in samples], [float(s.step) for s in samples]
-        markers += [(float(np.interp(e.time_s, times, steps_at)), e.text) for e in report.events
+        markers += [(float(np.interp(e.time_s, times, steps_at)), _short(e.text)) for e in report.events
                     if not e.text.startswith("plan ")]  # fmt: skip  # plan switches are marked already
     series = [("loss", steps, [s.loss for s in samples])]
     validated = [s for s in samples if s.val_loss is not None]
@@ -293,6 +293,12 @@ def loss_png(report: RunReport) -> bytes:
         {"series": [("tokens/s", steps, [s.tokens_per_s for s in samples])], "title": "throughput", "x_label": "step",
          "y_label": "tokens/s", "markers": markers},
     ])
+
+
+def _short(text: str, most: int = 40) -> str:
+    """An event's first clause, for a chart's label (the report lists it whole)."""
+    head = re.split(r"[:;(]", text, maxsplit=1)[0].strip()
+    return head if len(head) <= most else head[: most - 3] + "..."
 
 
 def format_markdown(report: RunReport, pictures: Sequence[str] = ()) -> str:

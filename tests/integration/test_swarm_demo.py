@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -48,7 +49,7 @@ def finish(process: subprocess.Popen) -> tuple[str, str]:
 
 def test_the_swarm_trains_to_its_step_count_and_stops_everything(tmp_path):
     out = tmp_path / "run"
-    stdout, stderr = finish(start(out, "--steps", "150"))
+    stdout, stderr = finish(start(out, "--steps", "150", "--leave", "none"))
     assert "Traceback" not in stdout + stderr, stdout + stderr
     assert f"report: {out / 'report.md'}" in stdout
     report = RunReport.from_json((out / "report.json").read_text())
@@ -73,6 +74,31 @@ def test_the_swarm_trains_to_its_step_count_and_stops_everything(tmp_path):
         if peer.device_id in members:
             assert "reached step 150: leaving" in (out / f"peer{i}.log").read_text()
     assert processes_using(out) == []
+
+
+def test_the_demo_splits_the_model_over_groups_and_a_peer_that_leaves_comes_back_with_its_groups_state(tmp_path):
+    # the README's demo, smaller: emulated devices too small for the whole model, one of a group leaving and returning
+    out = tmp_path / "run"
+    stdout, stderr = finish(start(out, "--peers", "4", "--steps", "400", "--leave", "80,130"))
+    assert "Traceback" not in stdout + stderr, stdout + stderr
+    assert "emulation: each peer computes as on a device of its own" in stdout
+    report = RunReport.from_json((out / "report.json").read_text())
+    assert any(len(p.stages) >= 2 and len(p.stages[0].devices) >= 2 for p in report.plans), report.plans
+    events = [e.text for e in sorted(report.events, key=lambda e: e.time_s)]
+    left = next(e for e in events if " leaves at step " in e)
+    peer = left.split()[0]
+    after = events[events.index(left):]
+    assert any(e.startswith(f"{peer} comes back at step ") for e in after), events
+    # back, it trains in a plan again, its stage downloaded from the members of its group that kept training
+    trains = next((e for e in after if e.startswith(f"{peer} trains again: ")), None)
+    assert trains is not None and re.search(r"downloaded [\d.]+ MiB of state in \d+ chunk\(s\) from peer", trains), events
+    device = next(p.device_id for p in report.peers if p.device_id.startswith(peer + "-"))
+    epoch = int(re.search(r"of plan epoch (\d+)", trains).group(1))
+    held = [device in {d for s in p.stages for d in s.devices} for p in sorted(report.plans, key=lambda p: p.epoch)
+            if p.epoch <= epoch]
+    # in a plan, then re-planned without it, then in one again
+    assert re.search("10+1$", "".join("1" if h else "0" for h in held)), held
+    assert max(s.step for s in report.samples) + 1 >= 400 and processes_using(out) == []
 
 
 def test_ctrl_c_stops_every_process_and_still_writes_the_report(tmp_path):

@@ -67,3 +67,52 @@ def test_swarm_config_refuses_what_its_peers_would_refuse(tmp_path, changes):
     # each peer gets `hetpeer join --slowdown X --bandwidth-cap Y`, which refuses infinity: refuse it up front
     with pytest.raises(ValueError):
         SwarmConfig(out=tmp_path, peers=3, steps=5, **changes)
+
+
+def test_emulated_devices_ask_together_for_no_more_than_their_share_of_the_cores(tmp_path):
+    from hetpeer.swarm.launcher import EMULATION_SHARE
+
+    slowdowns = (1.0, 1.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0)
+    config = SwarmConfig(out=tmp_path, peers=8, steps=5, slowdowns=slowdowns, emulate=True, cores=2)
+    assert config.threads == 1
+    asked = sum(config.threads / config.slowdown(i) for i in range(8))  # of the cores, computing flat out
+    assert asked == pytest.approx(EMULATION_SHARE * 2)
+    assert [config.slowdown(i) / config.slowdown(0) for i in range(8)] == pytest.approx(slowdowns)  # unequal as asked
+    # without emulation, or where the cores have room for every peer, no more slowdown than asked
+    assert SwarmConfig(out=tmp_path, peers=8, steps=5, slowdowns=slowdowns, cores=2).slowdown(4) == 2.0
+    roomy = SwarmConfig(out=tmp_path, peers=2, steps=5, slowdowns=(2.0, 3.0), emulate=True, cores=64)
+    assert roomy.threads == 32 and roomy.emulation == 1.0 and roomy.slowdown(1) == 3.0
+
+
+def test_an_emulated_device_holds_too_little_for_the_whole_model(tmp_path):
+    from hetpeer.protocol.modelspec import PRESETS
+    from hetpeer.protocol.workload import Workload
+
+    config = SwarmConfig(out=tmp_path, peers=4, steps=5, emulate=True, cores=2)
+    spec = PRESETS["tiny"]
+    workload = Workload(spec, batch=config.batch, micro_batch=config.micro_batch, dtype=config.dtype)
+    whole = sum(workload.stage_memory(spec.layers, first=True, last=True, in_flight=1, micro_batch=2, group_size=2).values())
+    half = sum(workload.stage_memory(spec.layers // 2, first=False, last=True, in_flight=1, micro_batch=2, group_size=2).values())
+    assert half < config.memory_mib * 2**20 < whole
+    assert SwarmConfig(out=tmp_path, peers=4, steps=5, cores=2).memory_mib is None
+    assert SwarmConfig(out=tmp_path, peers=4, steps=5, emulate=True, model="small", cores=2).memory_mib > config.memory_mib
+
+
+@pytest.mark.parametrize("leave", [(0, 3), (3, 3), (4, 2), (2, 5), (2, 9)])
+def test_a_peer_leaves_and_comes_back_within_the_run(tmp_path, leave):
+    with pytest.raises(ValueError, match=f"need 0 < {leave[0]} \\(leave\\) < {leave[1]} \\(back\\) < 5 \\(steps\\)"):
+        SwarmConfig(out=tmp_path, peers=3, steps=5, leave=leave)
+    assert SwarmConfig(out=tmp_path, peers=3, steps=5, leave=(1, 4)).leave == (1, 4)
+
+
+def test_leave_option_takes_two_steps_auto_or_none():
+    import argparse
+
+    from hetpeer.cli.swarm import LEAVE_MIN_STEPS, auto_leave, leave_choice
+
+    assert leave_choice("100,160") == (100, 160) and leave_choice("none") is None and leave_choice("auto") == "auto"
+    for text in ("100", "160,100", "0,5", "a,b", "1,2,3", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match=repr(text)):
+            leave_choice(text)
+    at, back = auto_leave(500)
+    assert 0 < at < back < 500 and auto_leave(LEAVE_MIN_STEPS - 1) is None

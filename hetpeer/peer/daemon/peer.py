@@ -78,6 +78,7 @@ class SwarmPeerConfig:
     token: str | None = None  # a join token from the swarm's organizer (`hetpeer invite`), for swarms that need one
     reach: tuple[str, int] | None = None  # the coordinator's reach service (the join file names it); None: not checked
     clock_skew_s: float = 0.0  # emulated: this machine's clock reads this far off (tests and demos of the correction)
+    memory_cap_bytes: int | None = None  # emulated: an accelerator with this much memory (the most it announces free)
 
     def __post_init__(self) -> None:
         if len(self.coordinator_key) != 64 or not all(c in "0123456789abcdef" for c in self.coordinator_key):
@@ -160,7 +161,8 @@ class SwarmPeer(Following, Handover, Announcing, Probing, Reaching):
         self.report(
             f"machine: {self.machine.device_name}, {self.machine.tflops * 1e3:.2f} GFLOPS achieved in {config.dtype} on "
             f"{config.model.name} blocks" + (f" (slowed {config.worker.slowdown:g}x)" if config.worker.slowdown != 1 else "")
-            + f", {self.machine.memory_bytes / 2**30:.1f} GiB free"
+            + (f", {self.machine.memory_bytes / 2**20:.1f} MiB free (emulated)" if config.memory_cap_bytes is not None
+               else f", {self.machine.memory_bytes / 2**30:.1f} GiB free")
         )
         self._set(state="waiting")
         for name, target in (("control", self._control_loop), ("probe", self._probe_loop)):

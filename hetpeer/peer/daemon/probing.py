@@ -51,8 +51,11 @@ class Probing:
     def _profile(self) -> MachineProfile:
         config = self.config
         self._profiled_at = time.monotonic()
-        return profile_machine(self.spec, config.micro_batch, config.dtype, config.worker.device, config.worker.slowdown, config.probe_s,
-                               swarm=config.swarm)
+        machine = profile_machine(self.spec, config.micro_batch, config.dtype, config.worker.device, config.worker.slowdown,
+                                  config.probe_s, swarm=config.swarm)
+        if config.memory_cap_bytes is not None:
+            machine = replace(machine, memory_bytes=min(machine.memory_bytes, config.memory_cap_bytes))
+        return machine
 
     def _profile_again(self) -> None:
         """While not training (its device idle, and no peer sharing it training), time the device again now and
