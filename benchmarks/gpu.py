@@ -53,7 +53,7 @@ from hetpeer.peer.data.corpus import Corpus  # noqa: E402
 from hetpeer.peer.gossip.adam import AdamState, adam_update  # noqa: E402
 from hetpeer.peer.model import build_stage  # noqa: E402
 from hetpeer.peer.node import stage_memory  # noqa: E402
-from hetpeer.peer.probe import TensorPeak, _time_per_call, block_tflops, free_memory_bytes  # noqa: E402
+from hetpeer.peer.probe import TensorPeak, time_per_call, block_tflops, free_memory_bytes  # noqa: E402
 from hetpeer.peer.transport.codec import checksum, decode, encode  # noqa: E402
 from hetpeer.protocol.frame import CODECS, FrameHeader  # noqa: E402
 from hetpeer.protocol.modelspec import ModelSpec
@@ -263,10 +263,10 @@ def step_parts(spec: ModelSpec, sizes: Sizes, device: str, worker, probe_tflops:
             loss = last_stage.loss(last_stage(x), labels)
         loss.backward()
 
-    last = _time_per_call(last_pass, device, sizes.probe_s / 2, best=True)
+    last = time_per_call(last_pass, device, sizes.probe_s / 2, best=True)
     data, grad = worker.flat.data.clone(), worker.flat.grad.clone()
     state = AdamState(data.numel(), device)
-    adam = _time_per_call(lambda: adam_update(data, grad, state, ADAM, worker.flat.decay_ranges), device, sizes.probe_s / 2,
+    adam = time_per_call(lambda: adam_update(data, grad, state, ADAM, worker.flat.decay_ranges), device, sizes.probe_s / 2,
                           best=True)
     micro_batches = sizes.batch // sizes.micro_batch
     composed = micro_batches * ((spec.layers - 1) * block + last) + adam
@@ -363,8 +363,8 @@ def codec_part(sizes: Sizes, device: str) -> dict:
                 return payload
 
             payload = bytearray(encoded())  # as a receiver holds it
-            encode_s = _time_per_call(encoded, where, 0.5, best=True)
-            decode_s = _time_per_call(lambda: decode(header, payload).to(where), where, 0.5, best=True)
+            encode_s = time_per_call(encoded, where, 0.5, best=True)
+            decode_s = time_per_call(lambda: decode(header, payload).to(where), where, 0.5, best=True)
             error = float((decode(header, payload) - source).abs().max())
             found[f"{where.split(':')[0]} {codec}"] = {
                 "encode_gbps": tensor.numel() * 4 / encode_s / 1e9, "decode_gbps": tensor.numel() * 4 / decode_s / 1e9,

@@ -135,9 +135,10 @@ def add_model_options(parser, default: str | None, default_text: str | None = No
                         help=f"tokens per training sequence, for a model folder (default: {seq_len_text})")
 
 
-def add_recipe_options(parser, outer: bool = False) -> None:
+def add_recipe_options(parser, outer: bool = False, base: Recipe = Recipe()) -> None:
     """--recipe, --set and their shorthands: the training recipe every peer of the plans trains by (the organizer's:
-    `hetpeer coordinator`, or `hetpeer plan` and `launch` for a fixed plan)."""
+    `hetpeer coordinator`, or `hetpeer plan` and `launch` for a fixed plan); `base` is what `recipe_from` starts
+    from, for the defaults the help names."""
     recipe = parser.add_argument_group("the training recipe (every peer trains by it: docs/swarm.md, The recipe)")
     recipe.add_argument("--recipe", type=Path, metavar="FILE",
                         help="the recipe as a JSON or TOML file: optimizer, schedule, averaging, seed, validation; fields "
@@ -147,9 +148,9 @@ def add_recipe_options(parser, outer: bool = False) -> None:
                         f"betas=0.9,0.95): {', '.join(FIELDS)}")
     recipe.add_argument("--eval-every", type=non_negative_int, metavar="N",
                         help="the recipe's eval_every: every lane measures its loss on held-out data at every N-th step "
-                        f"(default {Recipe().eval_every}: never)")
+                        f"(default {base.eval_every or '0: never'})")
     recipe.add_argument("--eval-batch", type=positive_int, metavar="N",
-                        help=f"the recipe's eval_batch: held-out sequences per lane for it (default {Recipe().eval_batch})")
+                        help=f"the recipe's eval_batch: held-out sequences per lane for it (default {base.eval_batch})")
     if outer:
         recipe.add_argument("--outer-warmup", type=non_negative_int, metavar="STEP",
                             help="the recipe's outer_after: groups with outer steps all-reduce every step until this step of "
@@ -169,15 +170,6 @@ def recipe_from(args: argparse.Namespace, base: Recipe | None = None) -> Recipe:
     except SchemaError as error:
         raise UserError(str(error)) from None
     return recipe
-
-
-def recipe_argv(args: argparse.Namespace) -> list[str]:
-    """`add_recipe_options`' options as given, for another process's command line."""
-    passed = ["--recipe", str(args.recipe.resolve())] if args.recipe is not None else []
-    for flag, value in (("--eval-every", args.eval_every), ("--eval-batch", args.eval_batch),
-                        ("--outer-warmup", getattr(args, "outer_warmup", None))):
-        passed += [flag, str(value)] if value is not None else []
-    return passed + [item for setting in args.recipe_settings for item in ("--set", setting)]
 
 
 # the training options a peer took before the recipe was the organizer's: each names the recipe's field instead

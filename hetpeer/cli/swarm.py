@@ -16,6 +16,7 @@ from pathlib import Path
 
 from hetpeer import logline
 from hetpeer.protocol.plan import SYNC_CHOICES
+from hetpeer.swarm import DEMO_RECIPE
 from hetpeer.cli.common import (
     COMPRESS_HELP, OUTER_HELP, SWARM_DTYPES, UserError, add_model_options, add_recipe_options, compress_choice, compress_text, home_dir, log_to_stdout, model_spec,
     non_negative_float, non_negative_int, outer_every_choice, outer_every_text, positive_float, positive_int, recipe_from, say, stop_on_sigterm,
@@ -172,7 +173,7 @@ def add_commands(commands) -> None:
     swarm.add_argument("--sync", choices=SYNC_CHOICES, default="auto", help="the coordinator's --sync (default auto)")
     swarm.add_argument("--outer-every", type=outer_every_choice, metavar="N|auto",
                        help="the coordinator's --outer-every (default: groups sync every step)")
-    add_recipe_options(swarm, outer=True)
+    add_recipe_options(swarm, outer=True, base=DEMO_RECIPE)
     swarm.add_argument("--verbose", action="store_true", help="show every process's output, not just the progress")
     swarm.set_defaults(run=run_swarm)
 
@@ -431,7 +432,7 @@ def _watch(read, first, every_s: float) -> int:
 
 def run_swarm(args: argparse.Namespace) -> int:
     from hetpeer.peer.reach import free_port
-    from hetpeer.swarm.launcher import DEMO_RECIPE, EMULATION_SHARE, LocalSwarm, SwarmConfig, SwarmError, parse_per_peer
+    from hetpeer.swarm.launcher import EMULATION_SHARE, LocalSwarm, SwarmConfig, SwarmError, parse_per_peer
     from hetpeer.swarm.report import write_report
 
     try:

@@ -187,7 +187,7 @@ class SwarmCollector(Collector):
             yield gauge("hetpeer_plan_lanes", "lanes (data-parallel group size) of the running plan", plan.group_size)
             yield gauge("hetpeer_plan_standby_peers", "peers the running plan leaves on standby", len(plan.standby))
             yield gauge("hetpeer_plan_predicted_step_seconds", "the running plan's predicted step time", _finite(plan.total_s))
-            yield gauge("hetpeer_plan_measured_step_seconds", "mean step time measured under the running plan",
+            yield gauge("hetpeer_plan_measured_step_seconds", "measured step time under the running plan (the median over windows of 10+ steps)",
                         entry.measured_step_s if entry is not None else None)
             yield from _link_families(plan, view)
         plans = CounterMetricFamily("hetpeer_plans", "plans published or found running since the coordinator started")

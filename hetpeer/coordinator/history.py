@@ -13,12 +13,15 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, replace
+from statistics import median
 from typing import Iterable, Mapping
 
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.records import PeerRecord
 
 EVENT_KINDS = ("join", "leave", "plan", "ban", "refused", "coordinator")
+WINDOW_STEPS = 10  # a plan's measured step is taken over windows of at least this many steps
+MAX_WINDOWS = 256  # windows a plan keeps, newest last
 NAMED_AT_MOST = 5  # a round in which more peers join (or leave) than this is one event naming the first few
 
 
@@ -34,6 +37,37 @@ class Sample:
 
 
 @dataclass(frozen=True, slots=True)
+class Pace:
+    """A plan's measured step, defined one way for the dashboard, the API and `hetpeer swarm`'s report: the
+    median, over windows of at least `WINDOW_STEPS` steps run under the plan, of each window's seconds per step.
+    A window's mean takes in the slow steps that come now and then (a gossip round late, a busy moment) as a
+    swarm pays for them; the median over windows leaves out the few that hold a stall or the plan's own start.
+    Before a whole window ran, the open one's mean so far. Fed (time, step) points in order, from any clock in
+    seconds."""
+
+    start: tuple[float, int] | None = None  # where the open window began
+    last: tuple[float, int] | None = None  # the latest point
+    windows: tuple[float, ...] = ()  # seconds per step of each closed window, at most MAX_WINDOWS, newest last
+
+    def add(self, time: float, step: int) -> "Pace":
+        if self.start is None:
+            return Pace((time, step), (time, step))
+        began, first = self.start
+        if step - first < WINDOW_STEPS:
+            return replace(self, last=(time, step))
+        return Pace((time, step), (time, step), (*self.windows, (time - began) / (step - first))[-MAX_WINDOWS:])
+
+    @property
+    def step_s(self) -> float | None:
+        """The measured step; None before a step ran."""
+        if self.windows:
+            return median(self.windows)
+        if self.start is None or self.last[1] <= self.start[1]:
+            return None
+        return (self.last[0] - self.start[0]) / (self.last[1] - self.start[1])
+
+
+@dataclass(frozen=True, slots=True)
 class PlanEntry:
     epoch: int
     start_step: int
@@ -43,8 +77,8 @@ class PlanEntry:
     standby: int
     predicted_step_s: float | None
     reason: str
-    first: tuple[float, int] | None = None  # (time, step) of the first sample past its start step
-    last: tuple[float, int] | None = None  # and of the latest one under it
+    last: tuple[float, int] | None = None  # (time, step) of the latest sample past its start step
+    pace: Pace = Pace()
 
     @property
     def steps(self) -> int:
@@ -53,10 +87,8 @@ class PlanEntry:
 
     @property
     def measured_step_s(self) -> float | None:
-        """Mean seconds per step between the first and the latest sample that ran under this plan."""
-        if not self.first or not self.last or self.last[1] <= self.first[1]:
-            return None
-        return (self.last[0] - self.first[0]) / (self.last[1] - self.first[1])
+        """Seconds per step under this plan (`Pace`)."""
+        return self.pace.step_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,9 +169,8 @@ class History:
         for i, entry in enumerate(self.plans):
             if entry.epoch != plan.epoch or step <= entry.start_step:
                 continue
-            first = entry.first if entry.first is not None else (now, step)
             if entry.last is None or step != entry.last[1]:
-                self.plans[i] = replace(entry, first=first, last=(now, step))
+                self.plans[i] = replace(entry, last=(now, step), pace=entry.pace.add(now, step))
 
     def _membership(self, now: float, peers: Mapping[str, PeerRecord]) -> None:
         joined = [d for d in peers if d not in self._present]

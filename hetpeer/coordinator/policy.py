@@ -114,6 +114,7 @@ def build_problem(
         memory_bytes=np.array([float(records[d].memory_bytes) for d in ids]),
         current=current,
         sharing=sharing,
+        step_costs=np.array([records[d].step_costs.to_wire() for d in ids], dtype=float).reshape(len(ids), -1),
     )
     return problem, estimated
 

@@ -38,6 +38,7 @@ from torch.utils._pytree import tree_flatten
 
 from hetpeer.peer.model import build_stage
 from hetpeer.protocol.modelspec import ModelSpec
+from hetpeer.protocol.records import StepCosts
 from hetpeer.protocol.workload import Workload
 
 
@@ -54,6 +55,7 @@ class MachineProfile:
     compute_key: str | None = None  # the device it computes on, opaque (`compute_identity`); None: unknown
     compute_share: float = 1.0  # of that device, what it uses computing flat out
     compute_background: float = 0.0  # of that device, what other work kept busy while it did not train (`DeviceLoad`)
+    step_costs: StepCosts = StepCosts()  # what a stage's step costs beyond its blocks (`pipeline.steptime`)
 
     def __post_init__(self) -> None:
         if not self.device_name:
@@ -219,10 +221,7 @@ def block_tflops(
     block = build_stage(spec.with_layers(3), 1, 2, device=device)  # one block alone: no embeddings, no head
     x = torch.randn(micro_batch, spec.seq_len, spec.hidden, device=device, requires_grad=True)
     flops = 3 * micro_batch * Workload(spec, batch=micro_batch, micro_batch=micro_batch).layer_fwd_flops_per_seq
-    cast = AUTOCAST_DTYPES[dtype]
-    autocast = (
-        contextlib.nullcontext() if cast is None else torch.autocast(torch.device(device).type, dtype=cast)
-    )
+    autocast = autocast_for(device, dtype)
     wrapper = contextlib.nullcontext() if around is None else around
 
     def run() -> None:
@@ -231,17 +230,24 @@ def block_tflops(
                 y = block(x)
             y.float().sum().backward()
 
-    return flops / _time_per_call(run, device, seconds, best) / 1e12
+    return flops / time_per_call(run, device, seconds, best) / 1e12
+
+
+def autocast_for(device: str, dtype: str) -> ContextManager:
+    """What the stage worker computes `dtype` under on `device`: nothing for fp32, `torch.autocast` for bf16
+    (fp32 weights). Reusable."""
+    cast = AUTOCAST_DTYPES[dtype]
+    return contextlib.nullcontext() if cast is None else torch.autocast(torch.device(device).type, dtype=cast)
 
 
 def matmul_tflops(size: int = 1024, device: str = "cpu", seconds: float = 1.0) -> float:
     """Achieved fp32 TFLOPS of square matrix multiplies of `size`."""
     a = torch.randn(size, size, device=device)
     b = torch.randn(size, size, device=device)
-    return 2 * size**3 / _time_per_call(lambda: a @ b, device, seconds) / 1e12
+    return 2 * size**3 / time_per_call(lambda: a @ b, device, seconds) / 1e12
 
 
-def _time_per_call(run, device: str, seconds: float, best: bool = False) -> float:
+def time_per_call(run, device: str, seconds: float, best: bool = False) -> float:
     """The median (or with `best` the shortest) time of one call, over at least 3 timings and about
     `seconds`. Not the mean: a burst of other work on the machine (another process starting, a peer's
     DHT node) slows a few calls, and should not decide the figure. A timing runs enough calls to last

@@ -36,7 +36,7 @@ from hetpeer.protocol.wire import SchemaError
 # 4: records say which device a peer computes on (an opaque key peers sharing one device share) and its share of it
 # 5: records say whether others can dial the peer (`reachable`); connections carry frames both ways
 # 6: plans name each hop's codecs (forward, backward) and frames may be int4
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 COMPUTE_KEY_RE = re.compile(r"[0-9a-f]{16}\Z")
 OWNER_RE = re.compile(rb"\[owner:(.+)\]\Z", re.DOTALL)  # \Z, not $: $ also matches before a final newline
 STATES = ("probing", "waiting", "fetching", "training", "standby", "leaving")
@@ -47,6 +47,9 @@ MAX_PLAN_BYTES = 1 << 20
 MAX_SUSPECTS = 16  # peers one record may report as misbehaving, and as unreachable
 MAX_TOKEN_CHARS = 1024
 MAX_TEXT_CHARS = 128  # a device name, a software string: shown to organizers on pages and terminals
+MAX_SEQ_S = 60.0  # a step cost per sequence (or micro-batch) no device takes: past it, a record is wrong
+FIELDS_OF_STEP_COSTS = ("embed_s_per_seq", "head_s_per_seq", "update_s_per_param", "micro_s")  # their wire order
+MAX_PARAM_S = 1e-3  # an optimizer step per parameter no device takes
 TTL_HEARTBEATS = 5  # a peer record expires after this many heartbeats without a new one (loaded machines miss some)
 
 
@@ -123,6 +126,7 @@ class PeerSchema(_Strict):
     compute_key: Optional[pydantic.StrictStr] = None
     compute_share: pydantic.StrictFloat = 1.0
     compute_background: pydantic.StrictFloat = 0.0
+    step_costs: List[pydantic.StrictFloat] = [0.0, 0.0, 0.0, 0.0]
     reachable: pydantic.StrictStr = "unknown"
     unreachable: List[pydantic.StrictStr] = []
 
@@ -143,6 +147,29 @@ class SCHEMA(_Strict):
 class LinkMeasurement:
     latency_s: float
     bandwidth_bytes_per_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class StepCosts:
+    """What a stage's step costs on a peer's device beyond its blocks, as its probe timed them
+    (`peer.pipeline.steptime`): seconds per sequence of the embedding (forward and backward, the first stage's)
+    and of the final norm, head and loss (the last stage's); seconds per parameter of the optimizer's step, once a
+    step; and seconds of the Python around each micro-batch. Zeros: not measured (a peer that does not say: the
+    time model then counts the head by its FLOPs, as a block's, and nothing else)."""
+
+    embed_s_per_seq: float = 0.0
+    head_s_per_seq: float = 0.0
+    update_s_per_param: float = 0.0
+    micro_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in FIELDS_OF_STEP_COSTS:
+            value, most = getattr(self, name), MAX_PARAM_S if name == "update_s_per_param" else MAX_SEQ_S
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and 0 <= value <= most):
+                raise ValueError(f"{name} must be 0 to {most:g} seconds, got {value!r}")
+
+    def to_wire(self) -> list[float]:
+        return [float(getattr(self, name)) for name in FIELDS_OF_STEP_COSTS]
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +204,7 @@ class PeerRecord:
     compute_key: str | None = None
     compute_share: float = 1.0
     compute_background: float = 0.0  # of that device, what other work kept busy while the peer did not train
+    step_costs: StepCosts = StepCosts()  # what a stage's step costs it beyond its blocks (embedding, head, optimizer)
     # others can dial it ("direct"), cannot ("none": it dials them), only through a relay ("via:<device>"), or it
     # could not tell ("unknown")
     reachable: str = "unknown"
@@ -228,6 +256,7 @@ class PeerRecord:
             "compute_key": self.compute_key,
             "compute_share": float(self.compute_share),
             "compute_background": float(self.compute_background),
+            "step_costs": self.step_costs.to_wire(),
             "reachable": self.reachable,
             "unreachable": list(self.unreachable),
         }
@@ -312,6 +341,13 @@ class PeerRecord:
             raise SchemaError("peer.compute_share", f"must be in (0, 1], got {parsed.compute_share!r}")
         if not (math.isfinite(parsed.compute_background) and 0 <= parsed.compute_background < 1):
             raise SchemaError("peer.compute_background", f"must be in [0, 1), got {parsed.compute_background!r}")
+        if len(parsed.step_costs) != len(FIELDS_OF_STEP_COSTS):
+            raise SchemaError("peer.step_costs", f"must be {len(FIELDS_OF_STEP_COSTS)} numbers "
+                                                 f"({', '.join(FIELDS_OF_STEP_COSTS)}), got {len(parsed.step_costs)}")
+        try:
+            step_costs = StepCosts(*parsed.step_costs)
+        except ValueError as error:
+            raise SchemaError("peer.step_costs", str(error)) from None
         relay = parsed.reachable.removeprefix(VIA)
         if parsed.reachable not in REACHABLE and not (relay != parsed.reachable and DEVICE_RE.match(relay) and relay != parsed.device_id):
             raise SchemaError("peer.reachable", f"must be one of {', '.join(REACHABLE)} or {VIA}<another peer's device id>, "
@@ -350,6 +386,7 @@ class PeerRecord:
             compute_key=parsed.compute_key,
             compute_share=parsed.compute_share,
             compute_background=parsed.compute_background,
+            step_costs=step_costs,
             reachable=parsed.reachable,
             unreachable=tuple(parsed.unreachable),
             software=parsed.software,

@@ -30,6 +30,7 @@ from hetpeer.protocol.dataset import is_prepared
 from hetpeer.protocol.modelspec import PRESETS
 from hetpeer.protocol.recipe import Recipe
 from hetpeer.protocol.workload import Workload
+from hetpeer.swarm import DEMO_RECIPE
 from hetpeer.swarm.report import Event, LaneStep, PeerInfo, PlanUse, RunReport, StageUse, lane_step, samples_from_lanes, summarize
 from hetpeer.swarm.watch import StalledError, describe, follow
 
@@ -39,8 +40,6 @@ PEER_RE = re.compile(r"^peer (\S+) in swarm \S+: tensors on \S+, DHT on (\S+)")
 # a peer that enters a plan: how its stage came to it (kept, restored, downloaded from its group)
 ENTERED_RE = re.compile(r"^plan epoch (\d+) from step (\d+): stage (\d+)/\d+ \(layers [^)]*\), lane \d+/\d+, group with [^;]*; (.*)$")
 START_TIMEOUT_S = 120.0
-# the tiny model on a few CPU peers learns fast at a higher rate; gossip's deadline is short on one machine
-DEMO_RECIPE = Recipe(lr=3e-3, mix_deadline_s=3.0)
 # emulated devices ask for at most this share of the cores: the rest is left to the coordinator, the DHT daemons
 # and the peers' own threads (receiving, sending, probing), which would otherwise slow the emulated compute
 EMULATION_SHARE = 0.7

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from hetpeer.coordinator.history import SAMPLE_FIELDS
+from hetpeer.coordinator.history import SAMPLE_FIELDS, Pace
 from hetpeer.coordinator.web import page
 from hetpeer.swarm import plots
 
@@ -177,8 +177,8 @@ class RunReport:
 def summarize(samples: Sequence[Sample], plans: Sequence[PlanUse]) -> list[PlanUse]:
     """Each plan with measured_step_s, tokens_per_s and steps derived from the samples of its epoch.
 
-    measured_step_s is the median over consecutive samples of (time delta / step delta), so a sample
-    every k steps still gives a per-step time, and a first slow step (re-partitioning) does not skew it.
+    measured_step_s is the plan's `Pace`, as the dashboard measures it: the median over windows of ten steps
+    or more of each window's seconds per step.
     steps is the distance to the next plan's start_step, or for the last plan up to its last sample.
     A plan whose epoch has no samples keeps the figures it came with.
     """
@@ -189,7 +189,9 @@ def summarize(samples: Sequence[Sample], plans: Sequence[PlanUse]) -> list[PlanU
         if not mine:
             out.append(plan)
             continue
-        deltas = [(b.time_s - a.time_s) / (b.step - a.step) for a, b in zip(mine, mine[1:]) if b.step > a.step]
+        pace = Pace()
+        for sample in mine:
+            pace = pace.add(sample.time_s, sample.step)
         rates = [s.tokens_per_s for s in mine if _finite(s.tokens_per_s)]
         if i + 1 < len(ordered):
             steps = ordered[i + 1].start_step - plan.start_step
@@ -197,7 +199,7 @@ def summarize(samples: Sequence[Sample], plans: Sequence[PlanUse]) -> list[PlanU
             steps = mine[-1].step - plan.start_step + 1
         out.append(replace(
             plan,
-            measured_step_s=median(deltas) if deltas else plan.measured_step_s,
+            measured_step_s=pace.step_s if pace.step_s is not None else plan.measured_step_s,
             tokens_per_s=median(rates) if rates else plan.tokens_per_s,
             steps=max(steps, 0),
         ))  # fmt: skip

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hetpeer.peer.daemon.announcing import stage_flops
+import pytest
+
+from hetpeer.peer.daemon.announcing import achieved_tflops
 from hetpeer.peer.daemon.following import FUTURE_EPOCHS, fetching, held_epochs, not_arrived, switch_now
 from hetpeer.peer.daemon.handover import donors_for, still_fetched
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan, StagePlan
-from hetpeer.protocol.records import PeerRecord
+from hetpeer.protocol.records import PeerRecord, StepCosts
 from hetpeer.protocol.modelspec import preset
 from hetpeer.protocol.workload import Workload
 
@@ -174,10 +176,18 @@ def test_a_neighbour_is_waited_for_only_while_it_announces_fetching_under_the_ru
     assert not fetching(plan, {}, "c")  # stopped announcing: gone
 
 
-def test_a_step_counts_the_flops_of_its_layers_a_recomputed_one_a_forward_more():
+def test_what_a_step_achieves_counts_its_layers_flops_over_its_compute_less_the_rest_its_probe_timed():
     spec = preset("tiny")
     w = Workload(spec, batch=4)
     stages = (StagePlan(0, 0, 3, ("a",), "none", recompute=2), StagePlan(1, 3, 4, ("b",), "none"))
     plan = Plan(cost_model="time", model="tiny", layers=4, batch=4, micro_batch=1, micro_batches=4, dtype="fp32", stages=stages)
-    assert stage_flops(plan, "a", spec) == (3 * 3 + 2) * 4 * w.layer_fwd_flops_per_seq  # 3 layers, 2 of them recomputed
-    assert stage_flops(plan, "b", spec) == 3 * 4 * (w.layer_fwd_flops_per_seq + w.head_fwd_flops_per_seq)
+    layer = w.layer_fwd_flops_per_seq
+    # a peer that announces no step costs: its whole compute, the head counted by its FLOPs
+    assert achieved_tflops(plan, "a", spec, 2.0, StepCosts()) == pytest.approx((3 * 3 + 2) * 4 * layer / 2.0 / 1e12)  # 2 recomputed
+    assert achieved_tflops(plan, "b", spec, 2.0, StepCosts()) == pytest.approx(3 * 4 * (layer + w.head_fwd_flops_per_seq) / 2e12)
+    # one that timed the rest: the embedding (first stage) or the head (last), and the Python of each micro-batch
+    costs = StepCosts(embed_s_per_seq=0.1, head_s_per_seq=0.2, micro_s=0.05)
+    assert achieved_tflops(plan, "a", spec, 2.0, costs) == pytest.approx((3 * 3 + 2) * 4 * layer / (2.0 - 4 * 0.1 - 4 * 0.05) / 1e12)
+    assert achieved_tflops(plan, "b", spec, 2.0, costs) == pytest.approx(3 * 4 * layer / (2.0 - 4 * 0.2 - 4 * 0.05) / 1e12)
+    # a probe that timed the rest longer than the step took leaves the blocks a tenth of it, not a negative time
+    assert achieved_tflops(plan, "b", spec, 0.5, costs) == pytest.approx(3 * 4 * layer / 0.05 / 1e12)

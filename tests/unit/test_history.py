@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hetpeer.coordinator.history import NAMED_AT_MOST, History
+from hetpeer.coordinator.history import MAX_WINDOWS, NAMED_AT_MOST, WINDOW_STEPS, History, Pace
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.records import PeerRecord
@@ -50,6 +50,23 @@ def test_each_plan_measures_its_own_pace_from_its_first_step_on():
     assert by_epoch[1].measured_step_s == pytest.approx(1.0) and by_epoch[1].steps == 10
     assert by_epoch[2].measured_step_s == pytest.approx(4.0) and by_epoch[2].predicted_step_s == 2.0
     assert [e.kind for e in history.events].count("plan") == 2
+
+
+def test_a_plans_pace_is_the_median_window_of_ten_steps_or_more():
+    pace = Pace()
+    assert pace.step_s is None and pace.add(0.0, 5).step_s is None  # no step run yet
+    clock = 0.0
+    for step in range(0, 101):
+        # a step of 0.1 s, every tenth 0.5 s (a gossip round late), and 60 s stalled once (a lane waiting)
+        clock += 0.5 if step % 10 == 9 else 60.0 if step == 55 else 0.1
+        pace = pace.add(clock, step)
+    assert len(pace.windows) == 10
+    assert pace.step_s == pytest.approx((9 * 0.1 + 0.5) / 10)  # the slow steps paid, the stall left out
+    short = Pace().add(0.0, 0).add(1.0, 2).add(4.0, 3)
+    assert short.windows == () and short.step_s == pytest.approx(4 / 3)  # under one window: its mean so far
+    for _ in range(MAX_WINDOWS + 5):
+        short = short.add(short.last[0] + 1.0, short.last[1] + WINDOW_STEPS)
+    assert len(short.windows) == MAX_WINDOWS  # bounded
 
 
 def test_joins_and_leaves_are_events_and_a_crowd_is_one():

@@ -33,7 +33,7 @@ from hetpeer.peer.daemon.measure import (
     estimate_link,
     pick_targets,
 )
-from hetpeer.peer.probe import MachineProfile, Slowdown, _time_per_call, cgroup_free_bytes, profile_machine
+from hetpeer.peer.probe import MachineProfile, Slowdown, time_per_call, cgroup_free_bytes, profile_machine
 from hetpeer.peer.ratelimit import Rate
 from hetpeer.peer.transport import MemoryHub, MemoryTransport
 from hetpeer.peer.transport.inbox import Late
@@ -511,10 +511,10 @@ def test_profile_machine_on_cpu_names_the_machine_and_measures_it(one_thread):
 def test_one_slow_call_does_not_decide_the_compute_figure():
     durations = iter([0.01, 0.01, 0.01, 0.9, 0.01])  # warm-up, sizing, then a burst of other work slows the second timed call
 
-    per_call_s = _time_per_call(lambda: REAL_SLEEP(next(durations)), "cpu", seconds=0.0)
+    per_call_s = time_per_call(lambda: REAL_SLEEP(next(durations)), "cpu", seconds=0.0)
     assert 0.01 <= per_call_s < 0.3  # the mean would be 0.3 or more
     durations = iter([0.01, 0.01, 0.2, 0.01, 0.3])  # warm-up, sizing; the machine to itself only for the second call
-    assert 0.01 <= _time_per_call(lambda: REAL_SLEEP(next(durations)), "cpu", seconds=0.0, best=True) < 0.2
+    assert 0.01 <= time_per_call(lambda: REAL_SLEEP(next(durations)), "cpu", seconds=0.0, best=True) < 0.2
 
 
 def test_short_calls_are_timed_many_to_a_synchronization(monkeypatch):
@@ -530,7 +530,7 @@ def test_short_calls_are_timed_many_to_a_synchronization(monkeypatch):
             REAL_SLEEP(0.2)  # a first call pays for set-up (kernels loading): it must not size the timings
         calls.append(1)
 
-    per_call_s = _time_per_call(call, "cuda:0", seconds=0.0)
+    per_call_s = time_per_call(call, "cuda:0", seconds=0.0)
     assert len(syncs) == 2 + 3  # the warm-up, the call that sizes the timings, then three timings
     assert len(calls) == 2 + 3 * probe.MAX_CALLS_PER_TIMING and per_call_s < 1e-4
 

@@ -4,6 +4,7 @@ and every way a stranger's record can be wrong is refused with a SchemaError tha
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import math
 
@@ -26,6 +27,7 @@ from hetpeer.protocol.records import (
     plan_to_wire,
     PeerSchema,
     _PEER_EXACT,
+    StepCosts,
 )
 from hetpeer.protocol.wire import SchemaError
 
@@ -411,6 +413,18 @@ def test_the_device_a_peer_computes_on_is_checked():
     for bad in (-0.1, 1.0, math.nan):
         refused(wire(compute_background=bad), "peer.compute_background")
     refused(wire(compute_share=1), "peer.compute_share")  # an int where a float belongs
+
+
+def test_what_a_stage_step_costs_a_peer_beyond_its_blocks_is_checked():
+    costs = [2e-4, 5e-4, 6e-10, 3e-4]
+    record = parse(wire(step_costs=costs))
+    assert record.step_costs == StepCosts(*costs) and record.step_costs.to_wire() == costs
+    assert parse(wire()).step_costs == StepCosts()  # a peer that measured nothing of it
+    for bad in ([1e-4, 1e-4, 1e-10], [1e-4] * 5, []):
+        refused(wire(step_costs=bad), "peer.step_costs")
+    for i, bad in itertools.product(range(4), (-1e-4, math.nan, math.inf, 1e3)):
+        refused(wire(step_costs=costs[:i] + [bad] + costs[i + 1:]), "peer.step_costs")
+    refused(wire(step_costs=[0, 0.0, 0.0, 0.0]), "peer.step_costs.0")  # an int where a float belongs
 
 
 def test_whether_others_can_dial_a_peer_is_checked():

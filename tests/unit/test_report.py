@@ -32,11 +32,11 @@ def samples() -> list[Sample]:
     ]  # fmt: skip
 
 
-def test_summarize_takes_medians_within_each_epoch():
+def test_summarize_measures_each_epoch_as_the_dashboard_does():
     first, second = summarize(samples(), plans())
-    assert first.measured_step_s == pytest.approx(0.5)  # median of 1, 0.5, 0.5
+    assert first.measured_step_s == pytest.approx(2 / 3)  # under a window of ten steps: the mean of the steps run
     assert first.tokens_per_s == pytest.approx(300.0)
-    assert first.steps == 4 and first.ratio == pytest.approx(1.0)
+    assert first.steps == 4 and first.ratio == pytest.approx(4 / 3)
     assert second.measured_step_s == pytest.approx(2.0)  # 2 s, then 4 s over two steps
     assert second.tokens_per_s == pytest.approx(55.0)  # the sample without a rate is left out
     assert second.steps == 4 and second.ratio == pytest.approx(2.5)
@@ -76,7 +76,7 @@ def test_write_report_gives_four_files_with_the_figures(tmp_path):
     assert all(p.exists() for p in paths.values())
     md = paths["md"].read_text()
     assert "| p0 | cpu | 1x | none | 19.5 |" in md and "| p1 | cpu | 3x | 100 | - |" in md
-    assert "| 1 | 0 | 0.5 | 4 | L0-2: p0 p1; L2-4: p2 p3 | - | 0.500 | 0.500 | 1.00 | 300 |" in md
+    assert "| 1 | 0 | 0.5 | 4 | L0-2: p0 p1; L2-4: p2 p3 | - | 0.500 | 0.667 | 1.33 | 300 |" in md
     assert "| 2 | 4 | 3.0 | 4 | L0-4: p0 | p1 | 0.800 | 2.000 | 2.50 | 55 |" in md
     assert "first 10.0000, last 6.0000" in md
     assert "- 6.0 s: peer p3 killed" in md and "(loss.png)" in md and "report.html" in md
@@ -105,7 +105,7 @@ def test_report_html_is_one_self_contained_page_with_the_run(tmp_path):
     fields = state["history"]["sample_fields"]
     rows = [dict(zip(fields, row)) for row in state["history"]["samples"]]
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 5, 7] and rows[3]["loss"] is None  # NaN: a gap
-    assert [(p["epoch"], p["measured_step_s"]) for p in state["history"]["plans"]] == [(1, 0.5), (2, 2.0)]
+    assert [(p["epoch"], p["measured_step_s"]) for p in state["history"]["plans"]] == [(1, pytest.approx(2 / 3)), (2, 2.0)]
     assert state["plan"]["epoch"] == 2 and state["plan"]["standby"] == ["p1"]
     peers = {p["device_id"]: p for p in state["peers"]}
     assert peers["p0"]["stage"] == 0 and peers["p1"]["standby"] and "3x slower" in peers["p1"]["device_name"]

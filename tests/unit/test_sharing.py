@@ -140,7 +140,7 @@ def test_screens_hold_the_grids_sharing():
     allreduce, gossip = model._groups(batch, stage_bytes)
     sync_s = model._sync(allreduce, gossip, lane.max(axis=1))[0]
     overflow = model._overflow(batch, model.mem_fixed + counts * model.mem_per_layer)
-    held = model._objective(lane, sync_s, overflow, np.zeros(len(batch)))
+    held = model._objective(lane, sync_s, overflow, np.zeros(len(batch)), model._update(batch, np.broadcast_to(counts, (len(batch), shape.stages))))
     np.testing.assert_allclose(model.screen(grid, batch, cells), held, rtol=1e-12)
     assert not np.allclose(slowdown, 1.0)  # the case means something: some devices are slowed
 

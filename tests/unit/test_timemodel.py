@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -480,7 +481,7 @@ def held_split_objective(model, grids: np.ndarray, counts: np.ndarray) -> np.nda
     allreduce, gossip = model._groups(grids, stage_bytes)
     sync_s = model._sync(allreduce, gossip, lane.max(axis=1))[0]
     overflow = model._overflow(grids, model.mem_fixed + counts * model.mem_per_layer)
-    return model._objective(lane, sync_s, overflow, np.zeros(K))
+    return model._objective(lane, sync_s, overflow, np.zeros(K), model._update(grids, np.broadcast_to(counts, (K, len(counts)))))
 
 
 @pytest.mark.parametrize("shape", [Shape(1, 6), Shape(2, 2), Shape(3, 4), Shape(2, 5), Shape(4, 7), Shape(8, 3)])
@@ -493,6 +494,8 @@ def test_the_screen_is_the_full_evaluation_with_the_split_held(shape, sync, seed
     n = 40
     raw = synthetic.random_topology(n, 4, rng)
     problem = Problem.from_topology(Topology.from_wire(raw), Workload(preset("tiny", 8), batch=64))
+    if seed % 2:  # devices that measured what their stages' steps cost beyond the blocks
+        problem = with_step_costs(problem, rng)
     model = make_model(problem, PlannerConfig(sync=sync), shape)
     for _ in range(3):  # several base grids, so that the screen's kept state is refreshed
         grid = rng.permutation(n)[: shape.devices].reshape(shape.stages, shape.group_size)
@@ -501,6 +504,38 @@ def test_the_screen_is_the_full_evaluation_with_the_split_held(shape, sync, seed
         np.testing.assert_allclose(
             model.screen(grid, batch, cells), held_split_objective(model, batch, counts), rtol=1e-12
         )
+
+
+def with_step_costs(problem: Problem, rng: np.random.Generator) -> Problem:
+    """`problem` with every device's step costs (`StepCosts`) drawn at random, each about a block's time or less."""
+    n = problem.n
+    return replace_costs(problem, np.column_stack([rng.uniform(0, 1e-3, n), rng.uniform(0, 2e-3, n), rng.uniform(0, 1e-7, n),
+                                                   rng.uniform(0, 1e-3, n)]))
+
+
+def test_a_stage_step_counts_what_its_devices_measured_beyond_their_blocks():
+    """One lane of three stages: each device's micro-batch is its layers, its Python around them, the embedding on
+    the first stage, the head (measured, not by FLOPs) and loss on the last; the slowest optimizer step follows."""
+    raw = synthetic.random_topology(3, 1, np.random.default_rng(0))
+    spec = preset("tiny", 6)
+    problem = Problem.from_topology(Topology.from_wire(raw), Workload(spec, batch=4, micro_batch=1))
+    costs = np.array([[1e-3, 5e-4, 1e-6, 2e-4], [3e-3, 2e-3, 2e-6, 1e-4], [2e-3, 4e-3, 3e-7, 3e-4]])
+    plain, measured = (make_model(p, PlannerConfig(), Shape(3, 1)) for p in (problem, replace_costs(problem, costs)))
+    grid = np.array([[0], [1], [2]])
+    before, after = plain.report(grid), measured.report(grid)
+    counts = np.array(after.layers)
+    t = counts * measured.layer_s[[0, 1, 2]] + costs[[0, 1, 2], 3]
+    t[0] += costs[0, 0]
+    t[-1] += costs[2, 1]
+    e = measured._evaluate(grid[None])
+    np.testing.assert_allclose(e["t"][0, 0], t, rtol=1e-12)
+    params = counts * spec.layer_params + np.array([spec.embedding_params, 0, spec.head_params])
+    assert after.cost["update_s"] == pytest.approx((params * costs[[0, 1, 2], 2]).max())
+    assert after.cost["total_s"] > before.cost["total_s"] and "update_s" not in before.cost
+
+
+def replace_costs(problem: Problem, costs: np.ndarray) -> Problem:
+    return dataclasses.replace(problem, step_costs=costs)
 
 
 def test_the_screen_is_exact_when_every_stage_holds_one_layer():
@@ -534,7 +569,7 @@ def test_exchanged_lanes_are_the_full_evaluation_of_the_exchanged_grid(shape, ti
     spec = ModelSpec.from_config({"model_type": "gpt2", "n_embd": H, "n_head": 4, "n_layer": 8, "n_positions": SEQ,
                                   "vocab_size": VOCAB, "tie_word_embeddings": tied})
     problem = Problem.from_topology(Topology.from_wire(synthetic.random_topology(30, 4, rng)), Workload(spec, batch=per_lane * shape.group_size))
-    model = make_model(problem, PlannerConfig(compress=compress), shape)
+    model = make_model(with_step_costs(problem, rng) if tied else problem, PlannerConfig(compress=compress), shape)
     assert (model.micro_batches == 1 if per_lane == 1 else model.micro_batches > shape.stages) and bool(model.tied_bytes) == tied
     grid = rng.permutation(30)[: shape.devices].reshape(shape.stages, shape.group_size)
     counts = np.array(model.report(grid).layers)

@@ -74,6 +74,9 @@ class Problem:
     current: Plan | None = None
     step_overhead_s: float = 0.0  # fixed seconds every step takes beyond compute and transfers (`efficiency.py`)
     sharing: Sharing | None = None  # devices that compute on one device (`sharing.py`); None: each has its own
+    # (n, 4): what a stage's step costs each device beyond its blocks, as `protocol.records.StepCosts` has them
+    # (embedding and head s/sequence, optimizer s/parameter, Python s/micro-batch); None: not measured
+    step_costs: np.ndarray | None = None
     # matrices derived once and shared by every shape's cost model: n^2 floats each, gigabytes at 10,000 devices
     _derived: dict = field(default_factory=dict, init=False, repr=False)
 
@@ -155,6 +158,7 @@ class Problem:
             current=self.current,
             step_overhead_s=self.step_overhead_s,
             sharing=None if self.sharing is None else self.sharing.subset(devices),
+            step_costs=None if self.step_costs is None else self.step_costs[devices],
         )
 
     def lanes_batch(self, group_size: int) -> int:

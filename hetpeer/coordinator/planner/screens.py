@@ -63,7 +63,7 @@ class Screens:
         overflow = np.repeat(base.evaluation["row_overflow"], K, axis=0)
         need = base.evaluation["need"][0]
         overflow[pick, rows] = self._overflow(batch[pick, rows], need[rows])
-        return self._objective(lane, sync_s, overflow, np.zeros(K))
+        return self._objective(lane, sync_s, overflow, np.zeros(K), self._update(batch, np.repeat(base.evaluation["counts"], K, axis=0)))
 
     def exchanges(self, grid: np.ndarray, count: int) -> np.ndarray:
         """Up to `count` grids, each `grid` with one segment of stages exchanged between two lanes, that
@@ -103,7 +103,8 @@ class Screens:
         # Lanes (slowest, 2 mean - slowest) have the slowest lane and the mean of all m: the objective
         # of each exchange, with every other term as `grid`'s.
         two = np.stack([slowest.ravel(), 2 * mean.ravel() - slowest.ravel()], axis=1)
-        screened = self._objective(two, evaluation["sync_s"], evaluation["row_overflow"], evaluation["move"])
+        screened = self._objective(two, evaluation["sync_s"], evaluation["row_overflow"], evaluation["move"],
+                                   evaluation["update"])  # every device keeps its stage: its optimizer step too
         order = np.argsort(screened, kind="stable")[:count]
         order = order[screened[order] < evaluation["objective"][0]]
         pair, segment = np.unravel_index(order, slowest.shape)
@@ -122,8 +123,7 @@ class Screens:
         lanes = grid.T  # (m, S)
         slowdown = self._device_slowdowns(grid)  # an exchange keeps the grid's devices, so their sharing
         slowdown = slowdown[lanes] if np.ndim(slowdown) else slowdown
-        t = (work * self.layer_s[lanes]) * slowdown
-        t[:, -1] += self.head_s[lanes[:, -1]] * (slowdown[:, -1] if np.ndim(slowdown) else slowdown)
+        t = (work * self.layer_s[lanes] + self._fixed(lanes)) * slowdown
         s1, s2 = segments[:, 0], segments[:, 1]  # (segments,)
         zero = np.zeros((len(lanes), 1))
         t_sum = np.concatenate([zero, np.cumsum(t, axis=1)], axis=1)  # (m, S + 1): stages before k

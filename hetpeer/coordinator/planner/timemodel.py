@@ -5,7 +5,9 @@ For a grid (rows = stages in order, columns = lanes), with M micro-batches per l
 - layers: each stage gets at least one layer; the rest go one at a time to the stage whose slowest
   device would then finish its micro-batch soonest (optimal for the min-max), within memory;
 - a device's time per micro-batch t = its stage's layers x 3 x forward FLOPs / its TFLOPS (backward
-  is twice the forward), plus the output head on the last stage; devices of the grid that compute on one
+  is twice the forward), plus what it measured of the rest of a stage's step (`Problem.step_costs`: the
+  Python around a micro-batch on every stage, the embedding on the first, the head and loss on the last;
+  a device that measured none counts the head by its FLOPs); devices of the grid that compute on one
   shared device (one machine's CPU cores, one GPU) are slowed by their fair share of it (`sharing.py`);
 - a hop between consecutive stages of a lane costs h = latency + x, x = a micro-batch's activation bytes
   on the wire / bandwidth (the link's occupancy), once forward (activations, in the forward codec) and
@@ -31,8 +33,9 @@ For a grid (rows = stages in order, columns = lanes), with M micro-batches per l
   or, where the organizer allows them (`outer_every`), by outer steps: the ring once every H steps with
   the parameter change in fp16, overlapping the next D steps, so max(0, ring - D T) / H a step
   (`outer.py` says where they pay);
-- step = slowest lane + slowest group's exposed sync (+ the problem's fixed step overhead, 0 unless
-  efficiency terms give one); the search minimises the step plus
+- step = slowest lane + slowest group's exposed sync + the slowest optimizer step (a device's stage
+  parameters x its measured seconds per parameter: it follows the lane's last gradient) (+ the problem's
+  fixed step overhead, 0 unless efficiency terms give one); the search minimises the step plus
   TIE_BREAK (1%) of the mean lane time and mean exposed sync, so that swaps which do not move the
   slowest lane or group still show whether they help;
 - memory per device: what `Workload.stage_memory` counts for its stage (training state, the group's
@@ -111,6 +114,12 @@ class TimeCost(Screens):
         flops_per_s = problem.tflops * 1e12
         self.layer_s = 3 * mb * w.layer_fwd_flops_per_seq / flops_per_s  # (n,)
         self.head_s = 3 * mb * w.head_fwd_flops_per_seq / flops_per_s  # (n,)
+        # what a stage's step costs beyond its blocks, where the devices measured it (`StepCosts`, (n, 4))
+        costs = problem.step_costs if problem.step_costs is not None else np.zeros((problem.n, 4))
+        self.head_s = np.where(costs[:, 1] > 0, mb * costs[:, 1], self.head_s)  # measured, not counted by FLOPs
+        self.first_s = mb * costs[:, 0]  # (n,): the embedding's, on the first stage
+        self.micro_s = costs[:, 3]  # (n,): the Python around a micro-batch, on every stage
+        self.update_s = costs[:, 2]  # (n,): the optimizer's step, seconds per parameter, once a step
         self.hops = HopCodecs(compress, mb * model.seq_len * model.hidden, w.dtype)  # what a hop costs, in its codecs
         self.tied_bytes = model.vocab * model.hidden * w.dtype_bytes if model.tied else 0.0
         # Flat copies: gathering pairs by one flat index is about twice as fast as 2-D indexing.
@@ -163,8 +172,7 @@ class TimeCost(Screens):
         K, S, _ = grids.shape
         L = self.problem.layers
         per_layer = (self.layer_s[grids] * slowdown).max(axis=2)  # slowest device of each stage
-        extra = np.zeros((K, S))
-        extra[:, -1] = (self.head_s[grids[:, -1]] * (slowdown[:, -1] if np.ndim(slowdown) else slowdown)).max(axis=1)
+        extra = (self._fixed(grids.transpose(0, 2, 1)).transpose(0, 2, 1) * slowdown).max(axis=2)
         if self.usable_memory is not None:
             room = self.usable_memory[grids].min(axis=2) - self.mem_fixed
             plain = np.floor(room / self.mem_per_layer)
@@ -211,8 +219,7 @@ class TimeCost(Screens):
         (layers, recomputation counted), each device slowed by `slowdown` (..., S) from sharing its device:
         (lane seconds (...), per-stage compute t (..., S))."""
         stages, M = cols.shape[-1], self.micro_batches
-        t = (work * self.layer_s[cols]) * slowdown
-        t[..., -1] += self.head_s[cols[..., -1]] * (slowdown[..., -1] if np.ndim(slowdown) else slowdown)
+        t = (work * self.layer_s[cols] + self._fixed(cols)) * slowdown
         if stages > 1:
             latency, per_byte = self._pairs(cols[..., :-1], cols[..., 1:])
             occupancy, peak, _ = self.hops.occupancy(per_byte)
@@ -227,6 +234,25 @@ class TimeCost(Screens):
             there, back = self._pairs(cols[..., 0], cols[..., -1]), self._pairs(cols[..., -1], cols[..., 0])
             lane = lane + np.maximum(there[0] + self.tied_bytes * there[1], back[0] + self.tied_bytes * back[1])
         return lane, t
+
+    def _fixed(self, cols: np.ndarray) -> np.ndarray:
+        """(..., S) seconds a micro-batch costs each device of lanes (..., S) beyond its layers: the Python around it,
+        the embedding on the first stage, the head and loss on the last."""
+        fixed = self.micro_s[cols]
+        fixed[..., 0] += self.first_s[cols[..., 0]]
+        fixed[..., -1] += self.head_s[cols[..., -1]]
+        return fixed
+
+    def _update(self, grids: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """(K,) seconds of the slowest optimizer step in grids (K, S, m) whose stages hold `counts` (K, S) layers:
+        it follows each step on every device (once the lane's last gradient is in), so the step waits for it."""
+        if not self.update_s.any():
+            return np.zeros(len(grids))
+        model = self.problem.workload.model
+        S = grids.shape[1]
+        params = counts * model.layer_params + (np.arange(S) == 0) * model.embedding_params \
+            + (np.arange(S) == S - 1) * model.head_params  # (K, S)
+        return (params[:, :, None] * self.update_s[grids]).max(axis=(1, 2))
 
     def _groups(self, rows: np.ndarray, stage_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(all-reduce seconds (...), each gossip round's seconds before overlap (..., rounds)) for groups
@@ -304,23 +330,27 @@ class TimeCost(Screens):
         overflow = self._overflow(grids, need)
         if self._current is not None and self.usable_memory is not None:
             overflow = np.maximum(overflow, self._move_overflow(grids, counts, need))
-        total = lane_s + sync_s.max(axis=1) + self.problem.step_overhead_s
+        update = self._update(grids, counts)
+        total = lane_s + sync_s.max(axis=1) + update + self.problem.step_overhead_s
         move = self._move_s(grids, counts) if self._current is not None else np.zeros(K)
-        objective = self._objective(lane, sync_s, overflow, move)
+        objective = self._objective(lane, sync_s, overflow, move, update)
         return {
-            "counts": counts, "recompute": recompute, "work": work, "need": need, "lane": lane, "t": t,
+            "counts": counts, "recompute": recompute, "work": work, "need": need, "lane": lane, "t": t, "update": update,
             "slowest": slowest, "lane_s": lane_s,
             "allreduce": allreduce, "gossip": gossip, "sync_s": sync_s, "use_gossip": use_gossip, "total": total,
             "use_outer": use_outer, "outer_every": outer_every, "outer_delay": outer_delay,
             "move": move, "overflow": overflow.sum(axis=1), "row_overflow": overflow, "objective": objective,
         }  # fmt: skip
 
-    def _objective(self, lane: np.ndarray, sync_s: np.ndarray, overflow: np.ndarray, move: np.ndarray) -> np.ndarray:
+    def _objective(self, lane: np.ndarray, sync_s: np.ndarray, overflow: np.ndarray, move: np.ndarray,
+                   update: np.ndarray) -> np.ndarray:
         """What the search minimises, from lane times (K, m), exposed sync (K, S), overflow bytes
-        (K, S) and move seconds (K,): the step, the tie-break, the amortised move, the penalty."""
+        (K, S), move seconds (K,) and the slowest optimizer step (K,): the step, the tie-break, the amortised move,
+        the penalty."""
         return (
             lane.max(axis=1)
             + sync_s.max(axis=1)
+            + update
             + self.problem.step_overhead_s
             + TIE_BREAK * (lane.mean(axis=1) + sync_s.mean(axis=1))
             + move / self.horizon_steps
@@ -383,6 +413,8 @@ class TimeCost(Screens):
             "sync_s": float(e["sync_s"][0].max()),
             "total_s": float(e["total"][0]),
         }
+        if e["update"][0]:
+            cost["update_s"] = float(e["update"][0])
         if self.problem.step_overhead_s:
             cost["overhead_s"] = self.problem.step_overhead_s
         if self._current is not None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from hetpeer import __version__
 from hetpeer.protocol.identity import DEVICE_RE
 from hetpeer.protocol.plan import Plan
-from hetpeer.protocol.records import MAX_SUSPECTS, PeerRecord
+from hetpeer.protocol.records import MAX_SUSPECTS, PeerRecord, StepCosts
 from hetpeer.protocol.modelspec import ModelSpec
 from hetpeer.protocol.workload import Workload
 
@@ -31,14 +31,22 @@ class Status:
     achieved_tflops: float | None = None  # of its training steps: the stage's FLOPs over the median compute time
 
 
-def stage_flops(plan: Plan, me: str, spec: ModelSpec) -> float:
-    """The FLOPs of `me`'s training step under `plan` (forward and backward: 3x forward), as the planner's time
-    model counts them: its layers for the lane's batch (a recomputed one a forward more), and the output head on
-    the last stage."""
+def achieved_tflops(plan: Plan, me: str, spec: ModelSpec, compute_s: float, costs: StepCosts) -> float:
+    """What `me`'s blocks achieve in training under `plan`, in TFLOPS, as the planner's time model means a device's
+    TFLOPS: its layers' FLOPs for the lane's batch (forward and backward: 3x forward; a recomputed layer a forward
+    more) over `compute_s`, a step's compute, less what the rest of the stage's step costs by its probe (`costs`:
+    the embedding on the first stage, the head and loss on the last, the Python around each micro-batch). Where the
+    probe did not time the head (a peer that announces no step costs), the head counts by its FLOPs, as a block."""
     stage, _ = plan.position(me)
+    first, last = stage == 0, stage == len(plan.stages) - 1
     workload = Workload(spec, batch=plan.batch, micro_batch=plan.micro_batch, dtype=plan.dtype)
-    return workload.stage_flops(plan.stages[stage].layers, last=stage == len(plan.stages) - 1, sequences=plan.lane_batch,
-                                recompute=plan.stages[stage].recompute)
+    flops = workload.stage_flops(plan.stages[stage].layers, last=last and not costs.head_s_per_seq, sequences=plan.lane_batch,
+                                 recompute=plan.stages[stage].recompute)
+    rest = plan.lane_batch * (first * costs.embed_s_per_seq + last * costs.head_s_per_seq) + plan.micro_batches * costs.micro_s
+    return flops / max(compute_s - rest, BLOCKS_SHARE * compute_s) / 1e12
+
+
+BLOCKS_SHARE = 0.1  # of a step's compute, the least its blocks are taken to have had (a probe that timed the rest too long)
 
 
 class Announcing:
@@ -75,6 +83,7 @@ class Announcing:
             compute_key=machine.compute_key,
             compute_share=machine.compute_share,
             compute_background=machine.compute_background,
+            step_costs=machine.step_costs,
             reachable=self.announced_reachable,
             unreachable=tuple(d for d in self.transport.unreachable(UNREACHED_HEARTBEATS * self.config.heartbeat_s)
                               if d in self.records)[:MAX_SUSPECTS],

@@ -15,7 +15,7 @@ from typing import Callable
 import numpy
 import torch
 
-from hetpeer.peer.daemon.announcing import Announcing, Status, stage_flops
+from hetpeer.peer.daemon.announcing import Announcing, Status, achieved_tflops
 from hetpeer.peer.checkpoint import StageCheckpoint
 from hetpeer.peer.data.corpus import Corpus
 from hetpeer.peer.data.shards import ShardedCorpus
@@ -252,7 +252,8 @@ class SwarmPeer(Following, Handover, Announcing, Probing, Reaching):
             val_loss = result.val_loss if result.val_loss is not None else self.status.val_loss
             # the rate over the last few steps: one step's swings with the machine's load
             self._set(step=worker.step, loss=loss, val_loss=val_loss, tokens_per_s=sum(t for t, _ in recent) / sum(s for _, s in recent),
-                      achieved_tflops=stage_flops(worker.plan, self.device_id, self.spec) / statistics.median(computed) / 1e12)
+                      achieved_tflops=achieved_tflops(worker.plan, self.device_id, self.spec, statistics.median(computed),
+                                                      self.machine.step_costs))
             stage, lane = worker.plan.position(self.device_id)
             self.report(f"e{worker.plan.epoch} stage {stage + 1} lane {lane + 1}  "
                         + format_step(result, seconds, config.steps or 0).replace("/0 ", " "))

@@ -11,6 +11,7 @@ import time
 from dataclasses import replace
 
 from hetpeer.peer.daemon.measure import describe_links, pick_targets
+from hetpeer.peer.pipeline.steptime import step_costs
 from hetpeer.peer.probe import MachineProfile, profile_machine
 
 REPROFILE_S = 60.0  # a peer not training times its device again this often
@@ -53,6 +54,9 @@ class Probing:
         self._profiled_at = time.monotonic()
         machine = profile_machine(self.spec, config.micro_batch, config.dtype, config.worker.device, config.worker.slowdown,
                                   config.probe_s, swarm=config.swarm)
+        costs = step_costs(self.spec, config.micro_batch, config.worker.device, config.probe_s / 4, config.dtype,
+                           config.worker.slowdown)
+        machine = replace(machine, step_costs=costs)
         if config.memory_cap_bytes is not None:
             machine = replace(machine, memory_bytes=min(machine.memory_bytes, config.memory_cap_bytes))
         return machine
@@ -72,4 +76,4 @@ class Probing:
         again = self._profile()
         if again.tflops > self.machine.tflops:
             self.report(f"machine: {again.tflops * 1e3:.2f} GFLOPS achieved now (was {self.machine.tflops * 1e3:.2f} when busier)")
-            self.machine = replace(self.machine, tflops=again.tflops)
+            self.machine = replace(self.machine, tflops=again.tflops, step_costs=again.step_costs)

@@ -1,0 +1,100 @@
+"""What a stage's step costs on this peer's device beyond its blocks, timed as the stage worker runs it.
+
+A joining peer announces it (`StepCosts`) beside its block's TFLOPS (`peer.probe`), so that the coordinator's
+time model counts a stage's whole step, not its blocks alone:
+
+- the embedding (the first stage's) and the final norm, head and loss (the last stage's), forward and backward,
+  per sequence: a one-block stage holding them, less the block alone;
+- the optimizer's step per parameter: a gossip round's average with one neighbour, then Adam with clipping, as
+  `GroupSync` runs them once a step;
+- the Python around a micro-batch: a one-stage worker's whole step (`StageWorker.train_step` on a one-block
+  model: data, forward, loss, backward, the optimizer), less the parts above, per micro-batch.
+
+Each is timed in the training dtype under the peer's emulated slowdown, as the worker runs its forward and
+backward passes (the optimizer outside it, as there), the fastest of passes over about `seconds`
+(`probe.time_per_call`): what the device gives a peer that has it to itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import numpy as np
+import torch
+
+from hetpeer.peer.data.corpus import Corpus
+from hetpeer.peer.gossip.adam import AdamConfig, AdamState, adam_update
+from hetpeer.peer.model import build_stage
+from hetpeer.peer.pipeline.worker import StageWorker, WorkerConfig
+from hetpeer.peer.probe import Slowdown, autocast_for, time_per_call
+from hetpeer.peer.transport import MemoryHub, MemoryTransport
+from hetpeer.protocol.modelspec import ModelSpec
+from hetpeer.protocol.plan import Plan, StagePlan
+from hetpeer.protocol.recipe import Recipe
+from hetpeer.protocol.records import StepCosts
+
+MICRO_BATCHES = 4  # of the one-stage worker's step
+UPDATE_PARAMS = 1 << 20  # the optimizer's step is timed over at least this many parameters (a block's, if more)
+
+
+def step_costs(spec: ModelSpec, micro_batch: int, device: str = "cpu", seconds: float = 0.5, dtype: str = "fp32",
+               slowdown: float = 1.0) -> StepCosts:
+    """`StepCosts` of `spec`'s stages at `micro_batch` on `device`; takes about 5 x `seconds`."""
+    autocast = autocast_for(device, dtype)
+    two = spec.with_layers(2)
+    block = build_stage(spec.with_layers(3), 1, 2, device=device)  # one block alone: no embeddings, no head
+    first, last = build_stage(two, 0, 1, device=device), build_stage(two, 1, 2, device=device)
+    tokens = torch.randint(spec.vocab, (micro_batch, spec.seq_len), device=device)
+    x = torch.randn(micro_batch, spec.seq_len, spec.hidden, device=device, requires_grad=True)
+
+    def timed(forward: Callable[[], torch.Tensor]) -> float:
+        around = Slowdown(slowdown) if slowdown != 1 else contextlib.nullcontext()  # one per kind of work
+
+        def run() -> None:
+            with around:
+                with autocast:
+                    out = forward()
+                out.backward()
+
+        return time_per_call(run, device, seconds, best=True)
+
+    block_s = timed(lambda: block(x).float().sum())
+    embed_s = max(0.0, timed(lambda: first(tokens).float().sum()) - block_s)
+    head_s = max(0.0, timed(lambda: last.loss(last(x), tokens)) - block_s)
+    update_s = _update_s_per_param(sum(p.numel() for p in block.parameters()), device, seconds)
+    one = spec.with_layers(1)
+    step_s = _worker_step_s(one, micro_batch, device, dtype, slowdown, seconds)
+    parts_s = MICRO_BATCHES * (block_s + embed_s + head_s) + update_s * one.params
+    micro_s = max(0.0, step_s - parts_s) / MICRO_BATCHES
+    return StepCosts(embed_s / micro_batch, head_s / micro_batch, update_s, micro_s)
+
+
+def _update_s_per_param(block_params: int, device: str, seconds: float) -> float:
+    size = max(UPDATE_PARAMS, block_params)
+    params, grad, other = (torch.randn(size, device=device) for _ in range(3))
+    state, config = AdamState(size, device), AdamConfig()
+
+    def update() -> None:
+        params.mul_(0.5).add_(other, alpha=0.5)
+        adam_update(params, grad, state, config)
+
+    return time_per_call(update, device, seconds, best=True) / size
+
+
+def _worker_step_s(spec: ModelSpec, micro_batch: int, device: str, dtype: str, slowdown: float, seconds: float) -> float:
+    """The fastest whole step of a one-stage worker of `spec` (the whole model on this peer), `MICRO_BATCHES` of
+    `micro_batch` a step, on random tokens."""
+    batch = MICRO_BATCHES * micro_batch
+    plan = Plan(cost_model="time", model=spec.name, layers=spec.layers, batch=batch, micro_batch=micro_batch,
+                micro_batches=MICRO_BATCHES, dtype=dtype, stages=(StagePlan(0, 0, spec.layers, ("probe",), "none"),),
+                recipe=Recipe())
+    corpus = Corpus(np.random.default_rng(0).integers(0, spec.vocab, 64 * batch * (spec.seq_len + 1)).astype(np.uint16),
+                    "the step probe's random tokens", files=0, vocab=spec.vocab)
+    transport = MemoryTransport("probe", MemoryHub())
+    transport.start()
+    try:
+        worker = StageWorker(plan, "probe", transport, corpus, WorkerConfig(device=device, slowdown=slowdown, model=spec))
+        return time_per_call(worker.train_step, device, seconds, best=True)
+    finally:
+        transport.shutdown()

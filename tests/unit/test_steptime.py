@@ -1,0 +1,41 @@
+"""What a stage's step costs beyond its blocks (`peer.pipeline.steptime`): the parts it times and how they compose
+into what the time model counts, and the whole probe on this machine's CPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hetpeer.peer.pipeline import steptime
+from hetpeer.protocol.modelspec import preset
+from hetpeer.protocol.records import FIELDS_OF_STEP_COSTS, StepCosts
+
+
+def test_the_parts_compose_the_one_stage_workers_step_and_the_rest_is_its_python(monkeypatch):
+    # each timing answers a figure of its own, in the order they are taken: the block alone, the first stage, the
+    # last stage, the optimizer's step over its parameters, the one-stage worker's whole step
+    timings = iter([1e-3, 1.5e-3, 2.5e-3, 2e-3, 20e-3])
+    monkeypatch.setattr(steptime, "time_per_call", lambda *args, **kwargs: next(timings))
+    spec = preset("tiny")
+    costs = steptime.step_costs(spec, micro_batch=2)
+    size = max(steptime.UPDATE_PARAMS, spec.layer_params)
+    assert costs.embed_s_per_seq == pytest.approx(0.5e-3 / 2) and costs.head_s_per_seq == pytest.approx(1.5e-3 / 2)
+    assert costs.update_s_per_param == pytest.approx(2e-3 / size)
+    parts = steptime.MICRO_BATCHES * (1e-3 + 0.5e-3 + 1.5e-3) + 2e-3 / size * spec.with_layers(1).params  # its blocks and the rest
+    assert costs.micro_s == pytest.approx((20e-3 - parts) / steptime.MICRO_BATCHES)
+
+
+def test_parts_timed_faster_than_a_block_count_nothing_not_less(monkeypatch):
+    timings = iter([2e-3, 1e-3, 1.5e-3, 1e-3, 1e-3])  # noise: the stages with more in them timed faster
+    monkeypatch.setattr(steptime, "time_per_call", lambda *args, **kwargs: next(timings))
+    costs = steptime.step_costs(preset("tiny"), micro_batch=2)
+    assert (costs.embed_s_per_seq, costs.head_s_per_seq, costs.micro_s) == (0.0, 0.0, 0.0)
+
+
+@pytest.mark.parametrize("slowdown", [1.0, 3.0])
+def test_the_probe_runs_the_workers_own_step_on_this_machine(slowdown):
+    costs = steptime.step_costs(preset("tiny"), micro_batch=2, seconds=0.05, slowdown=slowdown)
+    assert isinstance(costs, StepCosts)  # within the bounds a record carries (StepCosts checks them)
+    assert all(math.isfinite(getattr(costs, name)) for name in FIELDS_OF_STEP_COSTS)
+    assert costs.update_s_per_param > 0  # an optimizer's step always takes time
