@@ -262,12 +262,11 @@ class LocalSwarm:
     def peer_command(self, i: int) -> list[str]:
         """The command line of peer `i`: `hetpeer join` into this swarm, with its slowdown, cap and options."""
         c = self.config
-        threads = c.threads
         command = [
             sys.executable, "-m", "hetpeer", "join", "--swarm", c.swarm, "--name", f"peer{i}",
             "--home", str(c.out / f"peer{i}"), "--coordinator-key", self.key, "--initial-peers", *self.dht_maddrs[:1],
             "--model", c.model, "--dtype", c.dtype, "--heartbeat", repr(c.heartbeat_s), "--steps", str(c.steps),
-            "--threads", str(threads), "--timeout", repr(c.timeout_s), "--slowdown", repr(c.slowdown(i)),
+            "--threads", str(c.threads), "--timeout", repr(c.timeout_s), "--slowdown", repr(c.slowdown(i)),
         ]
         if c.cap(i) is not None:
             command += ["--bandwidth-cap", repr(c.cap(i))]

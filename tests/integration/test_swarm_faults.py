@@ -217,3 +217,35 @@ def test_training_goes_on_without_the_coordinator_and_a_restarted_one_keeps_the_
     assert f"running plan from the DHT: epoch {plan.epoch}" in log_of(swarm, "coordinator")
     progress = client.call_get_progress()
     wait_for(lambda: client.call_get_progress().step >= progress.step + 3, "training to go on")
+
+
+def test_a_changed_recipe_reaches_every_member_at_the_same_step(swarm):
+    """The organizer restarts the coordinator with another learning rate: the running plan is published again
+    under it, and every member switches to it at that plan's start step, saying what changed. Before, every
+    member trained by the coordinator's recipe (a volunteer has no say in it: `hetpeer join --lr` is refused)."""
+    client = swarm.client
+    before = swarm.config.recipe
+    members = wait_for(lambda: (p := client.call_get_plan()[0]) is not None and p.recipe == before and p.devices, "a plan")
+    peers = {d: f"peer{i}" for i, d in swarm.device_ids.items() if d in members}
+    assert len(peers) == len(members) >= 2
+    for name in peers.values():  # each said which recipe it trains by as it entered its first plan
+        assert re.search(rf"^plan epoch \d+ from step \d+: recipe: lr {before.lr:g},", log_of(swarm, name), re.M), name
+    after = replace(before, lr=before.lr / 3)
+    swarm.kill_coordinator()
+    swarm.config = replace(swarm.config, recipe=after)
+    swarm.start_coordinator()
+    changed = wait_for(lambda: (p := client.call_get_plan()[0]) is not None and p.recipe == after and p,
+                       "the running plan under the new recipe", explain=lambda: coordinator_tail(swarm))
+    assert "the organizer's recipe changed from epoch" in log_of(swarm, "coordinator")
+    said = f"plan epoch {changed.epoch} from step {changed.start_step}: the recipe changed: lr {before.lr:g} -> {after.lr:g}"
+    for device in changed.devices:
+        name = f"peer{next(i for i, d in swarm.device_ids.items() if d == device)}"
+        wait_for(lambda: said in log_of(swarm, name), f"{name} to switch to the new recipe",
+                 explain=lambda: "\n".join(log_of(swarm, name).splitlines()[-20:]))
+    # and each trains on under it, from that step on
+    first = {}
+    for device in changed.devices:
+        name = f"peer{next(i for i, d in swarm.device_ids.items() if d == device)}"
+        steps = wait_for(lambda: [s for e, s, _ in steps_in_log(log_of(swarm, name)) if e == changed.epoch], f"{name}'s steps")
+        first[device] = min(steps)
+    assert set(first.values()) == {changed.start_step + 1}, first
