@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_flatten
 
 from hetpeer.peer.model import build_stage
 from hetpeer.protocol.modelspec import ModelSpec
-from hetpeer.protocol.records import StepCosts
+from hetpeer.protocol.stepcosts import StepCosts
 from hetpeer.protocol.workload import Workload
 
 

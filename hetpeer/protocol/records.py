@@ -29,6 +29,7 @@ from hetpeer.protocol.addresses import PeerAddress, peer_maddrs
 from hetpeer.protocol.identity import DEVICE_RE, bound, fingerprint
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.reach import REACHABLE, VIA
+from hetpeer.protocol.stepcosts import FIELDS as FIELDS_OF_STEP_COSTS, StepCosts
 from hetpeer.protocol.wire import SchemaError
 
 # 2: records carry the DHT multiaddrs of their writer and what its training achieves
@@ -47,9 +48,6 @@ MAX_PLAN_BYTES = 1 << 20
 MAX_SUSPECTS = 16  # peers one record may report as misbehaving, and as unreachable
 MAX_TOKEN_CHARS = 1024
 MAX_TEXT_CHARS = 128  # a device name, a software string: shown to organizers on pages and terminals
-MAX_SEQ_S = 60.0  # a step cost per sequence (or micro-batch) no device takes: past it, a record is wrong
-FIELDS_OF_STEP_COSTS = ("embed_s_per_seq", "head_s_per_seq", "update_s_per_param", "micro_s")  # their wire order
-MAX_PARAM_S = 1e-3  # an optimizer step per parameter no device takes
 TTL_HEARTBEATS = 5  # a peer record expires after this many heartbeats without a new one (loaded machines miss some)
 
 
@@ -147,29 +145,6 @@ class SCHEMA(_Strict):
 class LinkMeasurement:
     latency_s: float
     bandwidth_bytes_per_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class StepCosts:
-    """What a stage's step costs on a peer's device beyond its blocks, as its probe timed them
-    (`peer.pipeline.steptime`): seconds per sequence of the embedding (forward and backward, the first stage's)
-    and of the final norm, head and loss (the last stage's); seconds per parameter of the optimizer's step, once a
-    step; and seconds of the Python around each micro-batch. Zeros: not measured (a peer that does not say: the
-    time model then counts the head by its FLOPs, as a block's, and nothing else)."""
-
-    embed_s_per_seq: float = 0.0
-    head_s_per_seq: float = 0.0
-    update_s_per_param: float = 0.0
-    micro_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in FIELDS_OF_STEP_COSTS:
-            value, most = getattr(self, name), MAX_PARAM_S if name == "update_s_per_param" else MAX_SEQ_S
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and 0 <= value <= most):
-                raise ValueError(f"{name} must be 0 to {most:g} seconds, got {value!r}")
-
-    def to_wire(self) -> list[float]:
-        return [float(getattr(self, name)) for name in FIELDS_OF_STEP_COSTS]
 
 
 @dataclass(frozen=True, slots=True)

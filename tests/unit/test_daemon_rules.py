@@ -13,7 +13,8 @@ from hetpeer.peer.daemon.following import FUTURE_EPOCHS, fetching, held_epochs, 
 from hetpeer.peer.daemon.handover import donors_for, still_fetched
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan, StagePlan
-from hetpeer.protocol.records import PeerRecord, StepCosts
+from hetpeer.protocol.records import PeerRecord
+from hetpeer.protocol.stepcosts import StepCosts
 from hetpeer.protocol.modelspec import preset
 from hetpeer.protocol.workload import Workload
 

@@ -27,8 +27,8 @@ from hetpeer.protocol.records import (
     plan_to_wire,
     PeerSchema,
     _PEER_EXACT,
-    StepCosts,
 )
+from hetpeer.protocol.stepcosts import StepCosts
 from hetpeer.protocol.wire import SchemaError
 
 KEY = b"ssh-rsa AAAAkey-of-the-signer"  # fingerprint() hashes any bytes: no RSA needed here

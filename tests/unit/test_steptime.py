@@ -9,7 +9,7 @@ import pytest
 
 from hetpeer.peer.pipeline import steptime
 from hetpeer.protocol.modelspec import preset
-from hetpeer.protocol.records import FIELDS_OF_STEP_COSTS, StepCosts
+from hetpeer.protocol.stepcosts import FIELDS, StepCosts
 
 
 def test_the_parts_compose_the_one_stage_workers_step_and_the_rest_is_its_python(monkeypatch):
@@ -37,5 +37,5 @@ def test_parts_timed_faster_than_a_block_count_nothing_not_less(monkeypatch):
 def test_the_probe_runs_the_workers_own_step_on_this_machine(slowdown):
     costs = steptime.step_costs(preset("tiny"), micro_batch=2, seconds=0.05, slowdown=slowdown)
     assert isinstance(costs, StepCosts)  # within the bounds a record carries (StepCosts checks them)
-    assert all(math.isfinite(getattr(costs, name)) for name in FIELDS_OF_STEP_COSTS)
+    assert all(math.isfinite(getattr(costs, name)) for name in FIELDS)
     assert costs.update_s_per_param > 0  # an optimizer's step always takes time

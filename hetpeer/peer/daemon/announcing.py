@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from hetpeer import __version__
 from hetpeer.protocol.identity import DEVICE_RE
 from hetpeer.protocol.plan import Plan
-from hetpeer.protocol.records import MAX_SUSPECTS, PeerRecord, StepCosts
+from hetpeer.protocol.records import MAX_SUSPECTS, PeerRecord
+from hetpeer.protocol.stepcosts import StepCosts
 from hetpeer.protocol.modelspec import ModelSpec
 from hetpeer.protocol.workload import Workload
 

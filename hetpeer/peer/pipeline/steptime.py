@@ -32,7 +32,7 @@ from hetpeer.peer.transport import MemoryHub, MemoryTransport
 from hetpeer.protocol.modelspec import ModelSpec
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.recipe import Recipe
-from hetpeer.protocol.records import StepCosts
+from hetpeer.protocol.stepcosts import StepCosts
 
 MICRO_BATCHES = 4  # of the one-stage worker's step
 UPDATE_PARAMS = 1 << 20  # the optimizer's step is timed over at least this many parameters (a block's, if more)
