@@ -148,7 +148,8 @@ def add_commands(commands) -> None:
     swarm.add_argument("--no-emulation", action="store_true",
                        help="let the peers share this machine's cores as they are; by default each is emulated as a device "
                        "of its own, its compute slowed by one more factor so that together they ask for no more than the "
-                       "cores, less a share left to the coordinator and the DHT")
+                       "cores, less a share left to the coordinator and the DHT, and (unless --stages 1) with too little "
+                       "memory for the whole model")
     swarm.add_argument("--leave", type=leave_choice, default="auto", metavar="STEP,STEP|auto|none",
                        help="a peer of a group leaves at the first step and is started again at the second; auto (default): "
                        f"at {LEAVE_AT[0] * 100:g}%% and {LEAVE_AT[1] * 100:g}%% of --steps, where they are {LEAVE_MIN_STEPS} or more")
@@ -440,7 +441,8 @@ def run_swarm(args: argparse.Namespace) -> int:
             out=args.out or Path("."), peers=args.peers, steps=args.steps,
             slowdowns=parse_per_peer(args.slowdowns, args.peers, "--slowdowns"),
             bandwidth_caps=parse_per_peer(args.bandwidth_caps, args.peers, "--bandwidth-caps", none_value="none"),
-            emulate=not args.no_emulation, leave=auto_leave(args.steps) if args.leave == "auto" else args.leave,
+            emulate=not args.no_emulation, small_devices=args.stages != 1,  # one stage must hold the whole model
+            leave=auto_leave(args.steps) if args.leave == "auto" else args.leave,
             heartbeat_s=args.heartbeat, replan_interval_s=args.replan_interval, recipe=recipe_from(args, DEMO_RECIPE),
             data=args.data.resolve() if args.data else None, batch=args.batch,
             save=args.save.resolve() if args.save else None, coordinator_args=(
@@ -464,9 +466,10 @@ def run_swarm(args: argparse.Namespace) -> int:
 
     print(f"a swarm of {config.peers} peers and a coordinator on this machine; logs and report in {out}", flush=True)
     if config.emulation > 1:
+        memory = f", and holds {config.memory_mib:.1f} MiB, too little for the whole model" if config.memory_mib else ""
         print(f"emulation: each peer computes as on a device of its own, its compute slowed {config.emulation:.1f}x more so "
-              f"that together they ask for at most {EMULATION_SHARE:.0%} of this machine's {config.cores_shared} core(s) "
-              f"(--no-emulation: they share them as they are)", flush=True)
+              f"that together they ask for at most {EMULATION_SHARE:.0%} of this machine's {config.cores_shared} core(s){memory} "
+              f"(--no-emulation: they share the cores as they are)", flush=True)
     swarm = LocalSwarm(config, echo, free_port(), http_port=free_port())
     stop_on_sigterm()
     try:

@@ -76,6 +76,7 @@ class SwarmConfig:
     # each peer as a device of its own: every peer's compute is slowed by one more factor (`emulation`), so that
     # together they ask no more of this machine's cores than they have; else they share the cores, as they are
     emulate: bool = False
+    small_devices: bool = True  # with `emulate`: each device announces too little memory for the whole model (`memory_mib`)
     leave: tuple[int, int] | None = None  # (step, step): a peer of a group leaves at the first, is started again at the second
     cores: int = 0  # the cores the peers share; 0: this process's
 
@@ -100,9 +101,10 @@ class SwarmConfig:
     @property
     def memory_mib(self) -> float | None:
         """The memory each emulated device announces, in MiB: `EMULATED_MEMORY` of what training the whole model
-        on one device takes (`Workload.stage_memory`). None without `emulate`, or for a model that is no preset."""
+        on one device takes (`Workload.stage_memory`). None without `emulate` and `small_devices`, or for a model
+        that is no preset."""
         spec = PRESETS.get(self.model)
-        if not self.emulate or spec is None:
+        if not (self.emulate and self.small_devices) or spec is None:
             return None
         workload = Workload(spec, batch=self.batch, micro_batch=self.micro_batch, dtype=self.dtype)
         whole = workload.stage_memory(spec.layers, first=True, last=True, in_flight=1, micro_batch=self.micro_batch, group_size=2)

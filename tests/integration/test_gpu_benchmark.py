@@ -36,7 +36,7 @@ def test_the_gpu_check_runs_its_cpu_parts_and_reports_them(tmp_path):
         for kind in ("kept", "recomputed"):  # the planner's count against what the stage's tensors took
             assert 0.97 <= memory[kind]["ratio"] <= 1.15, (label, kind, memory[kind])
         assert memory["recomputed"]["measured_bytes"] < memory["kept"]["measured_bytes"]
-        assert set(model["goals"]) == {"step", "probe", "memory", "fits_announced", "recompute"}
+        assert set(model["goals"]) == {"step", "probe", "whole_step", "memory", "fits_announced", "recompute"}
     launch = found["launch"]
     for run in ("cpu bf16", "cpu fp32"):
         assert len(launch[run]["losses"]) == found["sizes"]["launch_steps"]

@@ -95,6 +95,7 @@ def test_an_emulated_device_holds_too_little_for_the_whole_model(tmp_path):
     half = sum(workload.stage_memory(spec.layers // 2, first=False, last=True, in_flight=1, micro_batch=2, group_size=2).values())
     assert half < config.memory_mib * 2**20 < whole
     assert SwarmConfig(out=tmp_path, peers=4, steps=5, cores=2).memory_mib is None
+    assert SwarmConfig(out=tmp_path, peers=4, steps=5, emulate=True, small_devices=False, cores=2).memory_mib is None
     assert SwarmConfig(out=tmp_path, peers=4, steps=5, emulate=True, model="small", cores=2).memory_mib > config.memory_mib
 
 

@@ -54,8 +54,8 @@ class Probing:
         self._profiled_at = time.monotonic()
         machine = profile_machine(self.spec, config.micro_batch, config.dtype, config.worker.device, config.worker.slowdown,
                                   config.probe_s, swarm=config.swarm)
-        costs = step_costs(self.spec, config.micro_batch, config.worker.device, config.probe_s / 4, config.dtype,
-                           config.worker.slowdown)
+        costs = step_costs(self.spec, config.micro_batch, config.worker.device, config.probe_s / 8, config.dtype,
+                           config.worker.slowdown)  # five timings: well under the block's
         machine = replace(machine, step_costs=costs)
         if config.memory_cap_bytes is not None:
             machine = replace(machine, memory_bytes=min(machine.memory_bytes, config.memory_cap_bytes))
