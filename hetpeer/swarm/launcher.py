@@ -42,7 +42,7 @@ ENTERED_RE = re.compile(r"^plan epoch (\d+) from step (\d+): stage (\d+)/\d+ \(l
 START_TIMEOUT_S = 120.0
 # emulated devices ask for at most this share of the cores: the rest is left to the coordinator, the DHT daemons
 # and the peers' own threads (receiving, sending, probing), which would otherwise slow the emulated compute
-EMULATION_SHARE = 0.7
+EMULATION_SHARE = 0.5
 # an emulated device holds this share of what training the whole model on one device takes: the model is split
 EMULATED_MEMORY = 0.6
 
