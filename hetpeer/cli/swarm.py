@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 import threading
@@ -472,6 +473,12 @@ def run_swarm(args: argparse.Namespace) -> int:
               f"(--no-emulation: they share the cores as they are)", flush=True)
     swarm = LocalSwarm(config, echo, free_port(), http_port=free_port())
     stop_on_sigterm()
+
+    def interrupt(signum, frame) -> None:
+        swarm.interrupted.set()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
     try:
         swarm.start()
         print(f"dashboard: {swarm.dashboard_url} (open it while the swarm trains)", flush=True)

@@ -214,6 +214,9 @@ class LocalSwarm:
         self.measured: dict[str, tuple[str, float]] = {}  # device id -> (device name, TFLOPS) it announced
         self.left: int | None = None  # the peer that left (`SwarmConfig.leave`), once it has
         self.churn = "running"  # of that peer: running, left, back (started again), trains (in a plan again)
+        # set by whoever stops the run (Ctrl+C): `run` ends at its next look at the swarm, even where the interrupt
+        # itself reached the main thread inside an API call, which takes it for a failed call
+        self.interrupted = threading.Event()
         self.started = time.monotonic()
         self._seen = threading.Condition()
 
@@ -361,6 +364,8 @@ class LocalSwarm:
                        f"from step {plan.start_step}, predicted {plan.predicted}")
 
         def on_progress(progress) -> None:
+            if self.interrupted.is_set():
+                raise KeyboardInterrupt
             if len(self.measured) < len(self.device_ids):
                 try:
                     for peer in client.call_list_peers():
