@@ -407,6 +407,14 @@ def _watch(read, first, every_s: float) -> int:
 
     console = _console()
     last, read_at, problem = first, time.strftime("%H:%M:%S"), None
+    # Ctrl+C that lands inside a read is taken by the API client for a failed call: the flag ends the loop anyway
+    interrupted = threading.Event()
+
+    def interrupt(signum, frame) -> None:
+        interrupted.set()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
 
     def refresh() -> None:
         nonlocal last, read_at, problem
@@ -417,6 +425,8 @@ def _watch(read, first, every_s: float) -> int:
             raise
         except ApiError as error:
             problem = f"{error}: showing what it said at {read_at}; retrying"
+        if interrupted.is_set():
+            raise KeyboardInterrupt
 
     try:
         if not console.is_terminal:
