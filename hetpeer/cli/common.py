@@ -303,6 +303,19 @@ def home_dir(path: Path | None, default_name: str) -> Path:
     return path if path is not None else Path.home() / ".hetpeer" / default_name
 
 
+def interrupted_flag() -> threading.Event:
+    """Ctrl+C raises KeyboardInterrupt as ever, and also sets the returned flag: a loop that reads over the network
+    checks it too, since an interrupt that lands inside an API call can come out of it as a failed call."""
+    flag = threading.Event()
+
+    def interrupt(signum, frame) -> None:
+        flag.set()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    return flag
+
+
 def stop_on_sigterm() -> None:
     """SIGTERM (docker stop, the launcher) leaves the way Ctrl+C does: announcing it. Processes forked
     later (hivemind's DHT node, which its owner stops with SIGTERM) inherit the handler: they just exit."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import tempfile
 import threading
@@ -20,7 +19,7 @@ from hetpeer.protocol.plan import SYNC_CHOICES
 from hetpeer.swarm import DEMO_RECIPE
 from hetpeer.cli.common import (
     COMPRESS_HELP, OUTER_HELP, SWARM_DTYPES, UserError, add_model_options, add_recipe_options, compress_choice, compress_text, home_dir, log_to_stdout, model_spec,
-    non_negative_float, non_negative_int, outer_every_choice, outer_every_text, positive_float, positive_int, recipe_from, say, stop_on_sigterm,
+    interrupted_flag, non_negative_float, non_negative_int, outer_every_choice, outer_every_text, positive_float, positive_int, recipe_from, say, stop_on_sigterm,
 )
 
 
@@ -407,14 +406,7 @@ def _watch(read, first, every_s: float) -> int:
 
     console = _console()
     last, read_at, problem = first, time.strftime("%H:%M:%S"), None
-    # Ctrl+C that lands inside a read is taken by the API client for a failed call: the flag ends the loop anyway
-    interrupted = threading.Event()
-
-    def interrupt(signum, frame) -> None:
-        interrupted.set()
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, interrupt)
+    interrupted = interrupted_flag()
 
     def refresh() -> None:
         nonlocal last, read_at, problem
@@ -481,14 +473,8 @@ def run_swarm(args: argparse.Namespace) -> int:
         print(f"emulation: each peer computes as on a device of its own, its compute slowed {config.emulation:.1f}x more so "
               f"that together they ask for at most {EMULATION_SHARE:.0%} of this machine's {config.cores_shared} core(s){memory} "
               f"(--no-emulation: they share the cores as they are)", flush=True)
-    swarm = LocalSwarm(config, echo, free_port(), http_port=free_port())
+    swarm = LocalSwarm(config, echo, free_port(), http_port=free_port(), interrupted=interrupted_flag())
     stop_on_sigterm()
-
-    def interrupt(signum, frame) -> None:
-        swarm.interrupted.set()
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, interrupt)
     try:
         swarm.start()
         print(f"dashboard: {swarm.dashboard_url} (open it while the swarm trains)", flush=True)

@@ -77,13 +77,12 @@ class PlanEntry:
     standby: int
     predicted_step_s: float | None
     reason: str
-    last: tuple[float, int] | None = None  # (time, step) of the latest sample past its start step
-    pace: Pace = Pace()
+    pace: Pace = Pace()  # of the samples past its start step
 
     @property
     def steps(self) -> int:
         """Steps the swarm ran under this plan, as far as the latest sample saw."""
-        return self.last[1] - self.start_step if self.last else 0
+        return self.pace.last[1] - self.start_step if self.pace.last else 0
 
     @property
     def measured_step_s(self) -> float | None:
@@ -169,8 +168,8 @@ class History:
         for i, entry in enumerate(self.plans):
             if entry.epoch != plan.epoch or step <= entry.start_step:
                 continue
-            if entry.last is None or step != entry.last[1]:
-                self.plans[i] = replace(entry, last=(now, step), pace=entry.pace.add(now, step))
+            if entry.pace.last is None or step != entry.pace.last[1]:
+                self.plans[i] = replace(entry, pace=entry.pace.add(now, step))
 
     def _membership(self, now: float, peers: Mapping[str, PeerRecord]) -> None:
         joined = [d for d in peers if d not in self._present]

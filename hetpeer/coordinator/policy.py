@@ -37,6 +37,7 @@ import numpy as np
 from hetpeer.coordinator.planner import PlannerConfig, Problem, Shape, make_model
 from hetpeer.coordinator.planner.sharing import Sharing
 from hetpeer.protocol.plan import Plan
+from hetpeer.protocol.stepcosts import FIELDS as STEP_COSTS
 from hetpeer.protocol.records import PeerRecord
 from hetpeer.protocol.workload import Workload
 
@@ -114,7 +115,7 @@ def build_problem(
         memory_bytes=np.array([float(records[d].memory_bytes) for d in ids]),
         current=current,
         sharing=sharing,
-        step_costs=np.array([records[d].step_costs.to_wire() for d in ids], dtype=float).reshape(len(ids), -1),
+        step_costs=np.array([records[d].step_costs.to_wire() for d in ids], dtype=float).reshape(len(ids), len(STEP_COSTS)),
     )
     return problem, estimated
 

@@ -69,9 +69,8 @@ class Recipe:
                 raise bad(name, "a number >= 0")
         if len(self.betas) != 2 or not all(_finite(b) and 0 <= b < 1 for b in self.betas):
             raise bad("betas", "two numbers in [0, 1)")
-        for name in ("min_lr_ratio",):
-            if not _finite(getattr(self, name)) or not 0 <= getattr(self, name) <= 1:
-                raise bad(name, "in [0, 1]")
+        if not _finite(self.min_lr_ratio) or not 0 <= self.min_lr_ratio <= 1:
+            raise bad("min_lr_ratio", "in [0, 1]")
         if not _finite(self.outer_momentum) or not 0 <= self.outer_momentum < 1:
             raise bad("outer_momentum", "in [0, 1)")
         for name, least in (("warmup_steps", 0), ("decay_steps", 0), ("accumulate", 1), ("outer_after", 0), ("seed", 0),

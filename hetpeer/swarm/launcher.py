@@ -196,7 +196,8 @@ class Process:
 
 
 class LocalSwarm:
-    def __init__(self, config: SwarmConfig, echo: Callable[[str], None], api_port: int, http_port: int | None = None) -> None:
+    def __init__(self, config: SwarmConfig, echo: Callable[[str], None], api_port: int, http_port: int | None = None,
+                 interrupted: threading.Event | None = None) -> None:
         self.config, self.echo, self.api_address = config, echo, f"127.0.0.1:{api_port}"
         if http_port is None and is_prepared(config.data):
             http_port = free_port()  # the coordinator serves the prepared corpus there
@@ -214,9 +215,9 @@ class LocalSwarm:
         self.measured: dict[str, tuple[str, float]] = {}  # device id -> (device name, TFLOPS) it announced
         self.left: int | None = None  # the peer that left (`SwarmConfig.leave`), once it has
         self.churn = "running"  # of that peer: running, left, back (started again), trains (in a plan again)
-        # set by whoever stops the run (Ctrl+C): `run` ends at its next look at the swarm, even where the interrupt
-        # itself reached the main thread inside an API call, which takes it for a failed call
-        self.interrupted = threading.Event()
+        # set by whoever stops the run (Ctrl+C: `cli.common.interrupted_flag`): `run` ends at its next look at the
+        # swarm, even where the interrupt itself came out of an API call as a failed call
+        self.interrupted = interrupted or threading.Event()
         self.started = time.monotonic()
         self._seen = threading.Condition()
 

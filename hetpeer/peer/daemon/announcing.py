@@ -16,6 +16,7 @@ from hetpeer.protocol.modelspec import ModelSpec
 from hetpeer.protocol.workload import Workload
 
 UNREACHED_HEARTBEATS = 15  # a peer it failed to reach is reported this long after, unless frames cross again
+BLOCKS_SHARE = 0.1  # of a step's compute, the least its blocks are taken to have had (a probe that timed the rest too long)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,9 +46,6 @@ def achieved_tflops(plan: Plan, me: str, spec: ModelSpec, compute_s: float, cost
                                  recompute=plan.stages[stage].recompute)
     rest = plan.lane_batch * (first * costs.embed_s_per_seq + last * costs.head_s_per_seq) + plan.micro_batches * costs.micro_s
     return flops / max(compute_s - rest, BLOCKS_SHARE * compute_s) / 1e12
-
-
-BLOCKS_SHARE = 0.1  # of a step's compute, the least its blocks are taken to have had (a probe that timed the rest too long)
 
 
 class Announcing:
