@@ -39,3 +39,17 @@ def test_the_probe_runs_the_workers_own_step_on_this_machine(slowdown):
     assert isinstance(costs, StepCosts)  # within the bounds a record carries (StepCosts checks them)
     assert all(math.isfinite(getattr(costs, name)) for name in FIELDS)
     assert costs.update_s_per_param > 0  # an optimizer's step always takes time
+
+
+def test_a_block_already_timed_is_not_timed_again(monkeypatch):
+    # the join's probe has just timed the block (`probe.block_tflops`): its figure stands in for the first timing
+    from hetpeer.protocol.workload import Workload
+
+    spec = preset("tiny")
+    block_s = 1e-3
+    tflops = 3 * 2 * Workload(spec, batch=2, micro_batch=2).layer_fwd_flops_per_seq / (block_s * 1e12)
+    timings = iter([1.5e-3, 2.5e-3, 2e-3, 20e-3])  # first stage, last stage, optimizer, worker: no block
+    monkeypatch.setattr(steptime, "time_per_call", lambda *args, **kwargs: next(timings))
+    costs = steptime.step_costs(spec, micro_batch=2, tflops=tflops)
+    assert costs.embed_s_per_seq == pytest.approx(0.5e-3 / 2) and costs.head_s_per_seq == pytest.approx(1.5e-3 / 2)
+    assert next(timings, None) is None  # every timing was taken, and no more

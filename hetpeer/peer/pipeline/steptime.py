@@ -33,14 +33,16 @@ from hetpeer.protocol.modelspec import ModelSpec
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.recipe import Recipe
 from hetpeer.protocol.stepcosts import StepCosts
+from hetpeer.protocol.workload import Workload
 
 MICRO_BATCHES = 4  # of the one-stage worker's step
 UPDATE_PARAMS = 1 << 20  # the optimizer's step is timed over at least this many parameters (a block's, if more)
 
 
 def step_costs(spec: ModelSpec, micro_batch: int, device: str = "cpu", seconds: float = 0.5, dtype: str = "fp32",
-               slowdown: float = 1.0) -> StepCosts:
-    """`StepCosts` of `spec`'s stages at `micro_batch` on `device`; takes about 5 x `seconds`."""
+               slowdown: float = 1.0, tflops: float | None = None) -> StepCosts:
+    """`StepCosts` of `spec`'s stages at `micro_batch` on `device`; takes about 5 x `seconds`, 4 x given `tflops`: a
+    block's, as `probe.block_tflops` timed it just now under the same conditions, which then is not timed again."""
     autocast = autocast_for(device, dtype)
     two = spec.with_layers(2)
     block = build_stage(spec.with_layers(3), 1, 2, device=device)  # one block alone: no embeddings, no head
@@ -59,7 +61,10 @@ def step_costs(spec: ModelSpec, micro_batch: int, device: str = "cpu", seconds: 
 
         return time_per_call(run, device, seconds, best=True)
 
-    block_s = timed(lambda: block(x).float().sum())
+    if tflops is None:
+        block_s = timed(lambda: block(x).float().sum())
+    else:
+        block_s = 3 * micro_batch * Workload(spec, batch=micro_batch, micro_batch=micro_batch).layer_fwd_flops_per_seq / (tflops * 1e12)
     embed_s = max(0.0, timed(lambda: first(tokens).float().sum()) - block_s)
     head_s = max(0.0, timed(lambda: last.loss(last(x), tokens)) - block_s)
     update_s = _update_s_per_param(sum(p.numel() for p in block.parameters()), device, seconds)
