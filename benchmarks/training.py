@@ -43,9 +43,8 @@ from hetpeer.peer.data.corpus import Corpus
 from hetpeer.peer.gossip.adam import AdamConfig
 from hetpeer.peer.gossip.flat import decays
 from hetpeer.peer.model import build_stage
-from hetpeer.peer.pipeline.worker import StageWorker, WorkerConfig
-from hetpeer.peer.transport import MemoryHub, MemoryTransport
-from hetpeer.protocol.plan import Plan, StagePlan
+from hetpeer.peer.pipeline.steptime import one_stage_worker
+from hetpeer.peer.pipeline.worker import StageWorker
 from hetpeer.protocol.recipe import Recipe
 from hetpeer.protocol.modelspec import ModelSpec, preset
 
@@ -98,12 +97,8 @@ class Plain:
 
 def hetpeer_worker(spec: ModelSpec, corpus: Corpus, batch: int, micro_batch: int, device: str = "cpu",
                    dtype: str = "fp32") -> StageWorker:
-    plan = Plan(cost_model="time", model=spec.name, layers=spec.layers, batch=batch, micro_batch=micro_batch,
-                micro_batches=batch // micro_batch, dtype=dtype, stages=(StagePlan(0, 0, spec.layers, ("peer",), "none"),),
-                recipe=Recipe(lr=ADAM.lr, betas=ADAM.betas, eps=ADAM.eps, weight_decay=ADAM.weight_decay, clip_norm=0.0))
-    transport = MemoryTransport("peer", MemoryHub())
-    transport.start()
-    return StageWorker(plan, "peer", transport, corpus, WorkerConfig(device=device, model=spec))
+    return one_stage_worker(spec, corpus, batch, micro_batch, device, dtype,
+                            Recipe(lr=ADAM.lr, betas=ADAM.betas, eps=ADAM.eps, weight_decay=ADAM.weight_decay, clip_norm=0.0))
 
 
 def timed(step, count: int) -> list[float]:

@@ -87,19 +87,26 @@ def _update_s_per_param(block_params: int, device: str, seconds: float) -> float
     return time_per_call(update, device, seconds, best=True) / size
 
 
+def one_stage_worker(spec: ModelSpec, corpus: Corpus, batch: int, micro_batch: int, device: str = "cpu",
+                     dtype: str = "fp32", recipe: Recipe = Recipe(), slowdown: float = 1.0) -> StageWorker:
+    """A worker holding the whole of `spec` as the one stage of a one-lane plan, on a memory transport (started:
+    `worker.transport.shutdown()` when done): what a peer's step is with no neighbours (this probe, benchmarks)."""
+    plan = Plan(cost_model="time", model=spec.name, layers=spec.layers, batch=batch, micro_batch=micro_batch,
+                micro_batches=-(-batch // micro_batch), dtype=dtype,
+                stages=(StagePlan(0, 0, spec.layers, ("peer",), "none"),), recipe=recipe)
+    transport = MemoryTransport("peer", MemoryHub())
+    transport.start()
+    return StageWorker(plan, "peer", transport, corpus, WorkerConfig(device=device, slowdown=slowdown, model=spec))
+
+
 def _worker_step_s(spec: ModelSpec, micro_batch: int, device: str, dtype: str, slowdown: float, seconds: float) -> float:
     """The fastest whole step of a one-stage worker of `spec` (the whole model on this peer), `MICRO_BATCHES` of
     `micro_batch` a step, on random tokens."""
     batch = MICRO_BATCHES * micro_batch
-    plan = Plan(cost_model="time", model=spec.name, layers=spec.layers, batch=batch, micro_batch=micro_batch,
-                micro_batches=MICRO_BATCHES, dtype=dtype, stages=(StagePlan(0, 0, spec.layers, ("probe",), "none"),),
-                recipe=Recipe())
     corpus = Corpus(np.random.default_rng(0).integers(0, spec.vocab, 64 * batch * (spec.seq_len + 1)).astype(np.uint16),
                     "the step probe's random tokens", files=0, vocab=spec.vocab)
-    transport = MemoryTransport("probe", MemoryHub())
-    transport.start()
+    worker = one_stage_worker(spec, corpus, batch, micro_batch, device, dtype, slowdown=slowdown)
     try:
-        worker = StageWorker(plan, "probe", transport, corpus, WorkerConfig(device=device, slowdown=slowdown, model=spec))
         return time_per_call(worker.train_step, device, seconds, best=True)
     finally:
-        transport.shutdown()
+        worker.transport.shutdown()
