@@ -20,7 +20,9 @@ links and the coordinator has planned from those measurements:
    `--rounds` windows each, alternating (the machine is shared and its load drifts); medians compared;
 2. prediction: each plan's predicted seconds per step beside the measured ones: the time model on what
    the peers announce as its window opens (measured links, achieved compute), alike for every kind (a
-   plan whose hops are all raw predicted raw, the others with codecs chosen as the coordinator does);
+   plan whose hops are all raw predicted raw, the others with codecs chosen as the coordinator does),
+   with the step's overhead the coordinator had learned before the plan was published (from the plan
+   that ran before it; none for the first plan);
 3. recovery: under each kind of plan, a peer of it is killed (`docker kill`); reported: seconds until a
    plan without it has run a step. The peer is then started again and the swarm waits for it.
 
@@ -110,11 +112,12 @@ def coordinator_up(bed: Testbed, condition, every_s: float = 10.0):
     return check
 
 
-def predicted_now(client: ApiClient, plan: Plan, workload: Workload, compress: tuple[str, str]) -> float:
+def predicted_now(client: ApiClient, plan: Plan, workload: Workload, compress: tuple[str, str], overhead_s: float) -> float:
     """The time model's step for `plan` on what the peers announce now (their latest link measurements and
     achieved compute), as for any plan the coordinator would weigh: every kind is predicted alike, a plan
-    whose hops are all raw as raw, the others with their codecs chosen as the coordinator's `compress` does."""
-    problem, _ = build_problem(announced(client), workload, current=None)
+    whose hops are all raw as raw, the others with their codecs chosen as the coordinator's `compress` does,
+    with the step's overhead (`overhead_s`) the coordinator had learned from the plans run before it."""
+    problem, _ = build_problem(announced(client), workload, None, overhead_s)
     return predicted_step_s(problem, PlannerConfig(cost_model="time", compress=RAW if raw_hops(plan) else compress), plan)
 
 
@@ -228,8 +231,10 @@ def main() -> int:
                 for round_ in range(args.rounds):
                     for kind, plan in plans.items():
                         epoch = max(epoch, client.call_get_plan()[0].epoch) + 1
-                        running = planned if round_ == 0 and kind == "coordinator" else publish(control, client, plan, epoch, tokens_per_step)
-                        predicted_s = predicted_now(client, running, workload, args.compress)
+                        first = round_ == 0 and kind == "coordinator"  # the plan the swarm started with: nothing ran before it
+                        overhead_s = 0.0 if first else client.call_get_progress().step_overhead_s
+                        running = planned if first else publish(control, client, plan, epoch, tokens_per_step)
+                        predicted_s = predicted_now(client, running, workload, args.compress, overhead_s)
                         rows.append((kind, {**measure(client, running, args.window, tokens_per_step), "predicted_s": predicted_s}))
                         print(f"  {kind:<12} {rows[-1][1]['tokens_per_s']:>8.0f} tokens/s, {rows[-1][1]['measured_s']:.3f} s/step "
                               f"measured, {rows[-1][1]['predicted_s']:.3f} predicted", flush=True)

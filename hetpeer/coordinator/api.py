@@ -128,6 +128,7 @@ class ApiServer:
             peers_by_state=dict(p.peers_by_state),
             dropped=p.dropped,
             val_loss=p.val_loss,
+            step_overhead_s=p.step_overhead_s,
         )
 
 
@@ -161,4 +162,9 @@ def _peer_to_pb(record: PeerRecord, age_s: float) -> swarm_pb2.Peer:
         age_s=age_s,
         dht=list(record.dht),
         reachable=record.reachable,
+        compute_key=record.compute_key,
+        compute_share=record.compute_share,
+        compute_background=record.compute_background,
+        step_costs=record.step_costs.to_wire(),
+        unreachable=list(record.unreachable),
     )

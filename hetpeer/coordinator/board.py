@@ -50,6 +50,7 @@ def state(board: Board) -> dict[str, Any]:
             "epoch": p.epoch, "step": p.step, "loss": _finite(p.loss), "val_loss": _finite(p.val_loss),
             "tokens_per_s": _finite(p.tokens_per_s), "peers_by_state": dict(p.peers_by_state), "dropped": p.dropped,
             "banned": sum(1 for b in board.bans.values() if b.until > view.now), "refused": len(board.refused),
+            "step_overhead_s": p.step_overhead_s,
         },
         "plan": plan_document(view.plan, view.plan_time, view.peers, board.history),
         "peers": peer_rows(board),
@@ -67,6 +68,7 @@ def plan_document(plan: Plan | None, published: float | None, peers: Mapping[str
         "epoch": plan.epoch, "start_step": plan.start_step, "published": published, "cost_model": plan.cost_model,
         "model": plan.model, "dtype": plan.dtype, "batch": plan.batch, "micro_batch": plan.micro_batch,
         "micro_batches": plan.micro_batches, "predicted_step_s": _finite(plan.total_s),
+        "overhead_s": plan.cost.get("overhead_s", 0.0),  # what the prediction counts beyond the time model's terms
         "measured_step_s": entry.measured_step_s if entry is not None else None,
         "stages": [{"index": s.index, "layers": [s.layer_start, s.layer_end], "sync": s.sync_words, "devices": list(s.devices),
                     "hop": s.hop_codecs} for s in plan.stages],
@@ -187,7 +189,7 @@ class SwarmCollector(Collector):
             yield gauge("hetpeer_plan_lanes", "lanes (data-parallel group size) of the running plan", plan.group_size)
             yield gauge("hetpeer_plan_standby_peers", "peers the running plan leaves on standby", len(plan.standby))
             yield gauge("hetpeer_plan_predicted_step_seconds", "the running plan's predicted step time", _finite(plan.total_s))
-            yield gauge("hetpeer_plan_measured_step_seconds", "measured step time under the running plan (the median over windows of 10+ steps)",
+            yield gauge("hetpeer_plan_measured_step_seconds", "measured step time under the running plan (the mean over windows of 10+ steps, stalls left out)",
                         entry.measured_step_s if entry is not None else None)
             yield from _link_families(plan, view)
         plans = CounterMetricFamily("hetpeer_plans", "plans published or found running since the coordinator started")

@@ -100,6 +100,7 @@ def status_json(plan: Plan | None, peers: Sequence[PeerStatus], progress: Progre
         "tokens_per_s": progress.tokens_per_s,
         "peers_by_state": dict(progress.peers_by_state),
         "dropped": progress.dropped,
+        "step_overhead_s": progress.step_overhead_s,
         "peers": [{**p.record.to_wire(), "age_s": p.age_s} for p in sorted(peers, key=lambda p: p.record.device_id)],
         "plan": plan.to_wire() if plan is not None else None,
         "plan_time": plan_time,

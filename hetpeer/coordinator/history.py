@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, replace
-from statistics import median
+from statistics import mean, median
 from typing import Iterable, Mapping
 
 from hetpeer.protocol.plan import Plan
@@ -21,6 +21,7 @@ from hetpeer.protocol.records import PeerRecord
 
 EVENT_KINDS = ("join", "leave", "plan", "ban", "refused", "coordinator")
 WINDOW_STEPS = 10  # a plan's measured step is taken over windows of at least this many steps
+STALLED_WINDOW = 1.5  # a window slower than this times the median one held a stall (or the plan's start)
 MAX_WINDOWS = 256  # windows a plan keeps, newest last
 NAMED_AT_MOST = 5  # a round in which more peers join (or leave) than this is one event naming the first few
 
@@ -39,11 +40,13 @@ class Sample:
 @dataclass(frozen=True, slots=True)
 class Pace:
     """A plan's measured step, defined one way for the dashboard, the API and `hetpeer swarm`'s report: the
-    median, over windows of at least `WINDOW_STEPS` steps run under the plan, of each window's seconds per step.
-    A window's mean takes in the slow steps that come now and then (a gossip round late, a busy moment) as a
-    swarm pays for them; the median over windows leaves out the few that hold a stall or the plan's own start.
-    Before a whole window ran, the open one's mean so far. Fed (time, step) points in order, from any clock in
-    seconds."""
+    mean, over windows of at least `WINDOW_STEPS` steps run under the plan, of each window's seconds per step,
+    leaving out the windows over `STALLED_WINDOW` times the median one: those held a stall or the plan's own
+    start. A window's mean takes in the slow steps that come now and then (a gossip round late, a peer's
+    heartbeat) as a swarm pays for them; the mean over windows keeps them where they fall into only some
+    windows (the median of windows alike but for one such step in every other window would take the slower
+    half). Before a whole window ran, the open one's mean so far. Fed (time, step) points in order, from any
+    clock in seconds."""
 
     start: tuple[float, int] | None = None  # where the open window began
     last: tuple[float, int] | None = None  # the latest point
@@ -61,7 +64,8 @@ class Pace:
     def step_s(self) -> float | None:
         """The measured step; None before a step ran."""
         if self.windows:
-            return median(self.windows)
+            typical = median(self.windows)
+            return mean(w for w in self.windows if w <= STALLED_WINDOW * typical)
         if self.start is None or self.last[1] <= self.start[1]:
             return None
         return (self.last[0] - self.start[0]) / (self.last[1] - self.start[1])
@@ -152,6 +156,10 @@ class History:
         if len(self.samples) > self.max_samples:
             self._thin()
         self.version += 1
+
+    def pace(self, epoch: int) -> Pace | None:
+        """The measured pace of plan `epoch`, if the history holds it."""
+        return next((p.pace for p in self.plans if p.epoch == epoch), None)
 
     def snapshot(self) -> "Past":
         """The history as it is now, frozen: readers on other threads use this while the rounds go on."""

@@ -57,9 +57,10 @@ class Decision:
 
 
 def build_problem(
-    records: Mapping[str, PeerRecord], workload: Workload, current: Plan | None
+    records: Mapping[str, PeerRecord], workload: Workload, current: Plan | None, step_overhead_s: float = 0.0
 ) -> tuple[Problem, np.ndarray]:
     """(problem over the announcing peers in id order, (n, n) mask of the pairs whose link figures are estimates).
+    `step_overhead_s`: what every step takes beyond the time model's terms (`calibration.py`).
     O(n^2) in numpy for the matrices, O(measurements) in Python: 10,000 peers take about a second."""
     ids = tuple(sorted(records))
     n = len(ids)
@@ -114,6 +115,7 @@ def build_problem(
         tflops=effective_tflops([records[d] for d in ids], _running_slowdowns(ids, sharing, current)),
         memory_bytes=np.array([float(records[d].memory_bytes) for d in ids]),
         current=current,
+        step_overhead_s=step_overhead_s,
         sharing=sharing,
         step_costs=np.array([records[d].step_costs.to_wire() for d in ids], dtype=float).reshape(len(ids), len(STEP_COSTS)),
     )

@@ -29,7 +29,7 @@ RECENT_PLANS = 8  # plans kept to find the swarm's data position at a new plan's
 class Publisher:
     """Mixed into `service.Coordinator`, whose state it reads and advances: `config`, `planner`, `executor`,
     `control`, `plan` and `plan_time`, `view`, `history`, `considered`, `reached`, `repaired_epoch`,
-    `last_publish`, `_kept`, `_rng`, `recent_plans`, `dataset` and `search_memory`; it says what it does with `report`, `_event` and `_log_once`."""
+    `last_publish`, `_kept`, `_rng`, `recent_plans`, `dataset`, `search_memory` and `calibration`; it says what it does with `report`, `_event` and `_log_once`."""
 
     def _solve_and_publish(self, decision: policy.Decision, live: dict[str, PeerRecord], ours: dict[str, PeerRecord]) -> None:
         """Plan over the `live` peers; `ours` (leaving peers included) tells how far the swarm got."""
@@ -46,7 +46,7 @@ class Publisher:
         left_out: list[str] = []  # peers behind NAT that the plan would make neighbours of one another
         while True:
             planned = {d: r for d, r in live.items() if d not in left_out}
-            problem, estimated = policy.build_problem(planned, config.workload, current)
+            problem, estimated = policy.build_problem(planned, config.workload, current, self.calibration.overhead_s)
             solution = self._search(problem)
             if solution is None:
                 return
@@ -129,7 +129,7 @@ class Publisher:
         config, current = self.config, self.plan
         if not live or any(r.checkpoint for r in live.values()) and not any(r.layers for r in live.values()):
             return False
-        problem, estimated = policy.build_problem(live, config.workload, current)
+        problem, estimated = policy.build_problem(live, config.workload, current, self.calibration.overhead_s)
         repaired = repair(current, problem, self.planner)
         if repaired is None or policy.without_path(repaired, live):
             return False

@@ -22,7 +22,7 @@ from typing import Callable
 
 import numpy as np
 
-from hetpeer.coordinator import gate, policy
+from hetpeer.coordinator import calibration, gate, policy
 from hetpeer.coordinator.api import ApiServer
 from hetpeer.coordinator.board import Board
 from hetpeer.coordinator.config import CoordinatorConfig
@@ -38,7 +38,7 @@ from hetpeer.protocol.control import ControlPlane, key_digest
 from hetpeer.protocol.join import JoinInfo
 from hetpeer.protocol.dataset import MANIFEST, Manifest, served_files
 from hetpeer.protocol.plan import Dataset, Plan
-from hetpeer.protocol.records import TTL_HEARTBEATS
+from hetpeer.protocol.records import TTL_HEARTBEATS, PeerRecord
 
 log = logging.getLogger("hetpeer.coordinator")
 
@@ -67,6 +67,7 @@ class Coordinator(Gatekeeper, Publisher):
         self.dataset: Dataset | None = None  # what plans name: the configured dataset, with where it is served
         self.recent_plans: list[Plan] = []  # the last plans published or found: where the swarm's data position comes from
         self.search_memory: Memory | None = None  # where the last solve stopped, which the next goes on from (not in the DHT)
+        self.calibration = calibration.Calibration()  # what the running plans' steps took beyond their prediction (not in the DHT)
         self.first_seen: dict[str, float] = {}
         self.considered: set[str] = set()  # newcomers the running plan was kept without (see `policy.decide`)
         self.rechecked_epoch = -1  # the plan whose estimated links were solved again once measured
@@ -192,7 +193,8 @@ class Coordinator(Gatekeeper, Publisher):
         self.considered &= set(live)  # one that left and came back is a newcomer again
         self._read_running_plan()
         live = self._gate(live, now)
-        self.view = SwarmView(config.swarm, self.key, self.plan, self.plan_time, ours, len(dropped), now)
+        self._calibrate(live)
+        self.view = SwarmView(config.swarm, self.key, self.plan, self.plan_time, ours, len(dropped), now, self.calibration.overhead_s)
         if self.plan is not None:
             self.reached = max(self.reached, policy.furthest_step(self.plan, ours))
         if self.finished or (config.steps is not None and self.reached >= config.steps):
@@ -217,6 +219,18 @@ class Coordinator(Gatekeeper, Publisher):
             self._solve_and_publish(decision, live, ours)
         elif self.plan is not None and now - self.last_publish > config.plan_ttl_s / 3:
             self._publish(self.plan, "kept alive")
+
+    def _calibrate(self, live: dict[str, PeerRecord]) -> None:
+        """Learn the step's overhead afresh when the running plan's pace has closed another window."""
+        pace = self.history.pace(self.plan.epoch) if self.plan is not None else None
+        if not calibration.due(self.calibration, self.plan, pace):
+            return
+        learned = calibration.learn(self.plan, pace, live, self.config.workload, self.planner)
+        if learned is None:
+            return
+        if calibration.news(self.calibration, learned):
+            self.report(learned.describe())
+        self.calibration = learned
 
     def _read_running_plan(self) -> None:
         plans, dropped = self.control.read_plans()

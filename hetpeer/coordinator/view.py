@@ -25,6 +25,7 @@ class SwarmView:
     peers: Mapping[str, PeerRecord]  # device id -> its latest parsed announcement
     dropped: int  # records refused in the last read
     now: float
+    step_overhead_s: float = 0.0  # what the running plan's steps took beyond the time model's prediction (`calibration.py`)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class Progress:
     peers_by_state: Mapping[str, int]
     dropped: int
     val_loss: float | None = None  # mean of the validation losses the same peers announce, when the plan asks for them
+    step_overhead_s: float = 0.0  # the coordinator's learned one (`calibration.py`)
 
 
 @dataclass(frozen=True)
@@ -72,4 +74,5 @@ def progress(view: SwarmView) -> Progress:
         peers_by_state=dict(sorted(Counter(r.state for r in view.peers.values()).items())),
         dropped=view.dropped,
         val_loss=sum(val_losses) / len(val_losses) if val_losses else None,
+        step_overhead_s=view.step_overhead_s,
     )

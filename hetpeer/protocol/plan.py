@@ -276,8 +276,12 @@ class Plan:
 
     @property
     def predicted(self) -> str:
-        """The predicted step time in words (a plan rebuilt from checkpoints has none)."""
-        return f"{self.total_s:.3f} s/step" if math.isfinite(self.total_s) else "no prediction"
+        """The predicted step time in words (a plan rebuilt from checkpoints has none), with the fixed overhead it
+        counts where it counts one (efficiency terms, or what a coordinator learned: `coordinator/calibration.py`)."""
+        if not math.isfinite(self.total_s):
+            return "no prediction"
+        overhead = self.cost.get("overhead_s")
+        return f"{self.total_s:.3f} s/step" + (f", {overhead * 1e3:+.0f} ms overhead included" if overhead else "")
 
     def to_wire(self) -> dict[str, Any]:
         return {

@@ -53,7 +53,7 @@ class PlanUse:
     stages: tuple[StageUse, ...]
     standby: tuple[str, ...] = ()
     predicted_step_s: float | None = None
-    measured_step_s: float | None = None  # median wall time per step while the plan ran
+    measured_step_s: float | None = None  # wall time per step while the plan ran (`Pace`)
     tokens_per_s: float | None = None
     steps: int = 0  # steps run under this plan
 
@@ -177,8 +177,8 @@ class RunReport:
 def summarize(samples: Sequence[Sample], plans: Sequence[PlanUse]) -> list[PlanUse]:
     """Each plan with measured_step_s, tokens_per_s and steps derived from the samples of its epoch.
 
-    measured_step_s is the plan's `Pace`, as the dashboard measures it: the median over windows of ten steps
-    or more of each window's seconds per step.
+    measured_step_s is the plan's `Pace`, as the dashboard measures it: the mean over windows of ten steps
+    or more of each window's seconds per step, stalled windows left out.
     steps is the distance to the next plan's start_step, or for the last plan up to its last sample.
     A plan whose epoch has no samples keeps the figures it came with.
     """

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -19,6 +20,7 @@ from hetpeer.protocol import swarm_pb2
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.records import LinkMeasurement, PeerRecord
+from hetpeer.protocol.stepcosts import StepCosts
 
 NOW = 1000.0
 
@@ -54,7 +56,9 @@ def make_peers() -> dict[str, PeerRecord]:
         record("a", layers=(0, 4), step=105, tokens_per_s=0.0, achieved_tflops=6.5,
                links={"b": LinkMeasurement(0.001, 1e9), "c": LinkMeasurement(0.05, 1.25e7)},
                dht=("/ip4/127.0.0.1/tcp/31338/p2p/QmDhta",)),
-        record("b", layers=(0, 4), step=104),
+        # what the coordinator plans by beyond the figures shown: its device shared, its step's costs
+        record("b", layers=(0, 4), step=104, compute_key="0123456789abcdef", compute_share=0.5, compute_background=0.2,
+               step_costs=StepCosts(1e-4, 2e-4, 5e-10, 3e-4), unreachable=("d",)),
         record("c", layers=(4, 6), step=105, loss=2.0, tokens_per_s=300.0, time=NOW - 7.5),
         record("d", layers=(4, 6), step=103, loss=3.0, tokens_per_s=200.0),
         # On standby, still announcing its last lane's figures: counted by state, not for throughput.
@@ -157,7 +161,7 @@ def test_peers_with_links_and_age(serve):
 
 
 def test_progress_over_the_wire_matches_the_pure_figures(serve):
-    v = view(make_plan())
+    v = replace(view(make_plan()), step_overhead_s=0.025)
     server = serve(lambda: v)
     with ApiClient(server.address) as client:
         assert client.call_get_progress() == progress(v)
@@ -221,12 +225,32 @@ class _NewerPlan(_CorruptPlan):
 
 
 class _BadPeer(ApiServer):
+    fields: dict = {"tflops": float("nan")}
+
     def rpc_list_peers(self, request, context):
-        return swarm_pb2.ListPeersReply(peers=[swarm_pb2.Peer(device_id="x", state="training", tflops=float("nan"))])
+        return swarm_pb2.ListPeersReply(peers=[swarm_pb2.Peer(device_id="x", state="training", **self.fields)])
+
+
+class _NoShare(_BadPeer):
+    fields = {"compute_share": 0.0}
+
+
+class _ShortCosts(_BadPeer):
+    fields = {"step_costs": [1e-4, 2e-4]}
+
+
+class _NegativeCost(_BadPeer):
+    fields = {"step_costs": [1e-4, -2e-4, 0.0, 0.0]}
+
+
+class _BadProgress(ApiServer):
+    def rpc_get_progress(self, request, context):
+        return swarm_pb2.GetProgressReply(swarm="demo", step_overhead_s=float("inf"))
 
 
 @pytest.mark.parametrize("cls, call", [
-    (_CorruptPlan, "call_get_plan"), (_NewerPlan, "call_get_plan"), (_BadPeer, "call_list_peers"),
+    (_CorruptPlan, "call_get_plan"), (_NewerPlan, "call_get_plan"), (_BadPeer, "call_list_peers"), (_NoShare, "call_list_peers"),
+    (_ShortCosts, "call_list_peers"), (_NegativeCost, "call_list_peers"), (_BadProgress, "call_get_progress"),
 ])
 def test_client_refuses_what_does_not_parse(serve, cls, call):
     server = serve(lambda: view(make_plan()), cls)

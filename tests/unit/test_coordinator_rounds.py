@@ -246,3 +246,77 @@ def test_each_solve_goes_on_from_the_search_before_it(coordinator, monkeypatch):
     assert len(given) >= 3 and given[0] is None
     assert all(memory is solution.memory for memory, solution in zip(given[1:], returned))
     assert coordinator.search_memory is returned[-1].memory and returned[-1].memory.shapes
+
+
+def test_what_the_running_plans_steps_took_beyond_its_prediction_goes_into_the_next_plans(coordinator):
+    """Peers whose steps take 1.5x what the model predicts: once the plan's pace has closed its windows, the
+    coordinator's learned overhead is the difference, the API's progress says it, and the plan that mends the
+    swarm after a member leaves is predicted with it."""
+    from hetpeer.coordinator import calibration, policy
+    from hetpeer.coordinator.board import state
+    from hetpeer.coordinator.view import progress
+
+    control = coordinator.control
+    first = two_stages_of_three_peers(coordinator)
+    assert coordinator.calibration.overhead_s == 0.0 and progress(coordinator.view).step_overhead_s == 0.0
+    per_round = 10  # steps a round: a window of the pace each
+    coordinator.config = replace(coordinator.config, heartbeat_s=1.5 * first.total_s * per_round)
+    step = 0
+    for _ in range(calibration.WINDOWS + 2):  # a round to start the pace, one a window, one to read the last
+        step += per_round
+        for d in first.devices:
+            s = first.position(d)[0]
+            control.announce(d, state="training", epoch=first.epoch, step=step,
+                             layers=(first.stages[s].layer_start, first.stages[s].layer_end))
+        rounds(coordinator, 1)
+    learned = coordinator.calibration
+    assert learned.epoch == first.epoch and learned.overhead_s == pytest.approx(0.5 * first.total_s, rel=0.01)
+    assert progress(coordinator.view).step_overhead_s == learned.overhead_s
+    assert any(line.startswith(f"plan epoch {first.epoch} measures") and "every prediction adds" in line for line in coordinator.lines)
+
+    leaver = first.stages[1].devices[0]
+    control.announce(leaver, state="leaving")
+    rounds(coordinator, 1)
+    mended = control.plans[-1].plan
+    assert mended.epoch == first.epoch + 1
+    live = {d: r for d, r in control.records.items() if r.state != "leaving"}
+    plain = policy.predicted_step_s(policy.build_problem(live, coordinator.config.workload, mended)[0], coordinator.planner, mended)
+    assert mended.total_s == pytest.approx(plain + learned.overhead_s) and mended.cost["overhead_s"] == learned.overhead_s
+    assert f"{mended.total_s:.3f} s/step, +" in mended.predicted
+    doc = state(coordinator.board)  # the dashboard's
+    assert doc["plan"]["overhead_s"] == learned.overhead_s and doc["progress"]["step_overhead_s"] == learned.overhead_s
+
+
+def test_an_overhead_is_learned_only_from_a_whole_plan_that_ran_its_windows_and_is_held_to_bounds():
+    from hetpeer.coordinator.calibration import BOUNDS, WINDOWS, Calibration, due, learn
+    from hetpeer.coordinator.history import Pace
+    from hetpeer.coordinator.planner import PlannerConfig
+    from hetpeer.protocol.modelspec import preset
+    from hetpeer.protocol.plan import StagePlan
+    from hetpeer.protocol.workload import Workload
+    from hetpeer.protocol.plan import Plan
+
+    control = Control()
+    for d in ("a", "b"):
+        control.announce(d)
+    plan = Plan(cost_model="time", model="tiny", layers=4, batch=8, micro_batch=2, micro_batches=4, dtype="fp32",
+                stages=(StagePlan(0, 0, 2, ("a",), "none"), StagePlan(1, 2, 4, ("b",), "none")), epoch=3)
+    workload, planner = Workload(preset("tiny"), batch=8, micro_batch=2, dtype="fp32"), PlannerConfig()
+
+    def pace(step_s: float, windows: int) -> Pace:
+        made = Pace()
+        for step in range(0, 10 * windows + 1):
+            made = made.add(step * step_s, step)
+        return made
+
+    assert not due(Calibration(), plan, pace(1.0, WINDOWS - 1)) and not due(Calibration(), None, pace(1.0, WINDOWS))
+    assert due(Calibration(), plan, pace(1.0, WINDOWS))
+    slow = learn(plan, pace(1000.0, WINDOWS), control.records, workload, planner)
+    fast = learn(plan, pace(1e-9, WINDOWS), control.records, workload, planner)
+    assert slow.overhead_s == BOUNDS[1] * slow.predicted_s and slow.measured_s == pytest.approx(1000.0)
+    assert fast.overhead_s == BOUNDS[0] * fast.predicted_s  # a model more than 2x off is to mend, not to patch
+    exact = learn(plan, pace(slow.predicted_s * 1.2, WINDOWS), control.records, workload, planner)
+    assert exact.overhead_s == pytest.approx(0.2 * slow.predicted_s)
+    assert not due(slow, plan, pace(1000.0, WINDOWS)) and due(slow, plan, pace(1000.0, WINDOWS + 1))
+    del control.records["b"]
+    assert learn(plan, pace(1.0, WINDOWS), control.records, workload, planner) is None  # a member is gone

@@ -120,3 +120,19 @@ def test_standby_reasons_of_the_wrong_form_are_refused_naming_the_field(raw):
     wire = plan().to_wire() | {"standby_reasons": raw}
     with pytest.raises(SchemaError, match=r"^plan\.standby_reasons"):
         Plan.from_wire(wire)
+
+
+def test_a_step_overhead_shifts_the_bound_a_slow_device_is_held_to_alike():
+    """A fixed overhead (a coordinator's learned one may be below 0) adds to every plan's step, so it adds to the
+    bound a slow device is held to too: a device just fast enough to be kept stays kept whatever it is."""
+    from hetpeer.coordinator.planner.solve import _prune
+
+    plain = _prune(problem_with([PI]), PlannerConfig())
+    w, config = WORKLOAD, PlannerConfig()
+    least_per_tflops = -(-w.batch // min(w.batch, 13)) * 3 * w.layer_fwd_flops_per_seq / 1e12
+    edge = {"id": "edge", "tflops": least_per_tflops / (0.75 * plain.reference_s), "memory_gb": 80.0}  # 3/4 of the bound
+    for overhead in (0.0, -0.5 * plain.reference_s, plain.reference_s):
+        problem = replace(problem_with([PI, edge]), step_overhead_s=overhead)
+        pruned = _prune(problem, config)
+        assert [problem.device_ids[d] for d in pruned.too_slow] == ["pi"]
+        assert pruned.reference_s == pytest.approx(overhead + _prune(replace(problem, step_overhead_s=0.0), config).reference_s)

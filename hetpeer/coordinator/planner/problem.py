@@ -72,7 +72,9 @@ class Problem:
     dp_bytes: float | None = None
     pp_bytes: float | None = None
     current: Plan | None = None
-    step_overhead_s: float = 0.0  # fixed seconds every step takes beyond compute and transfers (`efficiency.py`)
+    # fixed seconds every step takes beyond compute and transfers: from efficiency terms (`efficiency.py`), or what the
+    # swarm's running plan measured beyond its prediction (`coordinator/calibration.py`, which may be below 0)
+    step_overhead_s: float = 0.0
     sharing: Sharing | None = None  # devices that compute on one device (`sharing.py`); None: each has its own
     # (n, 4): what a stage's step costs each device beyond its blocks, as `protocol.records.StepCosts` has them
     # (embedding and head s/sequence, optimizer s/parameter, Python s/micro-batch); None: not measured

@@ -68,7 +68,8 @@ def prune(
     if np.isfinite(reference_s):
         most_lanes = max(1, min(w.batch, len(remaining)))
         sequences = -(-w.batch // most_lanes)
-        least_s = sequences * 3 * w.layer_fwd_flops_per_seq / (problem.tflops * 1e12)
+        # every step pays the problem's fixed overhead too (a coordinator's learned one may be negative)
+        least_s = sequences * 3 * w.layer_fwd_flops_per_seq / (problem.tflops * 1e12) + problem.step_overhead_s
         too_slow = ~too_small & (least_s > reference_s)
     return Pruned(
         kept=everyone[~too_small & ~too_slow], too_small=everyone[too_small], too_slow=everyone[too_slow],

@@ -35,7 +35,8 @@ For a grid (rows = stages in order, columns = lanes), with M micro-batches per l
   (`outer.py` says where they pay);
 - step = slowest lane + slowest group's exposed sync + the slowest optimizer step (a device's stage
   parameters x its measured seconds per parameter: it follows the lane's last gradient) (+ the problem's
-  fixed step overhead, 0 unless efficiency terms give one); the search minimises the step plus
+  fixed step overhead: 0 unless efficiency terms give one, or the coordinator learned one from the plan it
+  runs); the search minimises the step plus
   TIE_BREAK (1%) of the mean lane time and mean exposed sync, so that swaps which do not move the
   slowest lane or group still show whether they help;
 - memory per device: what `Workload.stage_memory` counts for its stage (training state, the group's

@@ -76,7 +76,8 @@
     const peers = new Map(state.peers.map((p) => [p.device_id, p]));
     const lanes = plan.stages[0].devices.length, stages = plan.stages.length;
     const shown = showAllLanes ? lanes : Math.min(lanes, LANES_SHOWN);
-    const predicted = missing(plan.predicted_step_s) ? "no prediction" : `predicted ${fixed(plan.predicted_step_s, 3)} s/step`;
+    const overhead = plan.overhead_s ? ` (${plan.overhead_s > 0 ? "+" : ""}${fixed(plan.overhead_s * 1e3, 0)} ms overhead included)` : "";
+    const predicted = missing(plan.predicted_step_s) ? "no prediction" : `predicted ${fixed(plan.predicted_step_s, 3)} s/step${overhead}`;
     const measured = missing(plan.measured_step_s) ? "" : `, measured ${fixed(plan.measured_step_s, 3)} s/step`;
     const batch = plan.batch ? `, batch ${plan.batch} in ${plan.micro_batches} micro-batch(es) of ${plan.micro_batch}` : "";
     $("plan-summary").textContent = `epoch ${plan.epoch} from step ${plan.start_step}: ${stages} stage(s) x ${lanes} lane(s), ` +
