@@ -20,8 +20,8 @@ from hetpeer.coordinator.view import PeerStatus, Progress
 from hetpeer.protocol import swarm_pb2, swarm_pb2_grpc
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan
-from hetpeer.protocol.records import MAX_PLAN_BYTES, STATES, LinkMeasurement, PeerRecord
-from hetpeer.protocol.stepcosts import FIELDS as STEP_COSTS, StepCosts
+from hetpeer.protocol.records import MAX_PLAN_BYTES, STATES, LinkMeasurement, PeerRecord, planning_fields
+from hetpeer.protocol.stepcosts import StepCosts
 from hetpeer.protocol.wire import SchemaError
 
 
@@ -32,7 +32,7 @@ def _peer_from_pb(pb: swarm_pb2.Peer) -> PeerStatus:
         raise SchemaError("peers", "a peer without a device id")
     if pb.state not in STATES:
         raise SchemaError(f"{path}.state", f"must be one of {', '.join(STATES)}, got {pb.state!r}")
-    numbers = [pb.tflops, pb.tokens_per_s, pb.time, pb.age_s, pb.compute_background, *pb.step_costs]
+    numbers = [pb.tflops, pb.tokens_per_s, pb.time, pb.age_s]
     numbers += [x for link in pb.links for x in (link.latency_s, link.bandwidth_bytes_per_s)]
     numbers += [getattr(pb, name) for name in ("loss", "val_loss") if pb.HasField(name)]
     if pb.HasField("achieved_tflops"):
@@ -41,17 +41,10 @@ def _peer_from_pb(pb: swarm_pb2.Peer) -> PeerStatus:
         raise SchemaError(path, "carries a number that is not finite")
     if pb.HasField("layer_start") != pb.HasField("layer_end"):
         raise SchemaError(f"{path}.layers", "has a start without an end, or an end without a start")
-    share = pb.compute_share if pb.HasField("compute_share") else 1.0  # an older coordinator sends none
-    if not (math.isfinite(share) and 0 < share <= 1):
-        raise SchemaError(f"{path}.compute_share", f"must be in (0, 1], got {share!r}")
-    if not 0 <= pb.compute_background < 1:
-        raise SchemaError(f"{path}.compute_background", f"must be in [0, 1), got {pb.compute_background!r}")
-    if len(pb.step_costs) not in (0, len(STEP_COSTS)):
-        raise SchemaError(f"{path}.step_costs", f"must be {len(STEP_COSTS)} numbers ({', '.join(STEP_COSTS)}), got {len(pb.step_costs)}")
-    try:
-        costs = StepCosts(*pb.step_costs)
-    except ValueError as error:
-        raise SchemaError(f"{path}.step_costs", str(error)) from None
+    # an older coordinator sends none of these: the record's defaults
+    key = pb.compute_key if pb.HasField("compute_key") else None
+    share = pb.compute_share if pb.HasField("compute_share") else 1.0
+    costs = planning_fields(path, key, share, pb.compute_background, list(pb.step_costs) or StepCosts().to_wire())
     address = PeerAddress.from_wire(
         {"p2p": list(pb.p2p), **({"direct": pb.direct} if pb.HasField("direct") else {})}, f"{path}.address"
     )
@@ -75,7 +68,7 @@ def _peer_from_pb(pb: swarm_pb2.Peer) -> PeerStatus:
         achieved_tflops=pb.achieved_tflops if pb.HasField("achieved_tflops") else None,
         dht=tuple(pb.dht),
         reachable=pb.reachable or "unknown",
-        compute_key=pb.compute_key if pb.HasField("compute_key") else None,
+        compute_key=key,
         compute_share=share,
         compute_background=pb.compute_background,
         step_costs=costs,

@@ -46,8 +46,7 @@ class Calibration:
     predicted_s: float | None = None  # the model's step for that plan on the figures of then, without an overhead
 
     def describe(self) -> str:
-        if self.epoch is None:
-            return "predictions are the time model's own: no plan has run long enough to compare"
+        """The coordinator's log line for a learned one."""
         return (f"plan epoch {self.epoch} measures {self.measured_s:.3f} s a step against {self.predicted_s:.3f} s predicted "
                 f"on the peers' latest figures: every prediction adds {self.overhead_s * 1e3:+.0f} ms a step")
 

@@ -14,7 +14,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, replace
 from statistics import mean, median
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Reversible
 
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.records import PeerRecord
@@ -157,9 +157,9 @@ class History:
             self._thin()
         self.version += 1
 
-    def pace(self, epoch: int) -> Pace | None:
-        """The measured pace of plan `epoch`, if the history holds it."""
-        return next((p.pace for p in self.plans if p.epoch == epoch), None)
+    def current(self, epoch: int) -> PlanEntry | None:
+        """Plan `epoch`'s entry, if the history holds it (as `Past.current`, without a snapshot)."""
+        return _entry(self.plans, epoch)
 
     def snapshot(self) -> "Past":
         """The history as it is now, frozen: readers on other threads use this while the rounds go on."""
@@ -199,7 +199,7 @@ class Past:
     plans_seen: int = 0
 
     def current(self, epoch: int) -> PlanEntry | None:
-        return next((p for p in reversed(self.plans) if p.epoch == epoch), None)
+        return _entry(self.plans, epoch)
 
     def to_wire(self) -> dict:
         return {
@@ -232,3 +232,8 @@ def _name_some(devices: Iterable[str], words: str) -> str:
     if len(devices) <= NAMED_AT_MOST:
         return f"{', '.join(devices)} {words}"
     return f"{len(devices)} peers {words}: {', '.join(devices[:NAMED_AT_MOST])} and {len(devices) - NAMED_AT_MOST} more"
+
+
+def _entry(plans: Reversible[PlanEntry], epoch: int) -> PlanEntry | None:
+    """The entry of plan `epoch` among `plans` (newest last), or None."""
+    return next((p for p in reversed(plans) if p.epoch == epoch), None)

@@ -222,7 +222,8 @@ class Coordinator(Gatekeeper, Publisher):
 
     def _calibrate(self, live: dict[str, PeerRecord]) -> None:
         """Learn the step's overhead afresh when the running plan's pace has closed another window."""
-        pace = self.history.pace(self.plan.epoch) if self.plan is not None else None
+        entry = self.history.current(self.plan.epoch) if self.plan is not None else None
+        pace = entry.pace if entry is not None else None
         if not calibration.due(self.calibration, self.plan, pace):
             return
         learned = calibration.learn(self.plan, pace, live, self.config.workload, self.planner)

@@ -20,7 +20,7 @@ import math
 import re
 from dataclasses import dataclass, field as dataclass_field
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from pydantic import v1 as pydantic
 from pydantic.v1.fields import SHAPE_LIST, SHAPE_SINGLETON
@@ -310,19 +310,8 @@ class PeerRecord:
                 raise SchemaError(f"peer.{name_}", f"must be at most {MAX_TEXT_CHARS} printable characters, got {text[:64]!r}")
         if parsed.token is not None and not 0 < len(parsed.token) <= MAX_TOKEN_CHARS:
             raise SchemaError("peer.token", f"must be 1 to {MAX_TOKEN_CHARS} characters, got {len(parsed.token)}")
-        if parsed.compute_key is not None and not COMPUTE_KEY_RE.match(parsed.compute_key):
-            raise SchemaError("peer.compute_key", f"must be 16 lowercase hex digits, got {parsed.compute_key[:64]!r}")
-        if not (math.isfinite(parsed.compute_share) and 0 < parsed.compute_share <= 1):
-            raise SchemaError("peer.compute_share", f"must be in (0, 1], got {parsed.compute_share!r}")
-        if not (math.isfinite(parsed.compute_background) and 0 <= parsed.compute_background < 1):
-            raise SchemaError("peer.compute_background", f"must be in [0, 1), got {parsed.compute_background!r}")
-        if len(parsed.step_costs) != len(FIELDS_OF_STEP_COSTS):
-            raise SchemaError("peer.step_costs", f"must be {len(FIELDS_OF_STEP_COSTS)} numbers "
-                                                 f"({', '.join(FIELDS_OF_STEP_COSTS)}), got {len(parsed.step_costs)}")
-        try:
-            step_costs = StepCosts(*parsed.step_costs)
-        except ValueError as error:
-            raise SchemaError("peer.step_costs", str(error)) from None
+        step_costs = planning_fields("peer", parsed.compute_key, parsed.compute_share, parsed.compute_background,
+                                     parsed.step_costs)
         relay = parsed.reachable.removeprefix(VIA)
         if parsed.reachable not in REACHABLE and not (relay != parsed.reachable and DEVICE_RE.match(relay) and relay != parsed.device_id):
             raise SchemaError("peer.reachable", f"must be one of {', '.join(REACHABLE)} or {VIA}<another peer's device id>, "
@@ -370,6 +359,26 @@ class PeerRecord:
 
 
 _Check = Callable[[Any], bool]
+
+
+def planning_fields(path: str, compute_key: str | None, compute_share: float, compute_background: float,
+                    step_costs: Sequence[float]) -> StepCosts:
+    """Check what a record says of the device a peer computes on and of what its step costs (the record's
+    fields of those names; `path` names the record in errors) and return its `StepCosts`: for records read from
+    the DHT and for peers an API client reads, which plan from them alike."""
+    if compute_key is not None and not COMPUTE_KEY_RE.match(compute_key):
+        raise SchemaError(f"{path}.compute_key", f"must be 16 lowercase hex digits, got {compute_key[:64]!r}")
+    if not (math.isfinite(compute_share) and 0 < compute_share <= 1):
+        raise SchemaError(f"{path}.compute_share", f"must be in (0, 1], got {compute_share!r}")
+    if not (math.isfinite(compute_background) and 0 <= compute_background < 1):
+        raise SchemaError(f"{path}.compute_background", f"must be in [0, 1), got {compute_background!r}")
+    if len(step_costs) != len(FIELDS_OF_STEP_COSTS):
+        raise SchemaError(f"{path}.step_costs", f"must be {len(FIELDS_OF_STEP_COSTS)} numbers "
+                                                f"({', '.join(FIELDS_OF_STEP_COSTS)}), got {len(step_costs)}")
+    try:
+        return StepCosts(*step_costs)
+    except ValueError as error:
+        raise SchemaError(f"{path}.step_costs", str(error)) from None
 
 
 def _exact_check(model: type[pydantic.BaseModel]) -> _Check:
