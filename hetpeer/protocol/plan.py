@@ -485,7 +485,13 @@ def _check(plan: Plan) -> None:
         seen.add(device)
     _check_reasons(plan)
     for key, value in plan.cost.items():
-        if not math.isfinite(value) or value < 0:
+        if not math.isfinite(value):
+            raise SchemaError(f"plan.cost.{key}", f"must be a finite number of seconds, got {value!r}")
+        if key == "overhead_s":  # a coordinator that learned its model over-predicts takes time off, never half the step
+            if value < -plan.cost.get("total_s", 0.0):
+                raise SchemaError("plan.cost.overhead_s", f"takes {-value!r} s off a step predicted at "
+                                  f"{plan.cost.get('total_s', 0.0)!r} s: more than half of it before the overhead")
+        elif value < 0:
             raise SchemaError(f"plan.cost.{key}", f"must be a finite, non-negative number of seconds, got {value!r}")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 
@@ -128,6 +129,16 @@ def test_lanes_may_be_left_out():
     assert Plan.from_wire(raw).lanes == (("a", "c"), ("b", "d"))
 
 
+def test_a_learned_overhead_may_take_time_off_the_step():
+    # the coordinator learned that its model over-predicts this swarm's steps (coordinator/calibration.py)
+    raw = wire()
+    raw["cost"].update(overhead_s=-0.0013)
+    plan = Plan.from_wire(raw)
+    assert plan.cost["overhead_s"] == -0.0013
+    assert plan.predicted == "1.500 s/step, -1 ms overhead included"
+    assert Plan.from_wire(plan.to_wire()) == plan
+
+
 def _with(edit) -> dict:
     raw = copy.deepcopy(wire())
     edit(raw)
@@ -151,6 +162,8 @@ BAD = [
     ("negative cost", lambda r: r["cost"].update(total_s=-1.0), "plan.cost.total_s"),
     ("cost as string", lambda r: r["cost"].update(total_s="1.5"), "plan.cost.total_s"),
     ("cost past a float's range", lambda r: r["cost"].update(total_s=10**400), "plan.cost.total_s"),  # found by fuzzing
+    ("an overhead taking more than half the step", lambda r: r["cost"].update(overhead_s=-1.6), "plan.cost.overhead_s"),
+    ("an infinite overhead", lambda r: r["cost"].update(overhead_s=-math.inf), "plan.cost.overhead_s"),
     ("no stages", lambda r: r.update(stages=[], lanes=[]), "plan.stages"),
     ("unknown field", lambda r: r.update(owner="me"), "plan.owner"),
     ("missing field", lambda r: r.pop("epoch"), "plan.epoch"),
