@@ -33,29 +33,6 @@ def test_parts_timed_faster_than_a_block_count_nothing_not_less(monkeypatch):
     assert (costs.embed_s_per_seq, costs.head_s_per_seq, costs.micro_s) == (0.0, 0.0, 0.0)
 
 
-def test_an_emulated_slowdown_scales_the_passes_parts_and_not_the_python_around_them(monkeypatch):
-    # the same timings as a peer at full speed: the worker pads its passes (embedding, blocks, head and loss) to
-    # `slowdown` times their fastest and runs the rest at the machine's pace, so only the passes' parts scale
-    timings = iter([1e-3, 1.5e-3, 2.5e-3, 2e-3, 20e-3])
-    monkeypatch.setattr(steptime, "time_per_call", lambda *args, **kwargs: next(timings))
-    spec = preset("tiny")
-    costs = steptime.step_costs(spec, micro_batch=2, slowdown=4.0)
-    size = max(steptime.UPDATE_PARAMS, spec.layer_params)
-    assert costs.embed_s_per_seq == pytest.approx(4 * 0.5e-3 / 2) and costs.head_s_per_seq == pytest.approx(4 * 1.5e-3 / 2)
-    assert costs.update_s_per_param == pytest.approx(2e-3 / size)
-    parts = steptime.MICRO_BATCHES * (1e-3 + 0.5e-3 + 1.5e-3) + 2e-3 / size * spec.with_layers(1).params
-    assert costs.micro_s == pytest.approx((20e-3 - parts) / steptime.MICRO_BATCHES)
-
-
-def test_a_block_timed_padded_is_timed_again_at_the_machines_pace(monkeypatch):
-    # the join's probe timed the block padded to the emulated device: no figure of the machine's own pace
-    timings = iter([1e-3, 1.5e-3, 2.5e-3, 2e-3, 20e-3])  # the block first again
-    monkeypatch.setattr(steptime, "time_per_call", lambda *args, **kwargs: next(timings))
-    costs = steptime.step_costs(preset("tiny"), micro_batch=2, slowdown=4.0, tflops=1e-3)
-    assert costs.embed_s_per_seq == pytest.approx(4 * 0.5e-3 / 2) and costs.head_s_per_seq == pytest.approx(4 * 1.5e-3 / 2)
-    assert next(timings, None) is None
-
-
 @pytest.mark.parametrize("slowdown", [1.0, 3.0])
 def test_the_probe_runs_the_workers_own_step_on_this_machine(slowdown):
     costs = steptime.step_costs(preset("tiny"), micro_batch=2, seconds=0.05, slowdown=slowdown)

@@ -10,16 +10,14 @@ time model counts a stage's whole step, not its blocks alone:
 - the Python around a micro-batch: a one-stage worker's whole step (`StageWorker.train_step` on a one-block
   model: data, forward, loss, backward, the optimizer), less the parts above, per micro-batch.
 
-Each is timed in the training dtype at the device's own pace, the fastest of passes over about `seconds`
-(`probe.time_per_call`): what the device gives a peer that has it to itself. A peer that emulates a slower
-device (`Slowdown`) pads its forward and backward passes to that many times their fastest and nothing else, so
-the passes' parts (the embedding, the head and loss) are scaled by its factor and the rest (the Python, the
-optimizer) counts as timed. Timing the padded passes instead would bury the Python around a micro-batch, a
-fraction of a millisecond, in the noise of passes padded to many milliseconds: the demo's peers announced none.
+Each is timed in the training dtype under the peer's emulated slowdown, as the worker runs its forward and
+backward passes (the optimizer outside it, as there), the fastest of passes over about `seconds`
+(`probe.time_per_call`): what the device gives a peer that has it to itself.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import numpy as np
@@ -29,7 +27,7 @@ from hetpeer.peer.data.corpus import Corpus
 from hetpeer.peer.gossip.adam import AdamConfig, AdamState, adam_update
 from hetpeer.peer.model import build_stage
 from hetpeer.peer.pipeline.worker import StageWorker, WorkerConfig
-from hetpeer.peer.probe import autocast_for, time_per_call
+from hetpeer.peer.probe import Slowdown, autocast_for, time_per_call
 from hetpeer.peer.transport import MemoryHub, MemoryTransport
 from hetpeer.protocol.modelspec import ModelSpec
 from hetpeer.protocol.plan import Plan, StagePlan
@@ -43,9 +41,8 @@ UPDATE_PARAMS = 1 << 20  # the optimizer's step is timed over at least this many
 
 def step_costs(spec: ModelSpec, micro_batch: int, device: str = "cpu", seconds: float = 0.5, dtype: str = "fp32",
                slowdown: float = 1.0, tflops: float | None = None) -> StepCosts:
-    """`StepCosts` of `spec`'s stages at `micro_batch` on `device`, for a peer whose passes are slowed `slowdown`
-    times; takes about 5 x `seconds`, 4 x given `tflops`: a block's, as `probe.block_tflops` timed it just now under
-    the same conditions, which then is not timed again (unless slowed: that figure is a padded pass's)."""
+    """`StepCosts` of `spec`'s stages at `micro_batch` on `device`; takes about 5 x `seconds`, 4 x given `tflops`: a
+    block's, as `probe.block_tflops` timed it just now under the same conditions, which then is not timed again."""
     autocast = autocast_for(device, dtype)
     two = spec.with_layers(2)
     block = build_stage(spec.with_layers(3), 1, 2, device=device)  # one block alone: no embeddings, no head
@@ -54,14 +51,17 @@ def step_costs(spec: ModelSpec, micro_batch: int, device: str = "cpu", seconds: 
     x = torch.randn(micro_batch, spec.seq_len, spec.hidden, device=device, requires_grad=True)
 
     def timed(forward: Callable[[], torch.Tensor]) -> float:
+        around = Slowdown(slowdown) if slowdown != 1 else contextlib.nullcontext()  # one per kind of work
+
         def run() -> None:
-            with autocast:
-                out = forward()
-            out.backward()
+            with around:
+                with autocast:
+                    out = forward()
+                out.backward()
 
         return time_per_call(run, device, seconds, best=True)
 
-    if tflops is None or slowdown != 1:  # a figure timed padded is not the machine's pace: time the block again
+    if tflops is None:
         block_s = timed(lambda: block(x).float().sum())
     else:
         block_s = 3 * micro_batch * Workload(spec, batch=micro_batch, micro_batch=micro_batch).layer_fwd_flops_per_seq / (tflops * 1e12)
@@ -69,10 +69,10 @@ def step_costs(spec: ModelSpec, micro_batch: int, device: str = "cpu", seconds: 
     head_s = max(0.0, timed(lambda: last.loss(last(x), tokens)) - block_s)
     update_s = _update_s_per_param(sum(p.numel() for p in block.parameters()), device, seconds)
     one = spec.with_layers(1)
-    step_s = _worker_step_s(one, micro_batch, device, dtype, seconds)
+    step_s = _worker_step_s(one, micro_batch, device, dtype, slowdown, seconds)
     parts_s = MICRO_BATCHES * (block_s + embed_s + head_s) + update_s * one.params
     micro_s = max(0.0, step_s - parts_s) / MICRO_BATCHES
-    return StepCosts(slowdown * embed_s / micro_batch, slowdown * head_s / micro_batch, update_s, micro_s)
+    return StepCosts(embed_s / micro_batch, head_s / micro_batch, update_s, micro_s)
 
 
 def _update_s_per_param(block_params: int, device: str, seconds: float) -> float:
@@ -88,7 +88,7 @@ def _update_s_per_param(block_params: int, device: str, seconds: float) -> float
 
 
 def one_stage_worker(spec: ModelSpec, corpus: Corpus, batch: int, micro_batch: int, device: str = "cpu",
-                     dtype: str = "fp32", recipe: Recipe = Recipe()) -> StageWorker:
+                     dtype: str = "fp32", recipe: Recipe = Recipe(), slowdown: float = 1.0) -> StageWorker:
     """A worker holding the whole of `spec` as the one stage of a one-lane plan, on a memory transport (started:
     `worker.transport.shutdown()` when done): what a peer's step is with no neighbours (this probe, benchmarks)."""
     plan = Plan(cost_model="time", model=spec.name, layers=spec.layers, batch=batch, micro_batch=micro_batch,
@@ -96,16 +96,16 @@ def one_stage_worker(spec: ModelSpec, corpus: Corpus, batch: int, micro_batch: i
                 stages=(StagePlan(0, 0, spec.layers, ("peer",), "none"),), recipe=recipe)
     transport = MemoryTransport("peer", MemoryHub())
     transport.start()
-    return StageWorker(plan, "peer", transport, corpus, WorkerConfig(device=device, model=spec))
+    return StageWorker(plan, "peer", transport, corpus, WorkerConfig(device=device, slowdown=slowdown, model=spec))
 
 
-def _worker_step_s(spec: ModelSpec, micro_batch: int, device: str, dtype: str, seconds: float) -> float:
+def _worker_step_s(spec: ModelSpec, micro_batch: int, device: str, dtype: str, slowdown: float, seconds: float) -> float:
     """The fastest whole step of a one-stage worker of `spec` (the whole model on this peer), `MICRO_BATCHES` of
-    `micro_batch` a step, on random tokens, at the device's own pace."""
+    `micro_batch` a step, on random tokens."""
     batch = MICRO_BATCHES * micro_batch
     corpus = Corpus(np.random.default_rng(0).integers(0, spec.vocab, 64 * batch * (spec.seq_len + 1)).astype(np.uint16),
                     "the step probe's random tokens", files=0, vocab=spec.vocab)
-    worker = one_stage_worker(spec, corpus, batch, micro_batch, device, dtype)
+    worker = one_stage_worker(spec, corpus, batch, micro_batch, device, dtype, slowdown=slowdown)
     try:
         return time_per_call(worker.train_step, device, seconds, best=True)
     finally:
