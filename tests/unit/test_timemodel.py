@@ -508,6 +508,25 @@ def test_the_screen_is_the_full_evaluation_with_the_split_held(shape, sync, seed
         )
 
 
+def test_a_negative_overhead_takes_at_most_half_of_any_step_off_and_the_plan_carries_what_it_took():
+    """A coordinator learned -X on one plan; a plan predicted much faster must still come out positive, and the
+    plan record (whose schema holds the overhead to half the step) must take it."""
+    from hetpeer.coordinator.planner import to_plan
+
+    rng = np.random.default_rng(0)
+    problem = Problem.from_topology(Topology.from_wire(synthetic.random_topology(8, 2, rng)), Workload(preset("tiny", 4), batch=16))
+    shape = Shape(2, 2)
+    grid = np.arange(4).reshape(2, 2)
+    step = make_model(problem, PlannerConfig(), shape).report(grid).cost["total_s"]
+    for overhead, taken in ((-0.2 * step, -0.2 * step), (-0.9 * step, -0.5 * step)):
+        model = make_model(dataclasses.replace(problem, step_overhead_s=overhead), PlannerConfig(), shape)
+        report = model.report(grid)
+        assert report.cost["total_s"] == pytest.approx(step + taken) and report.cost["overhead_s"] == pytest.approx(taken)
+        assert model.batch_cost(grid[None])[0] == pytest.approx(report.objective)
+        plan = to_plan(problem, "time", grid, report)
+        assert Plan.from_wire(plan.to_wire()).cost["overhead_s"] == pytest.approx(taken)
+
+
 def with_step_costs(problem: Problem, rng: np.random.Generator) -> Problem:
     """`problem` with every device's step costs (`StepCosts`) drawn at random, each about a block's time or less."""
     n = problem.n

@@ -36,7 +36,7 @@ For a grid (rows = stages in order, columns = lanes), with M micro-batches per l
 - step = slowest lane + slowest group's exposed sync + the slowest optimizer step (a device's stage
   parameters x its measured seconds per parameter: it follows the lane's last gradient) (+ the problem's
   fixed step overhead: 0 unless efficiency terms give one, or the coordinator learned one from the plan it
-  runs); the search minimises the step plus
+  runs; a negative one takes at most half the step off); the search minimises the step plus
   TIE_BREAK (1%) of the mean lane time and mean exposed sync, so that swaps which do not move the
   slowest lane or group still show whether they help;
 - memory per device: what `Workload.stage_memory` counts for its stage (training state, the group's
@@ -332,7 +332,9 @@ class TimeCost(Screens):
         if self._current is not None and self.usable_memory is not None:
             overflow = np.maximum(overflow, self._move_overflow(grids, counts, need))
         update = self._update(grids, counts)
-        total = lane_s + sync_s.max(axis=1) + update + self.problem.step_overhead_s
+        step = lane_s + sync_s.max(axis=1) + update
+        overhead = np.broadcast_to(self._overhead(step), step.shape)
+        total = step + overhead
         move = self._move_s(grids, counts) if self._current is not None else np.zeros(K)
         objective = self._objective(lane, sync_s, overflow, move, update)
         return {
@@ -341,6 +343,7 @@ class TimeCost(Screens):
             "allreduce": allreduce, "gossip": gossip, "sync_s": sync_s, "use_gossip": use_gossip, "total": total,
             "use_outer": use_outer, "outer_every": outer_every, "outer_delay": outer_delay,
             "move": move, "overflow": overflow.sum(axis=1), "row_overflow": overflow, "objective": objective,
+            "overhead": overhead,
         }  # fmt: skip
 
     def _objective(self, lane: np.ndarray, sync_s: np.ndarray, overflow: np.ndarray, move: np.ndarray,
@@ -348,15 +351,21 @@ class TimeCost(Screens):
         """What the search minimises, from lane times (K, m), exposed sync (K, S), overflow bytes
         (K, S), move seconds (K,) and the slowest optimizer step (K,): the step, the tie-break, the amortised move,
         the penalty."""
+        step = lane.max(axis=1) + sync_s.max(axis=1) + update
         return (
-            lane.max(axis=1)
-            + sync_s.max(axis=1)
-            + update
-            + self.problem.step_overhead_s
+            step
+            + self._overhead(step)
             + TIE_BREAK * (lane.mean(axis=1) + sync_s.mean(axis=1))
             + move / self.horizon_steps
             + OVERFLOW_PENALTY_S_PER_GB * overflow.sum(axis=1) / 1e9
         )
+
+    def _overhead(self, step: np.ndarray) -> np.ndarray | float:
+        """The problem's fixed overhead on steps (K,). A negative one (a coordinator learned that its model
+        over-predicts) takes at most half of each step off: it was learned on one plan, and a plan predicted much
+        faster must not come out at nothing or less."""
+        overhead = self.problem.step_overhead_s
+        return overhead if overhead >= 0 else np.maximum(overhead, -0.5 * step)
 
     def _move_overflow(self, grids: np.ndarray, counts: np.ndarray, need: np.ndarray) -> np.ndarray:
         """(K, S): bytes by which a group's device falls short while it holds the stage it held in the
@@ -417,7 +426,7 @@ class TimeCost(Screens):
         if e["update"][0]:
             cost["update_s"] = float(e["update"][0])
         if self.problem.step_overhead_s:
-            cost["overhead_s"] = self.problem.step_overhead_s
+            cost["overhead_s"] = float(e["overhead"][0])
         if self._current is not None:
             cost["move_s"] = float(e["move"][0])
         return Report(
