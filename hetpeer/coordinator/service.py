@@ -39,6 +39,7 @@ from hetpeer.protocol.join import JoinInfo
 from hetpeer.protocol.dataset import MANIFEST, Manifest, served_files
 from hetpeer.protocol.plan import Dataset, Plan
 from hetpeer.protocol.records import TTL_HEARTBEATS, PeerRecord
+from hetpeer.protocol.wire import SchemaError
 
 log = logging.getLogger("hetpeer.coordinator")
 
@@ -208,6 +209,18 @@ class Coordinator(Gatekeeper, Publisher):
             estimates_rechecked=self.plan is not None and self.rechecked_epoch == self.plan.epoch,
             links_wait_s=policy.LINKS_WAIT_HEARTBEATS * config.heartbeat_s,
         )
+        try:
+            self._act(decision, live, ours, now)
+        except SchemaError as error:
+            # a plan this coordinator made that its own peers would refuse: a defect, and no reason to leave the swarm
+            # without a coordinator; the running plan goes on, and the next round tries again
+            running = f"epoch {self.plan.epoch} goes on" if self.plan is not None else "no plan runs yet"
+            self._log_once(f"schema {error}", f"the plan made ({decision.reason}) is not published, it fails the plan schema: "
+                           f"{error}; {running} (please report this)", kind="coordinator")
+
+    def _act(self, decision: policy.Decision, live: dict[str, PeerRecord], ours: dict[str, PeerRecord], now: float) -> None:
+        """What the round's decision asks for: the organizer's new recipe, a repair or a solve, or the plan kept alive."""
+        config = self.config
         if self.plan is not None and not decision.broken and self.plan.recipe != config.recipe:
             self._publish_recipe(ours)
         elif decision.solve:

@@ -100,6 +100,21 @@ def test_a_swarm_that_reached_its_last_step_is_never_planned_again(coordinator):
     assert [p.plan.epoch for p in control.plans] == [first.epoch]  # not a plan "from step 1" for the standby peers
 
 
+def test_a_plan_that_fails_its_own_schema_is_not_published_and_the_coordinator_goes_on(coordinator, monkeypatch):
+    control = coordinator.control
+    for d in ("a", "b"):
+        control.announce(d)
+    made = coordinator._data_position
+    monkeypatch.setattr(coordinator, "_data_position", lambda step: -1)  # a defect: every plan made now fails the schema
+    rounds(coordinator, FIRST_PLAN_ROUNDS + 3)  # it would have raised out of the round, and the coordinator exited
+    assert control.plans == [] and coordinator.plan is None
+    said = [line for line in coordinator.lines if "fails the plan schema" in line]
+    assert len(said) == 1 and "plan.data_position" in said[0] and "no plan runs yet" in said[0]  # once, not each round
+    monkeypatch.setattr(coordinator, "_data_position", made)
+    rounds(coordinator, 1)
+    assert [p.plan.epoch for p in control.plans] == [1]
+
+
 def test_no_plan_is_published_to_start_once_the_swarm_has_done_its_steps(coordinator):
     """A plan that would take effect at or past --steps is kept back: the peers leave under the running plan, and its
     progress counts their last step (a new epoch would leave a watcher waiting for step 80 at step 0)."""
