@@ -121,7 +121,9 @@ def test_a_killed_peer_is_planned_around_and_rejoins_with_its_groups_state(swarm
 
 
 def test_a_peer_cut_off_the_network_is_dropped_and_comes_back(swarm):
-    plan = training_plan(swarm)
+    # any shape: after the last test's return the planner may run three stages of one lane with a spare, and a
+    # member cut off from a pipeline is replaced as one cut off from a group is
+    plan = training_plan(swarm, lanes=1)
     victim = fast_member(swarm, plan)
     swarm.disconnect(service_of(victim))
     try:

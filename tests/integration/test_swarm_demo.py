@@ -78,9 +78,12 @@ def test_the_swarm_trains_to_its_step_count_and_stops_everything(tmp_path):
 
 def test_the_demo_splits_the_model_over_groups_and_a_peer_that_leaves_comes_back_with_its_groups_state(tmp_path):
     # the README's demo, smaller: emulated devices too small for the whole model, one of a group leaving and returning;
-    # at the demo's heartbeat, whose 8 samples of the load other work puts on the cores span more than the peers' start
+    # at the demo's heartbeat, whose 8 samples of the load other work puts on the cores span more than the peers' start.
+    # Two stages: with four peers, three stages of one lane and a spare come within noise of two stages of two lanes,
+    # and the returning peer must have a group to download from.
     out = tmp_path / "run"
-    stdout, stderr = finish(start(out, "--peers", "4", "--steps", "600", "--leave", "60,100", "--heartbeat", "2"))
+    stdout, stderr = finish(start(out, "--peers", "4", "--steps", "600", "--leave", "60,100", "--heartbeat", "2",
+                                  "--stages", "2"))
     assert "Traceback" not in stdout + stderr, stdout + stderr
     assert "emulation: each peer computes as on a device of its own" in stdout
     report = RunReport.from_json((out / "report.json").read_text())
