@@ -43,6 +43,9 @@ START_TIMEOUT_S = 120.0
 # emulated devices ask for at most this share of the cores: the rest is left to the coordinator, the DHT daemons
 # and the peers' own threads (receiving, sending, probing), which would otherwise slow the emulated compute
 EMULATION_SHARE = 0.5
+# the coordinator runs at this niceness beside the peers: on the organizer's own machine it would take no core from
+# them, and here its rounds and its searches (a core for a second or two every re-solve) must not stall their passes
+COORDINATOR_NICE = 10
 # an emulated device holds this share of what training the whole model on one device takes: the model is split
 EMULATED_MEMORY = 0.6
 
@@ -139,8 +142,8 @@ class SwarmConfig:
 class Process:
     """One child process whose output goes to a log file and, line by line, to a callback."""
 
-    def __init__(self, name: str, command: list[str], log_path: Path, on_line: Callable[[str, str], None]) -> None:
-        self.name, self.command, self.log_path, self.on_line = name, command, log_path, on_line
+    def __init__(self, name: str, command: list[str], log_path: Path, on_line: Callable[[str, str], None], nice: int = 0) -> None:
+        self.name, self.command, self.log_path, self.on_line, self.nice = name, command, log_path, on_line, nice
         self.popen: subprocess.Popen | None = None
         self.reader: threading.Thread | None = None
 
@@ -149,6 +152,7 @@ class Process:
         self.popen = subprocess.Popen(
             self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
             start_new_session=True,  # Ctrl+C at the terminal reaches the launcher only; it stops the children
+            preexec_fn=(lambda: os.nice(self.nice)) if self.nice else None,
         )
         self.reader = threading.Thread(target=self._relay, name=f"{self.name}-output", daemon=True)
         self.reader.start()
@@ -251,7 +255,7 @@ class LocalSwarm:
             command += ["--initial-peers", *alive[:3]]
         with self._seen:
             self.key, self.dht_maddrs = None, []
-        self.coordinator = Process("coordinator", command, c.out / "coordinator.log", self._on_line).start()
+        self.coordinator = Process("coordinator", command, c.out / "coordinator.log", self._on_line, nice=COORDINATOR_NICE).start()
         self._wait_for(lambda: self.key is not None and self.dht_maddrs, "the coordinator's key and DHT address", self.coordinator)
         self.event("coordinator started" + (" again" if alive else ""))
 

@@ -12,7 +12,7 @@ from typing import Callable, TypeVar
 import pytest
 
 from hetpeer.protocol.addresses import PeerAddress
-from hetpeer.protocol.control import ControlError, ControlPlane, key_digest, load_or_create_key
+from hetpeer.protocol.control import DHT_NICE, ControlError, ControlPlane, key_digest, load_or_create_key
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.identity import device_id
 from hetpeer.protocol.records import LinkMeasurement, PeerRecord, peers_key, plan_key
@@ -127,6 +127,18 @@ def test_an_announcement_is_read_by_the_other_peers(planes):
     records, dropped = c.read_peers(max_age_s=1e-9)
     assert sent.device_id not in records
     assert any(d.signer == b.fingerprint and d.reason.startswith("peer.time") for d in dropped)
+
+
+def test_the_dht_node_and_its_daemon_yield_the_cpu_to_training(planes):
+    pending, seen = [planes["a"].dht.pid], {}
+    while pending:  # the DHT process and its descendants (p2pd), every thread of each
+        pid = pending.pop()
+        for task in os.listdir(f"/proc/{pid}/task"):
+            seen[(pid, int(task))] = os.getpriority(os.PRIO_PROCESS, int(task))
+            pending += [int(c) for c in open(f"/proc/{pid}/task/{task}/children").read().split()]
+    assert len({pid for pid, _ in seen}) >= 2  # the node and its daemon
+    assert set(seen.values()) == {DHT_NICE}
+    assert os.getpriority(os.PRIO_PROCESS, 0) < DHT_NICE  # the process that trains keeps its own
 
 
 def test_a_restart_with_the_same_key_file_keeps_the_identity(planes, tmp_path):
