@@ -29,7 +29,7 @@ from hetpeer.protocol.addresses import PeerAddress, peer_maddrs
 from hetpeer.protocol.identity import DEVICE_RE, bound, fingerprint
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.reach import REACHABLE, VIA
-from hetpeer.protocol.stepcosts import FIELDS as FIELDS_OF_STEP_COSTS, StepCosts
+from hetpeer.protocol.stepcosts import FIELDS as FIELDS_OF_STEP_COSTS, OLDER_FIELDS as OLDER_STEP_COSTS, StepCosts
 from hetpeer.protocol.wire import SchemaError
 
 # 2: records carry the DHT multiaddrs of their writer and what its training achieves
@@ -124,7 +124,7 @@ class PeerSchema(_Strict):
     compute_key: Optional[pydantic.StrictStr] = None
     compute_share: pydantic.StrictFloat = 1.0
     compute_background: pydantic.StrictFloat = 0.0
-    step_costs: List[pydantic.StrictFloat] = [0.0, 0.0, 0.0, 0.0]
+    step_costs: List[pydantic.StrictFloat] = [0.0] * len(FIELDS_OF_STEP_COSTS)
     reachable: pydantic.StrictStr = "unknown"
     unreachable: List[pydantic.StrictStr] = []
 
@@ -372,7 +372,7 @@ def planning_fields(path: str, compute_key: str | None, compute_share: float, co
         raise SchemaError(f"{path}.compute_share", f"must be in (0, 1], got {compute_share!r}")
     if not (math.isfinite(compute_background) and 0 <= compute_background < 1):
         raise SchemaError(f"{path}.compute_background", f"must be in [0, 1), got {compute_background!r}")
-    if len(step_costs) != len(FIELDS_OF_STEP_COSTS):
+    if len(step_costs) not in (OLDER_STEP_COSTS, len(FIELDS_OF_STEP_COSTS)):  # older peers time no recomputation
         raise SchemaError(f"{path}.step_costs", f"must be {len(FIELDS_OF_STEP_COSTS)} numbers "
                                                 f"({', '.join(FIELDS_OF_STEP_COSTS)}), got {len(step_costs)}")
     try:

@@ -7,9 +7,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-FIELDS = ("embed_s_per_seq", "head_s_per_seq", "update_s_per_param", "micro_s")  # their wire order
+FIELDS = ("embed_s_per_seq", "head_s_per_seq", "update_s_per_param", "micro_s", "recompute_share")  # their wire order
+OLDER_FIELDS = 4  # records of peers that do not time recomputation end at micro_s
 MAX_SEQ_S = 60.0  # a step cost per sequence (or micro-batch) no device takes: past it, a record is wrong
 MAX_PARAM_S = 1e-3  # an optimizer step per parameter no device takes
+MAX_RECOMPUTE = 10.0  # recomputing a block's activations costs no device ten times its forward and backward
+# What recomputing a block's activations adds to its forward and backward where a device did not time it: one
+# forward more, a third of them (the backward is about twice the forward). A GPU comes close; a CPU running a
+# small model pays more (Python and the autograd graph built twice): 0.85 for the demo's model on two cores.
+RECOMPUTE_SHARE = 1 / 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,19 +23,29 @@ class StepCosts:
     """What a stage's step costs on a peer's device beyond its blocks, as its probe timed them
     (`peer.pipeline.steptime`): seconds per sequence of the embedding (forward and backward, the first stage's)
     and of the final norm, head and loss (the last stage's); seconds per parameter of the optimizer's step, once a
-    step; and seconds of the Python around each micro-batch. Zeros: not measured (a peer that does not say: the
-    time model then counts the head by its FLOPs, as a block's, and nothing else)."""
+    step; seconds of the Python around each micro-batch; and what recomputing a block's activations in backward
+    adds to the block's forward and backward, as a share of them. Zeros: not measured (a peer that does not say:
+    the time model then counts the head by its FLOPs, as a block's, recomputation as `RECOMPUTE_SHARE`, and
+    nothing else)."""
 
     embed_s_per_seq: float = 0.0
     head_s_per_seq: float = 0.0
     update_s_per_param: float = 0.0
     micro_s: float = 0.0
+    recompute_share: float = 0.0
 
     def __post_init__(self) -> None:
         for name in FIELDS:
-            value, most = getattr(self, name), MAX_PARAM_S if name == "update_s_per_param" else MAX_SEQ_S
+            value = getattr(self, name)
+            most, unit = {"update_s_per_param": (MAX_PARAM_S, " seconds"), "recompute_share": (MAX_RECOMPUTE, "")}.get(
+                name, (MAX_SEQ_S, " seconds"))
             if not (isinstance(value, (int, float)) and math.isfinite(value) and 0 <= value <= most):
-                raise ValueError(f"{name} must be 0 to {most:g} seconds, got {value!r}")
+                raise ValueError(f"{name} must be 0 to {most:g}{unit}, got {value!r}")
+
+    @property
+    def recompute(self) -> float:
+        """What a recomputed block adds to its forward and backward, as a share of them: measured, else the default."""
+        return self.recompute_share or RECOMPUTE_SHARE
 
     def to_wire(self) -> list[float]:
         return [float(getattr(self, name)) for name in FIELDS]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hetpeer.protocol.modelspec import DTYPE_BYTES, ModelSpec
+from hetpeer.protocol.stepcosts import RECOMPUTE_SHARE
 
 STATE_BYTES_PER_PARAM = 16
 SYNC_BYTES_PER_PARAM = 4  # a group's exchange: a neighbour's fp32 parameters, mixed in place
@@ -65,11 +66,13 @@ class Workload:
         m = self.model
         return float(m.seq_len * 2 * m.hidden * m.vocab)
 
-    def stage_flops(self, layers: float, *, last: bool, sequences: int, recompute: int = 0) -> float:
+    def stage_flops(self, layers: float, *, last: bool, sequences: int, recompute: int = 0,
+                    recompute_share: float = RECOMPUTE_SHARE) -> float:
         """A stage's FLOPs for a step of `sequences` as the planner's time model counts them: forward and backward
-        (3x the forward) through its layers, each recomputed one a forward more, and the head on the last stage."""
+        (3x the forward) through its layers, each of the `recompute` recomputed ones `recompute_share` of that more
+        (`StepCosts.recompute`; by default a forward), and the head on the last stage."""
         head = self.head_fwd_flops_per_seq if last else 0.0
-        return sequences * ((3 * layers + recompute) * self.layer_fwd_flops_per_seq + 3 * head)
+        return sequences * (3 * (layers + recompute_share * recompute) * self.layer_fwd_flops_per_seq + 3 * head)
 
     @property
     def boundary_bytes_per_seq(self) -> float:

@@ -190,5 +190,8 @@ def test_what_a_step_achieves_counts_its_layers_flops_over_its_compute_less_the_
     costs = StepCosts(embed_s_per_seq=0.1, head_s_per_seq=0.2, micro_s=0.05)
     assert achieved_tflops(plan, "a", spec, 2.0, costs) == pytest.approx((3 * 3 + 2) * 4 * layer / (2.0 - 4 * 0.1 - 4 * 0.05) / 1e12)
     assert achieved_tflops(plan, "b", spec, 2.0, costs) == pytest.approx(3 * 4 * layer / (2.0 - 4 * 0.2 - 4 * 0.05) / 1e12)
+    # one that timed recomputing a layer at 0.85 of its forward and backward: the two recomputed count that much more
+    timed = StepCosts(recompute_share=0.85)
+    assert achieved_tflops(plan, "a", spec, 2.0, timed) == pytest.approx(3 * (3 + 2 * 0.85) * 4 * layer / 2.0 / 1e12)
     # a probe that timed the rest longer than the step took leaves the blocks a tenth of it, not a negative time
     assert achieved_tflops(plan, "b", spec, 0.5, costs) == pytest.approx(3 * 4 * layer / 0.05 / 1e12)

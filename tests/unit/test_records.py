@@ -28,7 +28,7 @@ from hetpeer.protocol.records import (
     PeerSchema,
     _PEER_EXACT,
 )
-from hetpeer.protocol.stepcosts import StepCosts
+from hetpeer.protocol.stepcosts import RECOMPUTE_SHARE, StepCosts
 from hetpeer.protocol.wire import SchemaError
 
 KEY = b"ssh-rsa AAAAkey-of-the-signer"  # fingerprint() hashes any bytes: no RSA needed here
@@ -416,15 +416,19 @@ def test_the_device_a_peer_computes_on_is_checked():
 
 
 def test_what_a_stage_step_costs_a_peer_beyond_its_blocks_is_checked():
-    costs = [2e-4, 5e-4, 6e-10, 3e-4]
+    costs = [2e-4, 5e-4, 6e-10, 3e-4, 0.85]
     record = parse(wire(step_costs=costs))
     assert record.step_costs == StepCosts(*costs) and record.step_costs.to_wire() == costs
+    assert record.step_costs.recompute == 0.85
     assert parse(wire()).step_costs == StepCosts()  # a peer that measured nothing of it
-    for bad in ([1e-4, 1e-4, 1e-10], [1e-4] * 5, []):
+    assert parse(wire()).step_costs.recompute == RECOMPUTE_SHARE
+    older = parse(wire(step_costs=costs[:4]))  # a peer that does not time recomputation
+    assert older.step_costs == StepCosts(*costs[:4]) and older.step_costs.recompute == RECOMPUTE_SHARE
+    for bad in ([1e-4, 1e-4, 1e-10], [1e-4] * 6, []):
         refused(wire(step_costs=bad), "peer.step_costs")
-    for i, bad in itertools.product(range(4), (-1e-4, math.nan, math.inf, 1e3)):
+    for i, bad in itertools.product(range(5), (-1e-4, math.nan, math.inf, 1e3)):
         refused(wire(step_costs=costs[:i] + [bad] + costs[i + 1:]), "peer.step_costs")
-    refused(wire(step_costs=[0, 0.0, 0.0, 0.0]), "peer.step_costs.0")  # an int where a float belongs
+    refused(wire(step_costs=[0, 0.0, 0.0, 0.0, 0.0]), "peer.step_costs.0")  # an int where a float belongs
 
 
 def test_whether_others_can_dial_a_peer_is_checked():

@@ -13,9 +13,10 @@ from hetpeer.protocol.stepcosts import FIELDS, StepCosts
 
 
 def test_the_parts_compose_the_one_stage_workers_step_and_the_rest_is_its_python(monkeypatch):
-    # each timing answers a figure of its own, in the order they are taken: the block alone, the first stage, the
-    # last stage, the optimizer's step over its parameters, the one-stage worker's whole step
-    timings = iter([1e-3, 1.5e-3, 2.5e-3, 2e-3, 20e-3])
+    # each timing answers a figure of its own, in the order they are taken: the block alone, the block recomputing
+    # its activations, the first stage, the last stage, the optimizer's step over its parameters, the one-stage
+    # worker's whole step
+    timings = iter([1e-3, 1.8e-3, 1.5e-3, 2.5e-3, 2e-3, 20e-3])
     monkeypatch.setattr(steptime, "time_per_call", lambda *args, **kwargs: next(timings))
     spec = preset("tiny")
     costs = steptime.step_costs(spec, micro_batch=2)
@@ -24,13 +25,16 @@ def test_the_parts_compose_the_one_stage_workers_step_and_the_rest_is_its_python
     assert costs.update_s_per_param == pytest.approx(2e-3 / size)
     parts = steptime.MICRO_BATCHES * (1e-3 + 0.5e-3 + 1.5e-3) + 2e-3 / size * spec.with_layers(1).params  # its blocks and the rest
     assert costs.micro_s == pytest.approx((20e-3 - parts) / steptime.MICRO_BATCHES)
+    assert costs.recompute_share == pytest.approx(0.8)  # recomputing added 0.8 of the block's forward and backward
 
 
 def test_parts_timed_faster_than_a_block_count_nothing_not_less(monkeypatch):
-    timings = iter([2e-3, 1e-3, 1.5e-3, 1e-3, 1e-3])  # noise: the stages with more in them timed faster
+    timings = iter([2e-3, 1.5e-3, 1e-3, 1.5e-3, 1e-3, 1e-3])  # noise: the stages with more in them timed faster
     monkeypatch.setattr(steptime, "time_per_call", lambda *args, **kwargs: next(timings))
     costs = steptime.step_costs(preset("tiny"), micro_batch=2)
     assert (costs.embed_s_per_seq, costs.head_s_per_seq, costs.micro_s) == (0.0, 0.0, 0.0)
+    # recomputing timed faster than not: the least it costs, not a figure that reads as untimed (0)
+    assert costs.recompute_share == steptime.RECOMPUTE_FLOOR
 
 
 @pytest.mark.parametrize("slowdown", [1.0, 3.0])
@@ -41,15 +45,17 @@ def test_the_probe_runs_the_workers_own_step_on_this_machine(slowdown):
     assert costs.update_s_per_param > 0  # an optimizer's step always takes time
 
 
-def test_a_block_already_timed_is_not_timed_again(monkeypatch):
-    # the join's probe has just timed the block (`probe.block_tflops`): its figure stands in for the first timing
+def test_a_block_already_timed_is_what_the_stages_are_reckoned_against(monkeypatch):
+    # the join's probe has just timed the block (`probe.block_tflops`): the first and last stages are reckoned
+    # against its figure; the block timed again, plain and recomputing, gives recomputation's share only
     from hetpeer.protocol.workload import Workload
 
     spec = preset("tiny")
     block_s = 1e-3
     tflops = 3 * 2 * Workload(spec, batch=2, micro_batch=2).layer_fwd_flops_per_seq / (block_s * 1e12)
-    timings = iter([1.5e-3, 2.5e-3, 2e-3, 20e-3])  # first stage, last stage, optimizer, worker: no block
+    timings = iter([0.8e-3, 1.2e-3, 1.5e-3, 2.5e-3, 2e-3, 20e-3])  # block, recomputing, first, last, optimizer, worker
     monkeypatch.setattr(steptime, "time_per_call", lambda *args, **kwargs: next(timings))
     costs = steptime.step_costs(spec, micro_batch=2, tflops=tflops)
     assert costs.embed_s_per_seq == pytest.approx(0.5e-3 / 2) and costs.head_s_per_seq == pytest.approx(1.5e-3 / 2)
+    assert costs.recompute_share == pytest.approx(0.5)
     assert next(timings, None) is None  # every timing was taken, and no more

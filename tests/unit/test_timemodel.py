@@ -306,6 +306,10 @@ def test_a_stage_that_does_not_fit_recomputes_the_fewest_layers_that_make_it_fit
         report = make_model(problem, PlannerConfig(stages=1, group_size=1, memory_reserve=0.0), Shape(1, 1)).report(grid)
         assert report.fits_memory and report.recompute == (k,)
         assert report.cost["total_s"] == pytest.approx(plain_s + k * layer_s / 3, rel=1e-9)  # one more forward each
+        # a device that timed what recomputing costs it (`StepCosts.recompute_share`) pays that instead
+        timed = make_model(replace_costs(problem, np.array([[0.0, 0.0, 0.0, 0.0, 0.85]])),
+                           PlannerConfig(stages=1, group_size=1, memory_reserve=0.0), Shape(1, 1)).report(grid)
+        assert timed.recompute == (k,) and timed.cost["total_s"] == pytest.approx(plain_s + k * 0.85 * layer_s, rel=1e-9)
         never = make_model(problem, PlannerConfig(stages=1, group_size=1, memory_reserve=0.0, recompute="never"), Shape(1, 1))
         assert not never.report(grid).fits_memory
     always = make_model(Problem.from_topology(topology([1.0], 1.0, 1.0), workload),
@@ -339,6 +343,14 @@ def test_memory_caps_a_fast_stage():
     recomputing = make_model(problem, PlannerConfig(stages=2, group_size=1, memory_reserve=0.0), Shape(2, 1))
     report = recomputing.report(np.array([[0], [1]]))
     assert report.layers == (2, 2) and report.recompute == (2, 0) and report.fits_memory
+    # d0 only twice as fast: at a third of a layer a recomputed layer costs, two recomputed layers still beat three
+    # on d1; where d0 timed recomputing at three times a layer's forward and backward, it keeps one layer
+    config = PlannerConfig(stages=2, group_size=1, memory_reserve=0.0)
+    twice = Problem.from_topology(topology([2e-3, 1e-3], 1.0, 10.0, [2.4e-3, 100.0]), Workload(preset("tiny", 4), batch=4))
+    assert make_model(twice, config, Shape(2, 1)).report(np.array([[0], [1]])).layers == (2, 2)
+    costly = replace_costs(twice, np.array([[0.0, 0.0, 0.0, 0.0, 3.0], [0.0, 0.0, 0.0, 0.0, 0.0]]))
+    report = make_model(costly, config, Shape(2, 1)).report(np.array([[0], [1]]))
+    assert report.layers == (1, 3) and report.recompute == (0, 0)
 
 
 def test_moving_weights_from_the_current_plan_is_amortised():
@@ -528,10 +540,11 @@ def test_a_negative_overhead_takes_at_most_half_of_any_step_off_and_the_plan_car
 
 
 def with_step_costs(problem: Problem, rng: np.random.Generator) -> Problem:
-    """`problem` with every device's step costs (`StepCosts`) drawn at random, each about a block's time or less."""
+    """`problem` with every device's step costs (`StepCosts`) drawn at random, each about a block's time or less, and
+    what recomputing a layer adds from a fifth to more than a whole layer."""
     n = problem.n
     return replace_costs(problem, np.column_stack([rng.uniform(0, 1e-3, n), rng.uniform(0, 2e-3, n), rng.uniform(0, 1e-7, n),
-                                                   rng.uniform(0, 1e-3, n)]))
+                                                   rng.uniform(0, 1e-3, n), rng.uniform(0.2, 1.2, n)]))
 
 
 def test_a_stage_step_counts_what_its_devices_measured_beyond_their_blocks():
@@ -540,7 +553,7 @@ def test_a_stage_step_counts_what_its_devices_measured_beyond_their_blocks():
     raw = synthetic.random_topology(3, 1, np.random.default_rng(0))
     spec = preset("tiny", 6)
     problem = Problem.from_topology(Topology.from_wire(raw), Workload(spec, batch=4, micro_batch=1))
-    costs = np.array([[1e-3, 5e-4, 1e-6, 2e-4], [3e-3, 2e-3, 2e-6, 1e-4], [2e-3, 4e-3, 3e-7, 3e-4]])
+    costs = np.array([[1e-3, 5e-4, 1e-6, 2e-4, 0.0], [3e-3, 2e-3, 2e-6, 1e-4, 0.5], [2e-3, 4e-3, 3e-7, 3e-4, 0.9]])
     plain, measured = (make_model(p, PlannerConfig(), Shape(3, 1)) for p in (problem, replace_costs(problem, costs)))
     grid = np.array([[0], [1], [2]])
     before, after = plain.report(grid), measured.report(grid)

@@ -76,8 +76,9 @@ class Problem:
     # swarm's running plan measured beyond its prediction (`coordinator/calibration.py`, which may be below 0)
     step_overhead_s: float = 0.0
     sharing: Sharing | None = None  # devices that compute on one device (`sharing.py`); None: each has its own
-    # (n, 4): what a stage's step costs each device beyond its blocks, as `protocol.records.StepCosts` has them
-    # (embedding and head s/sequence, optimizer s/parameter, Python s/micro-batch); None: not measured
+    # (n, 5): what a stage's step costs each device beyond its blocks, as `protocol.records.StepCosts` has them
+    # (embedding and head s/sequence, optimizer s/parameter, Python s/micro-batch, recomputation's share of a
+    # layer); None: not measured
     step_costs: np.ndarray | None = None
     # matrices derived once and shared by every shape's cost model: n^2 floats each, gigabytes at 10,000 devices
     _derived: dict = field(default_factory=dict, init=False, repr=False)

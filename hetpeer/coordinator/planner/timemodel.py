@@ -43,8 +43,10 @@ For a grid (rows = stages in order, columns = lanes), with M micro-batches per l
   exchange, the activations of min(M, S - s) micro-batches in flight at stage s under 1F1B, the last
   stage's logits); a grid that does not fit is penalised, not dropped, so the search can walk out of it;
 - activation recomputation (`recompute`): with `auto`, a stage whose group's smallest device cannot hold
-  its layers' activations recomputes as few of its layers as make it fit, each costing a third more
-  compute (one more forward); `always` recomputes every layer, `never` none. The layer split weighs it:
+  its layers' activations recomputes as few of its layers as make it fit, each costing what its devices
+  timed (`StepCosts.recompute`: the share of a layer's forward and backward that recomputing adds; a third,
+  one more forward, where not timed; a stage pays its devices' largest); `always` recomputes every layer,
+  `never` none. The layer split weighs it:
   a stage that would need recomputation for one more layer takes it only if that still finishes first;
 - with a current plan, every device that must fetch layers it does not hold pays bytes / its best
   incoming bandwidth from a current holder; the slowest such move, spread over `horizon_steps`
@@ -67,10 +69,10 @@ from hetpeer.coordinator.planner.codecs import HopCodecs
 from hetpeer.coordinator.planner.problem import PlanningError, Problem, Report, Shape
 from hetpeer.coordinator.planner.screens import Screens
 from hetpeer.protocol.plan import RECOMPUTE_CHOICES, SYNC_CHOICES
+from hetpeer.protocol.stepcosts import FIELDS as STEP_COSTS, RECOMPUTE_SHARE
 from hetpeer.protocol.workload import STATE_BYTES_PER_PARAM, SYNC_BYTES_PER_PARAM
 
 NAME = "time"
-RECOMPUTE_COST = 1 / 3  # a recomputed layer runs its forward once more: a third of its forward and backward
 AUTO_ALLREDUCE_SLACK = 0.02  # all-reduce is preferred while it costs at most this share of a step more
 OVERFLOW_PENALTY_S_PER_GB = 1e4
 # The step is a max over lanes and groups, flat under most swaps; a sliver of the mean lane and
@@ -115,12 +117,14 @@ class TimeCost(Screens):
         flops_per_s = problem.tflops * 1e12
         self.layer_s = 3 * mb * w.layer_fwd_flops_per_seq / flops_per_s  # (n,)
         self.head_s = 3 * mb * w.head_fwd_flops_per_seq / flops_per_s  # (n,)
-        # what a stage's step costs beyond its blocks, where the devices measured it (`StepCosts`, (n, 4))
-        costs = problem.step_costs if problem.step_costs is not None else np.zeros((problem.n, 4))
+        # what a stage's step costs beyond its blocks, where the devices measured it (`StepCosts`, (n, 5))
+        costs = problem.step_costs if problem.step_costs is not None else np.zeros((problem.n, len(STEP_COSTS)))
         self.head_s = np.where(costs[:, 1] > 0, mb * costs[:, 1], self.head_s)  # measured, not counted by FLOPs
         self.first_s = mb * costs[:, 0]  # (n,): the embedding's, on the first stage
         self.micro_s = costs[:, 3]  # (n,): the Python around a micro-batch, on every stage
         self.update_s = costs[:, 2]  # (n,): the optimizer's step, seconds per parameter, once a step
+        # (n,): what recomputing a layer adds, in layers' worth (of its forward and backward)
+        self.recompute_share = np.where(costs[:, 4] > 0, costs[:, 4], RECOMPUTE_SHARE)
         self.hops = HopCodecs(compress, mb * model.seq_len * model.hidden, w.dtype)  # what a hop costs, in its codecs
         self.tied_bytes = model.vocab * model.hidden * w.dtype_bytes if model.tied else 0.0
         # Flat copies: gathering pairs by one flat index is about twice as fast as 2-D indexing.
@@ -166,13 +170,15 @@ class TimeCost(Screens):
 
     # -- the model -------------------------------------------------------------------------------
 
-    def _layers(self, grids: np.ndarray, slowdown: np.ndarray | float) -> tuple[np.ndarray, np.ndarray]:
+    def _layers(self, grids: np.ndarray, slowdown: np.ndarray | float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Greedy min-max allocation of layers to stages, within memory where possible: (layers, of them
-        recomputed), (K, S) each; `slowdown` is each cell's from sharing a device (`_slowdowns`). A stage's finish time only grows with its layers (recomputation too), so
-        taking the layer that finishes soonest each time is optimal."""
+        recomputed, layers' worth of compute), (K, S) each; `slowdown` is each cell's from sharing a device
+        (`_slowdowns`). A stage's finish time only grows with its layers (recomputation too), so taking the layer
+        that finishes soonest each time is optimal."""
         K, S, _ = grids.shape
         L = self.problem.layers
         per_layer = (self.layer_s[grids] * slowdown).max(axis=2)  # slowest device of each stage
+        share = self.recompute_share[grids].max(axis=2)  # what a recomputed layer adds on the stage's devices
         extra = (self._fixed(grids.transpose(0, 2, 1)).transpose(0, 2, 1) * slowdown).max(axis=2)
         if self.usable_memory is not None:
             room = self.usable_memory[grids].min(axis=2) - self.mem_fixed
@@ -182,7 +188,7 @@ class TimeCost(Screens):
         else:
             room, plain = None, np.full((K, S), np.inf)
             cap = plain
-        rate = 1 + RECOMPUTE_COST if self.recompute == "always" else 1.0
+        rate = 1 + share if self.recompute == "always" else 1.0
         # Start from the continuous bound: no stage can finish before `floor` in any allocation, so
         # every count reaching at most `floor` is part of the greedy answer (the bound of layers that
         # need no recomputation: recomputed ones only finish later); the greedy then places the
@@ -195,11 +201,13 @@ class TimeCost(Screens):
         rows = np.arange(K)
         for _ in range(L - int(counts.sum(axis=1).min())):
             fill = counts.sum(axis=1) < L
-            finish = self._work(counts + 1, room, plain) * per_layer + extra
+            more = counts + 1
+            finish = (more + share * self._recomputed(more, room, plain)) * per_layer + extra
             within = np.where(counts + 1 <= cap, finish, np.inf)
             choice = np.where(np.isfinite(within.min(axis=1)), within.argmin(axis=1), finish.argmin(axis=1))
             counts[rows[fill], choice[fill]] += 1
-        return counts, self._recomputed(counts, room, plain)
+        recomputed = self._recomputed(counts, room, plain)
+        return counts, recomputed, counts + share * recomputed
 
     def _recomputed(self, counts: np.ndarray, room: np.ndarray | None, plain: np.ndarray) -> np.ndarray:
         """Layers of each stage that recompute: none, all, or (auto) the fewest that fit its memory."""
@@ -210,10 +218,6 @@ class TimeCost(Screens):
         short = counts * self.mem_per_layer + self.mem_rebuilt - room
         fewest = np.ceil(short / (self.mem_per_layer - self.mem_per_recomputed)).astype(np.int64)
         return np.where(counts <= plain, 0, np.clip(fewest, 1, counts))
-
-    def _work(self, counts: np.ndarray, room: np.ndarray | None, plain: np.ndarray) -> np.ndarray:
-        """Layers' worth of compute: each recomputed layer costs `RECOMPUTE_COST` more."""
-        return counts + RECOMPUTE_COST * self._recomputed(counts, room, plain)
 
     def _lanes(self, cols: np.ndarray, work: np.ndarray, slowdown: np.ndarray | float = 1.0) -> tuple[np.ndarray, np.ndarray]:
         """Lane times for lanes given as (..., S) device indices with (..., S) layers' worth of compute
@@ -318,8 +322,7 @@ class TimeCost(Screens):
     def _evaluate(self, grids: np.ndarray) -> dict[str, np.ndarray]:
         K = grids.shape[0]
         slowdown = self._slowdowns(grids)
-        counts, recompute = self._layers(grids, slowdown)
-        work = counts + RECOMPUTE_COST * recompute
+        counts, recompute, work = self._layers(grids, slowdown)
         lanes_slowdown = slowdown.transpose(0, 2, 1) if np.ndim(slowdown) else slowdown
         lane, t = self._lanes(grids.transpose(0, 2, 1), work[:, None, :], lanes_slowdown)  # lanes: (K, m)
         slowest = lane.argmax(axis=1)

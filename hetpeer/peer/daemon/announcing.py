@@ -35,15 +35,16 @@ class Status:
 
 def achieved_tflops(plan: Plan, me: str, spec: ModelSpec, compute_s: float, costs: StepCosts) -> float:
     """What `me`'s blocks achieve in training under `plan`, in TFLOPS, as the planner's time model means a device's
-    TFLOPS: its layers' FLOPs for the lane's batch (forward and backward: 3x forward; a recomputed layer a forward
-    more) over `compute_s`, a step's compute, less what the rest of the stage's step costs by its probe (`costs`:
-    the embedding on the first stage, the head and loss on the last, the Python around each micro-batch). Where the
-    probe did not time the head (a peer that announces no step costs), the head counts by its FLOPs, as a block."""
+    TFLOPS: its layers' FLOPs for the lane's batch (forward and backward: 3x forward; a recomputed layer its probe's
+    share of that more, `StepCosts.recompute`) over `compute_s`, a step's compute, less what the rest of the stage's
+    step costs by its probe (`costs`: the embedding on the first stage, the head and loss on the last, the Python
+    around each micro-batch). Where the probe did not time the head (a peer that announces no step costs), the head
+    counts by its FLOPs, as a block."""
     stage, _ = plan.position(me)
     first, last = stage == 0, stage == len(plan.stages) - 1
     workload = Workload(spec, batch=plan.batch, micro_batch=plan.micro_batch, dtype=plan.dtype)
     flops = workload.stage_flops(plan.stages[stage].layers, last=last and not costs.head_s_per_seq, sequences=plan.lane_batch,
-                                 recompute=plan.stages[stage].recompute)
+                                 recompute=plan.stages[stage].recompute, recompute_share=costs.recompute)
     rest = plan.lane_batch * (first * costs.embed_s_per_seq + last * costs.head_s_per_seq) + plan.micro_batches * costs.micro_s
     return flops / max(compute_s - rest, BLOCKS_SHARE * compute_s) / 1e12
 

@@ -55,7 +55,7 @@ class Probing:
         machine = profile_machine(self.spec, config.micro_batch, config.dtype, config.worker.device, config.worker.slowdown,
                                   config.probe_s, swarm=config.swarm)
         costs = step_costs(self.spec, config.micro_batch, config.worker.device, config.probe_s / 8, config.dtype,
-                           config.worker.slowdown, tflops=machine.tflops)  # four timings: well under the block's
+                           config.worker.slowdown, tflops=machine.tflops)  # six timings of an eighth of the block's
         machine = replace(machine, step_costs=costs)
         if config.memory_cap_bytes is not None:
             machine = replace(machine, memory_bytes=min(machine.memory_bytes, config.memory_cap_bytes))

@@ -8,7 +8,11 @@ time model counts a stage's whole step, not its blocks alone:
 - the optimizer's step per parameter: a gossip round's average with one neighbour, then Adam with clipping, as
   `GroupSync` runs them once a step;
 - the Python around a micro-batch: a one-stage worker's whole step (`StageWorker.train_step` on a one-block
-  model: data, forward, loss, backward, the optimizer), less the parts above, per micro-batch.
+  model: data, forward, loss, backward, the optimizer), less the parts above, per micro-batch;
+- what recomputing a block's activations adds (`gpt.run_blocks`): the block's forward and backward with its
+  activations recomputed over the same without, less one. The time model counts it for stages that recompute:
+  a forward more in FLOPs, a third, but 0.85 on the demo's two CPU cores, where the second forward's Python
+  and autograd graph cost as much as its arithmetic.
 
 Each is timed in the training dtype under the peer's emulated slowdown, as the worker runs its forward and
 backward passes (the optimizer outside it, as there), the fastest of passes over about `seconds`
@@ -32,17 +36,19 @@ from hetpeer.peer.transport import MemoryHub, MemoryTransport
 from hetpeer.protocol.modelspec import ModelSpec
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.recipe import Recipe
-from hetpeer.protocol.stepcosts import StepCosts
+from hetpeer.protocol.stepcosts import MAX_RECOMPUTE, StepCosts
 from hetpeer.protocol.workload import Workload
 
 MICRO_BATCHES = 4  # of the one-stage worker's step
 UPDATE_PARAMS = 1 << 20  # the optimizer's step is timed over at least this many parameters (a block's, if more)
+RECOMPUTE_FLOOR = 0.01  # a recomputation timed as free is noise: it costs at least this share (0 would read as untimed)
 
 
 def step_costs(spec: ModelSpec, micro_batch: int, device: str = "cpu", seconds: float = 0.5, dtype: str = "fp32",
                slowdown: float = 1.0, tflops: float | None = None) -> StepCosts:
-    """`StepCosts` of `spec`'s stages at `micro_batch` on `device`; takes about 5 x `seconds`, 4 x given `tflops`: a
-    block's, as `probe.block_tflops` timed it just now under the same conditions, which then is not timed again."""
+    """`StepCosts` of `spec`'s stages at `micro_batch` on `device`; takes about 7 x `seconds`. Given `tflops`, a
+    block's as `probe.block_tflops` timed it just now under the same conditions, the embedding and the head are
+    reckoned against it rather than against the block timed again."""
     autocast = autocast_for(device, dtype)
     two = spec.with_layers(2)
     block = build_stage(spec.with_layers(3), 1, 2, device=device)  # one block alone: no embeddings, no head
@@ -61,8 +67,12 @@ def step_costs(spec: ModelSpec, micro_batch: int, device: str = "cpu", seconds: 
 
         return time_per_call(run, device, seconds, best=True)
 
+    plain_s = timed(lambda: block(x).float().sum())
+    block.recompute = 1
+    recompute_share = max(RECOMPUTE_FLOOR, timed(lambda: block(x).float().sum()) / plain_s - 1)
+    block.recompute = 0
     if tflops is None:
-        block_s = timed(lambda: block(x).float().sum())
+        block_s = plain_s
     else:
         block_s = 3 * micro_batch * Workload(spec, batch=micro_batch, micro_batch=micro_batch).layer_fwd_flops_per_seq / (tflops * 1e12)
     embed_s = max(0.0, timed(lambda: first(tokens).float().sum()) - block_s)
@@ -72,7 +82,7 @@ def step_costs(spec: ModelSpec, micro_batch: int, device: str = "cpu", seconds: 
     step_s = _worker_step_s(one, micro_batch, device, dtype, slowdown, seconds)
     parts_s = MICRO_BATCHES * (block_s + embed_s + head_s) + update_s * one.params
     micro_s = max(0.0, step_s - parts_s) / MICRO_BATCHES
-    return StepCosts(embed_s / micro_batch, head_s / micro_batch, update_s, micro_s)
+    return StepCosts(embed_s / micro_batch, head_s / micro_batch, update_s, micro_s, min(recompute_share, MAX_RECOMPUTE))
 
 
 def _update_s_per_param(block_params: int, device: str, seconds: float) -> float:
