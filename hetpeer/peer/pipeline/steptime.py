@@ -41,6 +41,7 @@ from hetpeer.protocol.workload import Workload
 
 MICRO_BATCHES = 4  # of the one-stage worker's step
 UPDATE_PARAMS = 1 << 20  # the optimizer's step is timed over at least this many parameters (a block's, if more)
+RECOMPUTE_ROUNDS = 3  # the block is timed plain and recomputing this many times each, alternately
 RECOMPUTE_FLOOR = 0.01  # a recomputation timed as free is noise: it costs at least this share (0 would read as untimed)
 
 
@@ -56,7 +57,7 @@ def step_costs(spec: ModelSpec, micro_batch: int, device: str = "cpu", seconds: 
     tokens = torch.randint(spec.vocab, (micro_batch, spec.seq_len), device=device)
     x = torch.randn(micro_batch, spec.seq_len, spec.hidden, device=device, requires_grad=True)
 
-    def timed(forward: Callable[[], torch.Tensor]) -> float:
+    def timed(forward: Callable[[], torch.Tensor], seconds: float = seconds) -> float:
         around = Slowdown(slowdown) if slowdown != 1 else contextlib.nullcontext()  # one per kind of work
 
         def run() -> None:
@@ -67,10 +68,16 @@ def step_costs(spec: ModelSpec, micro_batch: int, device: str = "cpu", seconds: 
 
         return time_per_call(run, device, seconds, best=True)
 
-    plain_s = timed(lambda: block(x).float().sum())
-    block.recompute = 1
-    recompute_share = max(RECOMPUTE_FLOOR, timed(lambda: block(x).float().sum()) / plain_s - 1)
-    block.recompute = 0
+    # the block plain and recomputing, in alternating rounds, the fastest of each: peers that start together probe
+    # at once, and a ratio of two timings taken seconds apart under their changing load read 0.4 to 1.9
+    plain, again = [], []
+    for _ in range(RECOMPUTE_ROUNDS):
+        plain.append(timed(lambda: block(x).float().sum(), seconds / RECOMPUTE_ROUNDS))
+        block.recompute = 1
+        again.append(timed(lambda: block(x).float().sum(), seconds / RECOMPUTE_ROUNDS))
+        block.recompute = 0
+    plain_s = min(plain)
+    recompute_share = max(RECOMPUTE_FLOOR, min(again) / plain_s - 1)
     if tflops is None:
         block_s = plain_s
     else:
