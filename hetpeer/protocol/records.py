@@ -374,7 +374,8 @@ def planning_fields(path: str, compute_key: str | None, compute_share: float, co
         raise SchemaError(f"{path}.compute_background", f"must be in [0, 1), got {compute_background!r}")
     if len(step_costs) not in (OLDER_STEP_COSTS, len(FIELDS_OF_STEP_COSTS)):  # older peers time no recomputation
         raise SchemaError(f"{path}.step_costs", f"must be {len(FIELDS_OF_STEP_COSTS)} numbers "
-                                                f"({', '.join(FIELDS_OF_STEP_COSTS)}), got {len(step_costs)}")
+                                                f"({', '.join(FIELDS_OF_STEP_COSTS)}; {OLDER_STEP_COSTS} from older peers), "
+                                                f"got {len(step_costs)}")
     try:
         return StepCosts(*step_costs)
     except ValueError as error:

@@ -12,9 +12,10 @@ OLDER_FIELDS = 4  # records of peers that do not time recomputation end at micro
 MAX_SEQ_S = 60.0  # a step cost per sequence (or micro-batch) no device takes: past it, a record is wrong
 MAX_PARAM_S = 1e-3  # an optimizer step per parameter no device takes
 MAX_RECOMPUTE = 10.0  # recomputing a block's activations costs no device ten times its forward and backward
+MOST = {"update_s_per_param": MAX_PARAM_S, "recompute_share": MAX_RECOMPUTE}  # the rest: MAX_SEQ_S
 # What recomputing a block's activations adds to its forward and backward where a device did not time it: one
 # forward more, a third of them (the backward is about twice the forward). A GPU comes close; a CPU running a
-# small model pays more (Python and the autograd graph built twice): 0.85 for the demo's model on two cores.
+# small model pays more (Python and the autograd graph built twice): 0.7 to 1.0 for the demo's tiny model.
 RECOMPUTE_SHARE = 1 / 3
 
 
@@ -36,10 +37,9 @@ class StepCosts:
 
     def __post_init__(self) -> None:
         for name in FIELDS:
-            value = getattr(self, name)
-            most, unit = {"update_s_per_param": (MAX_PARAM_S, " seconds"), "recompute_share": (MAX_RECOMPUTE, "")}.get(
-                name, (MAX_SEQ_S, " seconds"))
+            value, most = getattr(self, name), MOST.get(name, MAX_SEQ_S)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and 0 <= value <= most):
+                unit = "" if name == "recompute_share" else " seconds"
                 raise ValueError(f"{name} must be 0 to {most:g}{unit}, got {value!r}")
 
     @property

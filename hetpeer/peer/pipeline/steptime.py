@@ -11,8 +11,8 @@ time model counts a stage's whole step, not its blocks alone:
   model: data, forward, loss, backward, the optimizer), less the parts above, per micro-batch;
 - what recomputing a block's activations adds (`gpt.run_blocks`): the block's forward and backward with its
   activations recomputed over the same without, less one. The time model counts it for stages that recompute:
-  a forward more in FLOPs, a third, but 0.85 on the demo's two CPU cores, where the second forward's Python
-  and autograd graph cost as much as its arithmetic.
+  a forward more in FLOPs, a third, but 0.7 to 1.0 for the tiny model on this machine's CPU cores (micro-batches
+  of 4 and 2), where the second forward's Python and autograd graph cost as much as its arithmetic.
 
 Each is timed in the training dtype under the peer's emulated slowdown, as the worker runs its forward and
 backward passes (the optimizer outside it, as there), the fastest of passes over about `seconds`
@@ -47,7 +47,7 @@ RECOMPUTE_FLOOR = 0.01  # a recomputation timed as free is noise: it costs at le
 
 def step_costs(spec: ModelSpec, micro_batch: int, device: str = "cpu", seconds: float = 0.5, dtype: str = "fp32",
                slowdown: float = 1.0, tflops: float | None = None) -> StepCosts:
-    """`StepCosts` of `spec`'s stages at `micro_batch` on `device`; takes about 7 x `seconds`. Given `tflops`, a
+    """`StepCosts` of `spec`'s stages at `micro_batch` on `device`; takes about 6 x `seconds`. Given `tflops`, a
     block's as `probe.block_tflops` timed it just now under the same conditions, the embedding and the head are
     reckoned against it rather than against the block timed again."""
     autocast = autocast_for(device, dtype)
