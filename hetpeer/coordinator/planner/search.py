@@ -27,8 +27,8 @@ so that new material is crossed with what earlier populations learnt. The search
 a seed whenever the deadline is not hit, and anytime when it is.
 
 Across searches: a search returns its `Memory` (each shape it evolved, its population by device id and
-the seconds it had); a search given one goes on from there instead of starting again (`_resume`), as a
-coordinator's rounds do.
+the seconds it had, and which shapes were scored); a search given one goes on from there instead of starting
+again (`_resume`), as a coordinator's rounds do, and scores the shapes it may use that were not (peers joined).
 """
 
 from __future__ import annotations
@@ -97,6 +97,9 @@ class Memory:
     kept as device ids, so that peers who joined, left or were renumbered since change only what they touch."""
 
     shapes: tuple[Remembered, ...]
+    # the shapes scored by the searches since each was last allowed: one allowed again (peers joined) is scored
+    # again, and given a trial when it is among the most promising, as in a fresh search
+    considered: frozenset[Shape] = frozenset()
 
     @property
     def searched_s(self) -> float:
@@ -140,26 +143,24 @@ def search(
     search's, `Found.memory`) the search goes on from where that one stopped (`_resume`); the result's
     `memory` is where this one stopped."""
     say = progress or (lambda line: None)
-    orders = None
     recalled = _recall(memory, problem, shapes, rng) if memory is not None else []
     if recalled:
         orders = _device_orders(problem, make_model(recalled[0][0]), rng)
         book = [_Shape(shape, make_model(shape), _constructed(problem, shape, orders) + _sampled(problem, shape, rng),
                        population=population, searched_s=searched_s) for shape, population, searched_s in recalled]
+        # shapes the last search could not use (the swarm grew) or whose remembered grids are forgotten: the most
+        # promising join the trials, as in a fresh search
+        forgotten = {entry.shape for entry in memory.shapes} - {shape for shape, _, _ in recalled}
+        unscored = [shape for shape in shapes if shape not in memory.considered or shape in forgotten]
+        scored = _score(unscored, make_model, problem, orders, deadline, clock)
+        book += _book(scored, problem, orders, config, rng)
+        considered = (memory.considered & set(shapes)) - forgotten | {shape for _, shape, _ in scored}
         entry = _resume(problem, book, config, rng, deadline, clock, say)
     else:
-        scored = []
-        for shape in shapes:
-            model = make_model(shape)
-            if orders is None:  # shared by every shape: link costs differ between shapes only in scale
-                orders = _device_orders(problem, model, rng)
-            costs = model.batch_cost(np.stack(_constructed(problem, shape, orders)))
-            scored.append((float(costs.min()), shape, model))
-            if clock() > deadline:
-                break
-        scored.sort(key=lambda entry: entry[0])
-        book = [_Shape(shape, model, _constructed(problem, shape, orders) + _sampled(problem, shape, rng))
-                for _, shape, model in scored[: config.shapes_searched]]
+        orders = _device_orders(problem, make_model(shapes[0]), rng)  # every shape's: their link costs differ only in scale
+        scored = _score(shapes, make_model, problem, orders, deadline, clock)
+        book = _book(scored, problem, orders, config, rng)
+        considered = frozenset(shape for _, shape, _ in scored)
         # Trials: each promising shape evolves for an equal share of TRIAL_SHARE of the budget (a share
         # it leaves unused goes to the next); the best then evolves on from its population with the
         # rest, unless converged. A large swarm's trial affords about one local search, which tells the
@@ -175,28 +176,48 @@ def search(
     started = clock()
     found = _restart(problem, entry.model, entry.found, orders, config, rng, deadline, clock, say)
     entry.population, entry.searched_s = list(found.population), entry.searched_s + clock() - started
-    return replace(found, memory=_remember(problem, book, entry))
+    return replace(found, memory=_remember(problem, book, entry, considered))
+
+
+def _score(shapes: list[Shape], make_model, problem: Problem, orders, deadline, clock) -> list:
+    """(cost of the best constructed seed, shape, model) for each shape scored before the deadline, best first."""
+    scored = []
+    for shape in shapes:
+        model = make_model(shape)
+        costs = model.batch_cost(np.stack(_constructed(problem, shape, orders)))
+        scored.append((float(costs.min()), shape, model))
+        if clock() > deadline:
+            break
+    scored.sort(key=lambda entry: entry[0])
+    return scored
+
+
+def _book(scored: list, problem: Problem, orders, config: SearchConfig, rng) -> list[_Shape]:
+    """The most promising scored shapes, to be given trials."""
+    return [_Shape(shape, model, _constructed(problem, shape, orders) + _sampled(problem, shape, rng))
+            for _, shape, model in scored[: config.shapes_searched]]
 
 
 def _resume(problem, book: list[_Shape], config, rng, deadline, clock, say) -> _Shape:
     """Go on from remembered shapes as a search given their time and this budget together would: each shape
-    but the best gets its share of the trials first (TRIAL_SHARE of all the time, in equal shares, less what it
-    has had), then the best shape (re-evaluated on this swarm) evolves on with the rest."""
-    total = sum(entry.searched_s for entry in book) + max(0.0, deadline - clock())
+    but the best (new shapes too) gets its share of the trials first (TRIAL_SHARE of all the time, in equal shares,
+    less what it has had, and at most TRIAL_SHARE of this round's), then the best shape (re-evaluated on this
+    swarm) evolves on with the rest."""
+    budget = max(0.0, deadline - clock())
+    total = sum(entry.searched_s for entry in book) + budget
     best = book[0]
     for entry in book[1:]:
-        owed = TRIAL_SHARE / len(book) * total - entry.searched_s
+        # what it is owed, at most its share of this round's trials: the best goes on every round
+        owed = min(TRIAL_SHARE / len(book) * total - entry.searched_s, TRIAL_SHARE / (len(book) - 1) * budget)
         if owed > 0 and clock() < deadline:
             found = entry.evolve(problem, config, rng, min(deadline, clock() + owed), clock)
             say(f"{entry.shape}: trial goes on, {found.objective:.4g} s after {found.generations} generations")
     if clock() < deadline:
         found = best.evolve(problem, config, rng, deadline, clock)
         say(f"{found.shape}: goes on, {found.objective:.4g} s after {found.generations} generations")
-    searched = [entry for entry in book if entry.found is not None]
-    if not searched:  # no time at all: the remembered best as it is, re-evaluated
+    if best.found is None:  # no time left for it: the remembered best as it is, re-evaluated
         best.found = _evolve(problem, best.model, [], best.population, config, rng, deadline, clock)
-        searched = [best]
-    return min(searched, key=lambda e: e.found.objective)
+    return min((entry for entry in book if entry.found is not None), key=lambda e: e.found.objective)
 
 
 def _recall(memory: Memory, problem: Problem, shapes: list[Shape], rng: np.random.Generator) -> list:
@@ -223,14 +244,14 @@ def _recall(memory: Memory, problem: Problem, shapes: list[Shape], rng: np.rando
     return recalled
 
 
-def _remember(problem: Problem, book: list[_Shape], best: _Shape) -> Memory:
+def _remember(problem: Problem, book: list[_Shape], best: _Shape, considered: frozenset[Shape]) -> Memory:
     ids = np.asarray(problem.device_ids, dtype=object)
     ordered = [best] + [entry for entry in book if entry is not best and entry.population]
     return Memory(tuple(
         Remembered(entry.shape, tuple(tuple(tuple(row) for row in ids[grid].tolist()) for grid in entry.population),
                    entry.searched_s)
         for entry in ordered
-    ))
+    ), considered)
 
 
 def _restart(problem, model, found, orders, config, rng, deadline, clock, progress) -> Found:
