@@ -4,6 +4,8 @@ that ticks per reading, so that what a search does in them does not depend on th
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -100,6 +102,21 @@ def test_a_shape_the_swarm_grows_back_into_is_searched_again():
     assert back.shape == Shape(2, 2)
     assert back.report.objective <= first.report.objective * (1 + 1e-9)
     assert {entry.shape for entry in back.memory.shapes} == {Shape(2, 1), Shape(2, 2)}
+
+
+def test_a_remembered_shape_that_lost_out_is_tried_again_when_the_peer_that_made_it_lose_returns():
+    # five devices, one slow: 2 x 2 of the fast four, the slow one on standby; a fast one leaves, and 2 x 2 would
+    # need the slow one, so 2 x 1 wins that round; the fast one returns: 2 x 2 must win again in one round
+    p = problem(8, 5).subset(np.arange(5))
+    tflops = p.tflops.copy()
+    tflops[4] = tflops[:4].min() / 10
+    p = replace(p, tflops=tflops)
+    first = run(p, 0.3, 0, stages=2)
+    assert first.shape == Shape(2, 2) and first.plan.standby == (p.device_ids[4],)
+    left = run(p.subset(np.array([0, 1, 2, 4])), 0.3, 1, first.memory, stages=2)
+    assert left.shape == Shape(2, 1) and Shape(2, 2) in [entry.shape for entry in left.memory.shapes]
+    back = run(p, 0.3, 2, left.memory, stages=2)
+    assert back.shape == Shape(2, 2) and back.report.objective <= first.report.objective * (1 + 1e-9)
 
 
 def test_a_shape_whose_remembered_grids_were_all_forgotten_is_scored_again():

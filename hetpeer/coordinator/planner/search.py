@@ -28,7 +28,8 @@ a seed whenever the deadline is not hit, and anytime when it is.
 
 Across searches: a search returns its `Memory` (each shape it evolved, its population by device id and
 the seconds it had, and which shapes were scored); a search given one goes on from there instead of starting
-again (`_resume`), as a coordinator's rounds do, and scores the shapes it may use that were not (peers joined).
+again (`_resume`), as a coordinator's rounds do, and scores the shapes it may use that were not (peers joined);
+when peers joined, every remembered shape gets a trial again.
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ class Memory:
     # the shapes scored by the searches since each was last allowed: one allowed again (peers joined) is scored
     # again, and given a trial when it is among the most promising, as in a fresh search
     considered: frozenset[Shape] = frozenset()
+    devices: frozenset[str] = frozenset()  # the ids of the devices it searched over
 
     @property
     def searched_s(self) -> float:
@@ -155,7 +157,10 @@ def search(
         scored = _score(unscored, make_model, problem, orders, deadline, clock)
         book += _book(scored, problem, orders, config, rng)
         considered = (memory.considered & set(shapes)) - forgotten | {shape for _, shape, _ in scored}
-        entry = _resume(problem, book, config, rng, deadline, clock, say)
+        # a device that joined since can make a remembered shape that lost out the best again (the peer whose
+        # leaving made two lanes too slow comes back): every shape gets a trial this round, whatever it had
+        joined = not memory.devices.issuperset(problem.device_ids)
+        entry = _resume(problem, book, config, rng, deadline, clock, say, retry=joined)
     else:
         orders = _device_orders(problem, make_model(shapes[0]), rng)  # every shape's: their link costs differ only in scale
         scored = _score(shapes, make_model, problem, orders, deadline, clock)
@@ -198,17 +203,18 @@ def _book(scored: list, problem: Problem, orders, config: SearchConfig, rng) -> 
             for _, shape, model in scored[: config.shapes_searched]]
 
 
-def _resume(problem, book: list[_Shape], config, rng, deadline, clock, say) -> _Shape:
+def _resume(problem, book: list[_Shape], config, rng, deadline, clock, say, retry: bool = False) -> _Shape:
     """Go on from remembered shapes as a search given their time and this budget together would: each shape
     but the best (new shapes too) gets its share of the trials first (TRIAL_SHARE of all the time, in equal shares,
-    less what it has had, and at most TRIAL_SHARE of this round's), then the best shape (re-evaluated on this
-    swarm) evolves on with the rest."""
+    less what it has had, and at most TRIAL_SHARE of this round's; with `retry`, that much whatever it has had),
+    then the best shape (re-evaluated on this swarm) evolves on with the rest."""
     budget = max(0.0, deadline - clock())
     total = sum(entry.searched_s for entry in book) + budget
     best = book[0]
     for entry in book[1:]:
         # what it is owed, at most its share of this round's trials: the best goes on every round
-        owed = min(TRIAL_SHARE / len(book) * total - entry.searched_s, TRIAL_SHARE / (len(book) - 1) * budget)
+        share = TRIAL_SHARE / (len(book) - 1) * budget
+        owed = share if retry else min(TRIAL_SHARE / len(book) * total - entry.searched_s, share)
         if owed > 0 and clock() < deadline:
             found = entry.evolve(problem, config, rng, min(deadline, clock() + owed), clock)
             say(f"{entry.shape}: trial goes on, {found.objective:.4g} s after {found.generations} generations")
@@ -251,7 +257,7 @@ def _remember(problem: Problem, book: list[_Shape], best: _Shape, considered: fr
         Remembered(entry.shape, tuple(tuple(tuple(row) for row in ids[grid].tolist()) for grid in entry.population),
                    entry.searched_s)
         for entry in ordered
-    ), considered)
+    ), considered, frozenset(problem.device_ids))
 
 
 def _restart(problem, model, found, orders, config, rng, deadline, clock, progress) -> Found:
