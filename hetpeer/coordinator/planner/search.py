@@ -211,9 +211,8 @@ def _resume(problem, book: list[_Shape], config, rng, deadline, clock, say, retr
     budget = max(0.0, deadline - clock())
     total = sum(entry.searched_s for entry in book) + budget
     best = book[0]
+    share = TRIAL_SHARE / max(1, len(book) - 1) * budget  # of this round's trials: the best goes on every round
     for entry in book[1:]:
-        # what it is owed, at most its share of this round's trials: the best goes on every round
-        share = TRIAL_SHARE / (len(book) - 1) * budget
         owed = share if retry else min(TRIAL_SHARE / len(book) * total - entry.searched_s, share)
         if owed > 0 and clock() < deadline:
             found = entry.evolve(problem, config, rng, min(deadline, clock() + owed), clock)
