@@ -144,6 +144,11 @@ class DeviceLoad:
         own = os.times()
         return busy / tick, total / tick, own.user + own.system
 
+    def skip(self) -> None:
+        """Leave the time since the last sample out: the next sample starts now."""
+        if self._usable:
+            self._last = self._read()
+
     def sample(self) -> float | None:
         """Add a sample; the load now, as a share of the cores in [0, 1), or None where it is not measured."""
         if not self._usable:

@@ -1,6 +1,7 @@
 """A swarm peer's pure rules: when a new plan replaces the running one (`switch_now`), which plans' frames
 it keeps before it runs them (`held_epochs`), whom a peer entering a plan waits for (`not_arrived`), and
-which peers to download a stage's state from (`donors_for`)."""
+which peers to download a stage's state from (`donors_for`), and whether a peer sharing its device trains
+(`device_trains`: then it neither times the device nor reads its load)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from hetpeer.peer.daemon.announcing import achieved_tflops
 from hetpeer.peer.daemon.following import FUTURE_EPOCHS, fetching, held_epochs, not_arrived, switch_now
 from hetpeer.peer.daemon.handover import donors_for, still_fetched
+from hetpeer.peer.daemon.probing import device_trains
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.records import PeerRecord
@@ -195,3 +197,17 @@ def test_what_a_step_achieves_counts_its_layers_flops_over_its_compute_less_the_
     assert achieved_tflops(plan, "a", spec, 2.0, timed) == pytest.approx(3 * (3 + 2 * 0.85) * 4 * layer / 2.0 / 1e12)
     # a probe that timed the rest longer than the step took leaves the blocks a tenth of it, not a negative time
     assert achieved_tflops(plan, "b", spec, 0.5, costs) == pytest.approx(3 * 4 * layer / 0.05 / 1e12)
+
+
+# -- device_trains --------------------------------------------------------------------------------------------
+
+
+def test_only_another_training_peer_on_the_same_device_counts():
+    def record(device: str, key: str | None, state: str) -> PeerRecord:
+        return PeerRecord(device, "tiny", "fp32", "cpu", 1.0, 0, PeerAddress(("127.0.0.1", 1)), state, 0.0, compute_key=key)
+
+    others = {"b": record("b", "k", "standby"), "c": record("c", "other", "training")}
+    assert not device_trains("k", others, "a")  # on its device nobody trains; elsewhere does not count
+    assert not device_trains("k", {**others, "a": record("a", "k", "training")}, "a")  # itself does not count
+    assert device_trains("k", {**others, "d": record("d", "k", "training")}, "a")
+    assert not device_trains(None, {"d": record("d", None, "training")}, "a")  # an unknown device is shared with nobody

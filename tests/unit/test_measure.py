@@ -594,3 +594,20 @@ def test_the_load_of_other_processes_counts():
         spinner.wait()
     # another process spinning a core: near one core's share of them, more on a busy machine, never all of them
     assert busy is not None and 0.4 / len(os.sched_getaffinity(0)) <= busy <= 0.95
+
+
+def test_time_skipped_is_left_out_of_the_load():
+    from hetpeer.peer.probe import DeviceLoad
+
+    skipped, plain = DeviceLoad("cpu", window=3), DeviceLoad("cpu", window=3)
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(1.0)
+        skipped.skip()  # the spinner's second is not counted
+    finally:
+        spinner.kill()
+        spinner.wait()
+    time.sleep(0.5)
+    quiet, spun = skipped.sample(), plain.sample()
+    # the same quiet half second ends both samples; only the one that did not skip holds the spinning core too
+    assert quiet is not None and spun is not None and spun - quiet > 0.1 / len(os.sched_getaffinity(0))

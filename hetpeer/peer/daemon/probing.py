@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from typing import Mapping
 
 from hetpeer.peer.daemon.measure import describe_links, pick_targets
 from hetpeer.peer.pipeline.steptime import step_costs
 from hetpeer.peer.probe import MachineProfile, profile_machine
+from hetpeer.protocol.records import PeerRecord
 
 REPROFILE_S = 60.0  # a peer not training times its device again this often
 
@@ -42,8 +44,14 @@ class Probing:
 
     def _measure_load(self) -> None:
         """Sample the device's background load while no plan has set anyone here to train: once peers train,
-        what they compute is no longer the load that was there without them."""
+        what they compute is no longer the load that was there without them (nor for a peer that joins, or
+        comes back, while the peers it shares its device with train)."""
         if self.running is not None or self.machine is None:
+            return
+        with self.lock:
+            trains = device_trains(self.machine.compute_key, self.records, self.device_id)
+        if trains:
+            self.device_load.skip()
             return
         load = self.device_load.sample()
         if load is not None:
@@ -67,13 +75,16 @@ class Probing:
         beside it) read too slow."""
         if self.status.state not in ("waiting", "standby") or time.monotonic() - self._profiled_at < REPROFILE_S:
             return
-        key = self.machine.compute_key
         with self.lock:
-            busy = key is not None and any(r.compute_key == key and r.state == "training"
-                                           for d, r in self.records.items() if d != self.device_id)
+            busy = device_trains(self.machine.compute_key, self.records, self.device_id)
         if busy:  # its device is training others' stages: timing it would slow them, and read their load
             return
         again = self._profile()
         if again.tflops > self.machine.tflops:
             self.report(f"machine: {again.tflops * 1e3:.2f} GFLOPS achieved now (was {self.machine.tflops * 1e3:.2f} when busier)")
             self.machine = replace(self.machine, tflops=again.tflops, step_costs=again.step_costs)
+
+
+def device_trains(key: str | None, records: Mapping[str, PeerRecord], own: str) -> bool:
+    """Whether another peer that announces the device `key` (None: unknown, shared with nobody) trains on it."""
+    return key is not None and any(r.compute_key == key and r.state == "training" for d, r in records.items() if d != own)
