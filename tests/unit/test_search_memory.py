@@ -84,7 +84,6 @@ def test_memory_of_a_shape_no_longer_allowed_is_not_used(stages, check_plan):
     assert solution.memory.shapes[0].shape == Shape(stages, 8 // stages)
 
 
-
 def four(seed: int = 5) -> Problem:
     """Four devices on which two lanes of two stages beat one (5.9 s against 7.8 s a step)."""
     return problem(8, seed).subset(np.arange(4))

@@ -205,9 +205,9 @@ def _book(scored: list, problem: Problem, orders, config: SearchConfig, rng) -> 
 
 def _resume(problem, book: list[_Shape], config, rng, deadline, clock, say, retry: bool = False) -> _Shape:
     """Go on from remembered shapes as a search given their time and this budget together would: each shape
-    but the best (new shapes too) gets its share of the trials first (TRIAL_SHARE of all the time, in equal shares,
-    less what it has had, and at most TRIAL_SHARE of this round's; with `retry`, that much whatever it has had),
-    then the best shape (re-evaluated on this swarm) evolves on with the rest."""
+    but the best (new shapes too) gets its share of the trials first: TRIAL_SHARE of all the time, in equal shares,
+    less what it has had, but no more than an equal share of TRIAL_SHARE of this round's (with `retry`, that share
+    whatever it has had); then the best shape (re-evaluated on this swarm) evolves on with the rest."""
     budget = max(0.0, deadline - clock())
     total = sum(entry.searched_s for entry in book) + budget
     best = book[0]
