@@ -188,10 +188,21 @@ def test_the_same_seed_picks_the_same_targets_whatever_the_order_given():
 # -- estimate_link and LinkHistory ------------------------------------------------------------------
 
 
-def test_the_fastest_ping_and_the_median_frame_make_the_estimate():
+def test_the_median_and_fastest_pings_and_the_median_frame_make_the_estimate():
     link = estimate_link([0.002, 0.001, 0.005], [Transfer(0.030), Transfer(0.011), Transfer(0.050)], 1_000_000)
-    assert link.latency_s == pytest.approx(0.0005)  # half the fastest ping
+    assert link.latency_s == pytest.approx(0.0015)  # the median ping less half the fastest: 2 ms - 0.5 ms
     assert link.bandwidth_bytes_per_s == pytest.approx(1e6 / 0.029)  # 1 MB in the median 30 ms less the 1 ms ping
+
+
+@pytest.mark.parametrize("ping_s, latency_s", [
+    ([0.080, 0.080, 0.080], 0.040),  # pings that never wait: half the round trip, the network's one way
+    ([0.080, 0.084, 0.500], 0.044),  # one ping held up does not count; the usual 4 ms of waiting does
+    ([0.003, 0.006, 0.007], 0.0045),  # a short link: the hand-offs' usual wait is most of a hop
+])
+def test_latency_is_a_typical_round_trip_less_one_network_crossing(ping_s, latency_s):
+    link = estimate_link(ping_s, [Transfer(0.1)], 1_000_000)
+    assert link.latency_s == pytest.approx(latency_s)
+    assert link.latency_s >= min(ping_s) / 2  # never below what the fastest ping allows
 
 
 def test_what_crossed_while_a_frame_arrived_is_the_link():

@@ -4,7 +4,7 @@
 `LinkProber` measures latency and bandwidth to another peer with short active probes
 over the peer's own transport, so what it measures is the path training frames take:
 
-    ping    micro 0, one float32   -> echoed as micro 1            latency = fastest round trip / 2
+    ping    micro 0, one float32   -> echoed as micro 1            latency = median round trip - fastest / 2
     data    micro 2, n float32s    -> answered by micro 3 (n, own, beside, window)
 
 Bandwidth is what crossed the link while a data frame arrived, as its receiver saw it: from the first
@@ -28,11 +28,18 @@ in half the time left), so a slow link is measured instead of timing out, withou
 training. `pick_targets` chooses whom to probe (neighbours, then the links measured longest ago), so a
 peer's probing costs O(k) frames whatever the swarm's size.
 
-Noise only ever adds time to a round trip (a busy receiver, a descheduled thread), so latency is the
-fastest of several pings; bandwidth is the median of three frames (`estimate_link`), and a transfer too
-short to tell from timing noise counts as `RESOLUTION_S`: a fast link reads as "at least this fast",
-never as a near-infinite rate. `LinkHistory` then announces, per peer, the median of the last few
-rounds, so one bad round does not move the plan.
+Latency is what a training frame's hop adds to a step: the network's one-way delay and the two thread
+hand-offs of a frame, the sender's compute thread to its transport thread and the receiver's transport
+thread to its compute thread. A ping's round trip crosses those two hand-offs once each (the prober's
+thread out and back in) and the network twice, so a hop is about a typical round trip less one network
+crossing: the median ping less half the fastest (which stands for the crossing, hand-offs at their
+quickest included). Half the fastest ping alone missed the hand-offs' usual wait: in the 8-peer demo,
+frames between stages took 2.3 ms median and 3.5 ms mean from send to arrival where it said 1 to 1.5 ms,
+and first plans ran 1.35 to 1.58 times their prediction, 1.23 to 1.34 with this estimate (docs/swarm.md).
+Bandwidth is the median of three frames (`estimate_link`), and a transfer too short to tell from timing
+noise counts as `RESOLUTION_S`: a fast link reads as "at least this fast", never as a near-infinite rate.
+`LinkHistory` then announces, per peer, the median of the last few rounds, so one bad round does not
+move the plan.
 """
 
 from __future__ import annotations
@@ -279,12 +286,14 @@ class Transfer:
 
 
 def estimate_link(ping_s: Sequence[float], data: Sequence[Transfer], data_bytes: int) -> LinkMeasurement:
-    """A link from pings of one float and data frames of `data_bytes` each. Noise only adds time to a
-    round trip, so the fastest ping counts for latency; the median frame's rate counts for bandwidth."""
+    """A link from pings of one float and data frames of `data_bytes` each: latency is the median ping less
+    half the fastest (a hop's network crossing and its hand-offs as they usually go: the module's docstring);
+    the median frame's rate counts for bandwidth. Noise only adds time to a round trip, so the fastest ping
+    is the one a frame's time on the wire is reckoned beyond."""
     if not ping_s or not data or data_bytes < 1:
         raise ValueError(f"need pings, data round trips and a positive size, got {list(ping_s)}, {list(data)}, {data_bytes}")
     fastest_ping = min(ping_s)
-    return LinkMeasurement(fastest_ping / 2, statistics.median(t.rate(data_bytes, fastest_ping) for t in data))
+    return LinkMeasurement(statistics.median(ping_s) - fastest_ping / 2, statistics.median(t.rate(data_bytes, fastest_ping) for t in data))
 
 
 class LinkHistory:
