@@ -293,7 +293,8 @@ def estimate_link(ping_s: Sequence[float], data: Sequence[Transfer], data_bytes:
     if not ping_s or not data or data_bytes < 1:
         raise ValueError(f"need pings, data round trips and a positive size, got {list(ping_s)}, {list(data)}, {data_bytes}")
     fastest_ping = min(ping_s)
-    return LinkMeasurement(statistics.median(ping_s) - fastest_ping / 2, statistics.median(t.rate(data_bytes, fastest_ping) for t in data))
+    latency_s = statistics.median(ping_s) - fastest_ping / 2
+    return LinkMeasurement(latency_s, statistics.median(t.rate(data_bytes, fastest_ping) for t in data))
 
 
 class LinkHistory:
