@@ -147,15 +147,19 @@ def add_commands(commands) -> None:
                        "the emulation's")
     swarm.add_argument("--no-emulation", action="store_true",
                        help="let the peers share this machine's cores as they are; by default each is emulated as a device "
-                       "of its own, its compute slowed by one more factor so that together they ask for no more than the "
-                       "cores, less a share left to the coordinator and the DHT, and (unless --stages 1) with too little "
-                       "memory for the whole model")
+                       "of its own, its compute slowed by one more factor so that together they ask for at most a quarter "
+                       "of the cores (the rest is left to the coordinator, the DHT and the peers' own threads), and (unless "
+                       "--stages 1) with too little memory for the whole model")
     swarm.add_argument("--leave", type=leave_choice, default="auto", metavar="STEP,STEP|auto|none",
                        help="a peer of a group leaves at the first step and is started again at the second; auto (default): "
                        f"at {LEAVE_AT[0] * 100:g}%% and {LEAVE_AT[1] * 100:g}%% of --steps, where they are {LEAVE_MIN_STEPS} or more")
     swarm.add_argument("--bandwidth-caps", default="none,none,none,none,none,none,40,40", metavar="MBIT,...",
                        help="Mbit/s each peer sends at most to each other peer, 'none' for no cap, repeated to cover "
                        "--peers (default none x6, 40, 40)")
+    swarm.add_argument("--latencies", default="5", metavar="MS,...",
+                       help="one-way milliseconds each peer's frames to the other peers are held back before they leave "
+                       "(emulated by the peers' transports: this machine's links take none), repeated to cover --peers "
+                       "(default 5: peers a city or a region apart)")
     swarm.add_argument("--out", type=Path, metavar="DIR", help="logs, keys and the report (default: a new temporary folder)")
     swarm.add_argument("--heartbeat", type=positive_float, default=2.0, metavar="SECONDS", help="peers' and coordinator's heartbeat (default 2)")
     swarm.add_argument("--replan-interval", type=positive_float, default=30.0, metavar="SECONDS", help="coordinator re-solve interval (default 30)")
@@ -444,6 +448,7 @@ def run_swarm(args: argparse.Namespace) -> int:
             out=args.out or Path("."), peers=args.peers, steps=args.steps,
             slowdowns=parse_per_peer(args.slowdowns, args.peers, "--slowdowns"),
             bandwidth_caps=parse_per_peer(args.bandwidth_caps, args.peers, "--bandwidth-caps", none_value="none"),
+            latencies_ms=parse_per_peer(args.latencies, args.peers, "--latencies"),
             emulate=not args.no_emulation, small_devices=args.stages != 1,  # one stage must hold the whole model
             leave=auto_leave(args.steps) if args.leave == "auto" else args.leave,
             heartbeat_s=args.heartbeat, replan_interval_s=args.replan_interval, recipe=recipe_from(args, DEMO_RECIPE),
@@ -473,6 +478,10 @@ def run_swarm(args: argparse.Namespace) -> int:
         print(f"emulation: each peer computes as on a device of its own, its compute slowed {config.emulation:.1f}x more so "
               f"that together they ask for at most {EMULATION_SHARE:.0%} of this machine's {config.cores_shared} core(s){memory} "
               f"(--no-emulation: they share the cores as they are)", flush=True)
+    if config.latencies_ms and any(config.latencies_ms):
+        held = sorted(set(config.latencies_ms))
+        print(f"links: each peer's frames to the others are held back {', '.join(f'{ms:g}' for ms in held)} ms one way before "
+              "they leave, as over a network (--latencies 0: no delay)", flush=True)
     swarm = LocalSwarm(config, echo, free_port(), http_port=free_port(), interrupted=interrupted_flag())
     stop_on_sigterm()
     try:

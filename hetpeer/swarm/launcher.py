@@ -26,6 +26,7 @@ from hetpeer import logline
 from hetpeer.coordinator.api_client import ApiClient
 from hetpeer.coordinator.api_errors import ApiError
 from hetpeer.peer.reach import free_port
+from hetpeer.peer.transport.network import MAX_EMULATED_LATENCY_S
 from hetpeer.protocol.dataset import is_prepared
 from hetpeer.protocol.modelspec import PRESETS
 from hetpeer.protocol.recipe import Recipe
@@ -41,8 +42,11 @@ PEER_RE = re.compile(r"^peer (\S+) in swarm \S+: tensors on \S+, DHT on (\S+)")
 ENTERED_RE = re.compile(r"^plan epoch (\d+) from step (\d+): stage (\d+)/\d+ \(layers [^)]*\), lane \d+/\d+, group with [^;]*; (.*)$")
 START_TIMEOUT_S = 120.0
 # emulated devices ask for at most this share of the cores: the rest is left to the coordinator, the DHT daemons
-# and the peers' own threads (receiving, sending, probing), which would otherwise slow the emulated compute
-EMULATION_SHARE = 0.5
+# and the peers' own threads (receiving, sending, probing, a returning peer's start-up), which would otherwise slow
+# the emulated compute. In the 8-peer demo on 2 cores the DHT processes and p2pd daemons alone take a third of the
+# cores; at half, a pass that waits for a core behind them ran late often enough that plans measured 0.7 to 1.6
+# times their prediction (docs/swarm.md)
+EMULATION_SHARE = 0.25
 # the coordinator runs at this niceness beside the peers: on the organizer's own machine it would take no core from
 # them, and here its rounds and its searches (a core for a second or two every re-solve) must not stall their passes
 COORDINATOR_NICE = 10
@@ -61,6 +65,7 @@ class SwarmConfig:
     steps: int = 40
     slowdowns: tuple[float, ...] = ()  # per peer; empty: all 1
     bandwidth_caps: tuple[float | None, ...] = ()  # Mbit/s each peer sends at most, per destination; empty: none
+    latencies_ms: tuple[float, ...] = ()  # one-way ms each peer's frames are held back before they leave; empty: none
     swarm: str = "demo"
     model: str = "tiny"
     batch: int = 16
@@ -89,13 +94,16 @@ class SwarmConfig:
         if self.leave is not None and not 0 < self.leave[0] < self.leave[1] < self.steps:
             raise ValueError(f"a peer leaves and comes back within the run: need 0 < {self.leave[0]} (leave) "
                              f"< {self.leave[1]} (back) < {self.steps} (steps)")
-        for name, values in (("slowdowns", self.slowdowns), ("bandwidth caps", self.bandwidth_caps)):
+        for name, values in (("slowdowns", self.slowdowns), ("bandwidth caps", self.bandwidth_caps), ("latencies", self.latencies_ms)):
             if values and len(values) != self.peers:
                 raise ValueError(f"{len(values)} {name} given for {self.peers} peers")
         if any(not (math.isfinite(s) and s >= 1) for s in self.slowdowns):
             raise ValueError(f"slowdowns must be finite numbers >= 1, got {list(self.slowdowns)}")
         if any(c is not None and not (math.isfinite(c) and c > 0) for c in self.bandwidth_caps):
             raise ValueError(f"bandwidth caps must be finite positive numbers, got {list(self.bandwidth_caps)}")
+        most = MAX_EMULATED_LATENCY_S * 1e3
+        if any(not (math.isfinite(ms) and 0 <= ms <= most) for ms in self.latencies_ms):
+            raise ValueError(f"latencies must be 0 to {most:g} ms, got {list(self.latencies_ms)}")
 
     def slowdown(self, i: int) -> float:
         """Peer `i`'s compute slowdown: its own, times the emulation's."""
@@ -137,6 +145,9 @@ class SwarmConfig:
 
     def cap(self, i: int) -> float | None:
         return self.bandwidth_caps[i] if self.bandwidth_caps else None
+
+    def latency_ms(self, i: int) -> float:
+        return self.latencies_ms[i] if self.latencies_ms else 0.0
 
 
 class Process:
@@ -280,6 +291,8 @@ class LocalSwarm:
         ]
         if c.cap(i) is not None:
             command += ["--bandwidth-cap", repr(c.cap(i))]
+        if c.latency_ms(i):  # the peers' transports all listen on this machine: `*` is every other peer
+            command += ["--emulate-latency", f"*={c.latency_ms(i):g}"]
         if c.memory_mib is not None:
             command += ["--emulate-memory", f"{c.memory_mib:.3f}"]
         if c.save is not None:
@@ -428,7 +441,7 @@ class LocalSwarm:
         for i in range(c.peers):
             device = self.device_ids.get(i, f"peer{i}")
             name, tflops = self.measured.get(device, ("local process", None))
-            peers.append(PeerInfo(device, c.slowdown(i), c.cap(i), tflops, name))
+            peers.append(PeerInfo(device, c.slowdown(i), c.cap(i), tflops, name, c.latency_ms(i)))
         return RunReport(
             swarm=c.swarm, model=c.model, steps=max((s.step + 1 for s in samples), default=0), wall_s=self.elapsed(),
             peers=peers, plans=summarize(samples, list(self.plans.values())), samples=list(samples), events=list(self.events),

@@ -37,6 +37,7 @@ class PeerInfo:
     bandwidth_cap_mbit: float | None
     tflops: float | None
     device_name: str
+    latency_ms: float = 0.0  # one-way, emulated: frames it sends are held back this long
 
 
 class StageUse(NamedTuple):
@@ -236,6 +237,7 @@ def report_state(report: RunReport) -> dict[str, Any]:
         stage, lane = placed.get(p.device_id, (None, None))
         emulated = [f"{p.slowdown:g}x slower"] if p.slowdown != 1 else []
         emulated += [f"sends at most {p.bandwidth_cap_mbit:g} Mbit/s"] if p.bandwidth_cap_mbit is not None else []
+        emulated += [f"its frames {p.latency_ms:g} ms on the way"] if p.latency_ms else []
         rows.append({
             "device_id": p.device_id, "state": "standby" if p.device_id in standby else "training" if stage is not None else "left",
             "stage": stage, "lane": lane, "standby": p.device_id in standby, "tflops": p.tflops,
@@ -316,11 +318,11 @@ def format_markdown(report: RunReport, pictures: Sequence[str] = ()) -> str:
         f"last {_num(finite_losses[-1] if finite_losses else None, '.4f')}",
         *([f"- validation loss: first {vals[0]:.4f}, last {vals[-1]:.4f} ({len(vals)} measurements)"] if vals else []),
         "", "## Peers", "",
-        "| peer | device | slowdown | bandwidth cap (Mbit/s) | TFLOPS |", "|---|---|---|---|---|",
+        "| peer | device | slowdown | bandwidth cap (Mbit/s) | latency (ms, one way) | TFLOPS |", "|---|---|---|---|---|---|",
     ]  # fmt: skip
     for p in report.peers:
         cap = "none" if p.bandwidth_cap_mbit is None else f"{p.bandwidth_cap_mbit:g}"
-        lines.append(f"| {p.device_id} | {p.device_name} | {p.slowdown:g}x | {cap} | {_num(p.tflops, '.3g')} |")
+        lines.append(f"| {p.device_id} | {p.device_name} | {p.slowdown:g}x | {cap} | {p.latency_ms:g} | {_num(p.tflops, '.3g')} |")
     lines += ["", "## Plans used", "",
               "| epoch | from step | published (s) | steps | stages | standby "
               "| predicted step (s) | measured step (s) | measured / predicted | tokens/s |",

@@ -61,6 +61,7 @@ CASES = {
     "status of an API nobody serves": (["status", "--api", "127.0.0.1:1", "--timeout", "1"], 1, ["127.0.0.1:1"]),
     "swarm with a slowdown that is no number": (["swarm", "--slowdowns", "1,x"], 2, ["--slowdowns", "'1,x'"]),
     "swarm with a zero bandwidth cap": (["swarm", "--bandwidth-caps", "0"], 2, ["bandwidth caps", "positive"]),
+"swarm with a negative latency": (["swarm", "--latencies", "5,-2"], 2, ["latencies", "-2"]),
     "swarm with a slowdown below 1": (["swarm", "--peers", "2", "--slowdowns", "1,0.5"], 2, ["slowdowns", "0.5"]),
 }
 
@@ -149,7 +150,7 @@ def test_refused_commands_leave_nothing_behind(runs):
         ("coordinator", ["--swarm", "--min-peers", "--replan-interval", "--gain", "--api", "--batch", "--micro-batch", "--steps",
                          "--join-file"]),
         ("status", ["--api", "--json", "--timeout"]),
-        ("swarm", ["--peers", "--steps", "--slowdowns", "--bandwidth-caps", "--out"]),
+        ("swarm", ["--peers", "--steps", "--slowdowns", "--bandwidth-caps", "--latencies", "--out"]),
     ],
 )
 def test_help_names_the_key_options(capsys, command, options):

@@ -51,7 +51,7 @@ def test_summarize_keeps_a_plan_without_samples_and_does_not_change_its_input():
 def report() -> RunReport:
     return RunReport(
         swarm="4 peers on one host", model="tiny", steps=8, wall_s=11.5,
-        peers=[PeerInfo("p0", 1.0, None, 19.5, "cpu"), PeerInfo("p1", 3.0, 100.0, None, "cpu")],
+        peers=[PeerInfo("p0", 1.0, None, 19.5, "cpu"), PeerInfo("p1", 3.0, 100.0, None, "cpu", latency_ms=5.0)],
         plans=summarize(samples(), plans()), samples=samples(),
         events=[Event(3.0, "plan epoch 2 published"), Event(6.0, "peer p3 killed")],
     )  # fmt: skip
@@ -75,7 +75,7 @@ def test_write_report_gives_four_files_with_the_figures(tmp_path):
     assert {p.name for p in paths.values()} == {"report.md", "report.json", "report.html", "loss.png"}
     assert all(p.exists() for p in paths.values())
     md = paths["md"].read_text()
-    assert "| p0 | cpu | 1x | none | 19.5 |" in md and "| p1 | cpu | 3x | 100 | - |" in md
+    assert "| p0 | cpu | 1x | none | 0 | 19.5 |" in md and "| p1 | cpu | 3x | 100 | 5 | - |" in md
     assert "| 1 | 0 | 0.5 | 4 | L0-2: p0 p1; L2-4: p2 p3 | - | 0.500 | 0.667 | 1.33 | 300 |" in md
     assert "| 2 | 4 | 3.0 | 4 | L0-4: p0 | p1 | 0.800 | 2.000 | 2.50 | 55 |" in md
     assert "first 10.0000, last 6.0000" in md
@@ -109,6 +109,7 @@ def test_report_html_is_one_self_contained_page_with_the_run(tmp_path):
     assert state["plan"]["epoch"] == 2 and state["plan"]["standby"] == ["p1"]
     peers = {p["device_id"]: p for p in state["peers"]}
     assert peers["p0"]["stage"] == 0 and peers["p1"]["standby"] and "3x slower" in peers["p1"]["device_name"]
+    assert "frames 5 ms on the way" in peers["p1"]["device_name"] and "ms" not in peers["p0"]["device_name"]
 
 
 def test_report_html_keeps_text_that_looks_like_markup_as_data(tmp_path):

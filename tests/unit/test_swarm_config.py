@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from hetpeer.swarm.launcher import SwarmConfig, parse_per_peer
+from hetpeer.swarm.launcher import LocalSwarm, SwarmConfig, parse_per_peer
 
 
 def test_a_list_is_repeated_to_cover_the_peers():
@@ -40,6 +40,17 @@ def test_a_valid_config_answers_per_peer(tmp_path):
     plain = SwarmConfig(out=tmp_path, peers=2, steps=5)
     assert [plain.slowdown(i) for i in range(2)] == [1.0, 1.0]
     assert [plain.cap(i) for i in range(2)] == [None, None]
+    assert [plain.latency_ms(i) for i in range(2)] == [0.0, 0.0]
+
+
+def test_an_emulated_latency_reaches_each_peer_as_its_transport_option(tmp_path):
+    from hetpeer.cli import build_parser
+
+    config = SwarmConfig(out=tmp_path, peers=3, steps=5, latencies_ms=(5.0, 0.0, 12.5))
+    swarm = LocalSwarm(config, print, 1)
+    swarm.key, swarm.dht_maddrs = "00" * 32, ["/ip4/127.0.0.1/tcp/1/p2p/x"]
+    held = [build_parser().parse_args(swarm.peer_command(i)[3:]).emulate_latency for i in range(3)]
+    assert held == [{"*": 0.005}, {}, {"*": 0.0125}]  # seconds, to every other peer; none asked: the option is left out
 
 
 @pytest.mark.parametrize(
@@ -54,6 +65,10 @@ def test_a_valid_config_answers_per_peer(tmp_path):
         (dict(bandwidth_caps=(None, 0.0, None)), "bandwidth caps must be finite positive numbers"),
         (dict(bandwidth_caps=(-5.0, None, None)), "bandwidth caps must be finite positive numbers"),
         (dict(bandwidth_caps=(math.nan, None, None)), "bandwidth caps must be finite positive numbers"),
+        (dict(latencies_ms=(5.0, 5.0)), "2 latencies given for 3 peers"),
+        (dict(latencies_ms=(5.0, -1.0, 5.0)), "latencies must be 0 to 10000 ms"),
+        (dict(latencies_ms=(5.0, 20000.0, 5.0)), "latencies must be 0 to 10000 ms"),
+        (dict(latencies_ms=(math.inf, 5.0, 5.0)), "latencies must be 0 to 10000 ms"),
     ],
 )
 def test_swarm_config_refuses(tmp_path, changes, fragment):
@@ -80,8 +95,8 @@ def test_emulated_devices_ask_together_for_no_more_than_their_share_of_the_cores
     assert [config.slowdown(i) / config.slowdown(0) for i in range(8)] == pytest.approx(slowdowns)  # unequal as asked
     # without emulation, or where the cores have room for every peer, no more slowdown than asked
     assert SwarmConfig(out=tmp_path, peers=8, steps=5, slowdowns=slowdowns, cores=2).slowdown(4) == 2.0
-    roomy = SwarmConfig(out=tmp_path, peers=2, steps=5, slowdowns=(2.0, 3.0), emulate=True, cores=64)
-    assert roomy.threads == 32 and roomy.emulation == 1.0 and roomy.slowdown(1) == 3.0
+    roomy = SwarmConfig(out=tmp_path, peers=2, steps=5, slowdowns=(4.0, 6.0), emulate=True, cores=64)
+    assert roomy.threads == 32 and roomy.emulation == 1.0 and roomy.slowdown(1) == 6.0
 
 
 def test_an_emulated_device_holds_too_little_for_the_whole_model(tmp_path):
