@@ -1,18 +1,21 @@
 """A swarm peer's pure rules: when a new plan replaces the running one (`switch_now`), which plans' frames
 it keeps before it runs them (`held_epochs`), whom a peer entering a plan waits for (`not_arrived`), and
-which peers to download a stage's state from (`donors_for`), and whether a peer sharing its device trains
-(`device_trains`: then it neither times the device nor reads its load)."""
+which peers to download a stage's state from (`donors_for`), whether a peer sharing its device trains
+(`device_trains`: then it neither times the device nor reads its load), and when a peer times its device again."""
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 
 import pytest
 
-from hetpeer.peer.daemon.announcing import achieved_tflops
+from hetpeer.peer.daemon import probing
+from hetpeer.peer.daemon.announcing import Status, achieved_tflops
 from hetpeer.peer.daemon.following import FUTURE_EPOCHS, fetching, held_epochs, not_arrived, switch_now
 from hetpeer.peer.daemon.handover import donors_for, still_fetched
-from hetpeer.peer.daemon.probing import device_trains
+from hetpeer.peer.daemon.probing import REPROFILE_S, REPROFILE_WAITING_S, Probing, device_trains
+from hetpeer.peer.probe import MachineProfile
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.records import PeerRecord
@@ -211,3 +214,50 @@ def test_only_another_training_peer_on_the_same_device_counts():
     assert not device_trains("k", {**others, "a": record("a", "k", "training")}, "a")  # itself does not count
     assert device_trains("k", {**others, "d": record("d", "k", "training")}, "a")
     assert not device_trains(None, {"d": record("d", None, "training")}, "a")  # an unknown device is shared with nobody
+
+
+# -- timing the device again ----------------------------------------------------------------------------------
+
+
+class Reprofiled(Probing):
+    """A peer's probing part, alone: its device times `fresh` GFLOPS whenever it is timed again."""
+
+    def __init__(self, state: str, tflops: float, fresh: float, profiled_at: float) -> None:
+        self.status, self.lock, self.records, self.device_id = Status(state=state), threading.Lock(), {}, "a"
+        self.machine = MachineProfile("cpu", tflops, 1 << 30, compute_key="k")
+        self.fresh, self._profiled_at, self.timed, self.said = fresh, profiled_at, 0, []
+
+    def _profile(self) -> MachineProfile:
+        self.timed += 1
+        return replace(self.machine, tflops=self.fresh)
+
+    def report(self, line: str) -> None:
+        self.said.append(line)
+
+
+@pytest.mark.parametrize("state, since, timed", [
+    ("waiting", REPROFILE_WAITING_S - 1, 0), ("waiting", REPROFILE_WAITING_S + 1, 1),  # before any plan: soon again
+    ("standby", REPROFILE_WAITING_S + 1, 0), ("standby", REPROFILE_S + 1, 1),  # on standby: now and then
+    ("training", REPROFILE_S + 1, 0),  # never while it trains
+])  # fmt: skip
+def test_a_peer_times_its_device_again_sooner_before_the_first_plan(monkeypatch, state, since, timed):
+    monkeypatch.setattr(probing.time, "monotonic", lambda: 1000.0)
+    peer = Reprofiled(state, 1e-3, 2e-3, 1000.0 - since)
+    peer._profile_again()
+    assert peer.timed == timed
+    assert peer.machine.tflops == (2e-3 if timed else 1e-3)
+
+
+def test_timing_again_keeps_the_faster_figure_and_leaves_a_busy_device_alone(monkeypatch):
+    monkeypatch.setattr(probing.time, "monotonic", lambda: 1000.0)
+    slower = Reprofiled("waiting", 2e-3, 1e-3, 0.0)
+    slower._profile_again()
+    assert (slower.timed, slower.machine.tflops, slower.said) == (1, 2e-3, [])  # timed, and the busier start kept
+    faster = Reprofiled("waiting", 1e-3, 3e-3, 0.0)
+    faster._profile_again()
+    assert faster.machine.tflops == 3e-3 and faster.said == ["machine: 3.00 GFLOPS achieved now (was 1.00 when busier)"]
+    busy = Reprofiled("waiting", 1e-3, 3e-3, 0.0)  # another peer on its device trains: timing it would slow that peer
+    busy.records = {"b": PeerRecord("b", "tiny", "fp32", "cpu", 1.0, 0, PeerAddress(("127.0.0.1", 1)), "training", 0.0,
+                                    compute_key="k")}
+    busy._profile_again()
+    assert (busy.timed, busy.machine.tflops) == (0, 1e-3)

@@ -1,8 +1,8 @@
 """What a swarm peer measures while it runs, on its own probe thread: latency and bandwidth to a few
 peers every few heartbeats (lane and group neighbours first: `measure.py`), and its device's speed again
-now and then while it does not train (`probe.py`); and on the control thread, each heartbeat until the
-swarm's first plan reaches it, the load other work puts on its device (`probe.DeviceLoad`): what the
-planner must leave out of what peers sharing one machine can compute.
+now and then while it does not train, more often before the swarm's first plan (`probe.py`); and on the
+control thread, each heartbeat until the swarm's first plan reaches it, the load other work puts on its
+device (`probe.DeviceLoad`): what the planner must leave out of what peers sharing one machine can compute.
 """
 
 from __future__ import annotations
@@ -17,6 +17,10 @@ from hetpeer.peer.probe import MachineProfile, profile_machine
 from hetpeer.protocol.records import PeerRecord
 
 REPROFILE_S = 60.0  # a peer not training times its device again this often
+# and this often before any plan has reached it: peers that start together probe in each other's way (the demo's
+# eight, each emulating a device of its own, read up to 42% slow beside the others' start-up), and the swarm's
+# first plan is made within a minute of their start, from what they announce
+REPROFILE_WAITING_S = 15.0
 
 
 class Probing:
@@ -73,7 +77,9 @@ class Probing:
         """While not training (its device idle, and no peer sharing it training), time the device again now and
         then and keep the faster figure: a machine busy when the peer started (other programs, or peers starting
         beside it) read too slow."""
-        if self.status.state not in ("waiting", "standby") or time.monotonic() - self._profiled_at < REPROFILE_S:
+        state = self.status.state
+        every = REPROFILE_WAITING_S if state == "waiting" else REPROFILE_S
+        if state not in ("waiting", "standby") or time.monotonic() - self._profiled_at < every:
             return
         with self.lock:
             busy = device_trains(self.machine.compute_key, self.records, self.device_id)
