@@ -227,6 +227,7 @@ def decide(
     considered: Collection[str] = (),
     estimates_rechecked: bool = False,
     links_wait_s: float = 0.0,
+    plan_measured: bool = True,
 ) -> Decision:
     """Whether to solve now. `first_seen` holds when each announcing peer was first read; peers that
     appeared less than `settle_s` ago are waited for (a swarm starting up arrives in a burst).
@@ -236,7 +237,9 @@ def decide(
     measured them all, unless `estimates_rechecked` says that was done for it already. The first plan
     waits up to `links_wait_s` past the settling for the peers to measure the links between them: a plan
     made on guesses is soon replaced, and moving stages between the two costs downloads over the very
-    links it guessed."""
+    links it guessed. `plan_measured`: whether the running plan has run long enough for the peers' figures to be
+    its own (`calibration.WINDOWS` windows of its pace); until then a periodic re-solve waits, up to one more
+    interval: figures from the steps around a peer leaving or a repair read the transition, not the plan."""
     settled = [d for d in records if now - first_seen.get(d, now) >= settle_s]
     if current is None:
         if len(records) < min_peers:
@@ -259,6 +262,8 @@ def decide(
     if current.estimated_links and not estimates_rechecked and all(measured(records, a, b) for a, b in current.estimated_links):
         return Decision(True, f"the {len(current.estimated_links)} link(s) it estimated are measured now")
     if now - last_solve >= replan_interval_s:
+        if not plan_measured and now - last_solve < 2 * replan_interval_s:
+            return Decision(False, "running plan holds: its steps are not measured yet")
         return Decision(True, "periodic re-solve")
     return Decision(False, "running plan holds")
 

@@ -207,7 +207,7 @@ class Coordinator(Gatekeeper, Publisher):
             settle_s=config.settle_s if config.settle_s is not None else 2 * config.heartbeat_s,
             replan_interval_s=config.replan_interval_s, considered=self.considered,
             estimates_rechecked=self.plan is not None and self.rechecked_epoch == self.plan.epoch,
-            links_wait_s=policy.LINKS_WAIT_HEARTBEATS * config.heartbeat_s,
+            links_wait_s=policy.LINKS_WAIT_HEARTBEATS * config.heartbeat_s, plan_measured=self._running_plan_measured(),
         )
         try:
             self._act(decision, live, ours, now)
@@ -232,6 +232,11 @@ class Coordinator(Gatekeeper, Publisher):
             self._solve_and_publish(decision, live, ours)
         elif self.plan is not None and now - self.last_publish > config.plan_ttl_s / 3:
             self._publish(self.plan, "kept alive")
+
+    def _running_plan_measured(self) -> bool:
+        """Whether the running plan's pace has closed the windows its overhead is learned from."""
+        entry = self.history.current(self.plan.epoch) if self.plan is not None else None
+        return entry is not None and entry.pace is not None and len(entry.pace.windows) >= calibration.WINDOWS
 
     def _calibrate(self, live: dict[str, PeerRecord]) -> None:
         """Learn the step's overhead afresh when the running plan's pace has closed another window."""

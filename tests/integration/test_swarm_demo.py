@@ -55,6 +55,12 @@ def test_the_swarm_trains_to_its_step_count_and_stops_everything(tmp_path):
     report = RunReport.from_json((out / "report.json").read_text())
     assert report.plans and report.peers and len(report.peers) == 3
     assert all(p.tflops is not None and p.tflops > 0 for p in report.peers)  # what each peer measured
+    # links emulated as over a network: a ping and its echo are each held back 5 ms, so no link reads under 5 ms
+    assert "links: each peer's frames to the others are held back 5 ms" in stdout
+    assert [p.latency_ms for p in report.peers] == [5.0] * 3
+    measured = [float(ms) for i in range(3) for line in (out / f"peer{i}.log").read_text().splitlines()
+                if "links measured: " in line for ms in re.findall(r" ([\d.]+) ms ", line)]
+    assert measured and min(measured) >= 5.0, measured
     losses = [s.loss for s in report.samples if math.isfinite(s.loss)]
     assert losses and losses[-1] < losses[0]
     assert max(s.step for s in report.samples) + 1 >= 150

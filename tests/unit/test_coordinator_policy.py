@@ -260,6 +260,22 @@ def test_decide_re_solves_periodically_and_otherwise_holds():
     assert periodic.solve and not periodic.broken
 
 
+def test_a_periodic_re_solve_waits_for_the_running_plans_own_steps_up_to_one_more_interval():
+    plan = make_plan([["a", "b"], ["c", "d"]])
+    records = {d: record(d) for d in "abcd"}
+    first_seen = {d: 0.0 for d in records}
+    early = policy.decide(plan, records, first_seen, 160.0, 100.0, **KNOBS, plan_measured=False)
+    assert not early.solve and "not measured" in early.reason  # figures of the steps around its start, not its own
+    assert policy.decide(plan, records, first_seen, 220.0, 100.0, **KNOBS, plan_measured=False).solve  # not for ever
+    assert policy.decide(plan, records, first_seen, 160.0, 100.0, **KNOBS, plan_measured=True).solve
+    # what a solve is due for at once does not wait: a member gone, a newcomer
+    broken = policy.decide(plan, {d: record(d) for d in "abc"}, first_seen, 160.0, 100.0, **KNOBS, plan_measured=False)
+    assert broken.solve and broken.broken
+    joined = policy.decide(plan, records | {"e": record("e")}, first_seen | {"e": 0.0}, 160.0, 100.0, **KNOBS,
+                           plan_measured=False)
+    assert joined.solve and "e" in joined.reason
+
+
 # -- worth_it ---------------------------------------------------------------------------------------------
 
 BROKEN = policy.Decision(True, "d stopped announcing", broken=True)
