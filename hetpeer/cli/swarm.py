@@ -478,7 +478,7 @@ def run_swarm(args: argparse.Namespace) -> int:
         print(f"emulation: each peer computes as on a device of its own, its compute slowed {config.emulation:.1f}x more so "
               f"that together they ask for at most {EMULATION_SHARE:.0%} of this machine's {config.cores_shared} core(s){memory} "
               f"(--no-emulation: they share the cores as they are)", flush=True)
-    if config.latencies_ms and any(config.latencies_ms):
+    if any(config.latencies_ms):
         held = sorted(set(config.latencies_ms))
         print(f"links: each peer's frames to the others are held back {', '.join(f'{ms:g}' for ms in held)} ms one way before "
               "they leave, as over a network (--latencies 0: no delay)", flush=True)

@@ -51,9 +51,15 @@ class Calibration:
                 f"on the peers' latest figures: every prediction adds {self.overhead_s * 1e3:+.0f} ms a step")
 
 
+def measured(pace: Pace | None) -> bool:
+    """Whether a plan's `pace` has closed the `WINDOWS` windows its step is learned from: before, what its peers
+    announce is of the steps around its start (a peer leaving, a stage downloaded), not of the plan."""
+    return pace is not None and len(pace.windows) >= WINDOWS
+
+
 def due(calibration: Calibration, plan: Plan | None, pace: Pace | None) -> bool:
     """Whether the running `plan`'s `pace` has closed a window to learn from since `calibration` was taken."""
-    if plan is None or pace is None or len(pace.windows) < WINDOWS:
+    if plan is None or not measured(pace):
         return False
     return (calibration.epoch, calibration.windows) != (plan.epoch, len(pace.windows))
 

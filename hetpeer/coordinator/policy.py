@@ -238,7 +238,7 @@ def decide(
     waits up to `links_wait_s` past the settling for the peers to measure the links between them: a plan
     made on guesses is soon replaced, and moving stages between the two costs downloads over the very
     links it guessed. `plan_measured`: whether the running plan has run long enough for the peers' figures to be
-    its own (`calibration.WINDOWS` windows of its pace); until then a periodic re-solve waits, up to one more
+    its own (`calibration.measured`); until then a periodic re-solve waits, up to one more
     interval: figures from the steps around a peer leaving or a repair read the transition, not the plan."""
     settled = [d for d in records if now - first_seen.get(d, now) >= settle_s]
     if current is None:

@@ -27,7 +27,7 @@ from hetpeer.coordinator.api import ApiServer
 from hetpeer.coordinator.board import Board
 from hetpeer.coordinator.config import CoordinatorConfig
 from hetpeer.coordinator.gatekeeper import Gatekeeper
-from hetpeer.coordinator.history import History
+from hetpeer.coordinator.history import History, Pace
 from hetpeer.coordinator.planner import Memory, PlannerConfig
 from hetpeer.coordinator.publishing import RECENT_PLANS, Publisher
 from hetpeer.coordinator.reach import ReachServer
@@ -207,7 +207,7 @@ class Coordinator(Gatekeeper, Publisher):
             settle_s=config.settle_s if config.settle_s is not None else 2 * config.heartbeat_s,
             replan_interval_s=config.replan_interval_s, considered=self.considered,
             estimates_rechecked=self.plan is not None and self.rechecked_epoch == self.plan.epoch,
-            links_wait_s=policy.LINKS_WAIT_HEARTBEATS * config.heartbeat_s, plan_measured=self._running_plan_measured(),
+            links_wait_s=policy.LINKS_WAIT_HEARTBEATS * config.heartbeat_s, plan_measured=calibration.measured(self._running_pace()),
         )
         try:
             self._act(decision, live, ours, now)
@@ -233,15 +233,14 @@ class Coordinator(Gatekeeper, Publisher):
         elif self.plan is not None and now - self.last_publish > config.plan_ttl_s / 3:
             self._publish(self.plan, "kept alive")
 
-    def _running_plan_measured(self) -> bool:
-        """Whether the running plan's pace has closed the windows its overhead is learned from."""
+    def _running_pace(self) -> Pace | None:
+        """The running plan's pace so far (None: no plan, or no step of it seen yet)."""
         entry = self.history.current(self.plan.epoch) if self.plan is not None else None
-        return entry is not None and entry.pace is not None and len(entry.pace.windows) >= calibration.WINDOWS
+        return entry.pace if entry is not None else None
 
     def _calibrate(self, live: dict[str, PeerRecord]) -> None:
         """Learn the step's overhead afresh when the running plan's pace has closed another window."""
-        entry = self.history.current(self.plan.epoch) if self.plan is not None else None
-        pace = entry.pace if entry is not None else None
+        pace = self._running_pace()
         if not calibration.due(self.calibration, self.plan, pace):
             return
         learned = calibration.learn(self.plan, pace, live, self.config.workload, self.planner)
