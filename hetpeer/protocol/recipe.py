@@ -6,7 +6,7 @@ Its wire form is one flat object (every field written; a reader takes defaults f
 
     {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "clip_norm": 1.0,
      "warmup_steps": 0, "decay_steps": 0, "min_lr_ratio": 0.1,
-     "topology": "one-peer-exp", "accumulate": 1, "mix_deadline_s": 10.0, "sync_codec": "raw",
+     "topology": "one-peer-exp", "accumulate": 1, "second_moment": "lane", "mix_deadline_s": 10.0, "sync_codec": "raw",
      "outer_lr": 0.7, "outer_momentum": 0.9, "outer_after": 100, "robust": 0.0,
      "seed": 0, "eval_every": 0, "eval_batch": 8}
 
@@ -27,6 +27,9 @@ from hetpeer.protocol.frame import CODECS
 from hetpeer.protocol.wire import SchemaError, need_int, need_list, need_mapping, need_number, need_str, no_extra_fields
 
 TOPOLOGIES = ("one-peer-exp", "alternating-exp-ring", "ring", "complete")  # who mixes with whom (peer/gossip/topology.py)
+# how a gossip peer estimates Adam's second moment: its lane's gradients, scaled to the group's mean, or from the
+# mean of its last n gradients (peer/gossip/adam.py)
+SECOND_MOMENTS = ("lane", "group", "window")
 OUTER_AFTER = 100  # steps of every-step all-reduce before outer steps begin: a warm start (docs/gossip.md measures why)
 MAX_STEPS = 10**9  # any step count a recipe names
 
@@ -46,6 +49,7 @@ class Recipe:
     # within a group
     topology: str = "one-peer-exp"  # gossip's mixing topology
     accumulate: int = 1  # AccumAdam's window A (1: Adam)
+    second_moment: str = "lane"  # a gossip peer's Adam second moment (`SECOND_MOMENTS`)
     mix_deadline_s: float = 10.0  # how long a gossip peer waits for a neighbour's parameters before leaving it out
     sync_codec: str = "raw"  # how parameters travel in gossip
     outer_lr: float = 0.7  # DiLoCo's outer Nesterov step, for groups the plan gives outer steps
@@ -82,6 +86,10 @@ class Recipe:
             raise bad("decay_steps", f"0 (no decay) or a step past the warmup ({self.warmup_steps})")
         if self.topology not in TOPOLOGIES:
             raise bad("topology", f"one of {', '.join(TOPOLOGIES)}")
+        if self.second_moment not in SECOND_MOMENTS:
+            raise bad("second_moment", f"one of {', '.join(SECOND_MOMENTS)}")
+        if self.accumulate > 1 and self.second_moment != "lane":
+            raise bad("second_moment", f"lane under AccumAdam (accumulate {self.accumulate}), which keeps its own")
         if self.sync_codec not in CODECS:
             raise bad("sync_codec", f"one of {', '.join(CODECS)}")
 
@@ -129,6 +137,7 @@ class Recipe:
         schedule = (f", warmup {self.warmup_steps}" if self.warmup_steps else "") + (
             f", cosine to {self.min_lr_ratio:g}x at {self.decay_steps}" if self.decay_steps else "")
         sync = f"{self.topology}" + (f" A={self.accumulate}" if self.accumulate > 1 else "") + (
+            f" v={self.second_moment}" if self.second_moment != "lane" else "") + (
             f" {self.sync_codec}" if self.sync_codec != "raw" else "") + (f" robust {self.robust:g}" if self.robust else "")
         clip = f"clip {self.clip_norm:g}" if self.clip_norm else "no clipping"
         return (f"lr {self.lr:g}{schedule}, betas {self.betas[0]:g}/{self.betas[1]:g}, wd {self.weight_decay:g}, {clip}; "

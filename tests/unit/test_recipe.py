@@ -29,6 +29,7 @@ def test_a_file_names_only_what_it_changes_and_toml_reads_like_json(tmp_path):
     ('{"betas": [0.9]}', "betas"), ('{"betas": [0.9, 1.0]}', "betas"), ('{"sync_codec": "zip"}', "sync_codec"),
     ('{"warmup_steps": 10, "decay_steps": 10}', "decay_steps"), ('{"accumulate": 0}', "accumulate"),
     ('{"outer_momentum": 1.0}', "outer_momentum"), ('{"min_lr_ratio": 2}', "min_lr_ratio"), ("[1, 2]", ""),
+    ('{"second_moment": "mean"}', "second_moment"), ('{"accumulate": 4, "second_moment": "window"}', "second_moment"),
 ])
 def test_a_bad_file_is_refused_naming_the_file_and_the_field(tmp_path, text, path):
     (tmp_path / "r.json").write_text(text)
@@ -63,3 +64,4 @@ def test_the_recipe_in_words_says_what_an_organizer_set():
     assert Recipe().words == "lr 0.0003, betas 0.9/0.95, wd 0.1, clip 1; gossip one-peer-exp, seed 0"
     words = Recipe(lr=1e-3, warmup_steps=10, decay_steps=100, clip_norm=0, accumulate=8, robust=2).words
     assert words == "lr 0.001, warmup 10, cosine to 0.1x at 100, betas 0.9/0.95, wd 0.1, no clipping; gossip one-peer-exp A=8 robust 2, seed 0"
+    assert Recipe(second_moment="group").words.endswith("gossip one-peer-exp v=group, seed 0")

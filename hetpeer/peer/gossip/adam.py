@@ -16,6 +16,22 @@ window of A steps, from the window's mean gradient gbar: M = b1 M + (1 - b1) gba
 V = b2 V + (1 - b2) gbar^2. Every step still moves the parameters, with m = b1 M + (1 - b1) g and
 v = b2 V + (1 - b2) g^2 (M, V as they were before this step's window closed) and bias correction by
 k = ceil(t / A) in place of t. A = 1 is plain decentralized Adam.
+
+A gossip peer's second moment v is that of its own lane's gradients, whose variance is n times that of the
+group's mean gradient, which is what all-reduce's Adam divides by: so the group's mean step is smaller than
+all-reduce's where noise dominates (docs/gossip.md measures the cost). The recipe's `second_moment` chooses
+how a peer of a gossip group of n estimates it:
+
+- `lane`: from its own gradients, as Wang et al. publish it;
+- `group`: scaled to the group's mean gradient, v' = m^2 + max(v - m^2, 0) / n (bias-corrected moments): the
+  lane's variance about the mean direction, divided by n;
+- `window`: from the mean of its last n gradients (a window that closes at the steps divisible by n), whose
+  variance is the group mean's: at step t with j gradients of the open window summing to G, the step divides
+  by v' = b2^j V + (1 - b2^j) (G / j)^2, bias-corrected by 1 - b2^t, and V takes v' when the window closes
+  (so v forgets at b2 a step, as plain Adam's). A group size that changes mid-window only shifts one window.
+
+With n = 1 (all-reduce and outer-step groups, whose steps are not a lane's alone between syncs: outer steps
+train apart like a single Adam) every choice is plain Adam.
 """
 
 from __future__ import annotations
@@ -26,7 +42,7 @@ from typing import Sequence
 
 import torch
 
-from hetpeer.protocol.recipe import Recipe
+from hetpeer.protocol.recipe import SECOND_MOMENTS, Recipe
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,13 +56,20 @@ class AdamConfig:
     decay_steps: int | None = None  # then falls on a cosine to min_lr_ratio x lr at this step (None: stays at lr)
     min_lr_ratio: float = 0.1
     clip_norm: float = 0.0  # the gradient is scaled to at most this L2 norm before the step (0: never)
+    second_moment: str = "lane"  # how a gossip peer estimates v (`SECOND_MOMENTS`, above)
 
     @staticmethod
     def of(recipe: Recipe) -> "AdamConfig":
         """The optimizer the organizer's recipe asks for."""
         return AdamConfig(lr=recipe.lr, betas=recipe.betas, eps=recipe.eps, weight_decay=recipe.weight_decay,
                           accumulate=recipe.accumulate, warmup_steps=recipe.warmup_steps,
-                          decay_steps=recipe.decay_steps or None, min_lr_ratio=recipe.min_lr_ratio, clip_norm=recipe.clip_norm)
+                          decay_steps=recipe.decay_steps or None, min_lr_ratio=recipe.min_lr_ratio, clip_norm=recipe.clip_norm,
+                          second_moment=recipe.second_moment)
+
+    @property
+    def windowed(self) -> bool:
+        """Whether the state keeps a window's gradient sum (AccumAdam, or v from a window's mean)."""
+        return self.accumulate > 1 or self.second_moment == "window"
 
     def __post_init__(self) -> None:
         numbers = (self.lr, self.eps, self.weight_decay)
@@ -64,6 +87,10 @@ class AdamConfig:
             raise ValueError(f"clip_norm must be a finite number >= 0 (0: no clipping), got {self.clip_norm}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.second_moment not in SECOND_MOMENTS:
+            raise ValueError(f"second_moment must be one of {', '.join(SECOND_MOMENTS)}, got {self.second_moment!r}")
+        if self.accumulate > 1 and self.second_moment != "lane":
+            raise ValueError(f"AccumAdam (accumulate {self.accumulate}) keeps its own second moment: second_moment must be lane")
 
     def lr_at(self, step: int) -> float:
         """The learning rate of optimizer step `step` (1-based): linear warmup, then a cosine decay to
@@ -77,8 +104,8 @@ class AdamConfig:
 
 
 class AdamState:
-    """The optimizer state of one stage: moments (and AccumAdam's window sum), flat, plus the step count. The
-    window exists only where AccumAdam needs one (`windowed`): plain Adam holds 4 bytes a parameter less."""
+    """The optimizer state of one stage: moments (and a window's gradient sum), flat, plus the step count. The
+    window exists only where the config needs one (`AdamConfig.windowed`): plain Adam holds 4 bytes a parameter less."""
 
     def __init__(self, size: int, device: str | torch.device = "cpu", windowed: bool = False) -> None:
         self.m = torch.zeros(size, device=device)
@@ -93,23 +120,27 @@ class AdamState:
 @torch.no_grad()
 def adam_update(
     x: torch.Tensor, grad: torch.Tensor, state: AdamState, config: AdamConfig,
-    decay_ranges: Sequence[tuple[int, int]] | None = None, clip_apart: Sequence[tuple[int, int]] = (),
+    decay_ranges: Sequence[tuple[int, int]] | None = None, clip_apart: Sequence[tuple[int, int]] = (), peers: int = 1,
 ) -> None:
     """Move x (the mixed point, changed in place) by one (Accum)Adam step with `grad` (clipped first, in place,
     where the config says: `clip_gradient`, with `clip_apart`); weight decay applies to the [start, end)
-    `decay_ranges` of x (`FlatParams.decay_ranges`), or to all of it when None.
+    `decay_ranges` of x (`FlatParams.decay_ranges`), or to all of it when None. `peers` is the gossip group's
+    size, which the config's `second_moment` scales by (1: plain Adam).
 
     Plain Adam runs as torch's fused AdamW kernel over views of the flat vectors (one pass over memory
-    where the unfused update takes ten; what torch.optim.AdamW(fused=True) runs), AccumAdam as tensor
-    operations."""
+    where the unfused update takes ten; what torch.optim.AdamW(fused=True) runs), AccumAdam and the second
+    moments of a group as tensor operations."""
     b1, b2 = config.betas
     if config.clip_norm:
         clip_gradient(grad, config.clip_norm, clip_apart)
     state.step += 1
     t, window = state.step, config.accumulate
     lr = config.lr_at(t)
-    if window == 1:
+    if window == 1 and (config.second_moment == "lane" or peers == 1):
         _fused_adamw(x, grad, state, config, lr, decay_ranges)
+        return
+    if window == 1:
+        _group_adamw(x, grad, state, config, lr, decay_ranges, peers)
         return
     if state.window is None:
         state.window = torch.zeros_like(state.m)
@@ -123,13 +154,48 @@ def adam_update(
         state.v.mul_(b2).addcmul_(mean, mean, value=1 - b2)
         state.window.zero_()
     denominator = v.sqrt().div_(math.sqrt(1 - b2**k)).add_(config.eps)
-    shrink = 1 - lr * config.weight_decay
+    _decay(x, lr * config.weight_decay, decay_ranges)
+    x.addcdiv_(m, denominator, value=-lr / (1 - b1**k))
+
+
+def _group_adamw(
+    x: torch.Tensor, grad: torch.Tensor, state: AdamState, config: AdamConfig, lr: float,
+    decay_ranges: Sequence[tuple[int, int]] | None, peers: int,
+) -> None:
+    """One AdamW step (the step count already advanced) whose second moment is scaled to a gossip group of
+    `peers` (`second_moment` group or window: the module's docstring)."""
+    b1, b2 = config.betas
+    t = state.step
+    state.m.mul_(b1).add_(grad, alpha=1 - b1)
+    m_hat = state.m / (1 - b1**t)
+    if config.second_moment == "group":
+        state.v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        square = m_hat * m_hat
+        v = (state.v / (1 - b2**t)).sub_(square).clamp_(min=0).div_(peers).add_(square)
+    else:  # window
+        if state.window is None:
+            state.window = torch.zeros_like(state.m)
+        state.window.add_(grad)
+        j = (t - 1) % peers + 1  # gradients in the open window, this one included
+        mean = state.window / j
+        v = state.v * b2**j
+        v.addcmul_(mean, mean, value=1 - b2**j)
+        if j == peers:
+            state.v.copy_(v)
+            state.window.zero_()
+        v.div_(1 - b2**t)
+    _decay(x, lr * config.weight_decay, decay_ranges)
+    x.addcdiv_(m_hat, v.sqrt_().add_(config.eps), value=-lr)
+
+
+def _decay(x: torch.Tensor, amount: float, decay_ranges: Sequence[tuple[int, int]] | None) -> None:
+    """Decoupled weight decay: x shrinks by `amount` (lr x weight decay) on its `decay_ranges` (all of it when None)."""
+    shrink = 1 - amount
     if decay_ranges is None:
         x.mul_(shrink)
     elif shrink != 1:
         for start, end in decay_ranges:
             x[start:end].mul_(shrink)
-    x.addcdiv_(m, denominator, value=-lr / (1 - b1**k))
 
 
 def clip_gradient(grad: torch.Tensor, max_norm: float, apart: Sequence[tuple[int, int]] = ()) -> None:

@@ -114,7 +114,7 @@ class GroupSync:
         self, plan: Plan, device_id: str, transport: Transport, flat: FlatParams, adam: AdamConfig, config: SyncConfig
     ) -> None:
         self.device_id, self.transport, self.flat, self.adam, self.config = device_id, transport, flat, adam, config
-        self.state = AdamState(flat.size, flat.data.device, windowed=adam.accumulate > 1)
+        self.state = AdamState(flat.size, flat.data.device, windowed=adam.windowed)
         self.lock = threading.Lock()  # parameters and moments change only under it; state serving reads under it
         self.chunk_elems = max(1, config.chunk_bytes // 4)
         self.step = plan.start_step
@@ -189,7 +189,8 @@ class GroupSync:
         wait_s = time.perf_counter() - started
         with self.lock:
             clipped = self._mix(w[self.index], received, step) if self.mode == "gossip" else 0
-            adam_update(self.flat.data, self.flat.grad, self.state, self.adam, self.flat.decay_ranges, self.flat.clip_apart)
+            adam_update(self.flat.data, self.flat.grad, self.state, self.adam, self.flat.decay_ranges, self.flat.clip_apart,
+                        peers=len(self.members) if self.mode == "gossip" else 1)
             if self.warming(step):  # the members move together: the anchor is where they are
                 self.outer.anchor.copy_(self.flat.data)
         if self.exchange is not None and self.exchange.at == step:
