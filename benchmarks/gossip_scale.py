@@ -1,7 +1,7 @@
 """Decentralized Adam against all-reduce Adam at GPT-2-small scale, with large lane batches, on one accelerator.
 
     python3 benchmarks/gossip_scale.py [--peers 8 16] [--tokens-per-peer 16384] [--seq-len 1024]
-        [--methods allreduce dadam [accumadam]] [--lr 6e-4 ...] [--lr-for METHOD LR ...] [--topology one-peer-exp]
+        [--methods allreduce dadam ...] [--lr 6e-4 ...] [--lr-for METHOD LR ...] [--topology one-peer-exp]
         [--time-budget S | --steps N] [--eval-every N] [--seed 0] [--out DIR] [--json] [--small]
 
 The question: at GPT-2-small scale, with 16K tokens or more a peer-step, how far is decentralized Adam
@@ -22,7 +22,11 @@ CPU). Every run of a group size reads the same data (peer i of step t the corpus
 - dadam: decentralized Adam as `group.py` runs it: at step t peer i's gradient g_i is taken at x_i(t), then
   x_half_i = x_i + sum_j W_ij(t) (x_j - x_i) over round t of the topology (`topology.mixing_matrix`, the
   one-peer exponential graph by default), then the peer's own `adam_update` from x_half_i with g_i;
-- accumadam (optional): the same with AccumAdam's window A = 8 and beta2 0.98, as benchmarks/gossip.py runs it.
+- dadam-group, dadam-window: the same with the recipe's `second_moment` group (each peer's Adam second moment
+  scaled to the group's mean gradient) and window (from the mean of its last n gradients): `adam.py`;
+- accumadam: the same with AccumAdam's window A = n and beta2 0.98 (Wang et al. ran A = 4 to 8);
+- outer-10, outer-50: outer steps every H steps (DiLoCo, `outer.py`, lr 0.7 and Nesterov momentum 0.9) after
+  `--outer-after` steps of every-step all-reduce (the recipe's warm start), the exchange landing at once.
 
 The learning rate rises linearly over the first 10% of the steps, then falls on a cosine to 0.1x at the last
 (`AdamConfig`); betas (0.9, 0.95), weight decay 0.1 on matrices. No gradient clipping: the project had none
@@ -33,7 +37,8 @@ lockstep (step t of each, then step t + 1), so runs cut short still compare at e
 Reported, with the definitions of benchmarks/gossip.py's loss part: the validation loss of the group's MEAN
 parameters on held-out sequences (the same for every run) every `--eval-every` steps; its gap to the best
 all-reduce run of the group size; the steps factor (how many times all-reduce's steps the run needs to reach
-its final loss, located on all-reduce's validation curve); the training loss of the last 10 steps; the
+its final loss, located on all-reduce's validation curve; where the run ends below all-reduce, its own steps to
+all-reduce's final loss over all-reduce's steps, under 1); the training loss of the last 10 steps; the
 consensus distance (mean |x_i - mean| / |mean|: 0 for all-reduce, one model).
 
 Cost: a step of a run is n forward and backward passes of B sequences plus n Adam updates (and for gossip
@@ -85,12 +90,17 @@ from gossip import VALIDATION_SEED, Run  # noqa: E402
 from hetpeer.peer.data.corpus import DEFAULT_MAX_BYTES, Corpus  # noqa: E402
 from hetpeer.peer.gossip.adam import AdamConfig, AdamState, adam_update  # noqa: E402
 from hetpeer.peer.gossip.flat import FlatParams  # noqa: E402
+from hetpeer.peer.gossip.outer import OuterConfig, OuterState, outer_step  # noqa: E402
 from hetpeer.peer.gossip.topology import TOPOLOGIES, mixing_matrix  # noqa: E402
 from hetpeer.peer.model import build_stage  # noqa: E402
 from hetpeer.protocol.modelspec import PRESETS, ModelSpec, preset  # noqa: E402
+from hetpeer.protocol.recipe import OUTER_AFTER  # noqa: E402
 
-METHODS = ("allreduce", "dadam", "accumadam")
-LABELS = {"allreduce": "all-reduce Adam", "dadam": "DAdam", "accumadam": "AccumAdam A=8, b2 0.98"}
+METHODS = ("allreduce", "dadam", "dadam-group", "dadam-window", "accumadam", "outer-10", "outer-50")
+LABELS = {"allreduce": "all-reduce Adam", "dadam": "DAdam", "dadam-group": "DAdam, v scaled to group",
+          "dadam-window": "DAdam, v from n-step mean", "accumadam": "AccumAdam A=n, b2 0.98",
+          "outer-10": "outer steps H=10", "outer-50": "outer steps H=50"}
+SECOND_MOMENT = {"dadam": "lane", "dadam-group": "group", "dadam-window": "window", "accumadam": "lane"}
 WARMUP_SHARE, MIN_LR_RATIO = 0.1, 0.1
 SAFETY = 0.93  # share of the time left that the sized runs may take: timings drift a little from the probe's
 RESERVE_S = 5.0  # kept back at the end for the report
@@ -163,6 +173,7 @@ class Record:
     probe_s_per_step: float | None = None
     peak_bytes: int | None = None
     error: str | None = None
+    seed: int = 0  # model initialisation and data order
 
     @property
     def steps_done(self) -> int:
@@ -177,7 +188,8 @@ class Record:
         return Run(curve, sum(train) / len(train), consensus)
 
     def to_json(self) -> dict:
-        return {"peers": self.config.peers, "method": self.config.method, "lr": self.config.lr, "status": self.status,
+        return {"peers": self.config.peers, "method": self.config.method, "lr": self.config.lr, "seed": self.seed,
+                "status": self.status,
                 "steps": self.steps, "steps_done": self.steps_done, "tokens_per_step": self.tokens_per_step,
                 "tokens": self.tokens_per_step * self.steps_done, "initial_loss": self.initial_loss,
                 "val_loss": self.curve[-1][1] if self.curve else None, "curve": self.curve,
@@ -194,12 +206,17 @@ def mean_of_last(values: list[float], count: int = 10) -> float | None:
 CAN_CLIP = "clip_norm" in {f.name for f in fields(AdamConfig)}  # gradient clipping, where this checkout's Adam has it
 
 
-def adam_config(method: str, lr: float, steps: int, clip_norm: float = 0.0) -> AdamConfig:
+def adam_config(method: str, lr: float, steps: int, clip_norm: float = 0.0, peers: int = 1) -> AdamConfig:
     warmup = max(1, round(WARMUP_SHARE * steps)) if steps > 1 else 0
-    betas, window = ((0.9, 0.98), 8) if method == "accumadam" else ((0.9, 0.95), 1)
+    betas, window = ((0.9, 0.98), peers) if method == "accumadam" else ((0.9, 0.95), 1)
     clip = {"clip_norm": clip_norm} if clip_norm else {}
-    return AdamConfig(lr=lr, betas=betas, accumulate=window, warmup_steps=warmup,
+    return AdamConfig(lr=lr, betas=betas, accumulate=window, warmup_steps=warmup, second_moment=SECOND_MOMENT.get(method, "lane"),
                       decay_steps=steps if steps > warmup else None, min_lr_ratio=MIN_LR_RATIO, **clip)
+
+
+def outer_every(method: str) -> int:
+    """H of an outer-step method ("outer-H"), 0 for the others."""
+    return int(method.removeprefix("outer-")) if method.startswith("outer-") else 0
 
 
 class Shell:
@@ -264,7 +281,7 @@ class Decentralized:
         self.x = shell.init.repeat(peers, 1)  # row i: peer i's parameters
         self.mixed = torch.empty_like(self.x)  # x_half, then (after Adam) the next step's x
         self.difference = torch.empty(size, device=device)
-        self.states = [AdamState(size, device, windowed=adam.accumulate > 1) for _ in range(peers)]
+        self.states = [AdamState(size, device, windowed=adam.windowed) for _ in range(peers)]
 
     def step(self, shell: Shell, tokens: torch.Tensor, labels: torch.Tensor, step: int) -> torch.Tensor:
         self._mix(mixing_matrix(self.topology, self.peers, step))
@@ -272,7 +289,8 @@ class Decentralized:
         for i in range(self.peers):
             shell.load(self.x[i])  # the gradient is taken at x_i(t), the step made from x_half_i
             losses.append(shell.backward(tokens[i], labels[i]))
-            adam_update(self.mixed[i], shell.flat.grad, self.states[i], self.adam, shell.flat.decay_ranges)
+            adam_update(self.mixed[i], shell.flat.grad, self.states[i], self.adam, shell.flat.decay_ranges,
+                        peers=self.peers)
         self.x, self.mixed = self.mixed, self.x
         return torch.stack(losses).mean()
 
@@ -297,11 +315,51 @@ class Decentralized:
         return float(distances.mean() / torch.linalg.vector_norm(mean))
 
 
+class Outer:
+    """Outer steps (DiLoCo; `outer.py`): every step's mean gradient for the first `after` steps (the recipe's warm
+    start, `outer_after`), then each peer trains alone and every H steps the group takes one Nesterov step with
+    the mean of its changes since the last, as `group.py` runs a group without overlap."""
+
+    def __init__(self, shell: Shell, peers: int, adam: AdamConfig, every: int, after: int) -> None:
+        self.peers, self.adam, self.every, self.after = peers, adam, every, after
+        size, device = shell.init.numel(), shell.init.device
+        self.x = shell.init.repeat(peers, 1)
+        self.states = [AdamState(size, device) for _ in range(peers)]
+        self.outer, self.config = OuterState(shell.init), OuterConfig()
+
+    def step(self, shell: Shell, tokens: torch.Tensor, labels: torch.Tensor, step: int) -> torch.Tensor:
+        if step < self.after:  # all-reduce: every peer steps from the same point with the mean gradient
+            shell.load(self.x[0])
+            losses = [shell.backward(tokens[i], labels[i], 1.0 / self.peers) for i in range(self.peers)]
+            for i in range(self.peers):
+                adam_update(self.x[i], shell.flat.grad, self.states[i], self.adam, shell.flat.decay_ranges)
+            self.outer.anchor.copy_(self.x[0])
+            return torch.stack(losses).mean()
+        losses = []
+        for i in range(self.peers):
+            shell.load(self.x[i])
+            losses.append(shell.backward(tokens[i], labels[i]))
+            adam_update(self.x[i], shell.flat.grad, self.states[i], self.adam, shell.flat.decay_ranges)
+        if (step + 1) % self.every == 0:
+            with torch.no_grad():
+                change = self.outer.anchor - self.x.mean(0)
+                outer_step(self.x[0], change, self.outer, self.config)
+                self.x[1:] = self.x[0]
+        return torch.stack(losses).mean()
+
+    def mean(self) -> torch.Tensor:
+        return self.x.mean(0)
+
+    consensus = Decentralized.consensus
+
+
 def state_bytes(config: RunConfig, size: int) -> int:
     """Device bytes a run holds beyond the shared shell: fp32 parameters, mixing buffer and moments."""
     if config.method == "allreduce":
         return 4 * size * 3
-    per_peer = 5 if config.method == "accumadam" else 4  # x, x_half, m, v (and AccumAdam's window)
+    if outer_every(config.method):
+        return 4 * size * (config.peers * 3 + 3)  # x, m, v a peer; anchor, momentum, the mean change
+    per_peer = 5 if config.method in ("accumadam", "dadam-window") else 4  # x, x_half, m, v (and a window)
     return 4 * size * (config.peers * per_peer + 1)
 
 
@@ -317,10 +375,12 @@ class Bench:
         self.val_labels = torch.from_numpy(held_out.labels).to(device)
         self.deadline_s: float | None = None  # seconds since STARTED_S at which every run stops
 
-    def build(self, config: RunConfig, steps: int) -> AllReduce | Decentralized:
-        adam = adam_config(config.method, config.lr, steps, self.args.clip_norm)
+    def build(self, config: RunConfig, steps: int) -> AllReduce | Decentralized | Outer:
+        adam = adam_config(config.method, config.lr, steps, self.args.clip_norm, config.peers)
         if config.method == "allreduce":
             return AllReduce(self.shell, config.peers, adam)
+        if outer_every(config.method):
+            return Outer(self.shell, config.peers, adam, outer_every(config.method), self.args.outer_after)
         return Decentralized(self.shell, config.peers, adam, self.args.topology)
 
     def batch(self, step: int, peers: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -336,7 +396,7 @@ class Bench:
             out.append(tensor)
         return out[0], out[1]
 
-    def validate(self, run: AllReduce | Decentralized) -> float:
+    def validate(self, run: AllReduce | Decentralized | Outer) -> float:
         return self.shell.validate(run.mean(), self.val_tokens, self.val_labels, self.sequences)
 
     def probe(self, configs: list[RunConfig], steps: int) -> tuple[Cost, list[float], int]:
@@ -496,7 +556,8 @@ def compare(records: list[Record]) -> dict[int, dict]:
         rows = {}
         for record in group:
             run = runs[id(record)]
-            factor = run.curve[-1][0] / base.steps_to(run.loss) if run.loss > base.loss else 1.0
+            # all-reduce's steps to this run's loss; where the run beat all-reduce, its own steps to all-reduce's
+            factor = upto / base.steps_to(run.loss) if run.loss > base.loss else run.steps_to(base.loss) / upto
             rows[record.config.name] = {"val_loss": run.loss, "gap": run.loss / base.loss - 1, "steps_factor": factor,
                                         "train_loss": run.train, "consensus": run.consensus, "at_step": run.curve[-1][0]}
         result[peers] = {"reference": reference.config.name, "at_step": upto, "runs": rows}
@@ -504,12 +565,12 @@ def compare(records: list[Record]) -> dict[int, dict]:
 
 
 def print_table(comparison: dict[int, dict]) -> None:
-    say(f"\n{'optimizer':32s} {'peers':>5s} {'step':>6s} {'val loss':>9s} {'vs all-reduce':>14s} {'steps x':>8s} "
+    say(f"\n{'optimizer':40s} {'peers':>5s} {'step':>6s} {'val loss':>9s} {'vs all-reduce':>14s} {'steps x':>8s} "
         f"{'train':>7s} {'consensus':>10s}")
     for peers, found in comparison.items():
         for name, row in found["runs"].items():
             method, _, lr = name.partition(" lr ")
-            say(f"{LABELS[method] + ', lr ' + lr:32s} {peers:5d} {row['at_step']:6d} {row['val_loss']:9.4f} "
+            say(f"{LABELS[method] + ', lr ' + lr:40s} {peers:5d} {row['at_step']:6d} {row['val_loss']:9.4f} "
                 f"{row['gap']:+14.2%} {row['steps_factor']:8.2f} {row['train_loss']:7.4f} {row['consensus']:10.2e}")
 
 
@@ -530,6 +591,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--clip-norm", type=float, default=0.0, metavar="NORM",
                         help="clip each peer's gradient (all-reduce: the mean gradient) to this L2 norm, where this "
                         "checkout's AdamConfig has clip_norm (default 0: no clipping)")
+    parser.add_argument("--outer-after", type=int, default=OUTER_AFTER, metavar="STEPS",
+                        help=f"outer-H methods: steps of every-step all-reduce before the first outer step, the recipe's "
+                        f"outer_after (default {OUTER_AFTER})")
     parser.add_argument("--topology", choices=TOPOLOGIES, default="one-peer-exp",
                         help="gossip topology (default one-peer-exp)")
     parser.add_argument("--steps", type=int, help="steps of every run; overrides the sizing by --time-budget (default 1000 "
@@ -575,6 +639,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
          f"--time-budget must be positive, got {args.time_budget}"),
         (args.eval_every is not None and args.eval_every < 1, f"--eval-every must be at least 1, got {args.eval_every}"),
         (args.probe_steps < 1 or args.val_sequences < 1, "--probe-steps and --val-sequences must be at least 1"),
+        (args.outer_after < 0, f"--outer-after must be >= 0, got {args.outer_after}"),
         (not math.isfinite(args.clip_norm) or args.clip_norm < 0, f"--clip-norm must be >= 0, got {args.clip_norm}"),
         (args.clip_norm > 0 and not CAN_CLIP, "--clip-norm: this checkout's AdamConfig has no clip_norm (no clipping yet)"),
         (args.model != "gpt2-small" and args.model not in PRESETS, f"--model: unknown {args.model!r} (known: gpt2-small, "
@@ -666,7 +731,8 @@ def main(argv: list[str] | None = None) -> int:
         if steps is None:
             steps, costs, per_step = size_steps(args, bench, groups, failed)
         every = eval_every_for(args, steps)
-        records = [Record(c, steps, c.peers * args.tokens_per_peer, probe_s_per_step=per_step.get(c)) for c in configs]
+        records = [Record(c, steps, c.peers * args.tokens_per_peer, probe_s_per_step=per_step.get(c), seed=args.seed)
+                   for c in configs]
         by_config = {r.config: r for r in records}
         for peers in args.peers:
             say(f"  {peers} peers: {steps} steps read {steps * peers * bench.sequences / corpus.windows(args.seq_len):.2f} "
@@ -704,7 +770,7 @@ def main(argv: list[str] | None = None) -> int:
     comparison = compare(records)
     print_table(comparison)
     summary = {"benchmark": "gossip_scale", "device": name, "torch": torch.__version__, "model": spec.name,
-               "params": bench.shell.flat.size, "seq_len": args.seq_len, "tokens_per_peer": args.tokens_per_peer,
+               "params": bench.shell.flat.size, "seed": args.seed, "seq_len": args.seq_len, "tokens_per_peer": args.tokens_per_peer,
                "topology": args.topology, "clip_norm": args.clip_norm, "steps": records[0].steps if records else None,
                "corpus_bytes": corpus.size_bytes, "time_budget_s": args.time_budget, "elapsed_s": round(elapsed_s(), 1),
                "complete": bool(records) and all(r.status == "done" for r in records),
