@@ -39,7 +39,9 @@ parameters on held-out sequences (the same for every run) every `--eval-every` s
 all-reduce run of the group size; the steps factor (how many times all-reduce's steps the run needs to reach
 its final loss, located on all-reduce's validation curve; where the run ends below all-reduce, its own steps to
 all-reduce's final loss over all-reduce's steps, under 1); the training loss of the last 10 steps; the
-consensus distance (mean |x_i - mean| / |mean|: 0 for all-reduce, one model).
+consensus distance (mean |x_i - mean| / |mean|: 0 for all-reduce, one model); for all-reduce runs, the gradient
+noise scale B_simple in tokens between evaluations (McCandlish et al. 2018, appendix A: each lane's squared gradient
+norm against the mean gradient's), which places a model on the steps factor table (`planner/quality.py`).
 
 Cost: a step of a run is n forward and backward passes of B sequences plus n Adam updates (and for gossip
 O(n P) mixing, P parameters); device memory is 16 P bytes a gossiping peer (parameters, mixing buffer, two
@@ -169,6 +171,7 @@ class Record:
     initial_loss: float | None = None
     curve: list[tuple[int, float]] = field(default_factory=list)  # (step, validation loss of the mean parameters)
     consensus: list[tuple[int, float]] = field(default_factory=list)
+    noise: list[tuple[int, float | None]] = field(default_factory=list)  # all-reduce: the gradient noise scale, tokens
     train: list[float] = field(default_factory=list)  # each step's training loss, mean over the peers
     probe_s_per_step: float | None = None
     peak_bytes: int | None = None
@@ -194,6 +197,7 @@ class Record:
                 "tokens": self.tokens_per_step * self.steps_done, "initial_loss": self.initial_loss,
                 "val_loss": self.curve[-1][1] if self.curve else None, "curve": self.curve,
                 "consensus": self.consensus[-1][1] if self.consensus else None, "consensus_curve": self.consensus,
+                "noise_scale_curve": self.noise,
                 "train_loss": mean_of_last(self.train), "probe_s_per_step": self.probe_s_per_step,
                 "peak_bytes": self.peak_bytes, "error": self.error}
 
@@ -252,24 +256,55 @@ class Shell:
 
 
 class AllReduce:
-    """All-reduce Adam: one model stepping on the mean of the n peers' gradients, exactly."""
+    """All-reduce Adam: one model stepping on the mean of the n peers' gradients, exactly. It also estimates the
+    gradient noise scale from each lane's gradient against the mean's (`noise_scale`)."""
 
     def __init__(self, shell: Shell, peers: int, adam: AdamConfig) -> None:
         self.peers, self.adam = peers, adam
         self.x = shell.init.clone()
         self.state = AdamState(self.x.numel(), self.x.device)
+        self.total = torch.empty_like(self.x)  # the lanes' gradients summed, while each lane's is taken alone
+        self.squares = torch.zeros(2, device=self.x.device)  # since the last estimate: sum of mean |g_lane|^2, of |g_mean|^2
+        self.steps = 0
 
     def step(self, shell: Shell, tokens: torch.Tensor, labels: torch.Tensor, step: int) -> torch.Tensor:
         shell.load(self.x)
-        losses = [shell.backward(tokens[i], labels[i], 1.0 / self.peers) for i in range(self.peers)]
+        self.total.zero_()
+        losses = []
+        for i in range(self.peers):
+            shell.flat.zero_grad()
+            losses.append(shell.backward(tokens[i], labels[i]))
+            self.squares[0] += shell.flat.grad.square().sum() / self.peers
+            self.total.add_(shell.flat.grad)
+        shell.flat.grad.copy_(self.total.div_(self.peers))
+        self.squares[1] += shell.flat.grad.square().sum()
+        self.steps += 1
         adam_update(self.x, shell.flat.grad, self.state, self.adam, shell.flat.decay_ranges)
         return torch.stack(losses).mean()
+
+    def noise_scale(self, lane_tokens: int) -> float | None:
+        """The gradient noise scale B_simple in tokens over the steps since the last call (McCandlish et al. 2018,
+        appendix A: from |G|^2 at a lane's batch b and at the group's n b), None where the estimate is not positive."""
+        small, big = (self.squares / max(self.steps, 1)).tolist()
+        self.squares.zero_()
+        self.steps = 0
+        return noise_scale(small, big, lane_tokens, self.peers)
 
     def mean(self) -> torch.Tensor:
         return self.x
 
     def consensus(self) -> float:
         return 0.0
+
+
+def noise_scale(small: float, big: float, lane_tokens: int, peers: int) -> float | None:
+    """B_simple = S / |G|^2 from the mean squared gradient norm at batch b (`small`) and at n b (`big`), b in tokens."""
+    if peers < 2:
+        return None
+    b, nb = lane_tokens, lane_tokens * peers
+    gradient = (nb * big - b * small) / (nb - b)
+    trace = (small - big) / (1 / b - 1 / nb)
+    return trace / gradient if gradient > 0 and trace > 0 else None
 
 
 class Decentralized:
@@ -454,6 +489,8 @@ class Bench:
                 else:
                     record.curve.append((step, loss))
                     record.consensus.append((step, run.consensus()))
+                    if isinstance(run, AllReduce):
+                        record.noise.append((step, run.noise_scale(self.args.tokens_per_peer)))
             eval_s = time.perf_counter() - started
             on_eval(records, step, steps, train_s / step if step else None)
 
@@ -818,7 +855,7 @@ class Outputs:
 
     def finished(self, record: Record) -> None:
         entry = record.to_json()
-        say(json.dumps({"run": {k: v for k, v in entry.items() if k not in ("curve", "consensus_curve")}}))
+        say(json.dumps({"run": {k: v for k, v in entry.items() if k not in ("curve", "consensus_curve", "noise_scale_curve")}}))
         self._append("runs.jsonl", entry)
 
     def summary(self, summary: dict) -> None:

@@ -15,6 +15,8 @@ weights and data):
   validation curve; where the method ends below all-reduce, its own steps to all-reduce's final loss over all
   the steps): what the planner multiplies a plan's step time by;
 - parity: per method and group size, the smallest lane batch at which the gap is within 1%.
+- noise scale: the gradient noise scale (B_simple, tokens) all-reduce measured over the second half of its
+  runs (the median), where the runs recorded it: what places another model on this table.
 
 With --json, the last line is the table as one JSON object (cells with their rows), which docs/gossip.md and
 the planner's table (`planner/quality.py`) are written from.
@@ -92,7 +94,9 @@ def cells(runs: list[dict]) -> list[dict]:
                 rows.append({"method": method, "lr": lr, "seeds": len(gaps), "val_loss": statistics.mean(losses),
                              "gap": statistics.mean(gaps), "gap_range": [min(gaps), max(gaps)],
                              "steps_factor": statistics.mean(factors)})
-        table.append({"model": model, "peers": peers, "tokens_per_peer": tokens, "steps": steps, "rows": rows})
+        noise = [v for run in reference.values() for step, v in run.get("noise_scale_curve", []) if v and step > steps / 2]
+        table.append({"model": model, "peers": peers, "tokens_per_peer": tokens, "steps": steps, "rows": rows,
+                      "noise_tokens": statistics.median(noise) if noise else None})
     return table
 
 
@@ -118,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'model':12s} {'peers':>5s} {'tokens':>7s} {'steps':>6s}  {'method':14s} {'lr':>7s} {'seeds':>5s} "
           f"{'val loss':>9s} {'gap':>8s} {'range':>17s} {'steps x':>8s}")
     for cell in table:
+        if cell["noise_tokens"]:
+            print(f"{cell['model']:12s} {cell['peers']:5d} {cell['tokens_per_peer']:7d} {cell['steps']:6d}  gradient noise scale "
+                  f"{cell['noise_tokens']:,.0f} tokens (all-reduce, second half)")
         for row in cell["rows"]:
             spread = f"{row['gap_range'][0]:+.2%}..{row['gap_range'][1]:+.2%}" if row["seeds"] > 1 else ""
             print(f"{cell['model']:12s} {cell['peers']:5d} {cell['tokens_per_peer']:7d} {cell['steps']:6d}  "

@@ -364,9 +364,9 @@ def main() -> int:
     parser.add_argument("--fixed-compress", type=fixed_compress, default=None, metavar="CODEC|none",
                         help="(a) also runs hetpeer with every hop in this codec, as before its planner chose codecs, e.g. "
                         "fp16 (default none: not run)")
-    parser.add_argument("--outer-every", type=outer_choice, default=OUTER_AUTO, metavar="N|auto|none",
+    parser.add_argument("--outer-every", type=outer_every_choice, default=OUTER_AUTO, metavar="N|auto|never",
                         help="hetpeer's coordinator's --outer-every (default auto: its planner gives a group outer steps where they "
-                        "pay; none: every-step sync only)")
+                        "take the least time to loss; never: every-step sync only)")
     parser.add_argument("--outer-warmup", type=int, default=0, metavar="STEPS",
                         help="hetpeer's coordinator's --outer-warmup (default 0 here: a cold start, as the DiLoCo baseline's)")
     parser.add_argument("--diloco-every", type=outer_choice, default=50, metavar="H|none",
@@ -405,7 +405,7 @@ def main() -> int:
         print(f"[{time.monotonic() - started:6.0f} s] {text}", flush=True)
 
     def config(name: str, topology: Topology, model: str, batch: int, compress: str = compress_text(args.compress)) -> TestbedConfig:
-        outer = ("--outer-every", outer_every_text(args.outer_every), "--outer-warmup", str(args.outer_warmup)) if args.outer_every is not None else ()
+        outer = ("--outer-every", outer_every_text(args.outer_every), "--outer-warmup", str(args.outer_warmup))
         return TestbedConfig(
             topology=topology, out=out / name, slowdown=args.slowdown if model == "small" else 1.0, emulate_latency=False,
             image=args.image, project=f"hetpeer-vs-{name}-{time.time_ns() % 10**8}", subnet=free_subnet(), api_port=free_port(),

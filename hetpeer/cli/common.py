@@ -84,26 +84,27 @@ def compress_text(pair: tuple[str, str]) -> str:
     return pair[0] if pair[0] == pair[1] else "/".join(pair)
 
 
-def outer_every_choice(text: str) -> int:
-    """Steps between outer steps, or auto (0: the planner chooses per group)."""
-    if text == "auto":
-        return 0
+def outer_every_choice(text: str) -> int | None:
+    """Steps between outer steps, auto (0: the planner chooses per group) or never (None: outer steps forbidden)."""
+    if text in ("auto", "never"):
+        return 0 if text == "auto" else None
     try:
         every = int(text)
     except ValueError:
         every = -1
     if not 1 <= every <= MAX_OUTER_EVERY:
-        raise argparse.ArgumentTypeError(f"must be auto or a whole number of steps from 1 to {MAX_OUTER_EVERY}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"must be auto, never or a whole number of steps from 1 to {MAX_OUTER_EVERY}, "
+                                         f"got {text!r}")
     return every
 
 
-def outer_every_text(every: int) -> str:
-    return "auto" if every == 0 else str(every)
+def outer_every_text(every: int | None) -> str:
+    return "never" if every is None else "auto" if every == 0 else str(every)
 
 
-OUTER_HELP = ("let groups sync every N steps with an outer step (DiLoCo) where every-step sync costs more than a tenth "
-              "of their step: N, or auto (per group, from its link, 10 to 50); default: groups sync every step "
-              "(docs/gossip.md, Outer steps)")
+OUTER_HELP = ("where groups may sync every N steps with an outer step (DiLoCo) instead of every step: auto (default: "
+              "the planner weighs them by time to loss, with H per group from its link, 10 to 50), N (every N steps), or "
+              "never (docs/gossip.md, Outer steps)")
 COMPRESS_HELP = ("how activations travel between stages and their gradients back: auto (default: per hop, the pair that "
                  "makes it shortest among those whose measured loss effect is within budget), one codec for both, or "
                  f"FORWARD/BACKWARD, e.g. int4/int8; each one of {', '.join(CODECS)} (docs/compression.md)")

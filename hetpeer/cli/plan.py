@@ -61,7 +61,7 @@ def add_commands(commands) -> None:
                        help="how groups average weights (time model; default auto: per group)")
     model.add_argument("--compress", type=compress_choice, default=("auto", "auto"), metavar="auto|CODEC[/CODEC]",
                        help=COMPRESS_HELP + "; time model only")
-    model.add_argument("--outer-every", type=outer_every_choice, metavar="N|auto", help=OUTER_HELP + "; time model only")
+    model.add_argument("--outer-every", type=outer_every_choice, default=0, metavar="N|auto|never", help=OUTER_HELP + "; time model only")
     model.add_argument("--recompute", choices=RECOMPUTE_CHOICES, default="auto",
                        help="activation recomputation (time model): auto (default: a stage recomputes the fewest layers that "
                        "make it fit its devices' memory, each at the cost of one more forward pass), never, or always "
@@ -110,8 +110,9 @@ def _run_plan(args: argparse.Namespace) -> int:
         if args.compress not in (("auto", "auto"), ("raw", "raw")):
             raise UserError("--compress applies to --cost-model time only (dtfm counts the paper's bytes)")
         args.compress = ("raw", "raw")
-        if args.outer_every is not None or args.sync == "outer":
-            raise UserError("--outer-every and --sync outer apply to --cost-model time only (dtfm counts every-step all-reduce)")
+        if args.outer_every or args.sync == "outer":
+            raise UserError("--outer-every N and --sync outer apply to --cost-model time only (dtfm counts every-step all-reduce)")
+        args.outer_every = None
     recipe = recipe_from(args)
     raw = scenarios.load(args.scenario) if args.scenario else read_json(args.topology, "topology file")
     topology = Topology.from_wire(raw)

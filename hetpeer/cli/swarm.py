@@ -79,7 +79,7 @@ def add_commands(commands) -> None:
     coordinator.add_argument("--sync", choices=SYNC_CHOICES, default="auto",
                              help="how groups average weights: auto (default: per group), allreduce, gossip, or outer "
                              "(every group takes outer steps, every --outer-every steps)")
-    coordinator.add_argument("--outer-every", type=outer_every_choice, metavar="N|auto", help=OUTER_HELP)
+    coordinator.add_argument("--outer-every", type=outer_every_choice, default=0, metavar="N|auto|never", help=OUTER_HELP)
     coordinator.add_argument("--seed", type=non_negative_int, default=0, metavar="N", help="planner seed (default 0)")
     coordinator.add_argument("--steps", type=positive_int, metavar="N",
                              help="the swarm's last step: once the running plan reaches it, publish no new plan "
@@ -176,8 +176,8 @@ def add_commands(commands) -> None:
     swarm.add_argument("--stages", type=positive_int, metavar="S", help="the coordinator's --stages (default: its planner's)")
     swarm.add_argument("--group-size", type=positive_int, metavar="M", help="the coordinator's --group-size (default: its planner's)")
     swarm.add_argument("--sync", choices=SYNC_CHOICES, default="auto", help="the coordinator's --sync (default auto)")
-    swarm.add_argument("--outer-every", type=outer_every_choice, metavar="N|auto",
-                       help="the coordinator's --outer-every (default: groups sync every step)")
+    swarm.add_argument("--outer-every", type=outer_every_choice, default=0, metavar="N|auto|never",
+                       help="the coordinator's --outer-every (default auto)")
     add_recipe_options(swarm, outer=True, base=DEMO_RECIPE)
     swarm.add_argument("--verbose", action="store_true", help="show every process's output, not just the progress")
     swarm.set_defaults(run=run_swarm)
@@ -455,7 +455,7 @@ def run_swarm(args: argparse.Namespace) -> int:
             data=args.data.resolve() if args.data else None, batch=args.batch,
             save=args.save.resolve() if args.save else None, coordinator_args=(
                 "--compress", compress_text(args.compress), "--sync", args.sync,
-                *(("--outer-every", outer_every_text(args.outer_every)) if args.outer_every is not None else ()),
+                "--outer-every", outer_every_text(args.outer_every),
                 *(("--stages", str(args.stages)) if args.stages else ()),
                 *(("--group-size", str(args.group_size)) if args.group_size else ()),
             ),

@@ -40,7 +40,7 @@ class CoordinatorConfig:
     group_size: int | None = None
     compress: tuple[str, str] = ("auto", "auto")  # codecs between stages: auto (the planner's, per hop) or a fixed pair
     sync: str = "auto"  # how groups average: auto (per group), allreduce, gossip or outer (`plan.SYNC_CHOICES`)
-    outer_every: int | None = None  # groups may take outer steps: every N steps, or 0 (chosen per group); None: never
+    outer_every: int | None = 0  # groups may take outer steps: every N steps, or 0 (chosen per group); None: never
     seed: int = 0
     plan_ttl_s: float = 3600.0  # the plan stays in the DHT this long after its last (re)publication
     steps: int | None = None  # the swarm's last step: no new plan once the running one reaches it

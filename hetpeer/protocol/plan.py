@@ -16,6 +16,8 @@ A plan is what the coordinator publishes and what `hetpeer plan --json` prints. 
      "standby": [device id, ...],
      "standby_reasons": [[reason, count], ...],       # optional: why, in runs over the standby list (words)
      "cost": {"total_s": float, ...},                 # predicted seconds, by component
+     "steps_factor": float,                           # optional (1): all-reduce's steps to a loss over this plan's
+                                                      #   (its gossip or outer-step groups' cost in steps, docs/gossip.md)
      "estimated_links": [[device id, device id], ...],  # optional: links it uses that were never measured (estimated)
      "recipe": {...},                                 # the organizer's training recipe (protocol/recipe.py); optional in
                                                       #   the file: the defaults
@@ -41,6 +43,7 @@ from hetpeer.protocol.wire import (
     need_int,
     need_list,
     need_mapping,
+    need_number,
     need_str,
     no_extra_fields,
 )
@@ -137,6 +140,9 @@ class Plan:
     stages: tuple[StagePlan, ...]
     standby: tuple[str, ...] = ()
     cost: Mapping[str, float] = dataclass_field(default_factory=dict)
+    # how many of its steps make one all-reduce step's progress (>= 1, the planner's `quality.py`): time to a loss is
+    # total_s x this
+    steps_factor: float = 1.0
     epoch: int = 0
     start_step: int = 0
     estimated_links: tuple[tuple[str, str], ...] = ()  # links it uses (`links`) the planner had no measurement of
@@ -275,6 +281,11 @@ class Plan:
         return self.cost.get("total_s", math.nan)
 
     @property
+    def to_loss_s(self) -> float:
+        """Seconds this plan takes to make an all-reduce step's progress: its step times its steps factor."""
+        return self.total_s * self.steps_factor
+
+    @property
     def predicted(self) -> str:
         """The predicted step time in words (a plan rebuilt from checkpoints has none), with the fixed overhead it
         counts where it counts one (efficiency terms, or what a coordinator learned: `coordinator/calibration.py`)."""
@@ -314,6 +325,7 @@ class Plan:
             "lanes": [list(lane) for lane in self.lanes],
             "standby": list(self.standby),
             "cost": dict(self.cost),
+            **({"steps_factor": self.steps_factor} if self.steps_factor != 1.0 else {}),
             **({"estimated_links": [list(pair) for pair in self.estimated_links]} if self.estimated_links else {}),
             **({"standby_reasons": [[r, n] for r, n in self.standby_reasons]} if self.standby_reasons else {}),
             "recipe": self.recipe.to_wire(),
@@ -327,7 +339,7 @@ class Plan:
         no_extra_fields(
             root,
             {"version", "epoch", "start_step", "cost_model", "model", "layers", "batch", "micro_batch",
-             "micro_batches", "dtype", "stages", "lanes", "standby", "cost", "estimated_links", "standby_reasons",
+             "micro_batches", "dtype", "stages", "lanes", "standby", "cost", "steps_factor", "estimated_links", "standby_reasons",
              "seq_len", "recipe", "data_position", "dataset"},
             "plan",
         )
@@ -381,6 +393,7 @@ class Plan:
                 for j, d in enumerate(need_list(root.get("standby", []), "plan.standby"))
             ),
             cost=cost,
+            steps_factor=need_number(root.get("steps_factor", 1.0), "plan.steps_factor"),
             epoch=need_int(field(root, "epoch", "plan"), "plan.epoch", minimum=0),
             start_step=need_int(field(root, "start_step", "plan"), "plan.start_step", minimum=0),
             estimated_links=_pairs(root.get("estimated_links", []), "plan.estimated_links"),
@@ -484,6 +497,8 @@ def _check(plan: Plan) -> None:
             raise SchemaError("plan.standby", f"device {device!r} appears more than once in the plan")
         seen.add(device)
     _check_reasons(plan)
+    if not (math.isfinite(plan.steps_factor) and plan.steps_factor >= 1):
+        raise SchemaError("plan.steps_factor", f"must be a finite number >= 1, got {plan.steps_factor!r}")
     for key, value in plan.cost.items():
         if not math.isfinite(value):
             raise SchemaError(f"plan.cost.{key}", f"must be a finite number of seconds, got {value!r}")

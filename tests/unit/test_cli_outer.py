@@ -1,5 +1,5 @@
-"""`--outer-every` as `plan`, `coordinator` and `swarm` take it (auto or a number of steps), what `swarm` hands
-its coordinator, and the outer optimizer's settings in the recipe; anything else is refused by name."""
+"""`--outer-every` as `plan`, `coordinator` and `swarm` take it (auto, the default, a number of steps or never), what
+`swarm` hands its coordinator, and the outer optimizer's settings in the recipe; anything else is refused by name."""
 
 from __future__ import annotations
 
@@ -12,19 +12,19 @@ COMMANDS = [["plan", "--scenario", "regional"], ["coordinator", "--swarm", "s"],
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_outer_steps_are_off_unless_asked_and_auto_or_a_number_when_asked(command):
+def test_outer_steps_are_the_planners_choice_unless_forbidden_or_fixed(command):
     parser = build_parser()
-    assert parser.parse_args(command).outer_every is None
-    assert parser.parse_args([*command, "--outer-every", "auto"]).outer_every == 0
+    assert parser.parse_args(command).outer_every == 0  # auto
+    assert parser.parse_args([*command, "--outer-every", "never"]).outer_every is None
     assert parser.parse_args([*command, "--outer-every", "50"]).outer_every == 50
 
 
-@pytest.mark.parametrize("value", ["auto", "1", "50", "10000"])
+@pytest.mark.parametrize("value", ["auto", "never", "1", "50", "10000"])
 def test_a_choice_written_back_reads_as_the_same_choice(value):
     assert outer_every_text(outer_every_choice(value)) == value
 
 
-@pytest.mark.parametrize("value", ["0", "-5", "10001", "50.5", "Auto", ""])
+@pytest.mark.parametrize("value", ["0", "-5", "10001", "50.5", "Auto", "none", ""])
 def test_a_number_of_steps_out_of_range_is_refused_naming_the_range(value, capsys):
     with pytest.raises(SystemExit) as exit:
         build_parser().parse_args(["coordinator", "--swarm", "s", "--outer-every", value])
@@ -40,7 +40,7 @@ def test_the_coordinator_takes_sync_outer_and_a_warm_start_into_its_recipe():
 
 def test_plan_refuses_outer_steps_with_the_cost_model_that_cannot_count_them(capsys):
     assert main(["plan", "--scenario", "regional", "--cost-model", "dtfm", "--outer-every", "10"]) == 2
-    assert "--outer-every and --sync outer apply to --cost-model time only" in capsys.readouterr().err
+    assert "--outer-every N and --sync outer apply to --cost-model time only" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", [["launch"], ["coordinator", "--swarm", "s", "--print-recipe"], ["plan", "--scenario", "regional"]])

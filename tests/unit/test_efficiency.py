@@ -86,7 +86,9 @@ def test_a_step_overhead_adds_to_every_step_and_shows_in_the_cost():
     plain = make_model(problem, PlannerConfig(), Shape(2, 2)).report(grid)
     slowed = make_model(Efficiency(step_overhead_s=0.05).apply(problem), PlannerConfig(), Shape(2, 2)).report(grid)
     assert slowed.cost["total_s"] == pytest.approx(plain.cost["total_s"] + 0.05)
-    assert slowed.objective == pytest.approx(plain.objective + 0.05) and slowed.cost["overhead_s"] == 0.05
+    # the objective is a time to loss: the overhead counts once a step, times what a step is worth
+    assert slowed.sync == plain.sync and slowed.steps_factor == plain.steps_factor
+    assert slowed.objective == pytest.approx(plain.objective + 0.05 * plain.steps_factor) and slowed.cost["overhead_s"] == 0.05
     assert "overhead_s" not in plain.cost
     assert Efficiency.parse("overhead_ms=45").step_overhead_s == pytest.approx(0.045)
     with pytest.raises(ValueError, match="step overhead"):

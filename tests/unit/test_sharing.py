@@ -138,9 +138,12 @@ def test_screens_hold_the_grids_sharing():
     lane, _ = model._lanes(batch.transpose(0, 2, 1), counts[None, None, :], slowdown)
     stage_bytes = np.broadcast_to(counts * model.wire_per_layer + model.wire_fixed, (len(batch), shape.stages))
     allreduce, gossip = model._groups(batch, stage_bytes)
-    sync_s = model._sync(allreduce, gossip, lane.max(axis=1))[0]
-    overflow = model._overflow(batch, model.mem_fixed + counts * model.mem_per_layer)
-    held = model._objective(lane, sync_s, overflow, np.zeros(len(batch)), model._update(batch, np.broadcast_to(counts, (len(batch), shape.stages))))
+    need = np.broadcast_to(model.mem_fixed + counts * model.mem_per_layer, stage_bytes.shape)
+    overflow = model._overflow(batch, need)
+    update = model._update(batch, np.broadcast_to(counts, (len(batch), shape.stages)))
+    sync_s, *_, factor = model._sync(allreduce, gossip, lane.max(axis=1), lane.max(axis=1) + update,
+                                     model._outer_fits(batch, need, stage_bytes))
+    held = model._objective(lane, sync_s, overflow, np.zeros(len(batch)), update, factor)
     np.testing.assert_allclose(model.screen(grid, batch, cells), held, rtol=1e-12)
     assert not np.allclose(slowdown, 1.0)  # the case means something: some devices are slowed
 

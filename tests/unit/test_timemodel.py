@@ -10,6 +10,7 @@ import pytest
 
 from hetpeer.coordinator.planner import PlannerConfig, PlanningError, Problem, Shape, make_model, solve, synthetic
 from hetpeer.coordinator.planner.codecs import WORK_S_PER_VALUE
+from hetpeer.coordinator.planner.quality import TABLE
 from hetpeer.coordinator.planner.timemodel import TIE_BREAK
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.topology import Topology
@@ -197,7 +198,7 @@ def test_auto_plans_codecs_lane_by_lane(measured):
 def test_one_stage_two_lanes_sync_by_hand(tflops, sync):
     latency_s, bandwidth = 0.005, 0.1 * 1e9 / 8
     problem = Problem.from_topology(topology([tflops, tflops], 5.0, 0.1), Workload(preset("tiny", 4), batch=4))
-    model = make_model(problem, PlannerConfig(stages=1, group_size=2, sync=sync), Shape(1, 2))
+    model = make_model(problem, PlannerConfig(stages=1, group_size=2, sync=sync, outer_every=None), Shape(1, 2))
     report = model.report(np.array([[0, 1]]))
 
     # Each lane: 2 sequences, M = 2 micro-batches through one stage holding all 4 layers and the head.
@@ -206,8 +207,9 @@ def test_one_stage_two_lanes_sync_by_hand(tflops, sync):
     stage_bytes = (4 * LAYER_PARAMS + EMBEDDING_PARAMS + HEAD_PARAMS) * 2
     allreduce = 2 * (2 - 1) * (latency_s + stage_bytes / (2 * bandwidth))
     gossip = max(0.0, latency_s + stage_bytes / bandwidth - lane_s)  # one round: lane 0 <-> lane 1
-    if sync == "auto":
-        sync = "gossip" if allreduce > gossip + 0.02 * lane_s else "allreduce"
+    if sync == "auto":  # outer steps forbidden here: the least (step x steps factor), a tie to all-reduce
+        factor = TABLE.factor("gossip", 2, 2 * SEQ)
+        sync = "gossip" if (lane_s + gossip) * factor < lane_s + allreduce else "allreduce"
     expected_sync = allreduce if sync == "allreduce" else gossip
 
     assert report.layers == (4,)
@@ -226,7 +228,8 @@ def four_lanes_slow_across(tflops: float, sync: str):
                   {"a": "d1", "b": "d3", "latency_ms": 0.0, "bandwidth_gbps": 0.8}],
     }  # fmt: skip
     problem = Problem.from_topology(Topology.from_wire(raw), Workload(preset("tiny", 4), batch=4))
-    return make_model(problem, PlannerConfig(stages=1, group_size=4, sync=sync), Shape(1, 4)).report(np.array([[0, 1, 2, 3]]))
+    config = PlannerConfig(stages=1, group_size=4, sync=sync, outer_every=None)
+    return make_model(problem, config, Shape(1, 4)).report(np.array([[0, 1, 2, 3]]))
 
 
 @pytest.mark.parametrize("sync", ["gossip", "auto"])
@@ -491,9 +494,12 @@ def held_split_objective(model, grids: np.ndarray, counts: np.ndarray) -> np.nda
     lane, _ = model._lanes(grids.transpose(0, 2, 1), counts[None, None, :])
     stage_bytes = np.broadcast_to(counts * model.wire_per_layer + model.wire_fixed, (K, len(counts)))
     allreduce, gossip = model._groups(grids, stage_bytes)
-    sync_s = model._sync(allreduce, gossip, lane.max(axis=1))[0]
-    overflow = model._overflow(grids, model.mem_fixed + counts * model.mem_per_layer)
-    return model._objective(lane, sync_s, overflow, np.zeros(K), model._update(grids, np.broadcast_to(counts, (K, len(counts)))))
+    need = np.broadcast_to(model.mem_fixed + counts * model.mem_per_layer, stage_bytes.shape)
+    overflow = model._overflow(grids, need)
+    update = model._update(grids, np.broadcast_to(counts, (K, len(counts))))
+    outer_fits = model._outer_fits(grids, need, stage_bytes)
+    sync_s, *_, factor = model._sync(allreduce, gossip, lane.max(axis=1), lane.max(axis=1) + update, outer_fits)
+    return model._objective(lane, sync_s, overflow, np.zeros(K), update, factor)
 
 
 @pytest.mark.parametrize("shape", [Shape(1, 6), Shape(2, 2), Shape(3, 4), Shape(2, 5), Shape(4, 7), Shape(8, 3)])

@@ -4,12 +4,14 @@ one device and one link at a time, and against brute-force layer splits."""
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import pytest
 
 from hetpeer.coordinator.planner import PlannerConfig, Problem, Shape, make_model
 from hetpeer.coordinator.planner.codecs import WORK_S_PER_VALUE
+from hetpeer.coordinator.planner.quality import TABLE
 from hetpeer.coordinator.planner.timemodel import TIE_BREAK
 from hetpeer.protocol.frame import bytes_per_value
 from hetpeer.peer.pipeline.schedule import FORWARD, one_f_one_b
@@ -28,7 +30,8 @@ def docstring_step(
     problem: Problem, grid: np.ndarray, layers: tuple[int, ...], sync: str, compress: tuple[str, str] = ("raw", "raw"),
 ) -> tuple[float, float]:
     """(step seconds, search objective) of a grid with a given layer split, from the formulas in
-    timemodel's docstring: the objective adds TIE_BREAK x (mean lane time + mean exposed sync)."""
+    timemodel's docstring: the objective adds TIE_BREAK x (mean lane time + mean exposed sync) and is multiplied by
+    the steps factor (`quality.TABLE`, tested on its own)."""
     w = problem.workload
     S, m = grid.shape
     M = problem.micro_batches(m)
@@ -48,7 +51,8 @@ def docstring_step(
     if m == 1:
         return lane_s, lane_s + TIE_BREAK * float(np.mean(lanes))
     model = w.model
-    exposed = []
+    lane_tokens = problem.lanes_batch(m) * model.seq_len
+    options = []  # per stage: mode -> (exposed seconds, steps factor)
     for s in range(S):
         params = layers[s] * model.layer_params
         params += model.embedding_params if s == 0 else 0
@@ -61,10 +65,23 @@ def docstring_step(
             pairs = [(grid[s, l], grid[s, (l + 2**r) % m]) for l in range(m)]
             rounds.append(max(lat[a, b] + stage_bytes / bw[a, b] for a, b in pairs))
         gossip = float(np.mean([max(0.0, r - lane_s) for r in rounds]))
-        choice = sync if sync != "auto" else ("gossip" if allreduce > gossip + 0.02 * lane_s else "allreduce")
-        exposed.append(gossip if choice == "gossip" else allreduce)
-    step = lane_s + max(exposed)
-    return step, step + TIE_BREAK * (float(np.mean(lanes)) + float(np.mean(exposed)))
+        change = allreduce * 2 / w.dtype_bytes  # outer steps: the ring with the change in fp16
+        h = min(50, max(10, math.ceil(change / (0.02 * lane_s))))
+        d = min(max(1, h // 10), math.ceil(change / lane_s))
+        options.append({"allreduce": (allreduce, 1.0), "gossip": (gossip, TABLE.factor("gossip", m, lane_tokens)),
+                        "outer": (max(0.0, change - d * lane_s) / h, TABLE.factor("outer", m, lane_tokens, h))})
+    # auto: each set of modes with all-reduce in it, each group its fastest; the least (step x factor) wins
+    sets = [[sync]] if sync != "auto" else [["allreduce"], ["allreduce", "gossip"], ["allreduce", "outer"],
+                                            ["allreduce", "gossip", "outer"]]
+    best = None
+    for modes in sets:
+        picks = [min(modes, key=lambda mode, o=o: o[mode][0]) for o in options]  # a tie goes to the earlier mode
+        exposed = [o[mode][0] for o, mode in zip(options, picks)]
+        factor = max(o[mode][1] for o, mode in zip(options, picks))
+        step = lane_s + max(exposed)
+        if best is None or step * factor < best[0] * best[2]:
+            best = (step, (step + TIE_BREAK * (float(np.mean(lanes)) + float(np.mean(exposed)))) * factor, factor)
+    return best[0], best[1]
 
 
 def min_max_stage_time(problem: Problem, grid: np.ndarray, caps: list[float] | None = None) -> float:

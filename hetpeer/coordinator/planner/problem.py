@@ -53,6 +53,7 @@ class Report:
     codecs: tuple[tuple[tuple[str, str], ...], ...] = ()
     outer_every: tuple[int, ...] = ()  # per stage, H of a group with outer steps (0 otherwise; () none has them)
     outer_delay: tuple[int, ...] = ()  # per stage, the steps its exchange overlaps (D)
+    steps_factor: float = 1.0  # all-reduce's steps to the loss over this plan's (`quality.py`)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -80,6 +81,9 @@ class Problem:
     # (embedding and head s/sequence, optimizer s/parameter, Python s/micro-batch, recomputation's share of a
     # layer); None: not measured
     step_costs: np.ndarray | None = None
+    # the gradient noise scale the swarm's all-reduce groups measure (B_simple in tokens; `quality.py` places groups on
+    # the steps factor table by it); None: not measured
+    noise_scale_tokens: float | None = None
     # matrices derived once and shared by every shape's cost model: n^2 floats each, gigabytes at 10,000 devices
     _derived: dict = field(default_factory=dict, init=False, repr=False)
 
@@ -162,6 +166,7 @@ class Problem:
             step_overhead_s=self.step_overhead_s,
             sharing=None if self.sharing is None else self.sharing.subset(devices),
             step_costs=None if self.step_costs is None else self.step_costs[devices],
+            noise_scale_tokens=self.noise_scale_tokens,
         )
 
     def lanes_batch(self, group_size: int) -> int:

@@ -32,6 +32,9 @@ def format_plan(plan: Plan, baselines: dict[str, float | None], random_samples: 
     lines += ["", f"predicted cost ({plan.cost_model} model, seconds per step):"]
     width = max(len(key) for key in plan.cost)
     lines += [f"  {key:<{width}}  {value:10.4f}" for key, value in plan.cost.items()]
+    if plan.cost_model == "time":
+        lines += ["", f"steps factor {plan.steps_factor:.2f} ({_sync_words(plan)}): all-reduce's steps to a loss over this "
+                      f"plan's, so {plan.to_loss_s:.4f} s a step of all-reduce's progress (docs/gossip.md, The quality table)"]
     lines += ["", "same shape, same cost model:"]
     names = {"blocks": "blocks (devices in file order)", "random": f"random (mean of {random_samples})"}
     total = plan.total_s
@@ -44,3 +47,14 @@ def format_plan(plan: Plan, baselines: dict[str, float | None], random_samples: 
             ratio = f"   ({value / total:.2f}x this plan)" if total > 0 else ""
             lines.append(f"  {label:<32} {value:10.4f}{ratio}")
     return "\n".join(lines)
+
+
+def _sync_words(plan: Plan) -> str:
+    """How the plan's groups sync, and at what lane batch, in a few words."""
+    lanes = len(plan.lanes)
+    modes = sorted({stage.sync for stage in plan.stages})
+    if modes == ["none"]:
+        return "one lane: no group to sync"
+    tokens = -(-plan.batch // lanes) * plan.seq_len
+    batch = f"{tokens:,} tokens a lane-step" if tokens else f"{-(-plan.batch // lanes)} sequences a lane-step"
+    return f"{' and '.join(modes)} in groups of {lanes}, {batch}"

@@ -59,11 +59,14 @@ class Screens:
         gossip = np.repeat(base.evaluation["gossip"], K, axis=0)
         if m > 1:
             allreduce[pick, rows], gossip[pick, rows] = self._screen_groups(base, batch[pick, rows], rows, lanes)
-        sync_s = self._sync(allreduce, gossip, lane_s)[0]
         overflow = np.repeat(base.evaluation["row_overflow"], K, axis=0)
         need = base.evaluation["need"][0]
         overflow[pick, rows] = self._overflow(batch[pick, rows], need[rows])
-        return self._objective(lane, sync_s, overflow, np.zeros(K), self._update(batch, np.repeat(base.evaluation["counts"], K, axis=0)))
+        outer_fits = np.repeat(np.broadcast_to(base.evaluation["outer_fits"], base.evaluation["need"].shape), K, axis=0)
+        outer_fits[pick, rows] = self._outer_fits(batch[pick, rows], need[rows], base.stage_bytes[rows])
+        update = self._update(batch, np.repeat(base.evaluation["counts"], K, axis=0))
+        sync_s, *_, factor = self._sync(allreduce, gossip, lane_s, lane_s + update, outer_fits)
+        return self._objective(lane, sync_s, overflow, np.zeros(K), update, factor)
 
     def exchanges(self, grid: np.ndarray, count: int) -> np.ndarray:
         """Up to `count` grids, each `grid` with one segment of stages exchanged between two lanes, that
@@ -104,7 +107,7 @@ class Screens:
         # of each exchange, with every other term as `grid`'s.
         two = np.stack([slowest.ravel(), 2 * mean.ravel() - slowest.ravel()], axis=1)
         screened = self._objective(two, evaluation["sync_s"], evaluation["row_overflow"], evaluation["move"],
-                                   evaluation["update"])  # every device keeps its stage: its optimizer step too
+                                   evaluation["update"], evaluation["factor"])  # every device keeps its stage and its sync
         order = np.argsort(screened, kind="stable")[:count]
         order = order[screened[order] < evaluation["objective"][0]]
         pair, segment = np.unravel_index(order, slowest.shape)

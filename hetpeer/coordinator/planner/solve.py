@@ -33,9 +33,9 @@ class PlannerConfig:
     sync: str = "auto"
     recompute: str = "auto"  # activation recomputation: auto (where a stage fits no other way), never, always
     compress: tuple[str, str] = ("raw", "raw")  # codecs of activations between stages and of their gradients back
-    # outer steps (sync "outer"): None = only where `sync` is "outer", OUTER_AUTO = allowed with H chosen per
-    # group, N = allowed every N steps (`outer.py`)
-    outer_every: int | None = None
+    # outer steps: OUTER_AUTO = allowed with H chosen per group, N = allowed every N steps (`outer.py`), None =
+    # forbidden (only where `sync` is "outer", H chosen per group)
+    outer_every: int | None = OUTER_AUTO
     time_budget_s: float = 2.0
     memory_reserve: float = 0.1
     horizon_steps: int = 100
@@ -58,7 +58,7 @@ class PlannerConfig:
         if self.outer_every is not None and not 0 <= self.outer_every <= MAX_OUTER_EVERY:
             raise ValueError(f"outer steps must be 1 to {MAX_OUTER_EVERY} steps apart (or {OUTER_AUTO}: chosen per group), "
                              f"got {self.outer_every}")
-        if self.cost_model == dtfm.NAME and (self.outer_every is not None or self.sync == "outer"):
+        if self.cost_model == dtfm.NAME and (self.outer_every not in (None, OUTER_AUTO) or self.sync == "outer"):
             raise ValueError("outer steps are counted by the time cost model only, not dtfm's")
 
 
@@ -181,6 +181,7 @@ def to_plan(problem: Problem, cost_model: str, grid: np.ndarray, report: Report)
         stages=stages,
         standby=tuple(ids[d] for d in range(problem.n) if d not in used),
         cost=dict(report.cost),
+        steps_factor=report.steps_factor,
     )
 
 

@@ -29,16 +29,19 @@ For a grid (rows = stages in order, columns = lanes), with M micro-batches per l
   l + 2^r mod m, one round a step, in turn), whose exchange overlaps the step's compute, so a round
   shows only where it outlasts the step: the mean over rounds of max(0, round - T), where a round
   takes its slowest pair (the mean of the rounds first would hide a slow round behind fast ones);
-  `auto` takes all-reduce (exact averaging) unless it costs more than 2% of the step over gossip;
-  or, where the organizer allows them (`outer_every`), by outer steps: the ring once every H steps with
-  the parameter change in fp16, overlapping the next D steps, so max(0, ring - D T) / H a step
-  (`outer.py` says where they pay);
+  or, unless the organizer forbids them (`outer_every` None), by outer steps: the ring once every H steps
+  with the parameter change in fp16, overlapping the next D steps, so max(0, ring - D T) / H a step
+  (`outer.py`), where the group's devices hold the outer state too;
+- a step of gossip or outer steps is worth less than an all-reduce step: the steps factor (`quality.py`, by
+  group size and tokens a lane-step) is how many of them make one; `auto` takes, for every set of modes, each
+  group's fastest of the set, and keeps the set whose step x factor (the plan's factor: its groups' largest)
+  is least, so a plan is judged by its time to all-reduce's loss;
 - step = slowest lane + slowest group's exposed sync + the slowest optimizer step (a device's stage
   parameters x its measured seconds per parameter: it follows the lane's last gradient) (+ the problem's
   fixed step overhead: 0 unless efficiency terms give one, or the coordinator learned one from the plan it
   runs; a negative one takes at most half the step off); the search minimises the step plus
   TIE_BREAK (1%) of the mean lane time and mean exposed sync, so that swaps which do not move the
-  slowest lane or group still show whether they help;
+  slowest lane or group still show whether they help, times the steps factor;
 - memory per device: what `Workload.stage_memory` counts for its stage (training state, the group's
   exchange, the activations of min(M, S - s) micro-batches in flight at stage s under 1F1B, the last
   stage's logits); a grid that does not fit is penalised, not dropped, so the search can walk out of it;
@@ -64,16 +67,16 @@ from functools import cached_property
 
 import numpy as np
 
-from hetpeer.coordinator.planner import outer
+from hetpeer.coordinator.planner import outer, quality
 from hetpeer.coordinator.planner.codecs import HopCodecs
 from hetpeer.coordinator.planner.problem import PlanningError, Problem, Report, Shape
 from hetpeer.coordinator.planner.screens import Screens
 from hetpeer.protocol.plan import RECOMPUTE_CHOICES, SYNC_CHOICES
 from hetpeer.protocol.stepcosts import FIELDS as STEP_COSTS, RECOMPUTE_SHARE
-from hetpeer.protocol.workload import STATE_BYTES_PER_PARAM, SYNC_BYTES_PER_PARAM
+from hetpeer.protocol.workload import OUTER_BYTES_PER_PARAM, STATE_BYTES_PER_PARAM, SYNC_BYTES_PER_PARAM
 
 NAME = "time"
-AUTO_ALLREDUCE_SLACK = 0.02  # all-reduce is preferred while it costs at most this share of a step more
+SYNC_MODES = ("allreduce", "gossip", "outer")  # in the order a tie between them goes
 OVERFLOW_PENALTY_S_PER_GB = 1e4
 # The step is a max over lanes and groups, flat under most swaps; a sliver of the mean lane and
 # sync time gives the search a slope on those plateaus.
@@ -114,6 +117,12 @@ class TimeCost(Screens):
         stages, m = shape.stages, shape.group_size
         mb = problem.lane_micro_batch(m)
         self.micro_batches = problem.micro_batches(m)
+        # what a step of each sync mode is worth against all-reduce's (`quality.py`), for this shape's groups
+        self.lane_tokens = problem.lanes_batch(m) * model.seq_len
+        self.gossip_factor = quality.TABLE.factor("gossip", m, self.lane_tokens, noise_tokens=problem.noise_scale_tokens)
+        spans = np.arange(max(outer_every or outer.MAX_EVERY, 1) + 1)  # by H
+        self.outer_factor = quality.TABLE.outer_factors(m, self.lane_tokens, spans, problem.noise_scale_tokens)
+        self.outer_allowed = m > 1 and (sync == "outer" or (sync == "auto" and outer_every is not None))
         flops_per_s = problem.tflops * 1e12
         self.layer_s = 3 * mb * w.layer_fwd_flops_per_seq / flops_per_s  # (n,)
         self.head_s = 3 * mb * w.head_fwd_flops_per_seq / flops_per_s  # (n,)
@@ -139,7 +148,7 @@ class TimeCost(Screens):
 
         def memory(layers: int, recomputed: int) -> np.ndarray:
             parts = w.stage_memory(layers, first=first, last=last, in_flight=inflight, micro_batch=mb, group_size=m,
-                                   recompute=recomputed, outer=outer_every is not None or sync == "outer")
+                                   recompute=recomputed, outer=sync == "outer")
             return sum(parts.values())
 
         self.mem_fixed = memory(0, 0)
@@ -147,6 +156,8 @@ class TimeCost(Screens):
         self.mem_per_recomputed = memory(2, 2) - memory(1, 1)
         self.mem_rebuilt = memory(1, 1) - self.mem_fixed - self.mem_per_recomputed
         self.state_per_param = STATE_BYTES_PER_PARAM + (SYNC_BYTES_PER_PARAM if m > 1 else 0)
+        # what a group that takes outer steps under `auto` holds beyond an every-step group, a byte of its stage's wire
+        self.outer_extra_per_wire = (OUTER_BYTES_PER_PARAM - SYNC_BYTES_PER_PARAM) / w.dtype_bytes if sync == "auto" else 0.0
         self.wire_per_layer = float(model.layer_params * wire)
         self.wire_fixed = (first * model.embedding_params + last * model.head_params) * float(wire)
         self.usable_memory = None if problem.memory_bytes is None else problem.memory_bytes * (1 - memory_reserve)
@@ -291,28 +302,65 @@ class TimeCost(Screens):
         index = a * self.problem.n + b
         return self._latency_flat.take(index), self._seconds_per_byte_flat.take(index)
 
-    def _sync(self, allreduce: np.ndarray, gossip: np.ndarray, lane_s: np.ndarray) -> tuple[np.ndarray, ...]:
-        """Per group (K, S), from all-reduce (K, S) and gossip rounds (K, S, rounds): exposed sync seconds,
-        whether it gossips, whether it takes outer steps instead, and their H and D (0 where it does not)."""
-        gossip = np.maximum(gossip - lane_s[:, None, None], 0.0).mean(-1)
-        if self.shape.group_size == 1 or self.sync == "allreduce":
-            use_gossip = np.zeros(allreduce.shape, dtype=bool)
-        elif self.sync == "gossip":
-            use_gossip = np.ones(allreduce.shape, dtype=bool)
-        else:
-            use_gossip = allreduce > gossip + AUTO_ALLREDUCE_SLACK * lane_s[:, None]
-        every_s = np.where(use_gossip, gossip, allreduce)
+    def _sync(self, allreduce: np.ndarray, gossip: np.ndarray, lane_s: np.ndarray, base_s: np.ndarray,
+              outer_fits: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Per group (K, S), from all-reduce (K, S), gossip rounds (K, S, rounds), the slowest lane (K,), the rest of
+        the step (K,: lane and optimizer step) and where outer steps' state fits (K, S): exposed sync seconds, whether
+        it gossips, whether it takes outer steps, their H and D (0 where it does not), and the grid's steps factor (K,).
+
+        `auto` weighs time to loss: for every set of modes it may use, each group takes the fastest of the set, the
+        grid's factor is the largest of the modes it took, and the set whose (step x factor) is least wins (exact for
+        this objective: a group's mode moves the step only through the slowest sync, the factor only through the
+        largest)."""
+        K, S = allreduce.shape
+        none = np.zeros((K, S), dtype=np.int64)
         if self.shape.group_size == 1:
-            none = np.zeros(every_s.shape, dtype=np.int64)
-            return every_s, use_gossip, use_gossip, none, none
-        sync_s, use_outer, every, delay = outer.choose(every_s, allreduce * self.ring_share, lane_s, self.sync, self.outer_every)
-        return sync_s, use_gossip & ~use_outer, use_outer, every, delay
+            return np.zeros((K, S)), none.astype(bool), none.astype(bool), none, none, np.ones(K)
+        gossip = np.maximum(gossip - lane_s[:, None, None], 0.0).mean(-1)
+        options = {"allreduce": (allreduce, np.ones((K, S))), "gossip": (gossip, np.full((K, S), self.gossip_factor))}
+        every = delay = none
+        if self.outer_allowed:
+            amortised, every, delay = outer.schedule(allreduce * self.ring_share, lane_s, self.outer_every)
+            options["outer"] = (np.where(outer_fits, amortised, np.inf) if self.sync == "auto" else amortised,
+                                self.outer_factor[every])
+        if self.sync == "auto":
+            # all-reduce belongs to every set worth trying: a group that takes it instead adds no time and no factor
+            others = [mode for mode in SYNC_MODES[1:] if mode in options]
+            sets = [["allreduce", *(mode for k, mode in enumerate(others) if bits >> k & 1)] for bits in range(2 ** len(others))]
+        else:
+            sets = [[self.sync]]
+        best_cost = np.full(K, np.inf)
+        chosen = np.zeros((K, S), dtype=np.int64)  # index into SYNC_MODES
+        best_sync, best_factor = np.full((K, S), np.inf), np.ones(K)
+        for modes in sets:
+            seconds = np.stack([options[mode][0] for mode in modes])  # (modes, K, S)
+            pick = seconds.argmin(axis=0)  # ties go to the earlier mode
+            sync_s = np.take_along_axis(seconds, pick[None], axis=0)[0]
+            factors = np.take_along_axis(np.stack([options[mode][1] for mode in modes]), pick[None], axis=0)[0]
+            factor = quality.plan_factor(factors)
+            step = base_s + sync_s.max(axis=1)
+            cost = (step + self._overhead(step)) * factor
+            better = cost < best_cost
+            best_cost = np.where(better, cost, best_cost)
+            best_sync = np.where(better[:, None], sync_s, best_sync)
+            best_factor = np.where(better, factor, best_factor)
+            chosen = np.where(better[:, None], np.array([SYNC_MODES.index(mode) for mode in modes])[pick], chosen)
+        use_gossip, use_outer = chosen == SYNC_MODES.index("gossip"), chosen == SYNC_MODES.index("outer")
+        return (best_sync, use_gossip, use_outer, np.where(use_outer, every, 0), np.where(use_outer, delay, 0),
+                best_factor)
 
     def _overflow(self, rows: np.ndarray, need: np.ndarray) -> np.ndarray:
         """Bytes by which each group's smallest device falls short of `need`; (..., m) -> (...)."""
         if self.usable_memory is None:
             return np.zeros(rows.shape[:-1])
         return np.maximum(need - self.usable_memory[rows].min(-1), 0)
+
+    def _outer_fits(self, rows: np.ndarray, need: np.ndarray, stage_bytes: np.ndarray) -> np.ndarray | bool:
+        """Whether groups (..., m) whose stages need `need` bytes with `stage_bytes` on the wire (...) could hold
+        outer steps' state too, where `auto` may give them outer steps (True where it decides nothing)."""
+        if not (self.outer_allowed and self.outer_extra_per_wire):
+            return True
+        return self._overflow(rows, need + stage_bytes * self.outer_extra_per_wire) == 0
 
     def _need(self, counts: np.ndarray, recompute: np.ndarray) -> np.ndarray:
         """Bytes each stage's devices need (`Workload.stage_memory`)."""
@@ -329,36 +377,36 @@ class TimeCost(Screens):
         lane_s = lane[np.arange(K), slowest]
         stage_bytes = counts * self.wire_per_layer + self.wire_fixed  # (K, S)
         allreduce, gossip = self._groups(grids, stage_bytes)
-        sync_s, use_gossip, use_outer, outer_every, outer_delay = self._sync(allreduce, gossip, lane_s)
         need = self._need(counts, recompute)  # (K, S)
         overflow = self._overflow(grids, need)
         if self._current is not None and self.usable_memory is not None:
             overflow = np.maximum(overflow, self._move_overflow(grids, counts, need))
         update = self._update(grids, counts)
+        outer_fits = self._outer_fits(grids, need, stage_bytes)
+        sync_s, use_gossip, use_outer, outer_every, outer_delay, factor = self._sync(
+            allreduce, gossip, lane_s, lane_s + update, outer_fits)
         step = lane_s + sync_s.max(axis=1) + update
         overhead = np.broadcast_to(self._overhead(step), step.shape)
         total = step + overhead
         move = self._move_s(grids, counts) if self._current is not None else np.zeros(K)
-        objective = self._objective(lane, sync_s, overflow, move, update)
+        objective = self._objective(lane, sync_s, overflow, move, update, factor)
         return {
             "counts": counts, "recompute": recompute, "work": work, "need": need, "lane": lane, "t": t, "update": update,
             "slowest": slowest, "lane_s": lane_s,
             "allreduce": allreduce, "gossip": gossip, "sync_s": sync_s, "use_gossip": use_gossip, "total": total,
             "use_outer": use_outer, "outer_every": outer_every, "outer_delay": outer_delay,
             "move": move, "overflow": overflow.sum(axis=1), "row_overflow": overflow, "objective": objective,
-            "overhead": overhead,
+            "overhead": overhead, "factor": factor, "outer_fits": outer_fits,
         }  # fmt: skip
 
     def _objective(self, lane: np.ndarray, sync_s: np.ndarray, overflow: np.ndarray, move: np.ndarray,
-                   update: np.ndarray) -> np.ndarray:
-        """What the search minimises, from lane times (K, m), exposed sync (K, S), overflow bytes
-        (K, S), move seconds (K,) and the slowest optimizer step (K,): the step, the tie-break, the amortised move,
-        the penalty."""
+                   update: np.ndarray, factor: np.ndarray) -> np.ndarray:
+        """What the search minimises, from lane times (K, m), exposed sync (K, S), overflow bytes (K, S), move seconds
+        (K,), the slowest optimizer step (K,) and the steps factor (K,): the time to all-reduce's loss of a step (the
+        step with its tie-break, times the factor), the amortised move, the penalty."""
         step = lane.max(axis=1) + sync_s.max(axis=1) + update
         return (
-            step
-            + self._overhead(step)
-            + TIE_BREAK * (lane.mean(axis=1) + sync_s.mean(axis=1))
+            (step + self._overhead(step) + TIE_BREAK * (lane.mean(axis=1) + sync_s.mean(axis=1))) * factor
             + move / self.horizon_steps
             + OVERFLOW_PENALTY_S_PER_GB * overflow.sum(axis=1) / 1e9
         )
@@ -407,7 +455,7 @@ class TimeCost(Screens):
         devices laid out by lanes along the chain started at 14.2 s per step, 12.4 of them sync, and descended
         to 1.98; the seed with the lowest objective, 5.2, descended to 4.34)."""
         e = self._evaluate(grids)
-        return e["objective"], e["objective"] - e["sync_s"].max(axis=1) - TIE_BREAK * e["sync_s"].mean(axis=1)
+        return e["objective"], e["objective"] - e["factor"] * (e["sync_s"].max(axis=1) + TIE_BREAK * e["sync_s"].mean(axis=1))
 
     def report(self, grid: np.ndarray) -> Report:
         e = self._evaluate(grid[None])
@@ -442,6 +490,7 @@ class TimeCost(Screens):
             codecs=self._hop_codecs(grid),
             outer_every=tuple(int(h) for h in e["outer_every"][0]),
             outer_delay=tuple(int(d) for d in e["outer_delay"][0]),
+            steps_factor=float(e["factor"][0]),
         )
 
     def _hop_codecs(self, grid: np.ndarray) -> tuple[tuple[tuple[str, str], ...], ...]:

@@ -79,9 +79,10 @@
     const overhead = plan.overhead_s ? ` (${plan.overhead_s > 0 ? "+" : ""}${fixed(plan.overhead_s * 1e3, 0)} ms overhead included)` : "";
     const predicted = missing(plan.predicted_step_s) ? "no prediction" : `predicted ${fixed(plan.predicted_step_s, 3)} s/step${overhead}`;
     const measured = missing(plan.measured_step_s) ? "" : `, measured ${fixed(plan.measured_step_s, 3)} s/step`;
+    const factor = plan.steps_factor > 1 ? `; steps factor ${fixed(plan.steps_factor, 2)} (a step is worth 1/${fixed(plan.steps_factor, 2)} of all-reduce's)` : "";
     const batch = plan.batch ? `, batch ${plan.batch} in ${plan.micro_batches} micro-batch(es) of ${plan.micro_batch}` : "";
     $("plan-summary").textContent = `epoch ${plan.epoch} from step ${plan.start_step}: ${stages} stage(s) x ${lanes} lane(s), ` +
-      `${[plan.model, plan.dtype].filter(Boolean).join(" ")}${batch}; ${predicted}${measured}; ${plan.standby.length} on standby`;
+      `${[plan.model, plan.dtype].filter(Boolean).join(" ")}${batch}; ${predicted}${measured}${factor}; ${plan.standby.length} on standby`;
     $("plan-recipe").textContent = plan.recipe_words ? `recipe: ${plan.recipe_words}` : "";
 
     const standbyShown = plan.standby.slice(0, STANDBY_SHOWN);
