@@ -92,6 +92,7 @@ from gossip import VALIDATION_SEED, Run  # noqa: E402
 from hetpeer.peer.data.corpus import DEFAULT_MAX_BYTES, Corpus  # noqa: E402
 from hetpeer.peer.gossip.adam import AdamConfig, AdamState, adam_update  # noqa: E402
 from hetpeer.peer.gossip.flat import FlatParams  # noqa: E402
+from hetpeer.peer.gossip.noise import noise_scale  # noqa: E402
 from hetpeer.peer.gossip.outer import OuterConfig, OuterState, outer_step  # noqa: E402
 from hetpeer.peer.gossip.topology import TOPOLOGIES, mixing_matrix  # noqa: E402
 from hetpeer.peer.model import build_stage  # noqa: E402
@@ -295,16 +296,6 @@ class AllReduce:
 
     def consensus(self) -> float:
         return 0.0
-
-
-def noise_scale(small: float, big: float, lane_tokens: int, peers: int) -> float | None:
-    """B_simple = S / |G|^2 from the mean squared gradient norm at batch b (`small`) and at n b (`big`), b in tokens."""
-    if peers < 2:
-        return None
-    b, nb = lane_tokens, lane_tokens * peers
-    gradient = (nb * big - b * small) / (nb - b)
-    trace = (small - big) / (1 / b - 1 / nb)
-    return trace / gradient if gradient > 0 and trace > 0 else None
 
 
 class Decentralized:

@@ -129,6 +129,7 @@ class ApiServer:
             dropped=p.dropped,
             val_loss=p.val_loss,
             step_overhead_s=p.step_overhead_s,
+            noise_scale=p.noise_scale,
         )
 
 
@@ -167,4 +168,5 @@ def _peer_to_pb(record: PeerRecord, age_s: float) -> swarm_pb2.Peer:
         compute_background=record.compute_background,
         step_costs=record.step_costs.to_wire(),
         unreachable=list(record.unreachable),
+        noise_scale=record.noise_scale,
     )

@@ -35,6 +35,8 @@ def _peer_from_pb(pb: swarm_pb2.Peer) -> PeerStatus:
     numbers = [pb.tflops, pb.tokens_per_s, pb.time, pb.age_s]
     numbers += [x for link in pb.links for x in (link.latency_s, link.bandwidth_bytes_per_s)]
     numbers += [getattr(pb, name) for name in ("loss", "val_loss") if pb.HasField(name)]
+    if pb.HasField("noise_scale") and not (math.isfinite(pb.noise_scale) and pb.noise_scale > 0):
+        raise SchemaError(f"{path}.noise_scale", f"must be a finite, positive number of tokens, got {pb.noise_scale!r}")
     if pb.HasField("achieved_tflops"):
         numbers.append(pb.achieved_tflops)
     if not all(math.isfinite(x) for x in numbers):
@@ -63,6 +65,7 @@ def _peer_from_pb(pb: swarm_pb2.Peer) -> PeerStatus:
         step=pb.step,
         loss=pb.loss if pb.HasField("loss") else None,
         val_loss=pb.val_loss if pb.HasField("val_loss") else None,
+        noise_scale=pb.noise_scale if pb.HasField("noise_scale") else None,
         tokens_per_s=pb.tokens_per_s,
         links={link.peer: LinkMeasurement(link.latency_s, link.bandwidth_bytes_per_s) for link in pb.links},
         achieved_tflops=pb.achieved_tflops if pb.HasField("achieved_tflops") else None,
@@ -174,7 +177,7 @@ class ApiClient:
 
     def call_get_progress(self) -> Progress:
         reply = self._call(self._stub.GetProgress, swarm_pb2.GetProgressRequest())
-        optional = [getattr(reply, name) for name in ("loss", "val_loss") if reply.HasField(name)]
+        optional = [getattr(reply, name) for name in ("loss", "val_loss", "noise_scale") if reply.HasField(name)]
         if not all(math.isfinite(x) for x in [reply.tokens_per_s, reply.step_overhead_s, *optional]):
             raise self._refuse("progress", "a number that is not finite")
         return Progress(
@@ -188,4 +191,5 @@ class ApiClient:
             dropped=reply.dropped,
             val_loss=reply.val_loss if reply.HasField("val_loss") else None,
             step_overhead_s=reply.step_overhead_s,  # 0 from an older coordinator: its predictions are the model's own
+            noise_scale=reply.noise_scale if reply.HasField("noise_scale") else None,
         )

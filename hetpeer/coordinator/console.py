@@ -41,10 +41,11 @@ def status_view(plan: Plan | None, peers: Sequence[PeerStatus], progress: Progre
     loss = f"{progress.loss:.4f}" if progress.loss is not None else "-"
     if progress.val_loss is not None:
         loss += f"  val {progress.val_loss:.4f}"
+    noise = f"  noise scale {progress.noise_scale:,.0f} tokens" if progress.noise_scale is not None else ""
     states = ", ".join(f"{n} {state}" for state, n in progress.peers_by_state.items()) or "none"
     head = Text.assemble(
         ("swarm ", "bold"), (progress.swarm, "bold cyan"), f"  coordinator {progress.coordinator_key[:16]}\n",
-        f"epoch {progress.epoch}  step {progress.step}  loss {loss}  tokens/s {progress.tokens_per_s:.1f}\n",
+        f"epoch {progress.epoch}  step {progress.step}  loss {loss}  tokens/s {progress.tokens_per_s:.1f}{noise}\n",
         f"peers {sum(progress.peers_by_state.values())} ({states}), {progress.dropped} records dropped",
     )
     table = Table(box=None, header_style="bold", pad_edge=False)
@@ -101,6 +102,7 @@ def status_json(plan: Plan | None, peers: Sequence[PeerStatus], progress: Progre
         "peers_by_state": dict(progress.peers_by_state),
         "dropped": progress.dropped,
         "step_overhead_s": progress.step_overhead_s,
+        "noise_scale": progress.noise_scale,
         "peers": [{**p.record.to_wire(), "age_s": p.age_s} for p in sorted(peers, key=lambda p: p.record.device_id)],
         "plan": plan.to_wire() if plan is not None else None,
         "plan_time": plan_time,

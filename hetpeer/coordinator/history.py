@@ -35,6 +35,7 @@ class Sample:
     val_loss: float | None
     tokens_per_s: float | None
     training: int  # peers training
+    noise_scale: float | None = None  # the swarm's gradient noise scale, tokens (`view.noise_scale`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +136,8 @@ class History:
                                       f"stage(s) x {plan.group_size} lane(s) ({reason})")
 
     def observe(self, now: float, peers: Mapping[str, PeerRecord], plan: Plan | None, plan_time: float | None,
-                step: int, loss: float | None, val_loss: float | None, tokens_per_s: float) -> None:
+                step: int, loss: float | None, val_loss: float | None, tokens_per_s: float,
+                noise_scale: float | None = None) -> None:
         """One round: joins and leaves since the last, the running plan's measured pace, a sample when due."""
         self._membership(now, peers)
         if plan is not None:
@@ -144,7 +146,7 @@ class History:
         training = sum(1 for r in peers.values() if r.state == "training")
         # peers' figures are finite one by one; their sums need not be, and JSON has no infinity
         sample = Sample(now, step, plan.epoch if plan is not None else -1, _finite(loss), _finite(val_loss),
-                        _finite(tokens_per_s), training)
+                        _finite(tokens_per_s), training, _finite(noise_scale))
         if self._moving:
             self.samples[-1] = sample
         else:
@@ -210,7 +212,7 @@ class Past:
         }
 
 
-SAMPLE_FIELDS = ("time", "step", "epoch", "loss", "val_loss", "tokens_per_s", "training")
+SAMPLE_FIELDS = ("time", "step", "epoch", "loss", "val_loss", "tokens_per_s", "training", "noise_scale")
 
 
 def plan_wire(p: PlanEntry) -> dict:

@@ -36,6 +36,7 @@ import numpy as np
 
 from hetpeer.coordinator.planner import PlannerConfig, Problem, Shape, make_model
 from hetpeer.coordinator.planner.sharing import Sharing
+from hetpeer.coordinator.view import noise_scale
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.stepcosts import FIELDS as STEP_COSTS
 from hetpeer.protocol.records import PeerRecord
@@ -118,6 +119,7 @@ def build_problem(
         step_overhead_s=step_overhead_s,
         sharing=sharing,
         step_costs=np.array([records[d].step_costs.to_wire() for d in ids], dtype=float).reshape(len(ids), len(STEP_COSTS)),
+        noise_scale_tokens=noise_scale(records[d] for d in ids if records[d].state == "training"),
     )
     return problem, estimated
 

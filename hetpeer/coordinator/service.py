@@ -165,7 +165,7 @@ class Coordinator(Gatekeeper, Publisher):
         view = self.view
         figures = progress(view)
         self.history.observe(view.now, view.peers, view.plan, view.plan_time, figures.step, figures.loss,
-                             figures.val_loss, figures.tokens_per_s)
+                             figures.val_loss, figures.tokens_per_s, figures.noise_scale)
         self.board = Board(view, self.history.snapshot(), dict(self.refused), dict(self.bans), self._admission_words())
         if self.dashboard is not None:
             self.dashboard.prepare(self.board)

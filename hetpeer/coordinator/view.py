@@ -6,9 +6,10 @@ the dashboard (`board.py`) and `hetpeer status` (`console.py`). No gRPC here.
 
 from __future__ import annotations
 
+import statistics
 from collections import Counter
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterable, Mapping
 
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.records import PeerRecord
@@ -40,6 +41,7 @@ class Progress:
     dropped: int
     val_loss: float | None = None  # mean of the validation losses the same peers announce, when the plan asks for them
     step_overhead_s: float = 0.0  # the coordinator's learned one (`calibration.py`)
+    noise_scale: float | None = None  # the gradient noise scale the plan's all-reduce groups measure (`noise_scale`)
 
 
 @dataclass(frozen=True)
@@ -75,4 +77,12 @@ def progress(view: SwarmView) -> Progress:
         dropped=view.dropped,
         val_loss=sum(val_losses) / len(val_losses) if val_losses else None,
         step_overhead_s=view.step_overhead_s,
+        noise_scale=noise_scale(counted),
     )
+
+
+def noise_scale(records: Iterable[PeerRecord]) -> float | None:
+    """The swarm's gradient noise scale in tokens: the median of what its peers' all-reduce groups measure (each its
+    own stage's, `peer/gossip/noise.py`); None where none measures one."""
+    found = [r.noise_scale for r in records if r.noise_scale is not None]
+    return statistics.median(found) if found else None

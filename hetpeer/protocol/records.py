@@ -115,6 +115,7 @@ class PeerSchema(_Strict):
     step: pydantic.StrictInt
     loss: Optional[pydantic.StrictFloat]
     val_loss: Optional[pydantic.StrictFloat] = None
+    noise_scale: Optional[pydantic.StrictFloat] = None
     checkpoint: Optional[List[pydantic.StrictInt]] = None
     tokens_per_s: pydantic.StrictFloat
     links: LinksSchema
@@ -165,6 +166,7 @@ class PeerRecord:
     step: int = 0
     loss: float | None = None
     val_loss: float | None = None  # its lane's latest validation loss (last stage), once the plan asked for one
+    noise_scale: float | None = None  # the gradient noise scale (tokens) its all-reduce group measures (peer/gossip/noise.py)
     # (start, end, step, data position) of the stage checkpoint it can resume from: its layers, the next step to
     # train and the windows the swarm had read before that step (peer/data/order.py)
     checkpoint: tuple[int, int, int, int] | None = None
@@ -218,6 +220,7 @@ class PeerRecord:
             "step": self.step,
             "loss": float(self.loss) if self.loss is not None else None,
             "val_loss": float(self.val_loss) if self.val_loss is not None else None,
+            "noise_scale": float(self.noise_scale) if self.noise_scale is not None else None,
             "checkpoint": list(self.checkpoint) if self.checkpoint is not None else None,
             "tokens_per_s": float(self.tokens_per_s),
             "links": {
@@ -270,6 +273,8 @@ class PeerRecord:
         for name_, value in (("loss", parsed.loss), ("val_loss", parsed.val_loss)):
             if value is not None and not math.isfinite(value):
                 raise SchemaError(f"peer.{name_}", f"must be finite, got {value!r}")
+        if parsed.noise_scale is not None and not (math.isfinite(parsed.noise_scale) and parsed.noise_scale > 0):
+            raise SchemaError("peer.noise_scale", f"must be a finite, positive number of tokens, got {parsed.noise_scale!r}")
         if parsed.time < now - max_age_s:
             raise SchemaError("peer.time", f"announced {now - parsed.time:.1f} s ago, older than {max_age_s:g} s (stale)")
         if parsed.time > now + max_age_s:  # clocks differ a little; more than the whole window is a lie
@@ -340,6 +345,7 @@ class PeerRecord:
             step=parsed.step,
             loss=parsed.loss,
             val_loss=parsed.val_loss,
+            noise_scale=parsed.noise_scale,
             checkpoint=checkpoint,
             tokens_per_s=parsed.tokens_per_s,
             links=links,

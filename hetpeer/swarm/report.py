@@ -262,8 +262,9 @@ def report_state(report: RunReport) -> dict[str, Any]:
         "peers": rows,
         "history": {
             "sample_fields": list(SAMPLE_FIELDS),
-            "samples": [[s.time_s, s.step, s.epoch, _finite_or_none(s.loss), s.val_loss, _finite_or_none(s.tokens_per_s), None]
-                        for s in samples],  # in SAMPLE_FIELDS' order; how many trained is not in the lanes' lines
+            "samples": [[s.time_s, s.step, s.epoch, _finite_or_none(s.loss), s.val_loss, _finite_or_none(s.tokens_per_s), None,
+                         None] for s in samples],  # in SAMPLE_FIELDS' order; how many trained and the noise scale are
+                                                   # not in the lanes' lines
             "plans": [{"epoch": p.epoch, "start_step": p.start_step, "published": p.published_s, "stages": len(p.stages),
                        "lanes": len(p.stages[0].devices) if p.stages else 0, "standby": len(p.standby),
                        "predicted_step_s": _finite_or_none(p.predicted_step_s), "measured_step_s": p.measured_step_s,

@@ -53,16 +53,17 @@ def record(device: str, state: str = "training", **kw) -> PeerRecord:
 
 def make_peers() -> dict[str, PeerRecord]:
     peers = [
-        record("a", layers=(0, 4), step=105, tokens_per_s=0.0, achieved_tflops=6.5,
+        record("a", layers=(0, 4), step=105, tokens_per_s=0.0, achieved_tflops=6.5, noise_scale=1000.0,
                links={"b": LinkMeasurement(0.001, 1e9), "c": LinkMeasurement(0.05, 1.25e7)},
                dht=("/ip4/127.0.0.1/tcp/31338/p2p/QmDhta",)),
         # what the coordinator plans by beyond the figures shown: its device shared, its step's costs
         record("b", layers=(0, 4), step=104, compute_key="0123456789abcdef", compute_share=0.5, compute_background=0.2,
                step_costs=StepCosts(1e-4, 2e-4, 5e-10, 3e-4), unreachable=("d",)),
-        record("c", layers=(4, 6), step=105, loss=2.0, tokens_per_s=300.0, time=NOW - 7.5),
+        # the gradient noise scale its all-reduce group measures: the swarm's is the median over those training
+        record("c", layers=(4, 6), step=105, loss=2.0, tokens_per_s=300.0, time=NOW - 7.5, noise_scale=4000.0),
         record("d", layers=(4, 6), step=103, loss=3.0, tokens_per_s=200.0),
         # On standby, still announcing its last lane's figures: counted by state, not for throughput.
-        record("e", state="standby", layers=(4, 6), step=999, loss=9.0, tokens_per_s=1000.0),
+        record("e", state="standby", layers=(4, 6), step=999, loss=9.0, tokens_per_s=1000.0, noise_scale=1e9),
         record("f", state="fetching", step=0, address=PeerAddress(direct=("127.0.0.1", 7777))),
     ]
     return {r.device_id: r for r in peers}
@@ -82,7 +83,7 @@ def test_progress_counts_the_last_stage_of_the_plan():
     p = progress(view(make_plan()))
     assert p == Progress(
         swarm="demo", coordinator_key="ab" * 32, epoch=3, step=105, loss=2.5, tokens_per_s=500.0,
-        peers_by_state={"fetching": 1, "standby": 1, "training": 4}, dropped=2,
+        peers_by_state={"fetching": 1, "standby": 1, "training": 4}, dropped=2, noise_scale=2500.0,
     )
 
 
@@ -175,7 +176,8 @@ def test_render_status_and_json(serve):
         peers = client.call_list_peers()
         figures = client.call_get_progress()
     text = render_status(plan, peers, figures, published)
-    for needle in ("swarm demo", "epoch 3", "step 105", "loss 2.5000", "tokens/s 500.0", "2 records dropped",
+    for needle in ("swarm demo", "epoch 3", "step 105", "loss 2.5000", "tokens/s 500.0", "noise scale 2,500 tokens",
+                   "2 records dropped",
                    "GPU c", "s1/l0 [4,6)", "standby", "lane 1: b -> d", "stage 0 layers [0,4) allreduce: a b",
                    f"published {logline.at(published)}: 2 stage(s) x 2 lane(s)"):
         assert needle in text, needle

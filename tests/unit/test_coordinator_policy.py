@@ -59,6 +59,13 @@ def pairs(problem, estimated: np.ndarray) -> list[tuple[str, str]]:
     return [(ids[i], ids[j]) for i, j in zip(*np.nonzero(np.triu(estimated)))]
 
 
+def test_the_problem_takes_the_median_noise_scale_of_the_peers_that_train():
+    records = {"a": record("a", noise_scale=1000.0), "b": record("b", noise_scale=3000.0), "c": record("c"),
+               "d": record("d", noise_scale=2000.0), "e": record("e", noise_scale=1e9, state="standby")}
+    assert policy.build_problem(records, WORKLOAD, None)[0].noise_scale_tokens == 2000.0
+    assert policy.build_problem({"c": record("c")}, WORKLOAD, None)[0].noise_scale_tokens is None
+
+
 def test_a_link_measured_both_ways_takes_the_mean_latency_and_the_slower_direction():
     records = {
         "b": record("b", links={"a": link(0.03, 3e8)}),

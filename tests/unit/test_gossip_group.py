@@ -157,6 +157,26 @@ def test_allreduce_gives_every_member_the_adam_step_of_the_mean_gradient(n):
     assert not any(t.inbox.misbehaving for t in group.transports.values())
 
 
+@pytest.mark.parametrize("sync", ["allreduce", "gossip"])
+def test_an_allreduce_group_measures_the_gradient_noise_scale_and_a_gossip_group_does_not(sync):
+    """Each lane's gradient is G + its own noise: a lane's squared norm averages |G|^2 + tr(S) / b, the mean's
+    |G|^2 + tr(S) / (n b), and the meter's ratio is tr(S) / |G|^2 in the units of b (`noise.py`, by hand here)."""
+    n, size, sigma = 4, 400, 0.5
+    rng = np.random.default_rng(0)
+    g = rng.normal(size=size).astype(np.float32) * 0.2
+    group = Group(n, sync=sync, size=size, config=SyncConfig(allreduce_timeout_s=10))
+    for t in range(40):
+        ok(group.step(t, g + sigma * rng.normal(size=(n, size)).astype(np.float32)))
+    # one lane's noise, of variance sigma^2 per coordinate, is tr(S) / b with b = 1: B_simple = size sigma^2 / |G|^2
+    expected = size * sigma**2 / float(np.square(g.astype(np.float64)).sum())
+    for sync_ in group.syncs.values():
+        found = sync_.noise.estimate(lane_tokens=1)
+        if sync == "gossip":
+            assert found is None  # its lanes never see the mean gradient
+        else:
+            assert found == pytest.approx(expected, rel=0.25)
+
+
 def test_allreduce_with_a_member_missing_times_out_instead_of_hanging():
     group = Group(3, sync="allreduce", config=SyncConfig(allreduce_timeout_s=0.3))
     reports = group.step(0, members=("p0", "p1"))

@@ -102,5 +102,8 @@ def test_a_snapshot_does_not_change_as_rounds_go_on_and_bounds_hold():
     assert [p.epoch for p in now.plans] == [4, 5] and len(now.events) == 3
     history.observe(9.0, {}, None, None, 9, float("nan"), None, float("inf"))  # sums past the largest float
     assert (history.samples[-1].loss, history.samples[-1].tokens_per_s) == (None, None)
+    history.observe(20.0, {}, None, None, 10, 2.0, None, 5.0, 4096.0)
+    latest = history.snapshot().to_wire()
+    assert latest["sample_fields"][-1] == "noise_scale" and latest["samples"][-1][-1] == 4096.0
     wire = now.to_wire()
     assert wire["sample_fields"][:2] == ["time", "step"] and len(wire["samples"][0]) == len(wire["sample_fields"])

@@ -281,6 +281,14 @@ def test_a_bad_address_is_refused():
     refused(wire(direct=None, p2p=[]), "peer.address")
 
 
+def test_the_noise_scale_is_optional_but_finite_and_positive():
+    assert parse(wire(noise_scale=2048.0)).noise_scale == 2048.0
+    assert parse(record(noise_scale=512.0).to_wire()).noise_scale == 512.0
+    assert parse(wire(noise_scale=None)).noise_scale is None
+    for bad in (0.0, -5.0, math.inf, math.nan):
+        refused(wire(noise_scale=bad), "peer.noise_scale")
+
+
 def test_achieved_tflops_is_optional_but_finite_and_positive():
     assert parse(wire(achieved_tflops=0.75)).achieved_tflops == 0.75
     assert parse(wire(achieved_tflops=None)).achieved_tflops is None

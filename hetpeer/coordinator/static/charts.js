@@ -1,16 +1,16 @@
-// Loss, validation loss and tokens/s over time, plan switches marked: drawn with plotly.js from a
+// Loss, validation loss, tokens/s and the gradient noise scale over time, plan switches marked: drawn with plotly.js from a
 // dashboard document's history (the coordinator's page and the swarm's run report draw the same).
 "use strict";
 
 const hetpeerCharts = (() => {
-  const LOSS = "#1f77b4", VAL = "#ff7f0e", RATE = "#2ca02c", SWITCH = "#8a939c";
+  const LOSS = "#1f77b4", VAL = "#ff7f0e", RATE = "#2ca02c", NOISE = "#9467bd", SWITCH = "#8a939c";
 
   function columns(history) {
     const at = {};
     history.sample_fields.forEach((name, i) => { at[name] = i; });
     const pick = (name) => history.samples.map((s) => s[at[name]]);
     return { time: pick("time"), step: pick("step"), epoch: pick("epoch"), loss: pick("loss"),
-             val: pick("val_loss"), rate: pick("tokens_per_s") };
+             val: pick("val_loss"), rate: pick("tokens_per_s"), noise: at.noise_scale === undefined ? [] : pick("noise_scale") };
   }
 
   // unix clocks show as dates; a run's clock counts seconds from its start
@@ -53,8 +53,17 @@ const hetpeerCharts = (() => {
     }
     const config = { responsive: true, displaylogo: false, displayModeBar: "hover", modeBarButtonsToRemove: ["lasso2d", "select2d"] };
     Plotly.react(lossEl, losses, layout("training loss", "loss", clock, marks, x, false), config);
-    Plotly.react(rateEl, [trace("tokens/s", xs, c.rate, c.step, RATE, { fill: "tozeroy", fillcolor: "rgba(44,160,44,0.12)" })],
-                 layout("throughput", "tokens/s", clock, marks, x, true), config);
+    const rates = [trace("tokens/s", xs, c.rate, c.step, RATE, { fill: "tozeroy", fillcolor: "rgba(44,160,44,0.12)" })];
+    const rateLayout = layout("throughput", "tokens/s", clock, marks, x, true);
+    const noiseAt = c.noise.map((v, i) => (v === null || v === undefined ? -1 : i)).filter((i) => i >= 0);
+    if (noiseAt.length) {  // the gradient noise scale all-reduce groups measure, on its own (log) axis
+      rates.push(trace("gradient noise scale", noiseAt.map((i) => xs[i]), noiseAt.map((i) => c.noise[i]),
+                       noiseAt.map((i) => c.step[i]), NOISE, { yaxis: "y2", line: { color: NOISE, width: 2, dash: "dot" } }));
+      rateLayout.title.text = "throughput and gradient noise scale";
+      rateLayout.yaxis2 = { title: { text: "noise scale (tokens)" }, overlaying: "y", side: "right", type: "log", showgrid: false };
+      rateLayout.margin.r = 60;
+    }
+    Plotly.react(rateEl, rates, rateLayout, config);
     return { points: xs.length, switches: marks.length };
   }
 

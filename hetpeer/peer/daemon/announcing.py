@@ -29,6 +29,7 @@ class Status:
     step: int = 0
     loss: float | None = None
     val_loss: float | None = None  # its lane's latest validation loss (last stage)
+    noise_scale: float | None = None  # the gradient noise scale its all-reduce group measures (tokens)
     tokens_per_s: float = 0.0
     achieved_tflops: float | None = None  # of its training steps: the stage's FLOPs over the median compute time
 
@@ -73,6 +74,7 @@ class Announcing:
             step=status.step,
             loss=status.loss,
             val_loss=status.val_loss,
+            noise_scale=status.noise_scale,
             checkpoint=(*checkpoint.layers, checkpoint.step, checkpoint.data_position) if (checkpoint := self.checkpoint) is not None else None,
             tokens_per_s=status.tokens_per_s,
             achieved_tflops=status.achieved_tflops,

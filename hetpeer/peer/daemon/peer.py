@@ -251,7 +251,8 @@ class SwarmPeer(Following, Handover, Announcing, Probing, Reaching):
             loss = result.loss if result.loss is not None else self.status.loss
             val_loss = result.val_loss if result.val_loss is not None else self.status.val_loss
             # the rate over the last few steps: one step's swings with the machine's load
-            self._set(step=worker.step, loss=loss, val_loss=val_loss, tokens_per_s=sum(t for t, _ in recent) / sum(s for _, s in recent),
+            self._set(step=worker.step, loss=loss, val_loss=val_loss, noise_scale=worker.noise_scale(),
+                      tokens_per_s=sum(t for t, _ in recent) / sum(s for _, s in recent),
                       achieved_tflops=achieved_tflops(worker.plan, self.device_id, self.spec, statistics.median(computed),
                                                       self.machine.step_costs))
             stage, lane = worker.plan.position(self.device_id)

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from hetpeer.peer.gossip.adam import AdamConfig, AdamState, adam_update
+from hetpeer.peer.gossip.noise import NoiseMeter
 from hetpeer.peer.gossip.flat import FlatParams
 from hetpeer.peer.gossip.outer import Exchange, OuterConfig, OuterState, delta, outer_step
 from hetpeer.peer.gossip.topology import TOPOLOGIES, mixing_matrix, neighbours
@@ -127,6 +128,7 @@ class GroupSync:
         self.suspects: set[str] = set()
         self.outer: OuterState | None = None  # anchor and outer momentum, in an outer-step group
         self.exchange: Exchange | None = None  # an outer step's exchange still running beside compute
+        self.noise = NoiseMeter(flat.data.device)  # the gradient noise scale, where the group all-reduces gradients
         self.set_plan(plan)
 
     def set_plan(self, plan: Plan) -> None:
@@ -179,7 +181,9 @@ class GroupSync:
         received: dict[int, torch.Tensor] = {}
         left_out: list[str] = []
         if self.mode == "allreduce" or self.warming(step):
+            self.noise.lane(self.flat.grad)
             self._ring_allreduce(self.flat.grad, step)
+            self.noise.mean(self.flat.grad, len(self.members))
         elif self.mode == "gossip":
             if self.sent != step:
                 self._send_params(step)

@@ -240,6 +240,11 @@ class StageWorker:
             windows=(self._position(step), self._position(step) + sequences) if self.previous is None else None,
         )
 
+    def noise_scale(self) -> float | None:
+        """The gradient noise scale (tokens) this peer's all-reduce group measured lately (`gossip/noise.py`); None in a
+        group that does not all-reduce gradients, or before its first step."""
+        return self.sync.noise.estimate(self.plan.lane_batch * self.spec.seq_len)
+
     def apply(self, last: bool = False) -> SyncReport:
         """Average with the group and take the optimizer step that closes the current step; unless this is
         the `last` step, the new parameters start travelling for the next one."""
