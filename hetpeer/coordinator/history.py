@@ -23,6 +23,7 @@ EVENT_KINDS = ("join", "leave", "plan", "ban", "refused", "coordinator")
 WINDOW_STEPS = 10  # a plan's measured step is taken over windows of at least this many steps
 STALLED_WINDOW = 1.5  # a window slower than this times the median one held a stall (or the plan's start)
 MAX_WINDOWS = 256  # windows a plan keeps, newest last
+CHURN_WINDOW_S = 3600.0  # departures are counted over this last stretch of the swarm's time
 NAMED_AT_MOST = 5  # a round in which more peers join (or leave) than this is one event naming the first few
 
 
@@ -116,6 +117,8 @@ class History:
         self.version = 0
         self.plans_seen = 0  # every plan since the start, however many the history still holds
         self._present: dict[str, str] = {}  # device -> state, as of the last round
+        self._rounds: deque[tuple[float, float, int]] = deque()  # (time, peer-seconds since the round before, departures)
+        self._started = 0.0  # the first round's time
 
     # -- what the coordinator tells it --------------------------------------------------------------
     def event(self, time: float, kind: str, text: str) -> None:
@@ -181,10 +184,23 @@ class History:
             if entry.pace.last is None or step != entry.pace.last[1]:
                 self.plans[i] = replace(entry, pace=entry.pace.add(now, step))
 
+    def departure_rate(self) -> float:
+        """Departures per peer and second over the last `CHURN_WINDOW_S` (a peer that says it leaves, or stops
+        announcing): what the planner prices a departure at. 0 before any time has passed."""
+        exposure = sum(seconds for _, seconds, _ in self._rounds)
+        return sum(gone for _, _, gone in self._rounds) / exposure if exposure > 0 else 0.0
+
     def _membership(self, now: float, peers: Mapping[str, PeerRecord]) -> None:
         joined = [d for d in peers if d not in self._present]
         left = [d for d, r in peers.items() if r.state == "leaving" and self._present.get(d, "") != "leaving"]
         gone = [d for d, state in self._present.items() if d not in peers and state != "leaving"]
+        if self._rounds or self._present:
+            since = now - (self._rounds[-1][0] if self._rounds else self._started)
+            self._rounds.append((now, max(since, 0.0) * len(self._present), len(left) + len(gone)))
+        else:
+            self._started = now
+        while self._rounds and self._rounds[0][0] < now - CHURN_WINDOW_S:
+            self._rounds.popleft()
         self._present = {d: r.state for d, r in peers.items()}
         for devices, kind, words in ((joined, "join", "joined"), (left, "leave", "left"),
                                      (gone, "leave", "stopped announcing")):

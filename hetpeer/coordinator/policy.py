@@ -39,7 +39,7 @@ from hetpeer.coordinator.planner.sharing import Sharing
 from hetpeer.coordinator.view import noise_scale
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.stepcosts import FIELDS as STEP_COSTS
-from hetpeer.protocol.records import PeerRecord
+from hetpeer.protocol.records import TTL_HEARTBEATS, PeerRecord
 from hetpeer.protocol.workload import Workload
 
 DEFAULT_LINK = (1e-3, 100e6)  # (latency s, bytes/s) assumed when no link at all has been measured
@@ -50,6 +50,11 @@ LEAD_HEARTBEATS = 5  # a plan that keeps membership takes effect this far ahead:
 LINKS_WAIT_HEARTBEATS = 10  # the first plan waits this much past the settling for links to be measured
 
 
+# heartbeats a departure stalls a group that waits for every member: its record expires (TTL_HEARTBEATS + 1, the
+# coordinator's read), then a round to repair and one for the peers to take the repaired plan
+STALL_HEARTBEATS = TTL_HEARTBEATS + 3
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     solve: bool
@@ -58,10 +63,12 @@ class Decision:
 
 
 def build_problem(
-    records: Mapping[str, PeerRecord], workload: Workload, current: Plan | None, step_overhead_s: float = 0.0
+    records: Mapping[str, PeerRecord], workload: Workload, current: Plan | None, step_overhead_s: float = 0.0,
+    departure_stall: float = 0.0,
 ) -> tuple[Problem, np.ndarray]:
     """(problem over the announcing peers in id order, (n, n) mask of the pairs whose link figures are estimates).
-    `step_overhead_s`: what every step takes beyond the time model's terms (`calibration.py`).
+    `step_overhead_s`: what every step takes beyond the time model's terms (`calibration.py`); `departure_stall`: the
+    departures a peer and second the coordinator saw x how long one stalls a plan (`Problem.departure_stall`).
     O(n^2) in numpy for the matrices, O(measurements) in Python: 10,000 peers take about a second."""
     ids = tuple(sorted(records))
     n = len(ids)
@@ -120,6 +127,7 @@ def build_problem(
         sharing=sharing,
         step_costs=np.array([records[d].step_costs.to_wire() for d in ids], dtype=float).reshape(len(ids), len(STEP_COSTS)),
         noise_scale_tokens=noise_scale(records[d] for d in ids if records[d].state == "training"),
+        departure_stall=departure_stall,
     )
     return problem, estimated
 

@@ -46,7 +46,8 @@ class Publisher:
         left_out: list[str] = []  # peers behind NAT that the plan would make neighbours of one another
         while True:
             planned = {d: r for d, r in live.items() if d not in left_out}
-            problem, estimated = policy.build_problem(planned, config.workload, current, self.calibration.overhead_s)
+            problem, estimated = policy.build_problem(planned, config.workload, current, self.calibration.overhead_s,
+                                                      self._departure_stall())
             solution = self._search(problem)
             if solution is None:
                 return
@@ -123,13 +124,20 @@ class Publisher:
             self._event("coordinator", f"no live peer holds layers {ranges}: the swarm lost every peer that held them, so plan epoch "
                         f"{plan.epoch} trains them again from fresh weights from step {plan.start_step}")
 
+    def _departure_stall(self) -> float:
+        """The departures a peer and second this coordinator saw lately (`History.departure_rate`) x how long one
+        stalls a plan whose groups wait for every member: until its record expires, and a repaired plan reaches the
+        peers (`policy.STALL_HEARTBEATS`)."""
+        return self.history.departure_rate() * policy.STALL_HEARTBEATS * self.config.heartbeat_s
+
     def _repair(self, decision: policy.Decision, live: dict[str, PeerRecord], ours: dict[str, PeerRecord]) -> bool:
         """Publish the running plan mended (`repair.py`: each departed member replaced by the best live peer outside
         it, or its lane dropped) instead of solving again; False when it cannot be mended that way."""
         config, current = self.config, self.plan
         if not live or any(r.checkpoint for r in live.values()) and not any(r.layers for r in live.values()):
             return False
-        problem, estimated = policy.build_problem(live, config.workload, current, self.calibration.overhead_s)
+        problem, estimated = policy.build_problem(live, config.workload, current, self.calibration.overhead_s,
+                                                  self._departure_stall())
         repaired = repair(current, problem, self.planner)
         if repaired is None or policy.without_path(repaired, live):
             return False

@@ -115,6 +115,28 @@ def test_a_fast_link_keeps_all_reduce_whose_steps_are_worth_most():
     assert got.sync == ("allreduce",) and got.steps_factor == 1.0
 
 
+def test_departures_stall_groups_that_wait_for_every_member_and_gossip_only_a_lane():
+    """At the churn a coordinator observes (x = devices x departures a device-second x the stall of one), a plan whose
+    groups all gossip loses 1 / m of that (only the departed peer's lane stops); any other loses all of it."""
+    from dataclasses import replace
+
+    lane_s, allreduce, gossip, _ = by_hand(1e-4, 10.0)
+    calm = report(two_lanes(1e-4, 10.0), outer_every=None)
+    assert calm.sync == ("allreduce",)  # as above: all-reduce's steps are worth more
+    g = TABLE.factor("gossip", 2, LANE_TOKENS)
+    for stall in (1e-3, 0.05, 10.0):
+        x = 2 * stall
+        churned = make_model(replace(two_lanes(1e-4, 10.0), departure_stall=stall), PlannerConfig(
+            stages=1, group_size=2, outer_every=None), Shape(1, 2)).report(np.array([[0, 1]]))
+        expected = "gossip" if (lane_s + gossip) * g * (1 + x / 2) < (lane_s + allreduce) * (1 + x) else "allreduce"
+        assert churned.sync == (expected,)
+        assert churned.steps_factor == pytest.approx(g if expected == "gossip" else 1.0)  # departures are not steps
+        worth = g * (1 + x / 2) if expected == "gossip" else 1 + x
+        assert churned.objective == pytest.approx(calm.objective / calm.cost["total_s"] * churned.cost["total_s"] * worth,
+                                                  rel=1e-9)
+    assert expected == "gossip"  # where departures stall a plan most of the time, losing one lane of two is cheaper
+
+
 def test_without_the_organizers_leave_no_group_takes_outer_steps():
     assert report(two_lanes(1.0, 0.01), outer_every=None).sync != ("outer",)
 

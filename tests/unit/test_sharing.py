@@ -141,9 +141,9 @@ def test_screens_hold_the_grids_sharing():
     need = np.broadcast_to(model.mem_fixed + counts * model.mem_per_layer, stage_bytes.shape)
     overflow = model._overflow(batch, need)
     update = model._update(batch, np.broadcast_to(counts, (len(batch), shape.stages)))
-    sync_s, *_, factor = model._sync(allreduce, gossip, lane.max(axis=1), lane.max(axis=1) + update,
+    sync_s, *_, factor, departures = model._sync(allreduce, gossip, lane.max(axis=1), lane.max(axis=1) + update,
                                      model._outer_fits(batch, need, stage_bytes))
-    held = model._objective(lane, sync_s, overflow, np.zeros(len(batch)), update, factor)
+    held = model._objective(lane, sync_s, overflow, np.zeros(len(batch)), update, factor * departures)
     np.testing.assert_allclose(model.screen(grid, batch, cells), held, rtol=1e-12)
     assert not np.allclose(slowdown, 1.0)  # the case means something: some devices are slowed
 

@@ -498,8 +498,8 @@ def held_split_objective(model, grids: np.ndarray, counts: np.ndarray) -> np.nda
     overflow = model._overflow(grids, need)
     update = model._update(grids, np.broadcast_to(counts, (K, len(counts))))
     outer_fits = model._outer_fits(grids, need, stage_bytes)
-    sync_s, *_, factor = model._sync(allreduce, gossip, lane.max(axis=1), lane.max(axis=1) + update, outer_fits)
-    return model._objective(lane, sync_s, overflow, np.zeros(K), update, factor)
+    sync_s, *_, factor, departures = model._sync(allreduce, gossip, lane.max(axis=1), lane.max(axis=1) + update, outer_fits)
+    return model._objective(lane, sync_s, overflow, np.zeros(K), update, factor * departures)
 
 
 @pytest.mark.parametrize("shape", [Shape(1, 6), Shape(2, 2), Shape(3, 4), Shape(2, 5), Shape(4, 7), Shape(8, 3)])

@@ -84,6 +84,9 @@ class Problem:
     # the gradient noise scale the swarm's all-reduce groups measure (B_simple in tokens; `quality.py` places groups on
     # the steps factor table by it); None: not measured
     noise_scale_tokens: float | None = None
+    # departures per device and second (as the coordinator observed them) x the seconds one stalls a group that waits for
+    # every member (all-reduce, outer steps) until the plan is repaired: what a departure costs each sync mode; 0: none
+    departure_stall: float = 0.0
     # matrices derived once and shared by every shape's cost model: n^2 floats each, gigabytes at 10,000 devices
     _derived: dict = field(default_factory=dict, init=False, repr=False)
 
@@ -167,6 +170,7 @@ class Problem:
             sharing=None if self.sharing is None else self.sharing.subset(devices),
             step_costs=None if self.step_costs is None else self.step_costs[devices],
             noise_scale_tokens=self.noise_scale_tokens,
+            departure_stall=self.departure_stall,
         )
 
     def lanes_batch(self, group_size: int) -> int:

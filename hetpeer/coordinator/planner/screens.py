@@ -65,8 +65,8 @@ class Screens:
         outer_fits = np.repeat(np.broadcast_to(base.evaluation["outer_fits"], base.evaluation["need"].shape), K, axis=0)
         outer_fits[pick, rows] = self._outer_fits(batch[pick, rows], need[rows], base.stage_bytes[rows])
         update = self._update(batch, np.repeat(base.evaluation["counts"], K, axis=0))
-        sync_s, *_, factor = self._sync(allreduce, gossip, lane_s, lane_s + update, outer_fits)
-        return self._objective(lane, sync_s, overflow, np.zeros(K), update, factor)
+        sync_s, *_, factor, departures = self._sync(allreduce, gossip, lane_s, lane_s + update, outer_fits)
+        return self._objective(lane, sync_s, overflow, np.zeros(K), update, factor * departures)
 
     def exchanges(self, grid: np.ndarray, count: int) -> np.ndarray:
         """Up to `count` grids, each `grid` with one segment of stages exchanged between two lanes, that
@@ -106,8 +106,9 @@ class Screens:
         # Lanes (slowest, 2 mean - slowest) have the slowest lane and the mean of all m: the objective
         # of each exchange, with every other term as `grid`'s.
         two = np.stack([slowest.ravel(), 2 * mean.ravel() - slowest.ravel()], axis=1)
+        # every device keeps its stage (its optimizer step too) and every group its sync
         screened = self._objective(two, evaluation["sync_s"], evaluation["row_overflow"], evaluation["move"],
-                                   evaluation["update"], evaluation["factor"])  # every device keeps its stage and its sync
+                                   evaluation["update"], evaluation["factor"] * evaluation["departures"])
         order = np.argsort(screened, kind="stable")[:count]
         order = order[screened[order] < evaluation["objective"][0]]
         pair, segment = np.unravel_index(order, slowest.shape)

@@ -306,16 +306,19 @@ class TimeCost(Screens):
               outer_fits: np.ndarray) -> tuple[np.ndarray, ...]:
         """Per group (K, S), from all-reduce (K, S), gossip rounds (K, S, rounds), the slowest lane (K,), the rest of
         the step (K,: lane and optimizer step) and where outer steps' state fits (K, S): exposed sync seconds, whether
-        it gossips, whether it takes outer steps, their H and D (0 where it does not), and the grid's steps factor (K,).
+        it gossips, whether it takes outer steps, their H and D (0 where it does not), and the grid's steps factor and
+        departure factor (K, each: `_departures`).
 
         `auto` weighs time to loss: for every set of modes it may use, each group takes the fastest of the set, the
-        grid's factor is the largest of the modes it took, and the set whose (step x factor) is least wins (exact for
+        grid's factor is the largest of the modes it took, and the set whose (step x factor x departure factor) is
+        least wins (exact for
         this objective: a group's mode moves the step only through the slowest sync, the factor only through the
         largest)."""
         K, S = allreduce.shape
         none = np.zeros((K, S), dtype=np.int64)
         if self.shape.group_size == 1:
-            return np.zeros((K, S)), none.astype(bool), none.astype(bool), none, none, np.ones(K)
+            return (np.zeros((K, S)), none.astype(bool), none.astype(bool), none, none, np.ones(K),
+                    np.full(K, self._departures(None)))
         gossip = np.maximum(gossip - lane_s[:, None, None], 0.0).mean(-1)
         options = {"allreduce": (allreduce, np.ones((K, S))), "gossip": (gossip, np.full((K, S), self.gossip_factor))}
         every = delay = none
@@ -331,23 +334,37 @@ class TimeCost(Screens):
             sets = [[self.sync]]
         best_cost = np.full(K, np.inf)
         chosen = np.zeros((K, S), dtype=np.int64)  # index into SYNC_MODES
-        best_sync, best_factor = np.full((K, S), np.inf), np.ones(K)
+        best_sync, best_factor, best_departures = np.full((K, S), np.inf), np.ones(K), np.ones(K)
         for modes in sets:
             seconds = np.stack([options[mode][0] for mode in modes])  # (modes, K, S)
             pick = seconds.argmin(axis=0)  # ties go to the earlier mode
             sync_s = np.take_along_axis(seconds, pick[None], axis=0)[0]
             factors = np.take_along_axis(np.stack([options[mode][1] for mode in modes]), pick[None], axis=0)[0]
             factor = quality.plan_factor(factors)
+            departures = self._departures(pick == modes.index("gossip") if "gossip" in modes else None)
             step = base_s + sync_s.max(axis=1)
-            cost = (step + self._overhead(step)) * factor
+            cost = (step + self._overhead(step)) * factor * departures
             better = cost < best_cost
             best_cost = np.where(better, cost, best_cost)
             best_sync = np.where(better[:, None], sync_s, best_sync)
             best_factor = np.where(better, factor, best_factor)
+            best_departures = np.where(better, departures, best_departures)
             chosen = np.where(better[:, None], np.array([SYNC_MODES.index(mode) for mode in modes])[pick], chosen)
         use_gossip, use_outer = chosen == SYNC_MODES.index("gossip"), chosen == SYNC_MODES.index("outer")
         return (best_sync, use_gossip, use_outer, np.where(use_outer, every, 0), np.where(use_outer, delay, 0),
-                best_factor)
+                best_factor, best_departures)
+
+    def _departures(self, gossiping: np.ndarray | None) -> np.ndarray | float:
+        """What departures cost grids whose groups gossip where `gossiping` (K, S; None: none does), as a factor on
+        the step: each departure stalls a plan with a group that waits for every member (all-reduce, outer steps;
+        a pipeline of one lane) for the problem's stall, x = devices x departure_stall a second; where every group
+        gossips, only the departed peer's lane stops, 1 / m of the swarm (`Problem.departure_stall`)."""
+        x = self.shape.devices * self.problem.departure_stall
+        if not x:
+            return 1.0
+        if gossiping is None or self.shape.group_size == 1:
+            return 1.0 + x
+        return np.where(gossiping.all(axis=1), 1.0 + x / self.shape.group_size, 1.0 + x)
 
     def _overflow(self, rows: np.ndarray, need: np.ndarray) -> np.ndarray:
         """Bytes by which each group's smallest device falls short of `need`; (..., m) -> (...)."""
@@ -383,20 +400,20 @@ class TimeCost(Screens):
             overflow = np.maximum(overflow, self._move_overflow(grids, counts, need))
         update = self._update(grids, counts)
         outer_fits = self._outer_fits(grids, need, stage_bytes)
-        sync_s, use_gossip, use_outer, outer_every, outer_delay, factor = self._sync(
+        sync_s, use_gossip, use_outer, outer_every, outer_delay, factor, departures = self._sync(
             allreduce, gossip, lane_s, lane_s + update, outer_fits)
         step = lane_s + sync_s.max(axis=1) + update
         overhead = np.broadcast_to(self._overhead(step), step.shape)
         total = step + overhead
         move = self._move_s(grids, counts) if self._current is not None else np.zeros(K)
-        objective = self._objective(lane, sync_s, overflow, move, update, factor)
+        objective = self._objective(lane, sync_s, overflow, move, update, factor * departures)
         return {
             "counts": counts, "recompute": recompute, "work": work, "need": need, "lane": lane, "t": t, "update": update,
             "slowest": slowest, "lane_s": lane_s,
             "allreduce": allreduce, "gossip": gossip, "sync_s": sync_s, "use_gossip": use_gossip, "total": total,
             "use_outer": use_outer, "outer_every": outer_every, "outer_delay": outer_delay,
             "move": move, "overflow": overflow.sum(axis=1), "row_overflow": overflow, "objective": objective,
-            "overhead": overhead, "factor": factor, "outer_fits": outer_fits,
+            "overhead": overhead, "factor": factor, "departures": departures, "outer_fits": outer_fits,
         }  # fmt: skip
 
     def _objective(self, lane: np.ndarray, sync_s: np.ndarray, overflow: np.ndarray, move: np.ndarray,
@@ -455,7 +472,8 @@ class TimeCost(Screens):
         devices laid out by lanes along the chain started at 14.2 s per step, 12.4 of them sync, and descended
         to 1.98; the seed with the lowest objective, 5.2, descended to 4.34)."""
         e = self._evaluate(grids)
-        return e["objective"], e["objective"] - e["factor"] * (e["sync_s"].max(axis=1) + TIE_BREAK * e["sync_s"].mean(axis=1))
+        worth = e["factor"] * e["departures"]
+        return e["objective"], e["objective"] - worth * (e["sync_s"].max(axis=1) + TIE_BREAK * e["sync_s"].mean(axis=1))
 
     def report(self, grid: np.ndarray) -> Report:
         e = self._evaluate(grid[None])
