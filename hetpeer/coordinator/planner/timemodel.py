@@ -311,9 +311,9 @@ class TimeCost(Screens):
 
         `auto` weighs time to loss: for every set of modes it may use, each group takes the fastest of the set, the
         grid's factor is the largest of the modes it took, and the set whose (step x factor x departure factor) is
-        least wins (exact for
-        this objective: a group's mode moves the step only through the slowest sync, the factor only through the
-        largest)."""
+        least wins. Every set with all-reduce in it, and gossip alone where departures cost: exact for this objective
+        (a group's mode moves the step only through the slowest sync, the factor only through the largest, the
+        departure factor only through whether every group gossips)."""
         K, S = allreduce.shape
         none = np.zeros((K, S), dtype=np.int64)
         if self.shape.group_size == 1:
@@ -330,6 +330,8 @@ class TimeCost(Screens):
             # all-reduce belongs to every set worth trying: a group that takes it instead adds no time and no factor
             others = [mode for mode in SYNC_MODES[1:] if mode in options]
             sets = [["allreduce", *(mode for k, mode in enumerate(others) if bits >> k & 1)] for bits in range(2 ** len(others))]
+            if self.problem.departure_stall:  # a departure stalls one lane only where every group gossips
+                sets.append(["gossip"])
         else:
             sets = [[self.sync]]
         best_cost = np.full(K, np.inf)
