@@ -36,6 +36,14 @@ def test_outside_the_table_the_stated_fallback():
     assert SMALL.factor("gossip", 4, 10) == SMALL.factor("gossip", 4, 512)
     assert SMALL.factor("gossip", 16, 512) == pytest.approx(2.6)  # one more doubling: +0.6 again
     assert SMALL.factor("gossip", 32, 512) == pytest.approx(3.2)
+    # over three measured sizes, their mean growth a doubling; one that fell is held, never extrapolated down
+    three = Table(peers=(4, 8, 16), lane_tokens=(512,), gossip=((1.4,), (2.2,), (2.0,)), outer={10: ((1.1,), (1.2,), (1.3,))},
+                  noise_tokens=1.0, source="t")
+    assert three.factor("gossip", 32, 512) == pytest.approx(2.0 + (2.0 - 1.4) / 2)
+    assert three.factor("outer", 64, 512, 10) == pytest.approx(1.3 + 2 * (1.3 - 1.1) / 2)
+    fell = Table(peers=(4, 8), lane_tokens=(512,), gossip=((1.4,), (1.2,)), outer={10: ((1.1,), (1.1,))}, noise_tokens=1.0,
+                 source="t")
+    assert fell.factor("gossip", 32, 512) == pytest.approx(1.2)
     assert SMALL.factor("outer", 4, 512, every=200) == SMALL.factor("outer", 4, 512, every=50)  # H clamps
     assert SMALL.factor("outer", 4, 512) == SMALL.factor("outer", 4, 512, every=50)  # no H: the largest
 

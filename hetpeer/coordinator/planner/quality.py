@@ -13,8 +13,9 @@ the noise scale, averaging n of them is worth up to n steps; well above it, litt
 
 - bilinear in (log2 n, log2 lane tokens) between the measured points; a group of 1 has factor 1;
 - outside the table, the stated fallback: lane tokens clamp to its range (above the largest measured, the
-  largest's factor, which overstates the cost as batches grow); group sizes above the largest extrapolate
-  along the last measured doubling (the factor grew by about the same step with each doubling measured);
+  largest's factor, which overstates the cost as batches grow); group sizes above the largest grow by the
+  measured sizes' mean growth a doubling (from the smallest measured to the largest; never a fall), for each
+  doubling beyond;
 - outer steps every H steps read H's column, interpolated in log H between the measured H (clamped to them);
 - never below 1: a cell whose mode ended below all-reduce (within its seeds' spread) is counted as parity;
 - placed by the gradient noise scale where the swarm measures one (`noise_tokens`, the group's B_simple in
@@ -92,8 +93,8 @@ class Table:
         p = np.log2(peers)
         if p <= sizes[-1]:
             value = float(np.interp(p, sizes, values))
-        else:  # the stated fallback: the last doubling's growth, again for each doubling beyond
-            slope = (values[-1] - values[-2]) / (sizes[-1] - sizes[-2])
+        else:  # the stated fallback: the measured sizes' mean growth a doubling (none: held), for each doubling beyond
+            slope = max(0.0, (values[-1] - values[1]) / (sizes[-1] - sizes[1])) if len(sizes) > 2 else 0.0
             value = float(values[-1] + slope * (p - sizes[-1]))
         return max(FLOOR, value)
 
