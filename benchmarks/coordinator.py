@@ -91,7 +91,7 @@ class VolunteerSwarm(SyntheticControlPlane):
             "dtype": "bf16", "device_name": self.names[i], "tflops": float(tflops), "achieved_tflops": None,
             "memory_bytes": int(memory_gb * 1e9), "direct": f"10.{i // 65536 % 256}.{i // 256 % 256}.{i % 256}:7000",
             "p2p": [], "dht": [], "state": "waiting", "epoch": -1, "layers": None, "step": 0, "loss": None,
-            "val_loss": None, "checkpoint": None, "tokens_per_s": 0.0,
+            "val_loss": None, "noise_scale": None, "checkpoint": None, "tokens_per_s": 0.0,
             "links": {"peers": list(links), "latency_s": [v[0] for v in links.values()],
                       "bandwidth_bytes_per_s": [v[1] for v in links.values()]},
             "time": self.clock - 0.5, "token": None, "suspects": [], "compute_key": None, "compute_share": 1.0, "compute_background": 0.0, "step_costs": [0.0, 0.0, 0.0, 0.0],

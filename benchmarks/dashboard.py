@@ -83,7 +83,7 @@ class SyntheticDht(SyntheticControlPlane):
             "memory_bytes": (8 + i % 72) << 30, "direct": f"10.{i // 65536 % 256}.{i // 256 % 256}.{i % 256}:7000",
             "p2p": [], "dht": [], "state": "training" if stage is not None else "standby", "epoch": self.plan.epoch,
             "layers": [self.plan.stages[stage].layer_start, self.plan.stages[stage].layer_end] if stage is not None else None,
-            "step": self.step, "loss": loss, "val_loss": None, "checkpoint": None,
+            "step": self.step, "loss": loss, "val_loss": None, "noise_scale": None, "checkpoint": None,
             "tokens_per_s": 2048.0 + (i % 13) * 10 if last else 0.0,
             "links": {"peers": neighbours, "latency_s": [0.002 + 0.001 * (spread(n) % 40) for n in neighbours],
                       "bandwidth_bytes_per_s": [1e7 * (1 + spread(device + n) % 90) for n in neighbours]},
