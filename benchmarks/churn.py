@@ -410,11 +410,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--policy", type=parse_policy, action="append", dest="policies",
                         help="interval_s:gain:solve|repair:solve|wait (repeatable; default a set of 11; the old defaults are always run)")
     parser.add_argument("--quick", action="store_true",
-                        help="40 peers, 0.5 h, budget 0.1 s, mean session 1 h, 2 policies: for tests")
+                        help="40 peers, 0.5 h, budget 0.25 s, mean session 1 h, 2 policies: for tests")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args(argv)
     if args.quick:  # sessions shortened too, so that a few minutes see peers come and go
-        args.peers, args.hours, args.budget, args.session_mean_h = 40, 0.5, 0.1, 1.0
+        args.peers, args.hours, args.budget, args.session_mean_h = 40, 0.5, 0.25, 1.0
     if args.peers < 4 or args.hours <= 0 or args.budget <= 0 or args.session_shape <= 0 or args.session_mean_h <= 0:
         parser.error("--peers must be at least 4; --hours, --budget, --session-shape and --session-mean-h positive")
     policies = [BEFORE] + [p for p in (args.policies or (QUICK_POLICIES if args.quick else DEFAULT_POLICIES)) if p != BEFORE]
