@@ -47,13 +47,12 @@ class NoiseMeter:
         self.pending = torch.linalg.vector_norm(grad).double().square()
 
     def mean(self, grad: torch.Tensor, peers: int) -> None:
+        if peers != self.peers:  # a different group: what came before is another batch size
+            self.steps, self.peers = 0, peers
         step = torch.stack([self.pending, torch.linalg.vector_norm(grad).double().square()])
-        weight = max(SMOOTHING, 1.0 / (self.steps + 1))  # the plain mean until there are enough steps
+        weight = max(SMOOTHING, 1.0 / (self.steps + 1))  # the plain mean until there are enough steps (the first: itself)
         self.squares.mul_(1 - weight).add_(step, alpha=weight)
         self.steps += 1
-        if peers != self.peers:  # a different group: what came before is another batch size
-            self.squares.copy_(step)
-            self.steps, self.peers = 1, peers
 
     def estimate(self, lane_tokens: float) -> float | None:
         """B_simple in tokens from the averages, or None before a step or where it is not positive."""
