@@ -1,5 +1,5 @@
 """Churn benchmark: a simulated swarm of volunteers that come and go, driving the coordinator's real policy
-(`policy.decide`, `broken`, `worth_it`, `predicted_step_s`), planner (`solve`) and `repair` on a simulated
+(`policy.decide`, `broken`, `worth_it`, `running_report`), planner (`solve`) and `repair` on a simulated
 clock, to compare re-plan policies by the tokens per second the swarm trains.
 
     python3 benchmarks/churn.py [--peers 1000] [--hours 1] [--budget 0.5] [--seed 0] [--quick] [--json]
@@ -321,7 +321,7 @@ def coordinate(
     result.planner_cpu_s += spent
     ready = now + config.time_budget_s  # the coordinator waits for the planner's budget
     usable = current if current is not None and not decision.broken else None
-    current_s = coordinator_policy.predicted_step_s(problem, config, usable) if usable is not None else None
+    current_s = coordinator_policy.running_report(problem, config, usable).objective if usable is not None else None
     same = usable is not None and solution.plan.stages == usable.stages
     publish, _ = coordinator_policy.worth_it(
         decision, solution.report.objective, current_s, chosen.gain, same, current is not None and current.epoch in repaired

@@ -52,7 +52,7 @@ from hetpeer import scenarios  # noqa: E402
 from hetpeer.coordinator.api_client import ApiClient  # noqa: E402
 from hetpeer.coordinator.config import CoordinatorConfig  # noqa: E402
 from hetpeer.coordinator.planner import PlannerConfig, solve  # noqa: E402
-from hetpeer.coordinator.policy import build_problem, predicted_step_s  # noqa: E402
+from hetpeer.coordinator.policy import build_problem, running_report  # noqa: E402
 from hetpeer.cli.common import compress_choice, compress_text  # noqa: E402
 from hetpeer.peer.launch import free_port  # noqa: E402
 from hetpeer.protocol.control import ControlPlane  # noqa: E402
@@ -118,7 +118,7 @@ def predicted_now(client: ApiClient, plan: Plan, workload: Workload, compress: t
     whose hops are all raw as raw, the others with their codecs chosen as the coordinator's `compress` does,
     with the step's overhead (`overhead_s`) the coordinator had learned from the plans run before it."""
     problem, _ = build_problem(announced(client), workload, None, overhead_s)
-    return predicted_step_s(problem, PlannerConfig(cost_model="time", compress=RAW if raw_hops(plan) else compress), plan)
+    return running_report(problem, PlannerConfig(cost_model="time", compress=RAW if raw_hops(plan) else compress), plan).cost["total_s"]
 
 
 def uncompressed(client: ApiClient, workload: Workload, stages: int, seed: int) -> Plan:

@@ -36,7 +36,7 @@ from testbed import KINDS, world_wide  # noqa: E402  (the testbed benchmark's to
 
 from hetpeer.coordinator.planner import PlannerConfig, Problem  # noqa: E402
 from hetpeer.coordinator.planner.efficiency import Efficiency, fit_compute, fit_link, fit_overhead  # noqa: E402
-from hetpeer.coordinator.policy import predicted_step_s  # noqa: E402
+from hetpeer.coordinator.policy import running_report  # noqa: E402
 from hetpeer.protocol.plan import Plan  # noqa: E402
 from hetpeer.protocol.topology import Topology  # noqa: E402
 from hetpeer.protocol.modelspec import preset  # noqa: E402
@@ -140,7 +140,7 @@ def main() -> int:
         for window_ in run.windows:
             plan = run.plans[window_["kind"]]
             windows.append((window_["kind"], window_["measured_s"], window_["predicted_s"],
-                            predicted_step_s(terms.apply(problem), config, plan), predicted_step_s(problem, config, plan)))
+                            running_report(terms.apply(problem), config, plan).cost["total_s"], running_report(problem, config, plan).cost["total_s"]))
     kinds = [kind for kind in KINDS if any(w[0] == kind for w in windows)]
     # the step overhead: what the other terms leave of measured steps; each kind is predicted with the overhead
     # fitted on the other kinds' windows only (held out), so the errors below are not fitted to themselves

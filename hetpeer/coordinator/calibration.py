@@ -70,7 +70,7 @@ def learn(plan: Plan, pace: Pace, records: Mapping[str, PeerRecord], workload: W
     if any(d not in records for d in plan.devices):
         return None
     problem, _ = policy.build_problem(records, workload, plan)
-    predicted = policy.predicted_step_s(problem, planner, plan)
+    predicted = policy.running_report(problem, planner, plan).cost["total_s"]
     measured = pace.step_s
     if not (measured and predicted > 0):
         return None

@@ -24,6 +24,9 @@ WINDOW_STEPS = 10  # a plan's measured step is taken over windows of at least th
 STALLED_WINDOW = 1.5  # a window slower than this times the median one held a stall (or the plan's start)
 MAX_WINDOWS = 256  # windows a plan keeps, newest last
 CHURN_WINDOW_S = 3600.0  # departures are counted over this last stretch of the swarm's time
+# peer-seconds without a departure that the rate starts from: the first peer to leave a young swarm is one event, not
+# yet a rate (1 of 4 peers gone in a minute would price a departure every 4 minutes a peer; with this, every hour)
+CHURN_PRIOR_S = 3600.0
 NAMED_AT_MOST = 5  # a round in which more peers join (or leave) than this is one event naming the first few
 
 
@@ -186,9 +189,9 @@ class History:
 
     def departure_rate(self) -> float:
         """Departures per peer and second over the last `CHURN_WINDOW_S` (a peer that says it leaves, or stops
-        announcing): what the planner prices a departure at. 0 before any time has passed."""
+        announcing), with `CHURN_PRIOR_S` more peer-seconds without one: what the planner prices a departure at."""
         exposure = sum(seconds for _, seconds, _ in self._rounds)
-        return sum(gone for _, _, gone in self._rounds) / exposure if exposure > 0 else 0.0
+        return sum(gone for _, _, gone in self._rounds) / (exposure + CHURN_PRIOR_S)
 
     def _membership(self, now: float, peers: Mapping[str, PeerRecord]) -> None:
         joined = [d for d in peers if d not in self._present]

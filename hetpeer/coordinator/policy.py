@@ -34,7 +34,7 @@ from typing import Collection, Mapping, Sequence
 
 import numpy as np
 
-from hetpeer.coordinator.planner import PlannerConfig, Problem, Shape, make_model
+from hetpeer.coordinator.planner import PlannerConfig, Problem, Report, Shape, make_model
 from hetpeer.coordinator.planner.sharing import Sharing
 from hetpeer.coordinator.view import noise_scale
 from hetpeer.protocol.plan import Plan
@@ -295,11 +295,12 @@ def grid_of(plan: Plan, device_ids: tuple[str, ...]) -> np.ndarray:
     return np.array([[index[d] for d in stage.devices] for stage in plan.stages])
 
 
-def predicted_step_s(problem: Problem, config: PlannerConfig, plan: Plan) -> float:
-    """The running plan's predicted step time on the problem's (fresh) measurements, with its own layer
-    split as the planner would choose it for that grid."""
+def running_report(problem: Problem, config: PlannerConfig, plan: Plan) -> Report:
+    """The running plan as the planner judges it on the problem's (fresh) measurements, with its own layer split
+    as the planner would choose it for that grid: `cost["total_s"]` its step, `objective` what a new plan has to
+    beat (the step x its steps factor x what departures cost it, as the search scores every grid)."""
     shape = Shape(len(plan.stages), plan.group_size)
-    return make_model(problem, config, shape).report(grid_of(plan, problem.device_ids)).cost["total_s"]
+    return make_model(problem, config, shape).report(grid_of(plan, problem.device_ids))
 
 
 def worth_it(

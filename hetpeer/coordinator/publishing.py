@@ -65,7 +65,7 @@ class Publisher:
             if usable is not None and set(usable.devices) & set(left_out):
                 usable = None  # the running plan holds a peer this one cannot serve: not comparable, and to be replaced
         searched_s = time.perf_counter() - started
-        current_s = policy.predicted_step_s(problem, self.planner, usable) if usable is not None else None
+        current_s = policy.running_report(problem, self.planner, usable).objective if usable is not None else None
         same = usable is not None and solution.plan.stages == usable.stages
         repaired = current is not None and current.epoch == self.repaired_epoch
         publish, why = policy.worth_it(decision, solution.report.objective, current_s, config.gain, same, repaired)

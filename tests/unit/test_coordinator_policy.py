@@ -424,13 +424,29 @@ def four_records(tflops=(1.0, 0.5, 2.0, 1.0)) -> dict[str, PeerRecord]:
     return records
 
 
-def test_predicted_step_of_a_solved_plan_is_what_the_planner_predicted():
+def test_the_running_report_of_a_solved_plan_is_what_the_planner_predicted():
     problem, _ = policy.build_problem(four_records(), WORKLOAD, None)
     config = PlannerConfig(cost_model="time", time_budget_s=0.5)
     solution = solve(problem, config, np.random.default_rng(0))
     assert np.array_equal(policy.grid_of(solution.plan, problem.device_ids), solution.grid)
-    assert policy.predicted_step_s(problem, config, solution.plan) == pytest.approx(solution.report.cost["total_s"], rel=1e-9)
+    running = policy.running_report(problem, config, solution.plan)
+    assert running.cost["total_s"] == pytest.approx(solution.report.cost["total_s"], rel=1e-9)
     assert solution.plan.total_s == pytest.approx(solution.report.cost["total_s"], rel=1e-9)
+
+
+def test_the_running_plan_is_judged_by_the_objective_a_new_plan_is_judged_by():
+    # departures cost every plan: a new plan's objective carries them, so the running plan's must too, or a swarm
+    # that lost a peer keeps its smaller repaired plan when the peer comes back (its bare step looks cheaper)
+    config = PlannerConfig(cost_model="time", time_budget_s=0.5)
+    problem, _ = policy.build_problem(four_records(), WORKLOAD, None, departure_stall=0.05)
+    solution = solve(problem, config, np.random.default_rng(0))
+    running = policy.running_report(problem, config, solution.plan)
+    assert running.objective == pytest.approx(solution.report.objective, rel=1e-9)
+    assert running.objective >= running.cost["total_s"] * (1 + 0.05 * len(solution.plan.devices))
+    assert policy.worth_it(policy.Decision(True, "periodic re-solve"), running.objective * 0.99, running.objective, 0.0,
+                           False)[0]
+    assert not policy.worth_it(policy.Decision(True, "periodic re-solve"), running.objective * 1.01, running.objective,
+                               0.0, False)[0]
 
 
 def test_the_running_plan_is_predicted_slower_on_slower_peers():
@@ -438,7 +454,8 @@ def test_the_running_plan_is_predicted_slower_on_slower_peers():
     problem, _ = policy.build_problem(four_records(), WORKLOAD, None)
     plan = solve(problem, config, np.random.default_rng(0)).plan
     slower, _ = policy.build_problem(four_records(tflops=(0.1, 0.05, 0.2, 0.1)), WORKLOAD, None)
-    assert policy.predicted_step_s(slower, config, plan) > policy.predicted_step_s(problem, config, plan)
+    assert (policy.running_report(slower, config, plan).cost["total_s"]
+            > policy.running_report(problem, config, plan).cost["total_s"])
 
 
 def test_the_links_a_plan_uses_are_its_lane_hops_and_its_groups_exponential_graph():

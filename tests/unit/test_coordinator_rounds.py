@@ -296,7 +296,7 @@ def test_what_the_running_plans_steps_took_beyond_its_prediction_goes_into_the_n
     mended = control.plans[-1].plan
     assert mended.epoch == first.epoch + 1
     live = {d: r for d, r in control.records.items() if r.state != "leaving"}
-    plain = policy.predicted_step_s(policy.build_problem(live, coordinator.config.workload, mended)[0], coordinator.planner, mended)
+    plain = policy.running_report(policy.build_problem(live, coordinator.config.workload, mended)[0], coordinator.planner, mended).cost["total_s"]
     assert mended.total_s == pytest.approx(plain + learned.overhead_s) and mended.cost["overhead_s"] == learned.overhead_s
     assert f"{mended.total_s:.3f} s/step, {'+' if pace > 1 else '-'}" in mended.predicted
     doc = state(coordinator.board)  # the dashboard's

@@ -7,7 +7,7 @@ from statistics import median
 
 import pytest
 
-from hetpeer.coordinator.history import CHURN_WINDOW_S, MAX_WINDOWS, NAMED_AT_MOST, WINDOW_STEPS, History, Pace
+from hetpeer.coordinator.history import CHURN_PRIOR_S, CHURN_WINDOW_S, MAX_WINDOWS, NAMED_AT_MOST, WINDOW_STEPS, History, Pace
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.records import PeerRecord
@@ -109,7 +109,7 @@ def test_a_snapshot_does_not_change_as_rounds_go_on_and_bounds_hold():
     assert wire["sample_fields"][:2] == ["time", "step"] and len(wire["samples"][0]) == len(wire["sample_fields"])
 
 
-def test_departures_are_counted_per_peer_and_second_over_the_last_hour():
+def test_departures_are_counted_per_peer_and_second_over_the_last_hour_from_a_prior_without_any():
     def present(names: str, state: str = "training") -> dict:
         return {name: record(name, state) for name in names}
 
@@ -119,8 +119,8 @@ def test_departures_are_counted_per_peer_and_second_over_the_last_hour():
     observe(history, 100.0, present("abcd"))  # 400 peer-seconds, nobody left
     assert history.departure_rate() == 0.0
     observe(history, 200.0, {**present("ab"), **present("c", "leaving")})  # d stopped announcing, c says it leaves
-    assert history.departure_rate() == pytest.approx(2 / 800)
+    assert history.departure_rate() == pytest.approx(2 / (800 + CHURN_PRIOR_S))
     observe(history, 300.0, present("ab"))  # c gone after saying so: not counted twice
-    assert history.departure_rate() == pytest.approx(2 / 1100)
+    assert history.departure_rate() == pytest.approx(2 / (1100 + CHURN_PRIOR_S))
     observe(history, 300.0 + CHURN_WINDOW_S, present("ab"))  # the departures are older than the window now
     assert history.departure_rate() == 0.0

@@ -39,8 +39,9 @@ class Shape:
 class Report:
     """A cost model's account of one grid: layers per stage, each group's sync mode, seconds by part.
 
-    `objective` is what the search minimises: `cost["total_s"]`, plus for the time model the
-    amortised cost of moving weights from the current plan and any memory overflow penalty.
+    `objective` is what the search minimises: `cost["total_s"]`, for the time model times the steps factor and
+    what departures cost the grid, plus the amortised cost of moving weights from the current plan and any
+    memory overflow penalty.
     """
 
     layers: tuple[int, ...]
