@@ -26,6 +26,14 @@ links and the coordinator has planned from those measurements:
 3. recovery: under each kind of plan, a peer of it is killed (`docker kill`); reported: seconds until a
    plan without it has run a step. The peer is then started again and the swarm waits for it.
 
+Time to loss (`--time-to-loss LOSS`), instead of the above: one fresh testbed for each of `--sync-modes` (auto,
+gossip, allreduce by default), one after another, each coordinator held to that `--sync` with the same seed, the
+peers from fresh weights, validation every `--eval-every` steps. Reported: seconds from each run's first step until
+its validation loss reached LOSS (at most `--deadline`), and until it reached the lowest loss every mode reached;
+`time_to_loss.json` in `--out` keeps the curves.
+
+    python3 benchmarks/testbed.py --per-region 1 --batch 32 --time-to-loss 3.0
+
 `--json` prints one JSON object as the last line: per plan kind, tokens_per_s, predicted_s, measured_s,
 recovery_s and the plan's codecs, and the goals' ratios. `--out` keeps `plans.json` (the plans and the peers' records) and
 `windows.json` (every window's measurement), which `benchmarks/timemodel_fit.py` fits the time model's
@@ -152,6 +160,71 @@ def recover(bed: Testbed, client: ApiClient, running: Plan) -> float:
     return seconds
 
 
+def time_to_loss(args, topology: Topology) -> int:
+    """For each of `args.sync_modes`, a fresh testbed whose coordinator is held to that `--sync` (fresh weights,
+    the same seed): its validation loss every `--eval-every` steps against the seconds since its first step,
+    until `--time-to-loss` or `--deadline`. Reported: each mode's time to the target, and to the lowest loss every
+    mode reached (the target may be out of some mode's reach within the deadline)."""
+    base = (args.out or Path(tempfile.mkdtemp(prefix="hetpeer-bench-ttl-"))).resolve()
+    print(f"time to loss: {len(topology.devices)} devices ({topology.name}), bandwidth x{args.scale:g}, compute "
+          f"{args.slowdown:g}x slower, {args.stages} stages, batch {args.batch}, validation every {args.eval_every} steps, "
+          f"target {args.time_to_loss:g}, at most {args.deadline:g} s a mode; projects in {base}", flush=True)
+    runs: dict[str, dict] = {}
+    for mode in args.sync_modes:
+        config = TestbedConfig(
+            topology=topology, out=base / mode, scale=args.scale, slowdown=args.slowdown, image=args.image,
+            project=f"hetpeer-bench-{time.time_ns() % 10**8}", subnet=free_subnet(), api_port=free_port(), swarm="bench",
+            batch=args.batch, heartbeat_s=args.heartbeat, model=args.model,
+            coordinator_args=("--stages", str(args.stages), "--sync", mode, "--eval-every", str(args.eval_every),
+                              "--replan-interval", "1000000", "--seed", str(args.seed), "--compress", compress_text(args.compress)),
+            peer_args=("--probe-targets", "8", "--timeout", "30"),
+        )
+        bed = Testbed(config, lambda line: None)
+        try:
+            bed.start()
+            with ApiClient(bed.api_address, timeout_s=5.0) as client:
+                first = poll(client, coordinator_up(bed, lambda: (g := client.call_get_progress()).step > 0 and g),
+                             "the first step", timeout_s=900)
+                started, curve, plans = time.monotonic(), [], {}
+                while time.monotonic() - started < args.deadline:
+                    plan = client.call_get_plan()[0]
+                    if plan is not None and plan.epoch not in plans:
+                        plans[plan.epoch] = {"start_step": plan.start_step, "shape": f"{len(plan.stages)} x {plan.group_size}",
+                                             "sync": sorted({stage.sync_words() for stage in plan.stages}), "steps_factor": plan.steps_factor}
+                    progress = client.call_get_progress()
+                    if progress.val_loss is not None and (not curve or curve[-1][2] != progress.val_loss):
+                        curve.append((time.monotonic() - started, progress.step, progress.val_loss))
+                        if progress.val_loss <= args.time_to_loss:
+                            break
+                    time.sleep(1.0)
+        finally:
+            bed.logs()
+            bed.shutdown()
+        reached = next((t for t, _, loss in curve if loss <= args.time_to_loss), None)
+        runs[mode] = {"first_step": first.step, "curve": curve, "plans": plans, "time_to_target_s": reached}
+        last = curve[-1] if curve else (float("nan"), 0, float("nan"))
+        shapes = "; ".join(f"{p['shape']} {'/'.join(p['sync'])} x{p['steps_factor']:.2f}" for p in plans.values())
+        print(f"  {mode:<10} plans {shapes}: "
+              f"validation {last[2]:.3f} at step {last[1]} after {last[0]:.0f} s, target "
+              f"{'reached after %.0f s' % reached if reached is not None else 'not reached'}", flush=True)
+    common = max(min((loss for *_, loss in run["curve"]), default=float("inf")) for run in runs.values())
+    for run in runs.values():
+        run["time_to_common_s"] = next((t for t, _, loss in run["curve"] if loss <= common), None)
+    result = {"target": args.time_to_loss, "common_loss": common, "runs": runs}
+    (base / "time_to_loss.json").write_text(json.dumps(result, indent=1))
+    print(f"\ntime to validation loss, one testbed per mode, one after another (s from each run's first step; "
+          f"target {args.time_to_loss:g}, and {common:.3f}, the lowest loss every mode reached):")
+    print(f"{'sync':<10} {'to target':>10} {'to common':>10} {'steps':>6} {'s/step':>7}")
+    for mode, run in runs.items():
+        steps = run["curve"][-1][1] - run["first_step"] if run["curve"] else 0
+        per_step = run["curve"][-1][0] / steps if steps else float("nan")
+        cells = [f"{run[k]:.0f}" if run[k] is not None else "-" for k in ("time_to_target_s", "time_to_common_s")]
+        print(f"{mode:<10} {cells[0]:>10} {cells[1]:>10} {steps:>6} {per_step:>7.3f}")
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--per-region", type=int, default=2, help="devices per region of the world-wide scenario (default 2)")
@@ -172,8 +245,18 @@ def main() -> int:
     parser.add_argument("--image", default="hetpeer:latest")
     parser.add_argument("--out", type=Path, help="the testbed's folder: compose project, logs (default: a temporary folder)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    parser.add_argument("--time-to-loss", type=float, metavar="LOSS",
+                        help="instead: one testbed per --sync-modes mode, each trained from fresh weights until its "
+                             "validation loss reaches LOSS (or --deadline); time to loss compared")
+    parser.add_argument("--sync-modes", nargs="+", choices=("auto", "gossip", "allreduce", "outer"),
+                        default=["auto", "gossip", "allreduce"], help="with --time-to-loss: the coordinators' --sync, in order")
+    parser.add_argument("--eval-every", type=int, default=20, help="with --time-to-loss: validation every N steps (default 20)")
+    parser.add_argument("--deadline", type=float, default=900.0,
+                        help="with --time-to-loss: seconds a mode trains at most, from its first step (default 900)")
     args = parser.parse_args()
     topology = world_wide(args.per_region)
+    if args.time_to_loss is not None:
+        return time_to_loss(args, topology)
     out = (args.out or Path(tempfile.mkdtemp(prefix="hetpeer-bench-testbed-"))).resolve()
     subnet = free_subnet()
     config = TestbedConfig(
