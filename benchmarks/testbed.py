@@ -190,7 +190,7 @@ def time_to_loss(args, topology: Topology) -> int:
                     plan = client.call_get_plan()[0]
                     if plan is not None and plan.epoch not in plans:
                         plans[plan.epoch] = {"start_step": plan.start_step, "shape": f"{len(plan.stages)} x {plan.group_size}",
-                                             "sync": sorted({stage.sync_words() for stage in plan.stages}), "steps_factor": plan.steps_factor}
+                                             "sync": sorted({stage.sync_words for stage in plan.stages}), "steps_factor": plan.steps_factor}
                     progress = client.call_get_progress()
                     if progress.val_loss is not None and (not curve or curve[-1][2] != progress.val_loss):
                         curve.append((time.monotonic() - started, progress.step, progress.val_loss))
