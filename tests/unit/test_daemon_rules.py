@@ -5,8 +5,11 @@ which peers to download a stage's state from (`donors_for`), whether a peer shar
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -222,8 +225,10 @@ def test_only_another_training_peer_on_the_same_device_counts():
 class Reprofiled(Probing):
     """A peer's probing part, alone: its device times `fresh` GFLOPS whenever it is timed again."""
 
-    def __init__(self, state: str, tflops: float, fresh: float, profiled_at: float) -> None:
+    def __init__(self, state: str, tflops: float, fresh: float, profiled_at: float, home: Path) -> None:
         self.status, self.lock, self.records, self.device_id = Status(state=state), threading.Lock(), {}, "a"
+        self.config = SimpleNamespace(home=home, model=preset("tiny"), dtype="fp32", micro_batch=2,
+                                      worker=SimpleNamespace(slowdown=4.0, device="cpu"))
         self.machine = MachineProfile("cpu", tflops, 1 << 30, compute_key="k")
         self.fresh, self._profiled_at, self.timed, self.said = fresh, profiled_at, 0, []
 
@@ -240,24 +245,68 @@ class Reprofiled(Probing):
     ("standby", REPROFILE_WAITING_S + 1, 0), ("standby", REPROFILE_S + 1, 1),  # on standby: now and then
     ("training", REPROFILE_S + 1, 0),  # never while it trains
 ])  # fmt: skip
-def test_a_peer_times_its_device_again_sooner_before_the_first_plan(monkeypatch, state, since, timed):
+def test_a_peer_times_its_device_again_sooner_before_the_first_plan(monkeypatch, tmp_path, state, since, timed):
     monkeypatch.setattr(probing.time, "monotonic", lambda: 1000.0)
-    peer = Reprofiled(state, 1e-3, 2e-3, 1000.0 - since)
+    peer = Reprofiled(state, 1e-3, 2e-3, 1000.0 - since, tmp_path)
     peer._profile_again()
     assert peer.timed == timed
     assert peer.machine.tflops == (2e-3 if timed else 1e-3)
 
 
-def test_timing_again_keeps_the_faster_figure_and_leaves_a_busy_device_alone(monkeypatch):
+def test_timing_again_keeps_the_faster_figure_and_leaves_a_busy_device_alone(monkeypatch, tmp_path):
     monkeypatch.setattr(probing.time, "monotonic", lambda: 1000.0)
-    slower = Reprofiled("waiting", 2e-3, 1e-3, 0.0)
+    slower = Reprofiled("waiting", 2e-3, 1e-3, 0.0, tmp_path)
     slower._profile_again()
     assert (slower.timed, slower.machine.tflops, slower.said) == (1, 2e-3, [])  # timed, and the busier start kept
-    faster = Reprofiled("waiting", 1e-3, 3e-3, 0.0)
+    faster = Reprofiled("waiting", 1e-3, 3e-3, 0.0, tmp_path)
     faster._profile_again()
     assert faster.machine.tflops == 3e-3 and faster.said == ["machine: 3.00 GFLOPS achieved now (was 1.00 when busier)"]
-    busy = Reprofiled("waiting", 1e-3, 3e-3, 0.0)  # another peer on its device trains: timing it would slow that peer
+    busy = Reprofiled("waiting", 1e-3, 3e-3, 0.0, tmp_path)  # another peer on its device trains: timing it would slow that peer
     busy.records = {"b": PeerRecord("b", "tiny", "fp32", "cpu", 1.0, 0, PeerAddress(("127.0.0.1", 1)), "training", 0.0,
                                     compute_key="k")}
     busy._profile_again()
     assert (busy.timed, busy.machine.tflops) == (0, 1e-3)
+
+
+def test_a_returning_peer_announces_the_faster_figure_its_home_remembers(monkeypatch, tmp_path):
+    # it left after timing 3 GFLOPS; back while its device's other peers train, it times 1
+    monkeypatch.setattr(probing.time, "monotonic", lambda: 1000.0)
+    before = Reprofiled("waiting", 1e-3, 3e-3, 0.0, tmp_path)
+    before._profile_again()  # faster than its start: remembered
+    back = Reprofiled("waiting", 1e-3, 1e-3, 0.0, tmp_path)
+    machine = back._fastest_known(replace(back.machine, step_costs=StepCosts(micro_s=0.01)))
+    assert machine.tflops == 3e-3 and machine.step_costs == StepCosts()  # the remembered timing, with its own costs
+    assert "busier than when it timed 3.00" in back.said[0]
+    back.machine = machine
+    back._profile_again()
+    assert back.machine.tflops == 3e-3  # a slower timing again changes nothing
+
+
+@pytest.mark.parametrize("change", [
+    {"slowdown": 8.0}, {"device_name": "cuda:0"}, {"compute_key": "other"}, {"model": "small"}, {"time": -2 * probing.REMEMBER_S},
+])  # fmt: skip
+def test_a_remembered_timing_stands_only_for_the_same_device_and_settings_and_not_for_long(tmp_path, change):
+    peer = Reprofiled("waiting", 1e-3, 1e-3, 0.0, tmp_path)
+    path = tmp_path / probing.MACHINE_FILE
+    probing.remember(path, peer._timing_context(), replace(peer.machine, tflops=3e-3))
+    assert probing.recalled(path, peer._timing_context(), peer.machine)[0] == 3e-3
+    record = json.loads(path.read_text())
+    record.update({k: (record["time"] + v if k == "time" else v) for k, v in change.items()})
+    path.write_text(json.dumps(record))
+    assert probing.recalled(path, peer._timing_context(), peer.machine) is None
+
+
+@pytest.mark.parametrize("text, words", [
+    ("{not json", "not JSON"), ("[1, 2]", "not a JSON object"),
+    ('{"tflops": -1}', "tflops must be a positive number"), ('{"step_costs": [1]}', "step_costs must be a list"),
+    ('{"step_costs": [-1, 0, 0, 0, 0]}', "embed_s_per_seq must be"),
+])  # fmt: skip
+def test_a_damaged_machine_file_is_named_and_the_fresh_timing_announced(tmp_path, text, words):
+    peer = Reprofiled("waiting", 1e-3, 1e-3, 0.0, tmp_path)
+    good = {**peer._timing_context(), "device_name": "cpu", "compute_key": "k", "tflops": 3e-3, "step_costs": [0.0] * 5,
+            "time": probing.time.time()}
+    damaged = text if not text.startswith('{"') else json.dumps({**good, **json.loads(text)})
+    (tmp_path / probing.MACHINE_FILE).write_text(damaged)
+    machine = peer._fastest_known(peer.machine)
+    assert machine.tflops == 1e-3 and words in peer.said[0] and probing.MACHINE_FILE in peer.said[0]
+    assert probing.recalled(tmp_path / probing.MACHINE_FILE, peer._timing_context(), peer.machine)[0] == 1e-3  # replaced

@@ -157,7 +157,7 @@ class SwarmPeer(Following, Handover, Announcing, Probing, Reaching):
         )
         self.report(f"trusting plans signed by coordinator key {config.coordinator_key[:16]}...")
         self.checkpoint = self._own_checkpoint()
-        self.machine = self._profile()
+        self.machine = self._fastest_known(self._profile())
         self.report(
             f"machine: {self.machine.device_name}, {self.machine.tflops * 1e3:.2f} GFLOPS achieved in {config.dtype} on "
             f"{config.model.name} blocks" + (f" (slowed {config.worker.slowdown:g}x)" if config.worker.slowdown != 1 else "")

@@ -3,24 +3,34 @@ peers every few heartbeats (lane and group neighbours first: `measure.py`), and 
 now and then while it does not train, more often before the swarm's first plan (`probe.py`); and on the
 control thread, each heartbeat until the swarm's first plan reaches it, the load other work puts on its
 device (`probe.DeviceLoad`): what the planner must leave out of what peers sharing one machine can compute.
+
+The fastest a peer timed its device is kept in its home (`machine.json`, for `REMEMBER_S`): a peer that comes
+back times its device while the peers it shares it with train (the demo's returning peer read 0.63 GFLOPS where
+it read 0.95 before it left), and may not time it again while they do, so it announces the figure it had,
+where the device, model, dtype, micro-batch and slowdown are the same.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Mapping
 
 from hetpeer.peer.daemon.measure import describe_links, pick_targets
 from hetpeer.peer.pipeline.steptime import step_costs
 from hetpeer.peer.probe import MachineProfile, profile_machine
 from hetpeer.protocol.records import PeerRecord
+from hetpeer.protocol.stepcosts import StepCosts
 
 REPROFILE_S = 60.0  # a peer not training times its device again this often
 # and this often before any plan has reached it: peers that start together probe in each other's way (the demo's
 # eight, each emulating a device of its own, read up to 42% slow beside the others' start-up), and the swarm's
 # first plan is made within a minute of their start, from what they announce
 REPROFILE_WAITING_S = 15.0
+REMEMBER_S = 86400.0  # a device's fastest timing, kept in the peer's home, stands in for a slower one this long
+MACHINE_FILE = "machine.json"
 
 
 class Probing:
@@ -89,8 +99,70 @@ class Probing:
         if again.tflops > self.machine.tflops:
             self.report(f"machine: {again.tflops * 1e3:.2f} GFLOPS achieved now (was {self.machine.tflops * 1e3:.2f} when busier)")
             self.machine = replace(self.machine, tflops=again.tflops, step_costs=again.step_costs)
+            remember(self.config.home / MACHINE_FILE, self._timing_context(), self.machine)
+
+    def _timing_context(self) -> dict:
+        """What a remembered timing must have been taken under to stand for this run's."""
+        config = self.config
+        return {"model": config.model.name, "dtype": config.dtype, "micro_batch": config.micro_batch,
+                "slowdown": config.worker.slowdown, "device": config.worker.device}
+
+    def _fastest_known(self, machine: MachineProfile) -> MachineProfile:
+        """`machine` as just timed, or with the faster figure its home remembers for the same device and run
+        settings (said in the log); the faster of the two is remembered."""
+        path = self.config.home / MACHINE_FILE
+        context = self._timing_context()
+        try:
+            known = recalled(path, context, machine)
+        except ValueError as error:
+            self.report(f"machine: {path} not used: {error}")
+            known = None
+        if known is not None and known[0] > machine.tflops:
+            tflops, costs = known
+            self.report(f"machine: timed {machine.tflops * 1e3:.2f} GFLOPS now, busier than when it timed "
+                        f"{tflops * 1e3:.2f} (kept in {path}): it announces {tflops * 1e3:.2f} until it times as fast again")
+            return replace(machine, tflops=tflops, step_costs=costs)
+        remember(path, context, machine)
+        return machine
 
 
 def device_trains(key: str | None, records: Mapping[str, PeerRecord], own: str) -> bool:
     """Whether another peer that announces the device `key` (None: unknown, shared with nobody) trains on it."""
     return key is not None and any(r.compute_key == key and r.state == "training" for d, r in records.items() if d != own)
+
+
+def remember(path: Path, context: dict, machine: MachineProfile) -> None:
+    """Keep `machine`'s timing in `path`, for a later start under the same `context` (`recalled`)."""
+    record = {**context, "device_name": machine.device_name, "compute_key": machine.compute_key,
+              "tflops": machine.tflops, "step_costs": machine.step_costs.to_wire(), "time": time.time()}
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(record))
+    temporary.replace(path)
+
+
+def recalled(path: Path, context: dict, machine: MachineProfile, now: float | None = None) -> tuple[float, StepCosts] | None:
+    """The (TFLOPS, step costs) `path` remembers for `machine`'s device under `context`, if it was taken within
+    `REMEMBER_S`; None where there is none that applies; ValueError naming what is wrong with a damaged file."""
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"it is not JSON ({error})") from None
+    if not isinstance(record, dict):
+        raise ValueError("it is not a JSON object")
+    now = time.time() if now is None else now
+    same = all(record.get(k) == v for k, v in context.items()) and record.get("device_name") == machine.device_name \
+        and record.get("compute_key") == machine.compute_key
+    stamp = record.get("time")
+    if not same or not isinstance(stamp, (int, float)) or not 0 <= now - stamp <= REMEMBER_S:
+        return None
+    tflops, costs = record.get("tflops"), record.get("step_costs")
+    if not (isinstance(tflops, (int, float)) and not isinstance(tflops, bool) and 0 < tflops < float("inf")):
+        raise ValueError(f"tflops must be a positive number, got {tflops!r}")
+    if not (isinstance(costs, list) and len(costs) == len(StepCosts().to_wire())):
+        raise ValueError(f"step_costs must be a list of {len(StepCosts().to_wire())} numbers")
+    try:
+        return float(tflops), StepCosts(*costs)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"step_costs: {error}") from None
