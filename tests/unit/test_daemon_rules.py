@@ -296,6 +296,12 @@ def test_a_remembered_timing_stands_only_for_the_same_device_and_settings_and_no
     assert probing.recalled(path, peer._timing_context(), peer.machine) is None
 
 
+def test_a_home_it_cannot_write_to_is_said_and_the_timing_still_announced(tmp_path):
+    peer = Reprofiled("waiting", 1e-3, 1e-3, 0.0, tmp_path / "missing")  # no such folder: nothing can be kept there
+    assert peer._fastest_known(peer.machine).tflops == 1e-3
+    assert peer.said and peer.said[0].startswith("machine: its timing is not kept for a later start:")
+
+
 @pytest.mark.parametrize("text, words", [
     ("{not json", "not JSON"), ("[1, 2]", "not a JSON object"),
     ('{"tflops": -1}', "tflops must be a positive number"), ('{"step_costs": [1]}', "step_costs must be a list"),

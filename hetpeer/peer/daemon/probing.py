@@ -99,7 +99,7 @@ class Probing:
         if again.tflops > self.machine.tflops:
             self.report(f"machine: {again.tflops * 1e3:.2f} GFLOPS achieved now (was {self.machine.tflops * 1e3:.2f} when busier)")
             self.machine = replace(self.machine, tflops=again.tflops, step_costs=again.step_costs)
-            remember(self.config.home / MACHINE_FILE, self._timing_context(), self.machine)
+            self._remember(self.machine)
 
     def _timing_context(self) -> dict:
         """What a remembered timing must have been taken under to stand for this run's."""
@@ -122,8 +122,15 @@ class Probing:
             self.report(f"machine: timed {machine.tflops * 1e3:.2f} GFLOPS now, busier than when it timed "
                         f"{tflops * 1e3:.2f} (kept in {path}): it announces {tflops * 1e3:.2f} until it times as fast again")
             return replace(machine, tflops=tflops, step_costs=costs)
-        remember(path, context, machine)
+        self._remember(machine)
         return machine
+
+    def _remember(self, machine: MachineProfile) -> None:
+        """Keep `machine`'s timing in the peer's home; a home it cannot write to is said, not fatal."""
+        try:
+            remember(self.config.home / MACHINE_FILE, self._timing_context(), machine)
+        except OSError as error:
+            self.report(f"machine: its timing is not kept for a later start: {error}")
 
 
 def device_trains(key: str | None, records: Mapping[str, PeerRecord], own: str) -> bool:
@@ -140,7 +147,7 @@ def remember(path: Path, context: dict, machine: MachineProfile) -> None:
     temporary.replace(path)
 
 
-def recalled(path: Path, context: dict, machine: MachineProfile, now: float | None = None) -> tuple[float, StepCosts] | None:
+def recalled(path: Path, context: dict, machine: MachineProfile) -> tuple[float, StepCosts] | None:
     """The (TFLOPS, step costs) `path` remembers for `machine`'s device under `context`, if it was taken within
     `REMEMBER_S`; None where there is none that applies; ValueError naming what is wrong with a damaged file."""
     if not path.exists():
@@ -151,7 +158,7 @@ def recalled(path: Path, context: dict, machine: MachineProfile, now: float | No
         raise ValueError(f"it is not JSON ({error})") from None
     if not isinstance(record, dict):
         raise ValueError("it is not a JSON object")
-    now = time.time() if now is None else now
+    now = time.time()
     same = all(record.get(k) == v for k, v in context.items()) and record.get("device_name") == machine.device_name \
         and record.get("compute_key") == machine.compute_key
     stamp = record.get("time")
