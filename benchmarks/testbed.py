@@ -32,7 +32,7 @@ peers from fresh weights, validation every `--eval-every` steps. Reported: secon
 its validation loss reached LOSS (at most `--deadline`), and until it reached the lowest loss every mode reached;
 `time_to_loss.json` in `--out` keeps the curves.
 
-    python3 benchmarks/testbed.py --per-region 1 --batch 32 --time-to-loss 3.0
+    python3 benchmarks/testbed.py --per-region 1 --batch 32 --time-to-loss 2.5 --deadline 720
 
 `--json` prints one JSON object as the last line: per plan kind, tokens_per_s, predicted_s, measured_s,
 recovery_s and the plan's codecs, and the goals' ratios. `--out` keeps `plans.json` (the plans and the peers' records) and
@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import statistics
 import sys
@@ -160,6 +161,19 @@ def recover(bed: Testbed, client: ApiClient, running: Plan) -> float:
     return seconds
 
 
+def bench_config(args, topology: Topology, out: Path, subnet: str, *coordinator_args: str) -> TestbedConfig:
+    """The benchmark's testbed: its coordinator held to `--stages`, never re-solving on its own, with
+    `coordinator_args` more."""
+    return TestbedConfig(
+        topology=topology, out=out, scale=args.scale, slowdown=args.slowdown, image=args.image,
+        project=f"hetpeer-bench-{time.time_ns() % 10**8}", subnet=subnet, api_port=free_port(), swarm="bench",
+        batch=args.batch, heartbeat_s=args.heartbeat, model=args.model,
+        coordinator_args=("--stages", str(args.stages), "--replan-interval", "1000000", "--seed", str(args.seed),
+                          "--compress", compress_text(args.compress), *coordinator_args),
+        peer_args=("--probe-targets", "8", "--timeout", "30"),
+    )
+
+
 def time_to_loss(args, topology: Topology) -> int:
     """For each of `args.sync_modes`, a fresh testbed whose coordinator is held to that `--sync` (fresh weights,
     the same seed): its validation loss every `--eval-every` steps against the seconds since its first step,
@@ -171,14 +185,7 @@ def time_to_loss(args, topology: Topology) -> int:
           f"target {args.time_to_loss:g}, at most {args.deadline:g} s a mode; projects in {base}", flush=True)
     runs: dict[str, dict] = {}
     for mode in args.sync_modes:
-        config = TestbedConfig(
-            topology=topology, out=base / mode, scale=args.scale, slowdown=args.slowdown, image=args.image,
-            project=f"hetpeer-bench-{time.time_ns() % 10**8}", subnet=free_subnet(), api_port=free_port(), swarm="bench",
-            batch=args.batch, heartbeat_s=args.heartbeat, model=args.model,
-            coordinator_args=("--stages", str(args.stages), "--sync", mode, "--eval-every", str(args.eval_every),
-                              "--replan-interval", "1000000", "--seed", str(args.seed), "--compress", compress_text(args.compress)),
-            peer_args=("--probe-targets", "8", "--timeout", "30"),
-        )
+        config = bench_config(args, topology, base / mode, free_subnet(), "--sync", mode, "--eval-every", str(args.eval_every))
         bed = Testbed(config, lambda line: None)
         try:
             bed.start()
@@ -254,19 +261,16 @@ def main() -> int:
     parser.add_argument("--deadline", type=float, default=900.0,
                         help="with --time-to-loss: seconds a mode trains at most, from its first step (default 900)")
     args = parser.parse_args()
+    if args.time_to_loss is not None and not (math.isfinite(args.time_to_loss) and args.time_to_loss > 0):
+        parser.error(f"--time-to-loss must be a positive loss, got {args.time_to_loss:g}")
+    if args.eval_every < 1 or not args.deadline > 0:
+        parser.error(f"--eval-every must be at least 1 and --deadline positive, got {args.eval_every} and {args.deadline:g}")
     topology = world_wide(args.per_region)
     if args.time_to_loss is not None:
         return time_to_loss(args, topology)
     out = (args.out or Path(tempfile.mkdtemp(prefix="hetpeer-bench-testbed-"))).resolve()
     subnet = free_subnet()
-    config = TestbedConfig(
-        topology=topology, out=out, scale=args.scale, slowdown=args.slowdown, image=args.image,
-        project=f"hetpeer-bench-{time.time_ns() % 10**8}", subnet=subnet, api_port=free_port(), swarm="bench",
-        batch=args.batch, heartbeat_s=args.heartbeat, model=args.model,
-        coordinator_args=("--stages", str(args.stages), "--replan-interval", "1000000", "--seed", str(args.seed),
-                          "--compress", compress_text(args.compress)),
-        peer_args=("--probe-targets", "8", "--timeout", "30"),
-    )
+    config = bench_config(args, topology, out, subnet)
     workload = Workload(preset(config.model), batch=config.batch, micro_batch=config.micro_batch, dtype=config.dtype)
     tokens_per_step = config.batch * workload.model.seq_len
     print(f"testbed: {len(topology.devices)} devices ({topology.name}), bandwidth x{args.scale:g}, compute {args.slowdown:g}x "
