@@ -166,6 +166,7 @@ def _peer_to_pb(record: PeerRecord, age_s: float) -> swarm_pb2.Peer:
         compute_key=record.compute_key,
         compute_share=record.compute_share,
         compute_background=record.compute_background,
+        compute_own=record.compute_own,
         step_costs=record.step_costs.to_wire(),
         unreachable=list(record.unreachable),
         noise_scale=record.noise_scale,

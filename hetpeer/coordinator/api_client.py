@@ -46,7 +46,7 @@ def _peer_from_pb(pb: swarm_pb2.Peer) -> PeerStatus:
     # an older coordinator sends none of these: the record's defaults
     key = pb.compute_key if pb.HasField("compute_key") else None
     share = pb.compute_share if pb.HasField("compute_share") else 1.0
-    costs = planning_fields(path, key, share, pb.compute_background, list(pb.step_costs) or StepCosts().to_wire())
+    costs = planning_fields(path, key, share, pb.compute_background, pb.compute_own, list(pb.step_costs) or StepCosts().to_wire())
     address = PeerAddress.from_wire(
         {"p2p": list(pb.p2p), **({"direct": pb.direct} if pb.HasField("direct") else {})}, f"{path}.address"
     )
@@ -74,6 +74,7 @@ def _peer_from_pb(pb: swarm_pb2.Peer) -> PeerStatus:
         compute_key=key,
         compute_share=share,
         compute_background=pb.compute_background,
+        compute_own=pb.compute_own,
         step_costs=costs,
         unreachable=tuple(pb.unreachable),
         software=pb.software,

@@ -114,7 +114,7 @@ def build_problem(
     np.fill_diagonal(latency, 0.0)
     np.fill_diagonal(bandwidth, np.inf)
     sharing = Sharing.from_keys([records[d].compute_key for d in ids], [records[d].compute_share for d in ids],
-                                [records[d].compute_background for d in ids])
+                                [records[d].compute_background for d in ids], [records[d].compute_own for d in ids])
     problem = Problem(
         device_ids=ids,
         latency_s=latency,

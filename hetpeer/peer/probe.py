@@ -1,8 +1,8 @@
 """What this machine can do: achieved TFLOPS and the memory a peer uses.
 
 `profile_machine` is what a joining peer announces: the accelerator's name, one block of the model
-timed in the training dtype (under `Slowdown`, for an emulated slower device: the TFLOPS a slowed peer
-announces are what it achieves), the free memory, and which device it computes on (`compute_identity`:
+timed in the training dtype (over the slowdown, for an emulated slower device: `Slowdown` stretches its
+training to that pace), the free memory, and which device it computes on (`compute_identity`:
 an opaque key that peers on the same CPU cores or GPU share, and its share of that device).
 
 `block_tflops` times forward and backward passes of one transformer block of the model at the
@@ -55,6 +55,7 @@ class MachineProfile:
     compute_key: str | None = None  # the device it computes on, opaque (`compute_identity`); None: unknown
     compute_share: float = 1.0  # of that device, what it uses computing flat out
     compute_background: float = 0.0  # of that device, what other work kept busy while it did not train (`DeviceLoad`)
+    compute_own: float = 0.0  # of that device, what this peer's own process kept busy over the same time
     step_costs: StepCosts = StepCosts()  # what a stage's step costs beyond its blocks (`pipeline.steptime`)
 
     def __post_init__(self) -> None:
@@ -66,8 +67,10 @@ class MachineProfile:
             raise ValueError(f"memory_bytes must not be negative, got {self.memory_bytes}")
         if not (math.isfinite(self.compute_share) and 0 < self.compute_share <= 1):
             raise ValueError(f"compute_share must be in (0, 1], got {self.compute_share!r}")
-        if not (math.isfinite(self.compute_background) and 0 <= self.compute_background < 1):
-            raise ValueError(f"compute_background must be in [0, 1), got {self.compute_background!r}")
+        for name in ("compute_background", "compute_own"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and 0 <= value < 1):
+                raise ValueError(f"{name} must be in [0, 1), got {value!r}")
 
 
 def profile_machine(
@@ -77,11 +80,13 @@ def profile_machine(
 
     TFLOPS are the fastest pass's: what the device achieves for a peer that has it to itself, as a peer
     of a real swarm has its GPU. (Peers sharing one machine, as in `hetpeer swarm`, start and probe at
-    different moments: a typical pass would credit the first to probe with the whole machine.) They are
-    measured under `Slowdown(slowdown)`, the same emulation the stage worker runs under, so they are what
-    the peer achieves, not a datasheet figure divided by hand."""
-    around = Slowdown(slowdown) if slowdown != 1 else None
-    tflops = block_tflops(spec, micro_batch, device, seconds, dtype=dtype, around=around, best=True)
+    different moments: a typical pass would credit the first to probe with the whole machine.) A peer
+    emulating a device `slowdown` times slower announces its machine's figure over `slowdown`: the
+    emulation (`Slowdown`) stretches each pass of training to `slowdown` times the fastest it has seen,
+    and over a run that is the machine's own pace. Timing a few slowed passes instead, each started cold
+    after its sleep, read the 12x peers of `benchmarks/vs_hivemind.py` 2.2x to 3.3x slower than its 6x ones,
+    which trained 2.0x apart, and the planner left the slow ones out."""
+    tflops = block_tflops(spec, micro_batch, device, seconds, dtype=dtype, best=True) / slowdown
     key, share = compute_identity(device, swarm, slowdown)
     return MachineProfile(device_name(device), tflops, free_memory_bytes(device), key, share)
 
@@ -113,11 +118,14 @@ def usable_cores() -> list[int]:
 
 
 class DeviceLoad:
-    """What of this peer's CPU cores other work keeps busy: each `sample()` is the share of those cores busy
-    since the last one (the kernel's count, /proc/stat), less this process's own CPU time; the figure is the
-    mean of the last `window` samples: the load the machine carries on average (other peers' control planes
-    and link probes, their DHT processes, a coordinator beside them), bursts included, since a training step
-    that meets one waits for it.
+    """What of this peer's CPU cores other work keeps busy, and what this peer's own process does: each
+    `sample()` reads the share of those cores busy since the last one (the kernel's count, /proc/stat) and
+    this process's CPU time over it; the figures are the means of the last `window` samples: the load the
+    machine carries on average beside this process (other peers' processes and DHT daemons, a coordinator
+    beside them), bursts included, since a training step that meets one waits for it, and this process's own.
+    Both go out in the peer's record: where peers share a device, the coordinator takes from the others'
+    load what they announce as their own (starting, timing their devices, probing links: work that stops
+    or shrinks when they train, `coordinator/planner/sharing.py`).
     It reads nothing where the kernel does not say (None), and nothing of a GPU: a GPU's other work is not
     counted."""
 
@@ -126,7 +134,7 @@ class DeviceLoad:
         self._cores = usable_cores()
         self._usable = torch.device(device).type == "cpu" and stat.exists() and bool(self._cores)
         self._window = window
-        self._samples: list[float] = []
+        self._samples: list[tuple[float, float]] = []
         self._last = self._read() if self._usable else None
 
     def _read(self) -> tuple[float, float, float]:
@@ -149,16 +157,21 @@ class DeviceLoad:
         if self._usable:
             self._last = self._read()
 
-    def sample(self) -> float | None:
-        """Add a sample; the load now, as a share of the cores in [0, 1), or None where it is not measured."""
+    def sample(self) -> tuple[float, float] | None:
+        """Add a sample; (other work, this process) now, each a share of the cores in [0, 1), or None where it is
+        not measured."""
         if not self._usable:
             return None
         now = self._read()
         busy, total, own = (b - a for a, b in zip(self._last, now))
         self._last = now
         if total > 0:
-            self._samples = (self._samples + [min(0.95, max(0.0, (busy - own) / total))])[-self._window :]
-        return statistics.fmean(self._samples) if self._samples else None
+            mine = min(own / total, busy / total, 0.95)
+            other = min(0.95 - mine, max(0.0, (busy - own) / total))
+            self._samples = (self._samples + [(other, mine)])[-self._window :]
+        if not self._samples:
+            return None
+        return statistics.fmean(s[0] for s in self._samples), statistics.fmean(s[1] for s in self._samples)
 
 
 def device_name(device: str) -> str:
@@ -214,28 +227,28 @@ def block_tflops(
     device: str = "cpu",
     seconds: float = 1.0,
     dtype: str = "fp32",
-    around: ContextManager | None = None,
     best: bool = False,
 ) -> float:
     """Achieved TFLOPS in `dtype` of forward + backward through one block of `spec`, from at least 3
     timed passes: the median pass (what the device gives this process now, sharing it), or with `best`
-    the fastest (what it gives a process that has it to itself: other work only ever slows a pass).
-    `around`, a reusable context manager (e.g. a `Slowdown`), is entered around each pass."""
+    the fastest (what it gives a process that has it to itself: other work only ever slows a pass). The
+    fastest pass computed on one CPU thread is timed by the CPU time that thread used: what other
+    processes take of the core does not count at all (the 8 peers of `benchmarks/vs_hivemind.py` starting
+    on 2 cores timed passes 2 to 5 times slower by the clock than alone)."""
     if dtype not in AUTOCAST_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(AUTOCAST_DTYPES)}, got {dtype!r}")
     block = build_stage(spec.with_layers(3), 1, 2, device=device)  # one block alone: no embeddings, no head
     x = torch.randn(micro_batch, spec.seq_len, spec.hidden, device=device, requires_grad=True)
     flops = 3 * micro_batch * Workload(spec, batch=micro_batch, micro_batch=micro_batch).layer_fwd_flops_per_seq
     autocast = autocast_for(device, dtype)
-    wrapper = contextlib.nullcontext() if around is None else around
 
     def run() -> None:
-        with wrapper:
-            with autocast:
-                y = block(x)
-            y.float().sum().backward()
+        with autocast:
+            y = block(x)
+        y.float().sum().backward()
 
-    return flops / time_per_call(run, device, seconds, best) / 1e12
+    alone = best and torch.device(device).type == "cpu" and torch.get_num_threads() == 1
+    return flops / time_per_call(run, device, seconds, best, time.thread_time if alone else time.perf_counter) / 1e12
 
 
 def autocast_for(device: str, dtype: str) -> ContextManager:
@@ -252,9 +265,9 @@ def matmul_tflops(size: int = 1024, device: str = "cpu", seconds: float = 1.0) -
     return 2 * size**3 / time_per_call(lambda: a @ b, device, seconds) / 1e12
 
 
-def time_per_call(run, device: str, seconds: float, best: bool = False) -> float:
-    """The median (or with `best` the shortest) time of one call, over at least 3 timings and about
-    `seconds`. Not the mean: a burst of other work on the machine (another process starting, a peer's
+def time_per_call(run, device: str, seconds: float, best: bool = False, clock=time.perf_counter) -> float:
+    """The median (or with `best` the shortest) time of one call by `clock`, over at least 3 timings and
+    about `seconds`. Not the mean: a burst of other work on the machine (another process starting, a peer's
     DHT node) slows a few calls, and should not decide the figure. A timing runs enough calls to last
     `TIMING_S` (judged from a call after the warm-up: a first call pays for set-up, kernel loading on an
     accelerator) and synchronizes the device once, at its end: an
@@ -269,11 +282,11 @@ def time_per_call(run, device: str, seconds: float, best: bool = False) -> float
     times: list[float] = []
     started = time.perf_counter()
     while len(times) < 3 or time.perf_counter() - started < seconds:
-        timing_started = time.perf_counter()
+        timing_started = clock()
         for _ in range(calls):
             run()
         _sync(device)
-        times.append((time.perf_counter() - timing_started) / calls)
+        times.append((clock() - timing_started) / calls)
     return min(times) if best else statistics.median(times)
 
 

@@ -125,6 +125,7 @@ class PeerSchema(_Strict):
     compute_key: Optional[pydantic.StrictStr] = None
     compute_share: pydantic.StrictFloat = 1.0
     compute_background: pydantic.StrictFloat = 0.0
+    compute_own: pydantic.StrictFloat = 0.0
     step_costs: List[pydantic.StrictFloat] = [0.0] * len(FIELDS_OF_STEP_COSTS)
     reachable: pydantic.StrictStr = "unknown"
     unreachable: List[pydantic.StrictStr] = []
@@ -181,6 +182,7 @@ class PeerRecord:
     compute_key: str | None = None
     compute_share: float = 1.0
     compute_background: float = 0.0  # of that device, what other work kept busy while the peer did not train
+    compute_own: float = 0.0  # of that device, what the peer's own process kept busy over the same time
     step_costs: StepCosts = StepCosts()  # what a stage's step costs it beyond its blocks (embedding, head, optimizer)
     # others can dial it ("direct"), cannot ("none": it dials them), only through a relay ("via:<device>"), or it
     # could not tell ("unknown")
@@ -234,6 +236,7 @@ class PeerRecord:
             "compute_key": self.compute_key,
             "compute_share": float(self.compute_share),
             "compute_background": float(self.compute_background),
+            "compute_own": float(self.compute_own),
             "step_costs": self.step_costs.to_wire(),
             "reachable": self.reachable,
             "unreachable": list(self.unreachable),
@@ -316,7 +319,7 @@ class PeerRecord:
         if parsed.token is not None and not 0 < len(parsed.token) <= MAX_TOKEN_CHARS:
             raise SchemaError("peer.token", f"must be 1 to {MAX_TOKEN_CHARS} characters, got {len(parsed.token)}")
         step_costs = planning_fields("peer", parsed.compute_key, parsed.compute_share, parsed.compute_background,
-                                     parsed.step_costs)
+                                     parsed.compute_own, parsed.step_costs)
         relay = parsed.reachable.removeprefix(VIA)
         if parsed.reachable not in REACHABLE and not (relay != parsed.reachable and DEVICE_RE.match(relay) and relay != parsed.device_id):
             raise SchemaError("peer.reachable", f"must be one of {', '.join(REACHABLE)} or {VIA}<another peer's device id>, "
@@ -356,6 +359,7 @@ class PeerRecord:
             compute_key=parsed.compute_key,
             compute_share=parsed.compute_share,
             compute_background=parsed.compute_background,
+            compute_own=parsed.compute_own,
             step_costs=step_costs,
             reachable=parsed.reachable,
             unreachable=tuple(parsed.unreachable),
@@ -368,7 +372,7 @@ _Check = Callable[[Any], bool]
 
 
 def planning_fields(path: str, compute_key: str | None, compute_share: float, compute_background: float,
-                    step_costs: Sequence[float]) -> StepCosts:
+                    compute_own: float, step_costs: Sequence[float]) -> StepCosts:
     """Check what a record says of the device a peer computes on and of what its step costs (the record's
     fields of those names; `path` names the record in errors) and return its `StepCosts`: for records read from
     the DHT and for peers an API client reads, which plan from them alike."""
@@ -376,8 +380,12 @@ def planning_fields(path: str, compute_key: str | None, compute_share: float, co
         raise SchemaError(f"{path}.compute_key", f"must be 16 lowercase hex digits, got {compute_key[:64]!r}")
     if not (math.isfinite(compute_share) and 0 < compute_share <= 1):
         raise SchemaError(f"{path}.compute_share", f"must be in (0, 1], got {compute_share!r}")
-    if not (math.isfinite(compute_background) and 0 <= compute_background < 1):
-        raise SchemaError(f"{path}.compute_background", f"must be in [0, 1), got {compute_background!r}")
+    for name, value in (("compute_background", compute_background), ("compute_own", compute_own)):
+        if not (math.isfinite(value) and 0 <= value < 1):
+            raise SchemaError(f"{path}.{name}", f"must be in [0, 1), got {value!r}")
+    if compute_background + compute_own > 1 + 1e-9:
+        raise SchemaError(f"{path}.compute_own", f"with compute_background ({compute_background!r}) is more than the whole "
+                                                 f"device, got {compute_own!r}")
     if len(step_costs) not in (OLDER_STEP_COSTS, len(FIELDS_OF_STEP_COSTS)):  # older peers time no recomputation
         raise SchemaError(f"{path}.step_costs", f"must be {len(FIELDS_OF_STEP_COSTS)} numbers "
                                                 f"({', '.join(FIELDS_OF_STEP_COSTS)}; {OLDER_STEP_COSTS} from older peers), "

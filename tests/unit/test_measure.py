@@ -33,7 +33,7 @@ from hetpeer.peer.daemon.measure import (
     estimate_link,
     pick_targets,
 )
-from hetpeer.peer.probe import MachineProfile, Slowdown, time_per_call, cgroup_free_bytes, profile_machine
+from hetpeer.peer.probe import MachineProfile, Slowdown, block_tflops, time_per_call, cgroup_free_bytes, profile_machine
 from hetpeer.peer.ratelimit import Rate
 from hetpeer.peer.transport import MemoryHub, MemoryTransport
 from hetpeer.peer.transport.inbox import Late
@@ -519,6 +519,24 @@ def test_profile_machine_on_cpu_names_the_machine_and_measures_it(one_thread):
     assert 0 < max(slowed) < max(fast) / 2
 
 
+def test_other_processes_on_the_cores_do_not_slow_the_compute_figure(one_thread):
+    spec = preset("tiny")
+    alone = block_tflops(spec, micro_batch=1, seconds=0.5, best=True)
+    cores = len(os.sched_getaffinity(0))
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * cores)]
+    try:
+        time.sleep(0.5)
+        shared = block_tflops(spec, micro_batch=1, seconds=0.5, best=True)
+        by_the_clock = block_tflops(spec, micro_batch=1, seconds=0.5)  # the median pass, by the clock
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+    # three processes to a core: the clock reads every pass about 3 times slower; the thread's CPU time does not
+    assert by_the_clock < 0.6 * alone
+    assert shared > 0.6 * alone
+
+
 def test_one_slow_call_does_not_decide_the_compute_figure():
     durations = iter([0.01, 0.01, 0.01, 0.9, 0.01])  # warm-up, sizing, then a burst of other work slows the second timed call
 
@@ -604,7 +622,21 @@ def test_the_load_of_other_processes_counts():
         spinner.kill()
         spinner.wait()
     # another process spinning a core: near one core's share of them, more on a busy machine, never all of them
-    assert busy is not None and 0.4 / len(os.sched_getaffinity(0)) <= busy <= 0.95
+    assert busy is not None and 0.4 / len(os.sched_getaffinity(0)) <= busy[0] <= 0.95
+    assert busy[1] < 0.2 / len(os.sched_getaffinity(0))  # this process slept
+
+
+def test_this_process_own_load_is_measured_apart():
+    from hetpeer.peer.probe import DeviceLoad
+
+    load = DeviceLoad("cpu", window=3)
+    stop = time.monotonic() + 1.0
+    while time.monotonic() < stop:  # this process spins a core: its own work, which the coordinator takes out
+        pass
+    other, own = load.sample()
+    cores = len(os.sched_getaffinity(0))
+    assert 0.4 / cores <= own <= 0.95 and other + own <= 0.95 + 1e-9
+    assert other < own  # what the spinning did is not counted as other work
 
 
 def test_time_skipped_is_left_out_of_the_load():
@@ -621,4 +653,4 @@ def test_time_skipped_is_left_out_of_the_load():
     time.sleep(0.5)
     quiet, spun = skipped.sample(), plain.sample()
     # the same quiet half second ends both samples; only the one that did not skip holds the spinning core too
-    assert quiet is not None and spun is not None and spun - quiet > 0.1 / len(os.sched_getaffinity(0))
+    assert quiet is not None and spun is not None and spun[0] - quiet[0] > 0.1 / len(os.sched_getaffinity(0))

@@ -411,8 +411,9 @@ def test_a_plan_that_breaks_its_own_rules_is_refused():
 
 
 def test_the_device_a_peer_computes_on_is_checked():
-    record = parse(wire(compute_key="0123456789abcdef", compute_share=0.25, compute_background=0.4))
-    assert (record.compute_key, record.compute_share, record.compute_background) == ("0123456789abcdef", 0.25, 0.4)
+    record = parse(wire(compute_key="0123456789abcdef", compute_share=0.25, compute_background=0.4, compute_own=0.1))
+    assert (record.compute_key, record.compute_share, record.compute_background, record.compute_own) == \
+        ("0123456789abcdef", 0.25, 0.4, 0.1)
     assert parse(wire()).compute_key is None
     for bad in ("0123456789ABCDEF", "0123", "x" * 16, "0123456789abcdef0"):
         refused(wire(compute_key=bad), "peer.compute_key")
@@ -420,6 +421,8 @@ def test_the_device_a_peer_computes_on_is_checked():
         refused(wire(compute_share=bad), "peer.compute_share")
     for bad in (-0.1, 1.0, math.nan):
         refused(wire(compute_background=bad), "peer.compute_background")
+        refused(wire(compute_own=bad), "peer.compute_own")
+    refused(wire(compute_background=0.7, compute_own=0.5), "peer.compute_own")  # more than the whole device
     refused(wire(compute_share=1), "peer.compute_share")  # an int where a float belongs
 
 

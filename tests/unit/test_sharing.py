@@ -167,3 +167,16 @@ def test_other_work_on_a_device_leaves_its_peers_less():
     assert "3 peers compute on 1 shared device(s); other work takes 40%" in sharing.describe()
     with pytest.raises(ValueError, match="background"):
         Sharing.from_keys(["m", "m"], [0.5, 0.5], [0.4, 1.0])
+    with pytest.raises(ValueError, match="own load"):
+        Sharing.from_keys(["m", "m"], [0.5, 0.5], [0.4, 0.4], [0.1, -0.1])
+
+
+def test_what_the_peers_of_a_device_do_themselves_is_not_other_work():
+    # four peers starting beside each other: each sees the others' start-up as other work (50% and 55%), and
+    # announces its own (5% each): of the device's 60% busy, 20% was theirs, 40% other programs
+    sharing = Sharing.from_keys(["m"] * 4, [0.2] * 4, [0.55, 0.55, 0.55, 0.5], [0.05] * 4)
+    assert sharing.capacity.tolist() == pytest.approx([0.6])
+    # peers that announce nothing of their own (older ones) keep what they measured
+    assert Sharing.from_keys(["m"] * 4, [0.2] * 4, [0.55] * 4).capacity.tolist() == pytest.approx([0.45])
+    # what they announce as their own never makes the device freer than nothing running, nor busier than they saw
+    assert Sharing.from_keys(["m"] * 2, [0.2] * 2, [0.1, 0.1], [0.3, 0.3]).capacity.tolist() == pytest.approx([1.0])

@@ -71,11 +71,17 @@ class Sharing:
 
     @staticmethod
     def from_keys(
-        keys: Sequence[str | None], shares: Sequence[float], backgrounds: Sequence[float] | None = None
+        keys: Sequence[str | None], shares: Sequence[float], backgrounds: Sequence[float] | None = None,
+        owns: Sequence[float] | None = None,
     ) -> "Sharing | None":
         """The grouping of peers by announced device key; None when no two peers share one (the common case:
-        the planner then pays nothing for it). A shared device's capacity is 1 less the median of the background
-        load its peers measured (`backgrounds`, each in [0, 1); none: 0): one peer's figure does not set it."""
+        the planner then pays nothing for it). A shared device's capacity is 1 less the load that is not its
+        peers' own: the median of what its peers measured busy (each its `backgrounds` plus its `owns`, in [0, 1);
+        none: 0; one peer's figure does not set it) less what they all announced as their own processes'.
+        Before a first plan that is their starting, device timing and link probes, which stop when they train:
+        the 8 peers of `benchmarks/vs_hivemind.py` on 2 cores each read 62% to 68% other work, while the work
+        that stayed as 5 of them trained (their DHT daemons, the coordinator) was about 30%, and the plan
+        that counted 65% left 4 of them on standby."""
         counts = Counter(k for k in keys if k is not None)
         shared = sorted(k for k, count in counts.items() if count > 1)
         if not shared:
@@ -85,12 +91,17 @@ class Sharing:
         share = np.asarray(shares, dtype=float)
         if share.shape != group.shape or not np.all((share > 0) & (share <= 1)):
             raise ValueError(f"a share of a device must be in (0, 1], one per device, got {share.tolist()}")
-        background = np.zeros(len(group)) if backgrounds is None else np.asarray(backgrounds, dtype=float)
-        if background.shape != group.shape or not np.all((background >= 0) & (background < 1)):
-            raise ValueError(f"a device's background load must be in [0, 1), one per device, got {background.tolist()}")
+        background, own = (np.zeros(len(group)) if v is None else np.asarray(v, dtype=float) for v in (backgrounds, owns))
+        for name, v in (("background load", background), ("own load", own)):
+            if v.shape != group.shape or not np.all((v >= 0) & (v < 1)):
+                raise ValueError(f"a device's {name} must be in [0, 1), one per device, got {v.tolist()}")
         members = Sharing(group, share, np.ones(len(shared))).members
-        padded = np.where(members >= 0, background[np.maximum(members, 0)], np.nan)
-        return Sharing(group, share, 1.0 - np.nanmedian(padded, axis=1))
+        valid = members >= 0
+        index = np.maximum(members, 0)
+        busy = np.nanmedian(np.where(valid, (background + own)[index], np.nan), axis=1)
+        theirs = np.where(valid, own[index], 0.0).sum(axis=1)
+        other = np.clip(busy - theirs, 0.0, np.nanmedian(np.where(valid, background[index], np.nan), axis=1))
+        return Sharing(group, share, 1.0 - other)
 
     @property
     def groups(self) -> int:

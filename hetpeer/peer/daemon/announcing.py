@@ -85,6 +85,7 @@ class Announcing:
             compute_key=machine.compute_key,
             compute_share=machine.compute_share,
             compute_background=machine.compute_background,
+            compute_own=machine.compute_own,
             step_costs=machine.step_costs,
             reachable=self.announced_reachable,
             unreachable=tuple(d for d in self.transport.unreachable(UNREACHED_HEARTBEATS * self.config.heartbeat_s)

@@ -2,7 +2,8 @@
 peers every few heartbeats (lane and group neighbours first: `measure.py`), and its device's speed again
 now and then while it does not train, more often before the swarm's first plan (`probe.py`); and on the
 control thread, each heartbeat until the swarm's first plan reaches it, the load other work puts on its
-device (`probe.DeviceLoad`): what the planner must leave out of what peers sharing one machine can compute.
+device and its own process's (`probe.DeviceLoad`): from them the planner tells what to leave out of what
+peers sharing one machine can compute.
 
 The fastest a peer timed its device is kept in its home (`machine.json`, for `REMEMBER_S`): a peer that comes
 back times its device while the peers it shares it with train (the demo's returning peer read 0.63 GFLOPS where
@@ -69,7 +70,7 @@ class Probing:
             return
         load = self.device_load.sample()
         if load is not None:
-            self.machine = replace(self.machine, compute_background=load)
+            self.machine = replace(self.machine, compute_background=load[0], compute_own=load[1])
 
     def _profile(self) -> MachineProfile:
         config = self.config
