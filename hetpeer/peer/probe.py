@@ -234,7 +234,7 @@ def block_tflops(
     the fastest (what it gives a process that has it to itself: other work only ever slows a pass). The
     fastest pass computed on one CPU thread is timed by the CPU time that thread used: what other
     processes take of the core does not count at all (the 8 peers of `benchmarks/vs_hivemind.py` starting
-    on 2 cores timed passes 2 to 5 times slower by the clock than alone)."""
+    on 2 cores timed passes up to 5 times slower by the clock than alone)."""
     if dtype not in AUTOCAST_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(AUTOCAST_DTYPES)}, got {dtype!r}")
     block = build_stage(spec.with_layers(3), 1, 2, device=device)  # one block alone: no embeddings, no head
