@@ -316,3 +316,28 @@ def test_a_damaged_machine_file_is_named_and_the_fresh_timing_announced(tmp_path
     machine = peer._fastest_known(peer.machine)
     assert machine.tflops == 1e-3 and words in peer.said[0] and probing.MACHINE_FILE in peer.said[0]
     assert probing.recalled(tmp_path / probing.MACHINE_FILE, peer._timing_context(), peer.machine)[0] == 1e-3  # replaced
+
+
+class Loads:
+    """A device's load as `probe.DeviceLoad` reads it: (other work, this process), or skipped."""
+
+    def __init__(self, reading: tuple[float, float]) -> None:
+        self.reading, self.skipped = reading, 0
+
+    def sample(self) -> tuple[float, float]:
+        return self.reading
+
+    def skip(self) -> None:
+        self.skipped += 1
+
+
+def test_a_waiting_peer_announces_the_other_work_and_its_own_and_nothing_while_its_device_trains(tmp_path):
+    peer = Reprofiled("waiting", 1e-3, 1e-3, 0.0, tmp_path)
+    peer.running, peer.device_load = None, Loads((0.3, 0.05))
+    peer._measure_load()
+    assert (peer.machine.compute_background, peer.machine.compute_own) == (0.3, 0.05)
+    peer.device_load = Loads((0.9, 0.01))  # a peer on its device trains: its compute would read as other work
+    peer.records = {"b": PeerRecord("b", "tiny", "fp32", "cpu", 1.0, 0, PeerAddress(("127.0.0.1", 1)), "training", 0.0,
+                                    compute_key="k")}
+    peer._measure_load()
+    assert peer.device_load.skipped == 1 and (peer.machine.compute_background, peer.machine.compute_own) == (0.3, 0.05)
