@@ -3,7 +3,10 @@ request came from, and says what it saw.
 
 It dials only the requester's own address, at most `MAX_PORTS` ports, one request per address at a time
 and a bounded number at once, each with a short timeout: it cannot be made to reach a third party, nor to
-hold many sockets open. Requests that do not parse are answered by closing the connection.
+hold many sockets open. Requests from one address wait their turn (peers behind one household's router, a
+campus or a carrier's NAT share it), up to `MAX_PER_ADDRESS` at once; beyond that, or past `TURN_WAIT_S`,
+the connection is closed and the peer asks again. Requests that do not parse are answered by closing the
+connection.
 """
 
 from __future__ import annotations
@@ -16,13 +19,14 @@ import threading
 import time
 from typing import Callable
 
-from hetpeer.protocol.reach import MAX_LINE_BYTES, ReachReply, ReachRequest
+from hetpeer.protocol.reach import MAX_LINE_BYTES, TURN_WAIT_S, ReachReply, ReachRequest
 from hetpeer.protocol.wire import SchemaError
 
 log = logging.getLogger("hetpeer.coordinator")
 DIAL_TIMEOUT_S = 3.0
 READ_TIMEOUT_S = 5.0
 MAX_AT_ONCE = 32
+MAX_PER_ADDRESS = 16  # requests from one address held at once, answered in turn (each at most TURN_WAIT_S)
 
 
 class ReachServer:
@@ -32,7 +36,7 @@ class ReachServer:
         self.answered = 0
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
-        self._busy: set[str] = set()
+        self._turns: dict[str, tuple[threading.Lock, int]] = {}  # per address: whose turn, and requests holding it
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(MAX_AT_ONCE)
 
@@ -59,25 +63,47 @@ class ReachServer:
         observed = _plain(address)
         if not self._slots.acquire(blocking=False):
             return  # closing is the answer: the peer asks again later
+        turn = self._join(observed)
         try:
-            with self._lock:
-                if observed in self._busy:
-                    return
-                self._busy.add(observed)
+            if turn is None:
+                log.info("reach request from %s closed: %d from that address already wait", observed, MAX_PER_ADDRESS)
+                return
+            connection.settimeout(READ_TIMEOUT_S)
+            request = ReachRequest.decode(connection.makefile("rb").readline(MAX_LINE_BYTES + 1))
+            if not turn.acquire(timeout=TURN_WAIT_S):
+                log.info("reach request from %s closed: its turn did not come within %g s", observed, TURN_WAIT_S)
+                return
             try:
-                connection.settimeout(READ_TIMEOUT_S)
-                line = connection.makefile("rb").readline(MAX_LINE_BYTES + 1)
-                request = ReachRequest.decode(line)
-                connection.sendall(self.rpc_reach(request, observed).encode())
+                reply = self.rpc_reach(request, observed)
             finally:
-                with self._lock:
-                    self._busy.discard(observed)
+                turn.release()
+            connection.sendall(reply.encode())
         except SchemaError as error:
             log.info("reach request from %s refused: %s", observed, error)
         except OSError as error:
             log.info("reach request from %s broke off: %s", observed, error)
         finally:
+            if turn is not None:
+                self._leave(observed)
             self._slots.release()
+
+    def _join(self, observed: str) -> threading.Lock | None:
+        """The lock whose holder dials `observed` now, counting this request in; None when too many wait."""
+        with self._lock:
+            lock, holding = self._turns.get(observed, (None, 0))
+            if holding >= MAX_PER_ADDRESS:
+                return None
+            lock = lock or threading.Lock()
+            self._turns[observed] = (lock, holding + 1)
+            return lock
+
+    def _leave(self, observed: str) -> None:
+        with self._lock:
+            lock, holding = self._turns[observed]
+            if holding == 1:
+                del self._turns[observed]
+            else:
+                self._turns[observed] = (lock, holding - 1)
 
     def rpc_reach(self, request: ReachRequest, observed: str) -> ReachReply:
         """Dial each port asked at `observed`, the address the request came from."""

@@ -17,11 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from hetpeer.protocol.reach import MAX_LINE_BYTES, ReachReply, ReachRequest
+from hetpeer.protocol.reach import MAX_LINE_BYTES, TURN_WAIT_S, ReachReply, ReachRequest
 from hetpeer.protocol.wire import SchemaError
 
 log = logging.getLogger("hetpeer.peer")
 CLOCK_SAY_S = 5.0  # a clock further off than this is said to the volunteer
+ASK_TRIES = 4  # a reach check that fails is tried again after 2, 4 and 8 s (and up to half more, at random)
+ANSWER_WAIT_S = TURN_WAIT_S + 15.0  # the service may answer peers behind one address in turn
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,11 +41,13 @@ class ReachError(Exception):
 
 
 def ask(service: tuple[str, int], ports: Sequence[int], timeout_s: float = 15.0,
-        clock: Callable[[], float] = time.time) -> Reach:
-    """Ask the reach service at `service` (HOST, PORT) to dial `ports` back; ReachError when it cannot."""
+        clock: Callable[[], float] = time.time, answer_wait_s: float = ANSWER_WAIT_S) -> Reach:
+    """Ask the reach service at `service` (HOST, PORT) to dial `ports` back; ReachError when it cannot. The
+    connection is given `timeout_s`, the answer `answer_wait_s`."""
     host, port = service
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
+            sock.settimeout(answer_wait_s)
             sent = clock()
             sock.sendall(ReachRequest(tuple(ports), sent).encode())
             line = sock.makefile("rb").readline(MAX_LINE_BYTES + 1)
@@ -57,6 +61,22 @@ def ask(service: tuple[str, int], ports: Sequence[int], timeout_s: float = 15.0,
     except SchemaError as error:
         raise ReachError(f"the reach service at {host}:{port} answered nonsense: {error}") from None
     return Reach(reply.observed, reply.open, reply.time - (sent + received) / 2, received - sent)
+
+
+def ask_patiently(service: tuple[str, int], ports: Sequence[int], say: Callable[[str], None],
+                  clock: Callable[[], float] = time.time, tries: int = ASK_TRIES, first_wait_s: float = 2.0,
+                  sleep: Callable[[float], None] = time.sleep) -> Reach:
+    """`ask`, again when it fails (a service that closed on this peer, was restarting or did not answer in time),
+    after 2, 4, 8 s (`first_wait_s` doubling, up to half more at random, so that peers behind one address
+    refused together do not ask together again), saying each failure with `say`; the last one is raised."""
+    for attempt in range(tries - 1):
+        try:
+            return ask(service, ports, clock=clock)
+        except ReachError as error:
+            wait = first_wait_s * 2**attempt * random.uniform(1.0, 1.5)
+            say(f"reachable: asking again in {wait:.0f} s ({error})")
+            sleep(wait)
+    return ask(service, ports, clock=clock)
 
 
 _LOWEST_PORT = 20000  # below it lie the ports that services on a machine commonly listen on

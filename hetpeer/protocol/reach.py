@@ -26,6 +26,9 @@ from hetpeer.protocol.wire import SchemaError, field, need_int, need_list, need_
 REACH_VERSION = 1
 MAX_PORTS = 4
 MAX_LINE_BYTES = 1024
+# the longest the service holds a request behind others from the same address (peers behind one router are
+# answered in turn); an asker waits this long and a little more for its answer
+TURN_WAIT_S = 60.0
 REACHABLE = ("direct", "none", "unknown")  # what a peer's record says of it: others can dial it, cannot, not checked,
 VIA = "via:"  # or "via:<device>": others reach it through that peer's relay
 

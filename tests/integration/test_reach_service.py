@@ -1,15 +1,20 @@
 """The coordinator's reach service over real sockets on 127.0.0.1: it dials the asker's ports back, says which
-opened, where the request came from and its clock; it dials nobody else, and drops what does not parse."""
+opened, where the request came from and its clock; it dials nobody else, and drops what does not parse; peers
+behind one address are answered in turn; a peer whose check failed asks again."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import socket
+import threading
 import time
 
 import pytest
 
+from hetpeer.coordinator import reach as reach_service
 from hetpeer.coordinator.reach import ReachServer
-from hetpeer.peer.reach import ReachError, ask, listening
+from hetpeer.peer.reach import Reach, ReachError, ask, ask_patiently, listening
+from hetpeer.protocol.reach import ReachReply, ReachRequest
 
 
 @pytest.fixture
@@ -50,3 +55,89 @@ def test_a_port_taken_is_a_clear_error():
     with listening("127.0.0.1", 0) as taken:
         with pytest.raises(ReachError, match="another peer on this machine"):
             listening("127.0.0.1", taken.getsockname()[1])
+
+
+class SlowDials(ReachServer):
+    """A service whose dials take a while, as to a peer behind NAT, and that records how many run at once."""
+
+    def __init__(self) -> None:
+        super().__init__("127.0.0.1", 0, dial_timeout_s=1.0)
+        self.at_once, self.most_at_once, self.count_lock = 0, 0, threading.Lock()
+
+    def _dials(self, host: str, port: int) -> bool:
+        with self.count_lock:
+            self.at_once += 1
+            self.most_at_once = max(self.most_at_once, self.at_once)
+        time.sleep(0.3)
+        with self.count_lock:
+            self.at_once -= 1
+        return super()._dials(host, port)
+
+
+def ask_at_once(service: ReachServer, peers: int) -> list:
+    """`peers` peers on this host asking at the same moment; each one's Reach or ReachError."""
+    def one(_: int):
+        with listening("127.0.0.1", 0) as port:
+            try:
+                return ask(("127.0.0.1", service.port), (port.getsockname()[1],))
+            except ReachError as error:
+                return error
+
+    with concurrent.futures.ThreadPoolExecutor(peers) as pool:
+        return list(pool.map(one, range(peers)))
+
+
+def test_peers_behind_one_address_are_each_answered_in_turn():
+    service = SlowDials().start()
+    try:
+        answers = ask_at_once(service, 8)
+    finally:
+        service.shutdown()
+    assert all(isinstance(a, Reach) and a.open == (True,) for a in answers), answers
+    assert service.answered == 8 and service.most_at_once == 1  # one address is never dialled twice at once
+
+
+def test_more_from_one_address_than_it_holds_are_closed(monkeypatch):
+    monkeypatch.setattr(reach_service, "MAX_PER_ADDRESS", 2)
+    service = SlowDials().start()
+    try:
+        answers = ask_at_once(service, 4)
+    finally:
+        service.shutdown()
+    refused = [a for a in answers if isinstance(a, ReachError)]
+    assert refused and all("closed without a whole answer" in str(a) for a in refused), answers
+    assert service.answered == len(answers) - len(refused) >= 2
+
+
+def flaky_service(closes: int, answers: bool = True) -> tuple[socket.socket, threading.Thread]:
+    """A reach service that closes the first `closes` connections, then answers one (if `answers`)."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        for _ in range(closes):
+            server.accept()[0].close()
+        if not answers:
+            return
+        connection = server.accept()[0]
+        with connection:
+            ReachRequest.decode(connection.makefile("rb").readline())
+            connection.sendall(ReachReply("127.0.0.1", (True,), time.time()).encode())
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return server, thread
+
+
+def test_a_peer_whose_check_failed_says_so_and_asks_again():
+    server, thread = flaky_service(closes=2)
+    said, slept = [], []
+    with server:
+        reach = ask_patiently(("127.0.0.1", server.getsockname()[1]), (7000,), said.append, sleep=slept.append)
+    thread.join(10)
+    assert reach.open == (True,) and len(said) == 2 and all(s.startswith("reachable: asking again in ") for s in said)
+    assert 2.0 <= slept[0] <= 3.0 and 4.0 <= slept[1] <= 6.0  # backing off, each peer at its own moment
+    server, thread = flaky_service(closes=3, answers=False)
+    with server, pytest.raises(ReachError, match=r"the reach service at 127\.0\.0\.1:\d+"):  # closed, or reset
+        ask_patiently(("127.0.0.1", server.getsockname()[1]), (7000,), said.append, tries=3, sleep=slept.append)
+    thread.join(10)
+    assert len(slept) == 4  # two more waits, then the third failure is the error

@@ -16,7 +16,7 @@ import ipaddress
 import logging
 import time
 
-from hetpeer.peer.reach import ReachError, advice, ask, clock_words, listening
+from hetpeer.peer.reach import ReachError, advice, ask_patiently, clock_words, listening
 from hetpeer.protocol.addresses import MADDR_TCP_RE
 from hetpeer.protocol.reach import VIA
 from hetpeer.protocol.records import PeerRecord
@@ -51,7 +51,7 @@ class Reaching:
         with listening(host, port) as tensors, listening(dht_host, int(dht.group(3))) as node:
             port, dht_port = tensors.getsockname()[1], node.getsockname()[1]
             try:
-                reach = ask(config.reach, (port, dht_port), clock=lambda: time.time() + control.skew_s)
+                reach = ask_patiently(config.reach, (port, dht_port), self.report, clock=lambda: time.time() + control.skew_s)
             except ReachError as error:
                 if guess:
                     raise ReachError(f"{error}; without it this peer cannot tell the address others see: give "
