@@ -47,9 +47,10 @@ RECOMPUTE_FLOOR = 0.01  # a recomputation timed as free is noise: it costs at le
 
 def step_costs(spec: ModelSpec, micro_batch: int, device: str = "cpu", seconds: float = 0.5, dtype: str = "fp32",
                slowdown: float = 1.0, tflops: float | None = None) -> StepCosts:
-    """`StepCosts` of `spec`'s stages at `micro_batch` on `device`; takes about 6 x `seconds`. Given `tflops`, a
-    block's as `probe.block_tflops` timed it just now under the same conditions, the embedding and the head are
-    reckoned against it rather than against the block timed again."""
+    """`StepCosts` of `spec`'s stages at `micro_batch` on `device`; takes about 6 x `seconds`. Given `tflops`, the
+    block's figure the peer announces (`probe.profile_machine`), the embedding and the head are reckoned against
+    it rather than against the block timed again: they hold what a stage's step takes beyond its blocks at the
+    announced figure (for a slowed peer, also what a pass started cold after its sleep loses)."""
     autocast = autocast_for(device, dtype)
     two = spec.with_layers(2)
     block = build_stage(spec.with_layers(3), 1, 2, device=device)  # one block alone: no embeddings, no head
