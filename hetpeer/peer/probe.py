@@ -234,7 +234,7 @@ def block_tflops(
     the fastest (what it gives a process that has it to itself: other work only ever slows a pass). The
     fastest pass computed on one CPU thread is timed by the CPU time that thread used: the time other
     processes hold the core is not counted (the 8 peers of `benchmarks/vs_hivemind.py` starting on 2 cores
-    timed passes up to 5 times slower by the clock than alone; by the thread's CPU time, at most 1.5 times:
+    timed passes up to 5 times slower by the clock than alone; by the thread's CPU time, up to about 1.5 times:
     a busy machine still slows a pass through the caches it shares)."""
     if dtype not in AUTOCAST_DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(AUTOCAST_DTYPES)}, got {dtype!r}")
