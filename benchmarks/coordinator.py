@@ -94,7 +94,7 @@ class VolunteerSwarm(SyntheticControlPlane):
             "val_loss": None, "noise_scale": None, "checkpoint": None, "tokens_per_s": 0.0,
             "links": {"peers": list(links), "latency_s": [v[0] for v in links.values()],
                       "bandwidth_bytes_per_s": [v[1] for v in links.values()]},
-            "time": self.clock - 0.5, "token": None, "suspects": [], "compute_key": None, "compute_share": 1.0, "compute_background": 0.0, "step_costs": [0.0, 0.0, 0.0, 0.0],
+            "time": self.clock - 0.5, "token": None, "suspects": [], "compute_key": None, "compute_share": 1.0, "compute_background": 0.0, "compute_own": 0.0, "step_costs": [0.0, 0.0, 0.0, 0.0],
             "reachable": "direct", "unreachable": [],
         }  # fmt: skip
 
