@@ -41,13 +41,13 @@ class ReachError(Exception):
 
 
 def ask(service: tuple[str, int], ports: Sequence[int], timeout_s: float = 15.0,
-        clock: Callable[[], float] = time.time, answer_wait_s: float = ANSWER_WAIT_S) -> Reach:
+        clock: Callable[[], float] = time.time) -> Reach:
     """Ask the reach service at `service` (HOST, PORT) to dial `ports` back; ReachError when it cannot. The
-    connection is given `timeout_s`, the answer `answer_wait_s`."""
+    connection is given `timeout_s`, the answer `ANSWER_WAIT_S`."""
     host, port = service
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
-            sock.settimeout(answer_wait_s)
+            sock.settimeout(ANSWER_WAIT_S)
             sent = clock()
             sock.sendall(ReachRequest(tuple(ports), sent).encode())
             line = sock.makefile("rb").readline(MAX_LINE_BYTES + 1)

@@ -37,6 +37,7 @@ from hetpeer.protocol.wire import SchemaError
 # 4: records say which device a peer computes on (an opaque key peers sharing one device share) and its share of it
 # 5: records say whether others can dial the peer (`reachable`); connections carry frames both ways
 # 6: plans name each hop's codecs (forward, backward) and frames may be int4
+# 10: records say what the peer's own process kept its device busy while it measured the other work (`compute_own`)
 PROTOCOL_VERSION = 10
 COMPUTE_KEY_RE = re.compile(r"[0-9a-f]{16}\Z")
 OWNER_RE = re.compile(rb"\[owner:(.+)\]\Z", re.DOTALL)  # \Z, not $: $ also matches before a final newline
