@@ -291,7 +291,7 @@ def coordinate(
     waiting = considered | (set(live) if chosen.on_join == "wait" and current is not None else set())
     decision = coordinator_policy.decide(
         current, live, first_seen, now, last_solve, min_peers=2, settle_s=SETTLE_S,
-        replan_interval_s=chosen.replan_interval_s, considered=waiting, estimates_rechecked=True, links_wait_s=0.0,
+        replan_interval_s=chosen.replan_interval_s, considered=waiting, estimates_rechecked=True, measure_wait_s=0.0,
     )  # fmt: skip
     if not decision.solve:
         return None

@@ -94,7 +94,7 @@ class VolunteerSwarm(SyntheticControlPlane):
             "val_loss": None, "noise_scale": None, "checkpoint": None, "tokens_per_s": 0.0,
             "links": {"peers": list(links), "latency_s": [v[0] for v in links.values()],
                       "bandwidth_bytes_per_s": [v[1] for v in links.values()]},
-            "time": self.clock - 0.5, "token": None, "suspects": [], "compute_key": None, "compute_share": 1.0, "compute_background": 0.0, "compute_own": 0.0, "step_costs": [0.0, 0.0, 0.0, 0.0],
+            "time": self.clock - 0.5, "token": None, "suspects": [], "compute_key": None, "compute_share": 1.0, "compute_background": 0.0, "compute_own": 0.0, "timings": 2, "step_costs": [0.0, 0.0, 0.0, 0.0],
             "reachable": "direct", "unreachable": [],
         }  # fmt: skip
 
@@ -121,7 +121,7 @@ def measure(peers: int, links: int, budget_s: float, seed: int) -> tuple[Volunte
     def validate():
         kept, refused = gate.plannable(records, gate.Admission(), {}, now)
         decision = policy.decide(None, kept, first_seen, now, 0.0, min_peers=2, settle_s=4.0, replan_interval_s=60.0,
-                                 links_wait_s=20.0)
+                                 measure_wait_s=20.0)
         return kept, decision
 
     (kept, decision), validate_s = timed(validate)

@@ -167,6 +167,7 @@ def _peer_to_pb(record: PeerRecord, age_s: float) -> swarm_pb2.Peer:
         compute_share=record.compute_share,
         compute_background=record.compute_background,
         compute_own=record.compute_own,
+        timings=record.timings,
         step_costs=record.step_costs.to_wire(),
         unreachable=list(record.unreachable),
         noise_scale=record.noise_scale,

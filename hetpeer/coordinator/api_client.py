@@ -75,6 +75,7 @@ def _peer_from_pb(pb: swarm_pb2.Peer) -> PeerStatus:
         compute_share=share,
         compute_background=pb.compute_background,
         compute_own=pb.compute_own,
+        timings=pb.timings,
         step_costs=costs,
         unreachable=tuple(pb.unreachable),
         software=pb.software,

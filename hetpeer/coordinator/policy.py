@@ -47,7 +47,9 @@ ABSENT_LINK = (10.0, 1e3)  # (latency s, bytes/s) of a pair with no path: any pl
 MAX_ESTIMATED_LINKS = 2048  # a plan names at most this many of its estimated links (about 100 kB)
 MAX_LEAD_STEPS = 1000
 LEAD_HEARTBEATS = 5  # a plan that keeps membership takes effect this far ahead: peers read plans once a heartbeat
-LINKS_WAIT_HEARTBEATS = 10  # the first plan waits this much past the settling for links to be measured
+# the first plan waits up to this much past the settling for the links to be measured and the devices timed again
+MEASURE_WAIT_HEARTBEATS = 10
+SETTLED_TIMINGS = 2  # the first plan waits for peers' second timings: a burst of peers starting slows the first
 
 
 # heartbeats a departure stalls a group that waits for every member: its record expires (TTL_HEARTBEATS + 1, the
@@ -236,7 +238,7 @@ def decide(
     replan_interval_s: float,
     considered: Collection[str] = (),
     estimates_rechecked: bool = False,
-    links_wait_s: float = 0.0,
+    measure_wait_s: float = 0.0,
     plan_measured: bool = True,
 ) -> Decision:
     """Whether to solve now. `first_seen` holds when each announcing peer was first read; peers that
@@ -245,9 +247,11 @@ def decide(
     not worth changing for them); they wait for the periodic re-solve instead of one solve a round.
     A plan made on estimated links (a starting swarm has measured few) is solved again once peers have
     measured them all, unless `estimates_rechecked` says that was done for it already. The first plan
-    waits up to `links_wait_s` past the settling for the peers to measure the links between them: a plan
-    made on guesses is soon replaced, and moving stages between the two costs downloads over the very
-    links it guessed. `plan_measured`: whether the running plan has run long enough for the peers' figures to be
+    waits up to `measure_wait_s` past the settling for the peers to measure the links between them and to
+    time their devices a second time: a plan made on guesses is soon replaced, and moving stages between the
+    two costs downloads over the very links it guessed; peers that start together time their devices in
+    each other's way (vs_hivemind's eight first read 1.3 to 1.5 times slow), and a plan on those figures
+    may not be worth replacing by the time they are right. `plan_measured`: whether the running plan has run long enough for the peers' figures to be
     its own (`calibration.measured`); until then a periodic re-solve waits, up to one more
     interval: figures from the steps around a peer leaving or a repair read the transition, not the plan."""
     settled = [d for d in records if now - first_seen.get(d, now) >= settle_s]
@@ -257,10 +261,12 @@ def decide(
         if len(settled) < len(records):
             return Decision(False, f"{len(records) - len(settled)} peer(s) arrived less than {settle_s:g} s ago")
         missing = unmeasured_pairs(records)
+        untimed = sum(r.timings < SETTLED_TIMINGS for r in records.values())
         waited = now - max(first_seen.get(d, now) for d in records) - settle_s
-        if missing and waited < links_wait_s:
-            return Decision(False, f"{missing} link(s) between the peers not measured yet (waiting up to "
-                                   f"{links_wait_s - waited:.0f} s more)")
+        if (missing or untimed) and waited < measure_wait_s:
+            what = [f"{missing} link(s) between the peers not measured"] if missing else []
+            what += [f"{untimed} peer(s) not timed twice"] if untimed else []
+            return Decision(False, f"{' and '.join(what)} yet (waiting up to {measure_wait_s - waited:.0f} s more)")
         return Decision(True, f"first plan for {len(records)} peers")
     why = broken(current, records)
     if why is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import re
 import threading
 import time
 from dataclasses import replace
@@ -78,6 +79,7 @@ class Coordinator(Gatekeeper, Publisher):
         self.last_solve = 0.0
         self.last_publish = 0.0
         self._logged: set[tuple[str, str]] = set()
+        self._waiting_for = ""  # what the first plan waits for, as last said (its counts left out)
         self._rng = np.random.default_rng(config.seed)
         self.admission = gate.Admission()
         self._allowlist_mtime: float | None = None
@@ -207,8 +209,10 @@ class Coordinator(Gatekeeper, Publisher):
             settle_s=config.settle_s if config.settle_s is not None else 2 * config.heartbeat_s,
             replan_interval_s=config.replan_interval_s, considered=self.considered,
             estimates_rechecked=self.plan is not None and self.rechecked_epoch == self.plan.epoch,
-            links_wait_s=policy.LINKS_WAIT_HEARTBEATS * config.heartbeat_s, plan_measured=calibration.measured(self._running_pace()),
+            measure_wait_s=policy.MEASURE_WAIT_HEARTBEATS * config.heartbeat_s, plan_measured=calibration.measured(self._running_pace()),
         )
+        if self.plan is None and not decision.solve:
+            self._say_waiting(decision.reason)
         try:
             self._act(decision, live, ours, now)
         except SchemaError as error:
@@ -289,6 +293,13 @@ class Coordinator(Gatekeeper, Publisher):
             host = next((h for h in announced if h and h not in ("0.0.0.0", "::")), "127.0.0.1")
         host = f"[{host}]" if ":" in host else host
         return replace(dataset, url=f"{'https' if self.config.api_tls else 'http'}://{host}:{self.dashboard.port}/data/")
+
+    def _say_waiting(self, reason: str) -> None:
+        """Say what the first plan waits for when that changes, not each time one of its counts does."""
+        gist = re.sub(r"[0-9.]+", "N", reason)
+        if gist != self._waiting_for:
+            self._waiting_for = gist
+            self.report(f"first plan: {reason}")
 
     def _log_once(self, key: str, line: str, kind: str | None = None) -> None:
         """Say `line` the first time it comes up for `key`; an event of `kind` on the dashboard too, when given."""

@@ -57,6 +57,7 @@ class MachineProfile:
     compute_background: float = 0.0  # of that device, what other work kept busy while it did not train (`DeviceLoad`)
     compute_own: float = 0.0  # of that device, what this peer's own process kept busy over the same time
     step_costs: StepCosts = StepCosts()  # what a stage's step costs beyond its blocks (`pipeline.steptime`)
+    timings: int = 1  # how many times the peer has timed the device since it started (`tflops` is the fastest)
 
     def __post_init__(self) -> None:
         if not self.device_name:
@@ -65,6 +66,8 @@ class MachineProfile:
             raise ValueError(f"tflops must be finite and positive, got {self.tflops!r}")
         if self.memory_bytes < 0:
             raise ValueError(f"memory_bytes must not be negative, got {self.memory_bytes}")
+        if self.timings < 1:
+            raise ValueError(f"timings must be at least 1, got {self.timings}")
         if not (math.isfinite(self.compute_share) and 0 < self.compute_share <= 1):
             raise ValueError(f"compute_share must be in (0, 1], got {self.compute_share!r}")
         for name in ("compute_background", "compute_own"):

@@ -38,10 +38,12 @@ from hetpeer.protocol.wire import SchemaError
 # 5: records say whether others can dial the peer (`reachable`); connections carry frames both ways
 # 6: plans name each hop's codecs (forward, backward) and frames may be int4
 # 10: records say what the peer's own process kept its device busy while it measured the other work (`compute_own`)
-PROTOCOL_VERSION = 10
+# 11: records say how many times the peer has timed its device since it started (`timings`)
+PROTOCOL_VERSION = 11
 COMPUTE_KEY_RE = re.compile(r"[0-9a-f]{16}\Z")
 OWNER_RE = re.compile(rb"\[owner:(.+)\]\Z", re.DOTALL)  # \Z, not $: $ also matches before a final newline
 STATES = ("probing", "waiting", "fetching", "training", "standby", "leaving")
+MAX_TIMINGS = 2**31 - 1  # the wire's field is 32 bits
 MAX_LINKS = 64  # measurements one record carries; a peer probes a handful of others
 MAX_DHT_MADDRS = 8
 MAX_MADDR_CHARS = 256
@@ -127,6 +129,7 @@ class PeerSchema(_Strict):
     compute_share: pydantic.StrictFloat = 1.0
     compute_background: pydantic.StrictFloat = 0.0
     compute_own: pydantic.StrictFloat = 0.0
+    timings: pydantic.StrictInt = 0
     step_costs: List[pydantic.StrictFloat] = [0.0] * len(FIELDS_OF_STEP_COSTS)
     reachable: pydantic.StrictStr = "unknown"
     unreachable: List[pydantic.StrictStr] = []
@@ -184,6 +187,7 @@ class PeerRecord:
     compute_share: float = 1.0
     compute_background: float = 0.0  # of that device, what other work kept busy while the peer did not train
     compute_own: float = 0.0  # of that device, what the peer's own process kept busy over the same time
+    timings: int = 0  # how many times it has timed its device since it started (a burst of peers starting slows the first)
     step_costs: StepCosts = StepCosts()  # what a stage's step costs it beyond its blocks (embedding, head, optimizer)
     # others can dial it ("direct"), cannot ("none": it dials them), only through a relay ("via:<device>"), or it
     # could not tell ("unknown")
@@ -238,6 +242,7 @@ class PeerRecord:
             "compute_share": float(self.compute_share),
             "compute_background": float(self.compute_background),
             "compute_own": float(self.compute_own),
+            "timings": int(self.timings),
             "step_costs": self.step_costs.to_wire(),
             "reachable": self.reachable,
             "unreachable": list(self.unreachable),
@@ -274,6 +279,8 @@ class PeerRecord:
         for name_, value, least in (("memory_bytes", parsed.memory_bytes, 0), ("step", parsed.step, 0), ("epoch", parsed.epoch, -1)):
             if value < least:
                 raise SchemaError(f"peer.{name_}", f"must be at least {least}, got {value}")
+        if not 0 <= parsed.timings <= MAX_TIMINGS:
+            raise SchemaError("peer.timings", f"must be 0 to {MAX_TIMINGS}, got {parsed.timings}")
         for name_, value in (("loss", parsed.loss), ("val_loss", parsed.val_loss)):
             if value is not None and not math.isfinite(value):
                 raise SchemaError(f"peer.{name_}", f"must be finite, got {value!r}")
@@ -361,6 +368,7 @@ class PeerRecord:
             compute_share=parsed.compute_share,
             compute_background=parsed.compute_background,
             compute_own=parsed.compute_own,
+            timings=parsed.timings,
             step_costs=step_costs,
             reachable=parsed.reachable,
             unreachable=tuple(parsed.unreachable),

@@ -26,7 +26,7 @@ SEQ_LEN = WORKLOAD.model.seq_len
 def record(device: str, **changes) -> PeerRecord:
     fields = dict(
         device_id=device, model="tiny", dtype="fp32", device_name="cpu", tflops=1.0, memory_bytes=16 << 30,
-        address=PeerAddress(direct=("127.0.0.1", 7000)), state="training", time=0.0, epoch=1, step=10,
+        address=PeerAddress(direct=("127.0.0.1", 7000)), state="training", time=0.0, epoch=1, step=10, timings=2,
     )  # fmt: skip
     fields.update(changes)
     return PeerRecord(**fields)
@@ -201,12 +201,30 @@ def test_decide_waits_for_enough_peers_then_for_them_to_settle():
 def test_the_first_plan_waits_a_while_for_the_links_between_the_peers_to_be_measured():
     records = {"a": record("a", links={"b": link(0.01, 1e8)}), "b": record("b"), "c": record("c")}
     seen = {"a": 0.0, "b": 0.0, "c": 90.0}  # settled at 94 (4 s); waits up to 10 s past that
-    waiting = policy.decide(None, records, seen, 100.0, 0.0, **KNOBS, links_wait_s=10.0)
+    waiting = policy.decide(None, records, seen, 100.0, 0.0, **KNOBS, measure_wait_s=10.0)
     assert not waiting.solve and "2 link(s) between the peers not measured yet (waiting up to 4 s more)" in waiting.reason
-    assert policy.decide(None, records, seen, 104.0, 0.0, **KNOBS, links_wait_s=10.0).solve  # waited long enough
+    assert policy.decide(None, records, seen, 104.0, 0.0, **KNOBS, measure_wait_s=10.0).solve  # waited long enough
     records["c"] = record("c", links={"a": link(0.01, 1e8), "b": link(0.01, 1e8), "stranger": link(0.01, 1e8)})
     assert policy.unmeasured_pairs(records) == 0  # either end's measurement counts; strangers do not
-    assert policy.decide(None, records, seen, 100.0, 0.0, **KNOBS, links_wait_s=10.0).solve  # all measured: at once
+    assert policy.decide(None, records, seen, 100.0, 0.0, **KNOBS, measure_wait_s=10.0).solve  # all measured: at once
+
+
+def test_the_first_plan_waits_a_while_for_every_peer_to_time_its_device_twice():
+    every = {"a": {"b": link(0.01, 1e8), "c": link(0.01, 1e8)}, "b": {"c": link(0.01, 1e8)}, "c": {}}
+    records = {d: record(d, timings=1 if d == "c" else 2, links=every[d]) for d in "abc"}
+    seen = {"a": 0.0, "b": 0.0, "c": 90.0}  # settled at 94, every link measured
+    waiting = policy.decide(None, records, seen, 100.0, 0.0, **KNOBS, measure_wait_s=10.0)
+    assert not waiting.solve and "1 peer(s) not timed twice yet (waiting up to 4 s more)" in waiting.reason
+    assert policy.decide(None, records, seen, 104.0, 0.0, **KNOBS, measure_wait_s=10.0).solve  # waited long enough
+    records["b"] = record("b")  # and a link not measured: both said
+    both = policy.decide(None, records, seen, 100.0, 0.0, **KNOBS, measure_wait_s=10.0)
+    assert "1 link(s) between the peers not measured and 1 peer(s) not timed twice yet" in both.reason
+    records = {d: record(d, timings=3 if d == "c" else 2, links=every[d]) for d in "abc"}
+    assert policy.decide(None, records, seen, 100.0, 0.0, **KNOBS, measure_wait_s=10.0).solve  # timed twice or more: at once
+    records["d"] = record("d", timings=1)  # a newcomer to a running plan is solved for with the timing it has
+    joined = policy.decide(make_plan([["a"], ["b"]], standby=("c",)), records, seen | {"d": 90.0}, 100.0, 99.0, **KNOBS,
+                           measure_wait_s=10.0)
+    assert joined.solve and joined.reason == "d joined"
 
 
 def test_decide_solves_at_once_with_broken_when_a_member_is_gone():

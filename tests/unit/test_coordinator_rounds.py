@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hetpeer.coordinator.config import CoordinatorConfig
-from hetpeer.coordinator.policy import LINKS_WAIT_HEARTBEATS
+from hetpeer.coordinator.policy import MEASURE_WAIT_HEARTBEATS
 from hetpeer.coordinator.service import Coordinator
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.control import SignedPlan
@@ -18,7 +18,7 @@ from hetpeer.protocol.records import PeerRecord
 
 KEY = b"ssh-rsa AAAAcoordinator"
 # rounds to the first plan: settling, then the wait for links, which these peers never measure
-FIRST_PLAN_ROUNDS = 4 + LINKS_WAIT_HEARTBEATS
+FIRST_PLAN_ROUNDS = 4 + MEASURE_WAIT_HEARTBEATS
 
 
 class Control:
@@ -98,6 +98,21 @@ def test_a_swarm_that_reached_its_last_step_is_never_planned_again(coordinator):
     rounds(coordinator, 20)
     assert all(d not in control.read_peers(6.0)[0] for d in trained)
     assert [p.plan.epoch for p in control.plans] == [first.epoch]  # not a plan "from step 1" for the standby peers
+
+
+def test_the_coordinator_says_what_its_first_plan_waits_for_once_each(coordinator):
+    control = coordinator.control
+    control.announce("a", timings=1)
+    rounds(coordinator, 2)
+    control.announce("b", timings=1)
+    rounds(coordinator, 4)
+    control.announce("a", timings=2)  # a count changes, not what it waits for: not said again
+    rounds(coordinator, FIRST_PLAN_ROUNDS)
+    said = [line for line in coordinator.lines if line.startswith("first plan:")]
+    assert said == ["first plan: waiting for peers: 1 of at least 2", "first plan: 1 peer(s) arrived less than 2 s ago",
+                    "first plan: 1 link(s) between the peers not measured and 2 peer(s) not timed twice yet "
+                    "(waiting up to 10 s more)"]
+    assert [p.plan.epoch for p in control.plans] == [1]  # and once it waited long enough, it planned
 
 
 def test_a_plan_that_fails_its_own_schema_is_not_published_and_the_coordinator_goes_on(coordinator, monkeypatch):

@@ -17,7 +17,7 @@ from hetpeer.peer.daemon import probing
 from hetpeer.peer.daemon.announcing import Status, achieved_tflops
 from hetpeer.peer.daemon.following import FUTURE_EPOCHS, fetching, held_epochs, not_arrived, switch_now
 from hetpeer.peer.daemon.handover import donors_for, still_fetched
-from hetpeer.peer.daemon.probing import REPROFILE_S, REPROFILE_WAITING_S, Probing, device_trains
+from hetpeer.peer.daemon.probing import REPROFILE_S, REPROFILE_WAITING_HEARTBEATS, Probing, device_trains
 from hetpeer.peer.probe import MachineProfile
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan, StagePlan
@@ -222,12 +222,15 @@ def test_only_another_training_peer_on_the_same_device_counts():
 # -- timing the device again ----------------------------------------------------------------------------------
 
 
+HEARTBEAT_S = 2.0
+
+
 class Reprofiled(Probing):
     """A peer's probing part, alone: its device times `fresh` GFLOPS whenever it is timed again."""
 
     def __init__(self, state: str, tflops: float, fresh: float, profiled_at: float, home: Path) -> None:
         self.status, self.lock, self.records, self.device_id = Status(state=state), threading.Lock(), {}, "a"
-        self.config = SimpleNamespace(home=home, model=preset("tiny"), dtype="fp32", micro_batch=2,
+        self.config = SimpleNamespace(home=home, model=preset("tiny"), dtype="fp32", micro_batch=2, heartbeat_s=HEARTBEAT_S,
                                       worker=SimpleNamespace(slowdown=4.0, device="cpu"))
         self.machine = MachineProfile("cpu", tflops, 1 << 30, compute_key="k")
         self.fresh, self._profiled_at, self.timed, self.said = fresh, profiled_at, 0, []
@@ -240,9 +243,12 @@ class Reprofiled(Probing):
         self.said.append(line)
 
 
+WAITING_S = REPROFILE_WAITING_HEARTBEATS * HEARTBEAT_S
+
+
 @pytest.mark.parametrize("state, since, timed", [
-    ("waiting", REPROFILE_WAITING_S - 1, 0), ("waiting", REPROFILE_WAITING_S + 1, 1),  # before any plan: soon again
-    ("standby", REPROFILE_WAITING_S + 1, 0), ("standby", REPROFILE_S + 1, 1),  # on standby: now and then
+    ("waiting", WAITING_S - 1, 0), ("waiting", WAITING_S + 1, 1),  # before any plan: soon again
+    ("standby", WAITING_S + 1, 0), ("standby", REPROFILE_S + 1, 1),  # on standby: now and then
     ("training", REPROFILE_S + 1, 0),  # never while it trains
 ])  # fmt: skip
 def test_a_peer_times_its_device_again_sooner_before_the_first_plan(monkeypatch, tmp_path, state, since, timed):
@@ -251,6 +257,7 @@ def test_a_peer_times_its_device_again_sooner_before_the_first_plan(monkeypatch,
     peer._profile_again()
     assert peer.timed == timed
     assert peer.machine.tflops == (2e-3 if timed else 1e-3)
+    assert peer.machine.timings == 1 + timed  # the record counts it: the swarm's first plan waits for a second
 
 
 def test_timing_again_keeps_the_faster_figure_and_leaves_a_busy_device_alone(monkeypatch, tmp_path):
@@ -258,6 +265,7 @@ def test_timing_again_keeps_the_faster_figure_and_leaves_a_busy_device_alone(mon
     slower = Reprofiled("waiting", 2e-3, 1e-3, 0.0, tmp_path)
     slower._profile_again()
     assert (slower.timed, slower.machine.tflops, slower.said) == (1, 2e-3, [])  # timed, and the busier start kept
+    assert slower.machine.timings == 2  # counted all the same
     faster = Reprofiled("waiting", 1e-3, 3e-3, 0.0, tmp_path)
     faster._profile_again()
     assert faster.machine.tflops == 3e-3 and faster.said == ["machine: 3.00 GFLOPS achieved now (was 1.00 when busier)"]
@@ -265,7 +273,7 @@ def test_timing_again_keeps_the_faster_figure_and_leaves_a_busy_device_alone(mon
     busy.records = {"b": PeerRecord("b", "tiny", "fp32", "cpu", 1.0, 0, PeerAddress(("127.0.0.1", 1)), "training", 0.0,
                                     compute_key="k")}
     busy._profile_again()
-    assert (busy.timed, busy.machine.tflops) == (0, 1e-3)
+    assert (busy.timed, busy.machine.tflops, busy.machine.timings) == (0, 1e-3, 1)
 
 
 def test_a_returning_peer_announces_the_faster_figure_its_home_remembers(monkeypatch, tmp_path):

@@ -426,6 +426,13 @@ def test_the_device_a_peer_computes_on_is_checked():
     refused(wire(compute_share=1), "peer.compute_share")  # an int where a float belongs
 
 
+def test_how_often_a_peer_timed_its_device_is_a_count_the_wire_can_carry():
+    assert parse(wire(timings=3)).timings == 3 and parse(wire()).timings == 0
+    for bad in (-1, 2**31, 2**64):
+        refused(wire(timings=bad), "peer.timings")
+    refused(wire(timings=2.0), "peer.timings")  # a float where a count belongs
+
+
 def test_what_a_stage_step_costs_a_peer_beyond_its_blocks_is_checked():
     costs = [2e-4, 5e-4, 6e-10, 3e-4, 0.85]
     record = parse(wire(step_costs=costs))

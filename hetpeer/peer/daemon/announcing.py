@@ -86,6 +86,7 @@ class Announcing:
             compute_share=machine.compute_share,
             compute_background=machine.compute_background,
             compute_own=machine.compute_own,
+            timings=machine.timings,
             step_costs=machine.step_costs,
             reachable=self.announced_reachable,
             unreachable=tuple(d for d in self.transport.unreachable(UNREACHED_HEARTBEATS * self.config.heartbeat_s)

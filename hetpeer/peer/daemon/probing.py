@@ -25,11 +25,11 @@ from hetpeer.peer.probe import MachineProfile, profile_machine
 from hetpeer.protocol.records import PeerRecord
 from hetpeer.protocol.stepcosts import StepCosts
 
-REPROFILE_S = 60.0  # a peer not training times its device again this often
-# and this often before any plan has reached it: peers that start together probe in each other's way (the demo's
-# eight, each emulating a device of its own, read up to 42% slow beside the others' start-up), and the swarm's
-# first plan is made within a minute of their start, from what they announce
-REPROFILE_WAITING_S = 15.0
+REPROFILE_S = 60.0  # a peer on standby times its device again this often
+# and this often (14 s at the default heartbeat) before any plan has reached it: peers that start together probe
+# in each other's way (the demo's eight, each emulating a device of its own, read up to 42% slow beside the
+# others' start-up), and the swarm's first plan waits for every peer's second timing (`coordinator.policy`)
+REPROFILE_WAITING_HEARTBEATS = 7
 REMEMBER_S = 86400.0  # a device's fastest timing, kept in the peer's home, stands in for a slower one this long
 MACHINE_FILE = "machine.json"
 
@@ -41,21 +41,31 @@ class Probing:
     def _probe_loop(self) -> None:
         config = self.config
         self.stopping.wait(config.heartbeat_s)  # the first read of the swarm comes first
+        links_due = 0.0
         while not self.stopping.is_set():
             self._profile_again()
-            with self.lock:
-                known = [d for d in self.records if d != self.device_id and self._has_path(d)]
-                preferred = self.running.neighbours(self.device_id) if self.running is not None else []
-                oldest = self.links.oldest_first()
-            targets = pick_targets(self.device_id, known, preferred, config.probe_targets, self._rng, oldest)
-            measured = self.prober.measure_many(targets, budget_bytes=config.probe_bytes, budget_s=config.heartbeat_s)
-            with self.lock:
-                self.links.add(measured)
-                if set(self.records) - {self.device_id}:  # a peer cut off sees no one: it keeps what it knew
-                    self.links.keep_only(self.records)
-            if measured:
-                self.report(f"links measured: {describe_links(measured)}")
-            self.stopping.wait(config.probe_every * config.heartbeat_s)
+            if time.monotonic() >= links_due:
+                self._probe_links()
+                links_due = time.monotonic() + config.probe_every * config.heartbeat_s
+            # the device is timed again when it is due, not at the next round of link probes (which could be most
+            # of a round late, and the first plan waits for it); a heartbeat at least between looks
+            due = min(links_due, self._profile_due())
+            self.stopping.wait(max(config.heartbeat_s, due - time.monotonic()))
+
+    def _probe_links(self) -> None:
+        config = self.config
+        with self.lock:
+            known = [d for d in self.records if d != self.device_id and self._has_path(d)]
+            preferred = self.running.neighbours(self.device_id) if self.running is not None else []
+            oldest = self.links.oldest_first()
+        targets = pick_targets(self.device_id, known, preferred, config.probe_targets, self._rng, oldest)
+        measured = self.prober.measure_many(targets, budget_bytes=config.probe_bytes, budget_s=config.heartbeat_s)
+        with self.lock:
+            self.links.add(measured)
+            if set(self.records) - {self.device_id}:  # a peer cut off sees no one: it keeps what it knew
+                self.links.keep_only(self.records)
+        if measured:
+            self.report(f"links measured: {describe_links(measured)}")
 
     def _measure_load(self) -> None:
         """Sample the device's background load while no plan has set anyone here to train: once peers train,
@@ -70,7 +80,8 @@ class Probing:
             return
         load = self.device_load.sample()
         if load is not None:
-            self.machine = replace(self.machine, compute_background=load[0], compute_own=load[1])
+            with self.lock:  # the probe thread replaces it too
+                self.machine = replace(self.machine, compute_background=load[0], compute_own=load[1])
 
     def _profile(self) -> MachineProfile:
         config = self.config
@@ -84,22 +95,32 @@ class Probing:
             machine = replace(machine, memory_bytes=min(machine.memory_bytes, config.memory_cap_bytes))
         return machine
 
+    def _profile_due(self) -> float:
+        """When (`time.monotonic`) `_profile_again` times the device again: infinity while the peer trains."""
+        state = self.status.state
+        if state == "waiting":
+            return self._profiled_at + REPROFILE_WAITING_HEARTBEATS * self.config.heartbeat_s
+        return self._profiled_at + REPROFILE_S if state == "standby" else float("inf")
+
     def _profile_again(self) -> None:
         """While not training (its device idle, and no peer sharing it training), time the device again now and
         then and keep the faster figure: a machine busy when the peer started (other programs, or peers starting
-        beside it) read too slow."""
-        state = self.status.state
-        every = REPROFILE_WAITING_S if state == "waiting" else REPROFILE_S
-        if state not in ("waiting", "standby") or time.monotonic() - self._profiled_at < every:
+        beside it) read too slow. The record counts the timings: the swarm's first plan waits for a second."""
+        if time.monotonic() < self._profile_due():
             return
         with self.lock:
             busy = device_trains(self.machine.compute_key, self.records, self.device_id)
         if busy:  # its device is training others' stages: timing it would slow them, and read their load
             return
         again = self._profile()
-        if again.tflops > self.machine.tflops:
-            self.report(f"machine: {again.tflops * 1e3:.2f} GFLOPS achieved now (was {self.machine.tflops * 1e3:.2f} when busier)")
-            self.machine = replace(self.machine, tflops=again.tflops, step_costs=again.step_costs)
+        with self.lock:
+            was, timings = self.machine.tflops, self.machine.timings + 1
+            if again.tflops > was:
+                self.machine = replace(self.machine, tflops=again.tflops, step_costs=again.step_costs, timings=timings)
+            else:
+                self.machine = replace(self.machine, timings=timings)
+        if again.tflops > was:
+            self.report(f"machine: {again.tflops * 1e3:.2f} GFLOPS achieved now (was {was * 1e3:.2f} when busier)")
             self._remember(self.machine)
 
     def _timing_context(self) -> dict:
