@@ -20,6 +20,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,6 +159,9 @@ class ControlPlane:
         self.client_mode = False
         self.clock_offset_s = 0.0  # add to this machine's clock to read the swarm's (the coordinator's)
         self.skew_s = 0.0  # emulated: this machine's clock reads this far off (tests and demos)
+        # of the other peers' records last read (every check passed but their age): how far each one's time is ahead
+        # of this side's swarm time, refused for it or not; where no reach check gave the offset, they give one
+        self.record_leads_s: list[float] = []
         self.dht = None
         self.private_key = None
         self._lock = None
@@ -331,19 +335,32 @@ class ControlPlane:
 
     # -- reads --------------------------------------------------------------------------------------
     def read_peers(self, max_age_s: float) -> tuple[dict[str, PeerRecord], list[Dropped]]:
-        """Fresh, valid announcements by device id, and what was dropped with why."""
+        """Fresh, valid announcements by device id, and what was dropped with why. Sets `record_leads_s`."""
         now = self.now()
         records: dict[str, PeerRecord] = {}
         dropped: list[Dropped] = []
+        leads = []
         for subkey, raw in self._entries(peers_key(self.swarm)):
             try:
                 signer = owner_key(subkey)
                 record = PeerRecord.from_wire(raw, signer, now, max_age_s)
             except SchemaError as error:
                 dropped.append(Dropped(_signer(subkey), str(error)))
+                late = _ageless(raw, subkey, now) if error.path == "peer.time" and subkey != self.owner else None
+                if late is not None:  # too old or too new for this side's clock, and nothing else wrong
+                    leads.append(late.time - now)
                 continue
             records[record.device_id] = record
+            if subkey != self.owner:
+                leads.append(record.time - now)
+        self.record_leads_s = leads
         return records, dropped
+
+    def set_clock_offset(self, offset_s: float) -> None:
+        """Read the swarm's time as this machine's clock + `offset_s` from now on, the DHT node's expiry times too."""
+        self.clock_offset_s = offset_s
+        if self.dht is not None:
+            self.dht.run_coroutine(functools.partial(_set_clock, offset_s=self.skew_s + offset_s))
 
     def read_plans(self) -> tuple[list[SignedPlan], list[Dropped]]:
         """Every plan record that parses, newest epoch first, with the key that signed each."""
@@ -368,6 +385,14 @@ class ControlPlane:
         if found is None or not isinstance(found.value, dict):
             return []
         return [(subkey, entry.value) for subkey, entry in found.value.items()]
+
+
+def _ageless(raw: Any, subkey: Any, now: float) -> PeerRecord | None:
+    """The record `raw` if it passes every check but its age (None if it fails another)."""
+    try:
+        return PeerRecord.from_wire(raw, owner_key(subkey), now, math.inf)
+    except SchemaError:
+        return None
 
 
 async def _set_clock(dht, node, offset_s: float) -> None:

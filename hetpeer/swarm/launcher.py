@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from hetpeer import logline
 from hetpeer.coordinator.api_client import ApiClient
@@ -270,9 +270,10 @@ class LocalSwarm:
         self._wait_for(lambda: self.key is not None and self.dht_maddrs, "the coordinator's key and DHT address", self.coordinator)
         self.event("coordinator started" + (" again" if alive else ""))
 
-    def start_peer(self, i: int) -> None:
+    def start_peer(self, i: int, extra_args: Sequence[str] = ()) -> None:
+        """Start (or restart) peer `i`, with `extra_args` for `hetpeer join` beside its own."""
         c = self.config
-        process = Process(f"peer{i}", self.peer_command(i), c.out / f"peer{i}.log", self._on_line)
+        process = Process(f"peer{i}", [*self.peer_command(i), *extra_args], c.out / f"peer{i}.log", self._on_line)
         if i < len(self.peers):
             self.peers[i] = process
         else:

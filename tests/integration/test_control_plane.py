@@ -129,6 +129,25 @@ def test_an_announcement_is_read_by_the_other_peers(planes):
     assert any(d.signer == b.fingerprint and d.reason.startswith("peer.time") for d in dropped)
 
 
+def test_a_reader_keeps_how_far_the_others_records_lead_its_clock_refused_for_their_age_or_not(planes):
+    a, b, c = planes["a"], planes["b"], planes["c"]
+    sent, sea = bee(b), announcement(c, "sea")
+    assert b.announce(sent, TTL_S) and c.announce(sea, TTL_S)
+    eventually(lambda: a.read_peers(MAX_AGE_S), lambda r: {sent.device_id, sea.device_id} <= set(r[0]))
+    assert len(a.record_leads_s) == 2 and all(-MAX_AGE_S < lead <= 0 for lead in a.record_leads_s)  # not its own
+    try:
+        a.skew_s = -90.0  # its clock 90 s behind: the records read 90 s ahead, refused, and counted
+        records, dropped = a.read_peers(MAX_AGE_S)
+        assert not records and any("in the future" in d.reason for d in dropped)
+        assert len(a.record_leads_s) == 2 and all(90.0 - MAX_AGE_S < lead <= 90.0 for lead in a.record_leads_s)
+        assert c.announce(announcement(c, "sea", tflops=-1.0), TTL_S)  # fails another check: never counted
+        eventually(lambda: a.read_peers(MAX_AGE_S), lambda r: any("tflops" in d.reason for d in r[1]))
+        assert len(a.record_leads_s) == 1
+    finally:
+        a.skew_s = 0.0
+        c.announce(announcement(c, "sea"), TTL_S)
+
+
 def test_the_dht_node_and_its_daemon_yield_the_cpu_to_training(planes):
     pending, seen = [planes["a"].dht.pid], {}
     while pending:  # the DHT process and its descendants (p2pd), every thread of each

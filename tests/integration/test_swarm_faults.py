@@ -1,7 +1,8 @@
 """A real swarm on 127.0.0.1 (a coordinator and four `hetpeer join` processes, held to 2 stages, with a
 batch large enough that every peer is worth a lane) put
 through bad actors and faults, in order: strangers writing to its DHT and its sockets, a peer killed
-and restarted, the coordinator killed and restarted. One swarm for the module: starting one costs
+and restarted (its clock 90 s behind, and no reach service to learn the offset from: the peers here have
+none), the coordinator killed and restarted. One swarm for the module: starting one costs
 about 20 s of this machine's two cores.
 """
 
@@ -183,7 +184,7 @@ def test_a_killed_peer_is_replanned_around_and_rejoins_with_its_groups_state(swa
     assert early and after and sum(after) / len(after) < sum(early) / len(early)  # the loss keeps falling past the fault
     assert detect_s < 60
 
-    swarm.start_peer(index)
+    swarm.start_peer(index, ("--emulate-clock-skew", "-90"))  # it learns the swarm's time from the others' records
     back = wait_for(
         lambda: (p := client.call_get_plan()[0]) and p.epoch > replanned.epoch and victim in p.devices and p,
         "a plan with the restarted peer back in it", explain=lambda: coordinator_tail(swarm),
@@ -192,6 +193,9 @@ def test_a_killed_peer_is_replanned_around_and_rejoins_with_its_groups_state(swa
     wait_for(lambda: any(e >= back.epoch for e, _, _ in steps_in_log(log_of(swarm, f"peer{index}"))),
              "the restarted peer to train again")
     assert re.search(r"downloaded [\d.]+ MiB of state in \d+ chunk\(s\) from", log_of(swarm, f"peer{index}"))
+    said = re.search(r"clock: this machine's clock is (\d+) s behind the coordinator's.*median of \d+ other peer\(s\)' "
+                     r"signed records", log_of(swarm, f"peer{index}"))
+    assert said and 80 <= int(said.group(1)) <= 100
 
 
 def test_training_goes_on_without_the_coordinator_and_a_restarted_one_keeps_the_plan(swarm):

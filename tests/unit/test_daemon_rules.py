@@ -1,7 +1,8 @@
 """A swarm peer's pure rules: when a new plan replaces the running one (`switch_now`), which plans' frames
 it keeps before it runs them (`held_epochs`), whom a peer entering a plan waits for (`not_arrived`), and
 which peers to download a stage's state from (`donors_for`), whether a peer sharing its device trains
-(`device_trains`: then it neither times the device nor reads its load), and when a peer times its device again."""
+(`device_trains`: then it neither times the device nor reads its load), when a peer times its device again, and
+when one without the reach check's clock offset takes one from the records it reads."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from hetpeer.peer.daemon import probing
 from hetpeer.peer.daemon.announcing import Status, achieved_tflops
 from hetpeer.peer.daemon.following import FUTURE_EPOCHS, fetching, held_epochs, not_arrived, switch_now
 from hetpeer.peer.daemon.handover import donors_for, still_fetched
+from hetpeer.peer.daemon.reaching import Reaching
 from hetpeer.peer.daemon.probing import REPROFILE_S, REPROFILE_WAITING_HEARTBEATS, Probing, device_trains
 from hetpeer.peer.probe import MachineProfile
 from hetpeer.protocol.addresses import PeerAddress
@@ -349,3 +351,33 @@ def test_a_waiting_peer_announces_the_other_work_and_its_own_and_nothing_while_i
                                     compute_key="k")}
     peer._measure_load()
     assert peer.device_load.skipped == 1 and (peer.machine.compute_background, peer.machine.compute_own) == (0.3, 0.05)
+
+
+class Clocked(Reaching):
+    """A peer's reaching part, alone, over a control plane that read records `leads` seconds ahead of its clock."""
+
+    def __init__(self, leads: list[float], from_reach: bool = False) -> None:
+        self.config, self.said, self.clock_from_reach = SimpleNamespace(heartbeat_s=HEARTBEAT_S), [], from_reach
+        self.control = SimpleNamespace(record_leads_s=leads, clock_offset_s=0.0, set=[])
+        self.control.set_clock_offset = lambda offset: (self.control.set.append(offset),
+                                                        setattr(self.control, "clock_offset_s", offset))
+
+    def report(self, line: str) -> None:
+        self.said.append(line)
+
+
+def test_a_peer_without_the_reach_checks_offset_takes_the_median_of_the_records_it_reads():
+    behind = Clocked([89.0, 90.5, 91.0, -500.0, 3000.0])  # two liars, one each way, move the median not at all
+    behind._correct_clock()
+    assert behind.control.set == [90.5]
+    assert behind.said[0].startswith("clock: this machine's clock is 90 s behind the coordinator's")
+    assert "median of 5 other peer(s)' signed records" in behind.said[0]
+    behind.control.record_leads_s = [-1.0, -0.5, 0.0]  # read again once corrected: within two heartbeats, left alone
+    behind._correct_clock()
+    assert behind.control.set == [90.5] and len(behind.said) == 1
+    nearly = Clocked([-4.5, -4.6, -4.4])  # past two heartbeats, not far enough to tell the volunteer of
+    nearly._correct_clock()
+    assert nearly.control.set == [-4.5] and nearly.said[0].startswith("clock: corrected by -4.5 s (from the median")
+    for left in (Clocked([90.0], from_reach=True), Clocked([]), Clocked([3.9, -3.9, 1.0])):
+        left._correct_clock()  # the reach check's offset stands; no records; within two heartbeats
+        assert left.control.set == [] and left.said == []

@@ -280,6 +280,7 @@ class SwarmPeer(Following, Handover, Announcing, Probing, Reaching):
         """Read the swarm, take a new plan, keep this peer's paths, announce it: one heartbeat's work."""
         config = self.config
         records, _ = self.control.read_peers(max_age_s=ttl_s + config.heartbeat_s)
+        self._correct_clock()
         # a peer back after its record lapsed (restarted, or cut off a while) is no longer one this peer failed to reach
         self.transport.forget_failures(set(records) - set(self.records))
         self.control.remember(r.dht for r in sorted(records.values(), key=lambda r: -r.time))

@@ -4,6 +4,8 @@ Before its DHT node and transport start, the peer asks the coordinator's reach s
 back (`reach.py`), each on a bare listener: from the answer it takes the address others see (announced when it
 listens on every interface and no address was given), whether its DHT node can take keys (client mode when its
 port cannot be dialled) and the clock offset to the swarm. It says in one line which and what would help.
+A peer that got no answer (or has no reach service) takes the offset from the other peers' signed records
+instead (`_correct_clock`, each heartbeat).
 
 While it runs, each heartbeat, a peer that cannot be dialled keeps connections open to the peers its plans make
 it work with, so they can answer it (the address book marks who cannot be dialled, from their records). Two
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import statistics
 import time
 
 from hetpeer.peer.reach import ReachError, advice, ask_patiently, clock_words, listening
@@ -25,6 +28,9 @@ log = logging.getLogger("hetpeer.peer")
 WILDCARDS = ("0.0.0.0", "::")
 RELAY_SAY_S = 30.0
 RELAY_LINGER_HEARTBEATS = 5
+# a peer without the reach check's offset corrects its clock when the other peers' records read this far off the
+# swarm's time it keeps (a record is up to a heartbeat old when read, and one refused waits another heartbeat)
+CLOCK_OFF_HEARTBEATS = 2
 
 
 class Reaching:
@@ -32,6 +38,7 @@ class Reaching:
     `reachable`) and keeps its paths to other peers (`_keep_paths`, on the control thread)."""
 
     reachable = "unknown"  # what the reach check found: "direct", "none" or "unknown"
+    clock_from_reach = False  # whether the reach check gave the clock offset (else the records give it)
     _relay_said = (0, 0.0)  # (bytes relayed when last said, when)
 
     def _check_reach(self) -> tuple[tuple[str, int], str | None]:
@@ -72,11 +79,29 @@ class Reaching:
         elif not control.announce_maddrs and dht_host in WILDCARDS:
             version = 6 if ipaddress.ip_address(reach.observed).version == 6 else 4
             control.announce_maddrs = [f"/ip{version}/{reach.observed}/tcp/{dht_port}"]
-        control.clock_offset_s = reach.clock_offset_s
+        control.clock_offset_s, self.clock_from_reach = reach.clock_offset_s, True
         said = clock_words(reach.clock_offset_s)
         if said is not None:
             self.report(said)
         return (host, port), announce_host
+
+    def _correct_clock(self) -> None:
+        """Where the reach check gave no offset: when the other peers' records, as just read, are on the median
+        more than `CLOCK_OFF_HEARTBEATS` ahead of this peer's swarm time or behind it, take their median as the
+        swarm's time. Each record is signed and checked (all but its age), and one peer in a swarm moves the median
+        only as far as the records on its side of it; a clock so far ahead that the records expire before this
+        peer's DHT node reads them gives none to go by."""
+        control = self.control
+        leads = control.record_leads_s
+        if self.clock_from_reach or not leads:
+            return
+        lead = statistics.median(leads)
+        if abs(lead) <= CLOCK_OFF_HEARTBEATS * self.config.heartbeat_s:
+            return
+        control.set_clock_offset(control.clock_offset_s + lead)
+        said = clock_words(control.clock_offset_s) or f"clock: corrected by {lead:+.1f} s"
+        self.report(f"{said} (from the median of {len(leads)} other peer(s)' signed records: the reach service gave "
+                    "no offset)")
 
     @property
     def announced_reachable(self) -> str:
