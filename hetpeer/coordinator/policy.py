@@ -18,8 +18,8 @@
 - `worth_it`: whether a new plan should replace the running one: always when the running one is broken;
   otherwise only when its predicted step time (moving weights included, amortised over the planner's
   horizon) beats the running plan's on the same measurements by `gain`: hysteresis, so that measurement
-  noise does not make the swarm flap between plans. A running plan made by a repair, or on links it guessed
-  that are measured now, gives way to any better one.
+  noise does not make the swarm flap between plans. A running plan made by a repair gives way to any
+  better one.
 - `start_step`: the step a new plan takes effect at: far enough ahead that every peer has read it.
 - `furthest_step`: how far the swarm got under the running plan; a coordinator with a last step stops
   planning there, so peers that leave once they reach it do not look like a broken plan.
@@ -63,7 +63,6 @@ class Decision:
     solve: bool
     reason: str
     broken: bool = False
-    stopgap: bool = False  # the running plan was made on guessed links, measured now: any better plan replaces it
 
 
 def build_problem(
@@ -278,7 +277,7 @@ def decide(
     if newcomers:
         return Decision(True, f"{', '.join(sorted(newcomers))} joined")
     if current.estimated_links and not estimates_rechecked and all(measured(records, a, b) for a, b in current.estimated_links):
-        return Decision(True, f"the {len(current.estimated_links)} link(s) it estimated are measured now", stopgap=True)
+        return Decision(True, f"the {len(current.estimated_links)} link(s) it estimated are measured now")
     if now - last_solve >= replan_interval_s:
         if not plan_measured and now - last_solve < 2 * replan_interval_s:
             return Decision(False, "running plan holds: its steps are not measured yet")
@@ -316,11 +315,10 @@ def worth_it(
 ) -> tuple[bool, str]:
     """Whether to publish the new plan; the reason either way. A running plan that a repair made was never
     searched for, so the first better plan replaces it however small the gain (a repair that dropped a lane
-    would otherwise keep the swarm a lane short when its peer comes back); nor was one searched on links it
-    guessed, once they are measured (`decision.stopgap`): vs_hivemind's first plan, made on 3 guessed links, was
-    predicted at 7.83 s a step, 8.60 s once they were measured; a plan at 7.87 was kept out by the 10% gain, and the
-    swarm ran 5 minutes on it before a periodic re-solve."""
-    if repaired or decision.stopgap:
+    would otherwise keep the swarm a lane short when its peer comes back). A plan made on links it guessed keeps
+    the gain once they are measured: vs_hivemind's testbed, given none there, traded its first plan 2 s in for one
+    predicted 1.6% faster, and stalled about 40 s moving every stage (docs/vs_hivemind.md)."""
+    if repaired:
         gain = 0.0
     if decision.broken:
         return True, "the running plan is broken"
