@@ -317,7 +317,8 @@ def worth_it(
     searched for, so the first better plan replaces it however small the gain (a repair that dropped a lane
     would otherwise keep the swarm a lane short when its peer comes back). A plan made on links it guessed keeps
     the gain once they are measured: vs_hivemind's testbed, given none there, traded its first plan 2 s in for one
-    predicted 1.6% faster, and stalled about 40 s moving every stage (docs/vs_hivemind.md)."""
+    predicted 1.6% faster over the 100-step horizon, moves included, and stalled about 40 s moving every stage
+    (docs/vs_hivemind.md)."""
     if repaired:
         gain = 0.0
     if decision.broken:
