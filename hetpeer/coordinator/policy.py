@@ -252,9 +252,10 @@ def decide(
     time their devices a second time: a plan made on guesses is soon replaced, and moving stages between the
     two costs downloads over the very links it guessed; peers that start together time their devices in
     each other's way (vs_hivemind's eight first read 1.3 to 1.5 times slow), and a plan on those figures
-    may not be worth replacing by the time they are right. `plan_measured`: whether the running plan has run long enough for the peers' figures to be
-    its own (`calibration.measured`); until then a periodic re-solve waits, up to one more
-    interval: figures from the steps around a peer leaving or a repair read the transition, not the plan."""
+    may not be worth replacing by the time they are right. `plan_measured`: whether the running plan has run
+    long enough for the peers' figures to be its own (`calibration.measured`); until then a periodic re-solve
+    waits, up to one more interval: figures from the steps around a peer leaving or a repair read the
+    transition, not the plan."""
     settled = [d for d in records if now - first_seen.get(d, now) >= settle_s]
     if current is None:
         if len(records) < min_peers:
@@ -316,8 +317,8 @@ def worth_it(
     """Whether to publish the new plan; the reason either way. A running plan that a repair made was never
     searched for, so the first better plan replaces it however small the gain (a repair that dropped a lane
     would otherwise keep the swarm a lane short when its peer comes back). A plan made on links it guessed keeps
-    the gain once they are measured: vs_hivemind's testbed, given none there, traded its first plan 2 s in for one
-    predicted 1.6% faster over the 100-step horizon, moves included, and stalled about 40 s moving every stage
+    the gain once they are measured: without it, vs_hivemind's swarm traded its first plan, 2 s in, for one
+    predicted 1.6% faster over the 100-step horizon (moves included) and stalled about 40 s moving every stage
     (docs/vs_hivemind.md)."""
     if repaired:
         gain = 0.0

@@ -31,6 +31,7 @@ from hetpeer.protocol.identity import fingerprint
 from hetpeer.protocol.records import (
     SCHEMA,
     PeerRecord,
+    check_age,
     owner_key,
     peers_key,
     plan_from_wire,
@@ -336,23 +337,20 @@ class ControlPlane:
     # -- reads --------------------------------------------------------------------------------------
     def read_peers(self, max_age_s: float) -> tuple[dict[str, PeerRecord], list[Dropped]]:
         """Fresh, valid announcements by device id, and what was dropped with why. Sets `record_leads_s`."""
-        now = self.now()
+        now, own = self.now(), self.owner
         records: dict[str, PeerRecord] = {}
         dropped: list[Dropped] = []
         leads = []
         for subkey, raw in self._entries(peers_key(self.swarm)):
             try:
-                signer = owner_key(subkey)
-                record = PeerRecord.from_wire(raw, signer, now, max_age_s)
+                record = PeerRecord.from_wire(raw, owner_key(subkey), now, math.inf)  # every check but its age
+                if subkey != own:
+                    leads.append(record.time - now)  # too old or too new for this side's clock or not
+                check_age(record.time, now, max_age_s)
             except SchemaError as error:
                 dropped.append(Dropped(_signer(subkey), str(error)))
-                late = _ageless(raw, subkey, now) if error.path == "peer.time" and subkey != self.owner else None
-                if late is not None:  # too old or too new for this side's clock, and nothing else wrong
-                    leads.append(late.time - now)
                 continue
             records[record.device_id] = record
-            if subkey != self.owner:
-                leads.append(record.time - now)
         self.record_leads_s = leads
         return records, dropped
 
@@ -385,14 +383,6 @@ class ControlPlane:
         if found is None or not isinstance(found.value, dict):
             return []
         return [(subkey, entry.value) for subkey, entry in found.value.items()]
-
-
-def _ageless(raw: Any, subkey: Any, now: float) -> PeerRecord | None:
-    """The record `raw` if it passes every check but its age (None if it fails another)."""
-    try:
-        return PeerRecord.from_wire(raw, owner_key(subkey), now, math.inf)
-    except SchemaError:
-        return None
 
 
 async def _set_clock(dht, node, offset_s: float) -> None:

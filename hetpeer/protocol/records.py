@@ -286,10 +286,7 @@ class PeerRecord:
                 raise SchemaError(f"peer.{name_}", f"must be finite, got {value!r}")
         if parsed.noise_scale is not None and not (math.isfinite(parsed.noise_scale) and parsed.noise_scale > 0):
             raise SchemaError("peer.noise_scale", f"must be a finite, positive number of tokens, got {parsed.noise_scale!r}")
-        if parsed.time < now - max_age_s:
-            raise SchemaError("peer.time", f"announced {now - parsed.time:.1f} s ago, older than {max_age_s:g} s (stale)")
-        if parsed.time > now + max_age_s:  # clocks differ a little; more than the whole window is a lie
-            raise SchemaError("peer.time", f"announced {parsed.time - now:.1f} s in the future, more than {max_age_s:g} s ahead")
+        check_age(parsed.time, now, max_age_s)
         layers = None
         if parsed.layers is not None:
             if len(parsed.layers) != 2 or not 0 <= parsed.layers[0] < parsed.layers[1]:
@@ -378,6 +375,14 @@ class PeerRecord:
 
 
 _Check = Callable[[Any], bool]
+
+
+def check_age(time: float, now: float, max_age_s: float) -> None:
+    """SchemaError unless a record announced at `time` is at most `max_age_s` old at `now`, nor as far ahead."""
+    if time < now - max_age_s:
+        raise SchemaError("peer.time", f"announced {now - time:.1f} s ago, older than {max_age_s:g} s (stale)")
+    if time > now + max_age_s:  # clocks differ a little; more than the whole window is a lie
+        raise SchemaError("peer.time", f"announced {time - now:.1f} s in the future, more than {max_age_s:g} s ahead")
 
 
 def planning_fields(path: str, compute_key: str | None, compute_share: float, compute_background: float,
