@@ -89,13 +89,17 @@ def free_subnet(within: str = "10.213.0.0/16", prefix: int = 24) -> str:
 
 
 class Compose:
-    """One compose project: `project` names it (container, network and volume names start with it)."""
+    """One compose project: `project` names it (container, network and volume names start with it);
+    `overrides` are compose files laid over `file`, in order (compose's own merge: a service's `command` in
+    one replaces the one before)."""
 
-    def __init__(self, file: Path, project: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, file: Path, project: str, env: dict[str, str] | None = None, overrides: Sequence[Path] = ()) -> None:
         self.file, self.project, self.env = Path(file), project, env or {}
+        self.overrides = tuple(Path(o) for o in overrides)
 
     def _run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        return run([*compose_command(), "-f", str(self.file), "-p", self.project, *args], check=check, env=self.env)
+        files = [arg for path in (self.file, *self.overrides) for arg in ("-f", str(path))]
+        return run([*compose_command(), *files, "-p", self.project, *args], check=check, env=self.env)
 
     def up(self, *services: str) -> None:
         self._run("up", "-d", "--no-build", *services)

@@ -9,6 +9,7 @@ import re
 import urllib.request
 
 import pytest
+import yaml
 
 from compose_helpers import ROOT, unique, wait_for
 from hetpeer.coordinator.api_client import ApiClient
@@ -21,15 +22,19 @@ PEERS = ("peer1", "peer2", "peer3", "peer4")
 
 
 @pytest.fixture(scope="module")
-def swarm(image):
+def swarm(image, tmp_path_factory):
     port, http = free_port(), free_port()
-    compose = Compose(ROOT / "docker" / "compose.yaml", unique("hetpeer-compose"),
+    # The faults below are survived by groups, so the coordinator is held to groups of two: left to choose, it
+    # may rightly find a pipeline of three single peers with one spare as fast on the host's two shared cores
+    # (seen in CI: 3 x 1, predicted 0.279 s) and keep it for the whole module.
+    coordinator = yaml.safe_load((ROOT / "docker" / "compose.yaml").read_text())["services"]["coordinator"]["command"]
+    override = tmp_path_factory.mktemp("compose") / "groups.yaml"
+    override.write_text(yaml.safe_dump({"services": {"coordinator": {"command": [*coordinator, "--group-size", "2"]}}}))
+    compose = Compose(ROOT / "docker" / "compose.yaml", unique("hetpeer-compose"), overrides=[override],
                       env={"HETPEER_IMAGE": image, "HETPEER_API_PORT": str(port), "HETPEER_HTTP_PORT": str(http),
                            "HETPEER_SWARM": "ci",
                            # the four containers compute on this host's cores, and announce it (planner/sharing.py):
-                           # slowed as GPUs slower than the cores, they leave them room, so the plan has groups to fault
-                           # (at 4x, four peers and the host's other work filled 2 cores: a first plan of 3 x 1 with
-                           # the slow peer3 left out was as good as one with groups)
+                           # slowed as GPUs slower than the cores, they leave room for the host's other work
                            "HETPEER_SLOWDOWN": "8", "HETPEER_PEER3_SLOWDOWN": "16"})
     try:
         compose.up()
@@ -123,9 +128,7 @@ def test_a_killed_peer_is_planned_around_and_rejoins_with_its_groups_state(swarm
 
 
 def test_a_peer_cut_off_the_network_is_dropped_and_comes_back(swarm):
-    # any shape: after the last test's return the planner may run three stages of one lane with a spare, and a
-    # member cut off from a pipeline is replaced as one cut off from a group is
-    plan = training_plan(swarm, lanes=1)
+    plan = training_plan(swarm)
     victim = fast_member(swarm, plan)
     swarm.disconnect(service_of(victim))
     try:
@@ -158,7 +161,7 @@ def test_a_peer_cut_off_the_network_is_dropped_and_comes_back(swarm):
 
 
 def test_the_peers_train_on_without_the_coordinator_and_a_restarted_one_carries_on(swarm):
-    plan = training_plan(swarm, lanes=1)  # any shape: a pipeline of single lanes trains on as well
+    plan = training_plan(swarm)
     trainer = service_of(plan.devices[0])
     swarm.kill("coordinator")
     at_kill = max(steps_of(swarm, trainer))
