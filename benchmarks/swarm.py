@@ -14,9 +14,10 @@ gives placement something to decide. Once the coordinator's plan runs:
 
 1. throughput: the swarm's tokens/s (global batches completed in `--window` seconds, once the plan
    has run `SETTLE_STEPS`) under the coordinator's plan, a random plan and the "blocks" plan (devices
-   in join order) of the same shape, published with the coordinator's key as the coordinator would;
-   `--rounds` windows each, alternating (the machine is shared and its load drifts); the medians are
-   compared;
+   in join order) of the same shape, and, where the coordinator's lanes take unlike shares of the batch
+   by their speed, the same plan with every lane taking an even share ("even lanes"), published with the
+   coordinator's key as the coordinator would; `--rounds` windows each, alternating (the machine is
+   shared and its load drifts); the medians are compared;
 2. a fault: a peer of the plan is killed; reported: seconds until the coordinator publishes a plan
    without it, and until that plan has run a step;
 3. a rejoin: the peer restarts with the same key; seconds until a plan includes it again, and until it
@@ -43,6 +44,7 @@ from hetpeer.coordinator.api_client import ApiClient
 from hetpeer.coordinator.api_errors import ApiError
 from hetpeer.coordinator.planner import PlannerConfig, Shape, make_model, to_plan
 from hetpeer.coordinator.planner.baselines import blocks_grid, random_grids
+from hetpeer.coordinator.planner.lanes import lane_times
 from hetpeer.coordinator.policy import build_problem
 from hetpeer.logline import unstamp
 from hetpeer.peer.launch import free_port
@@ -112,6 +114,19 @@ def baseline(client: ApiClient, running: Plan, kind: str, workload: Workload, rn
     return to_plan(problem, "time", grid, model.report(grid))
 
 
+def even_lanes(client: ApiClient, running: Plan, workload: Workload) -> Plan:
+    """`running` with every lane taking ceil(batch / lanes) sequences instead of its share by speed; its predicted
+    step: the running plan's with the slowest lane's time at the even split in place of the slowest at the shares."""
+    problem, _ = build_problem(announced(client), workload, current=None)
+    shape = Shape(len(running.stages), running.group_size)
+    grid = np.array([[problem.device_ids.index(d) for d in stage.devices] for stage in running.stages])
+    model = make_model(problem, PlannerConfig(cost_model="time"), shape)
+    e = model._evaluate(grid[None])
+    even_s = lane_times(*e["parts"], model.micro_batches, shape.stages).max() - e["lane_s"][0]
+    cost = {**running.cost, "total_s": running.total_s + float(even_s)}
+    return replace(running, lane_batches=(), micro_batches=model.micro_batches, cost=cost)
+
+
 def join_order(device: str) -> int:
     """`peerN-...` -> N: the launcher starts peers in that order."""
     return int(re.match(r"peer(\d+)-", device).group(1))
@@ -161,7 +176,8 @@ def main() -> int:
         with ApiClient(swarm.api_address) as client:
             planned = poll(client, lambda: client.call_get_plan()[0], "the coordinator's first plan")
             print(f"coordinator's plan: {len(planned.stages)} stage(s) x {planned.group_size} lane(s), standby "
-                  f"{', '.join(planned.standby) or 'none'}", flush=True)
+                  f"{', '.join(planned.standby) or 'none'}" + (f"; lanes take {'/'.join(map(str, planned.lane_batches))} of "
+                  f"the batch's {planned.batch} sequences" if planned.lane_batches else ""), flush=True)
             rows.append(("coordinator", measure(client, planned, args.window, tokens_per_step)))
             # the coordinator's key, from a copy: its home is locked by the running coordinator
             signer = out / "baselines" / "coordinator.key"
@@ -170,6 +186,8 @@ def main() -> int:
             control = ControlPlane(config.swarm, signer, swarm.dht_maddrs[:1]).start()
             try:
                 epoch, plans = planned.epoch, {"coordinator": planned}
+                if planned.lane_batches:
+                    plans["even lanes"] = even_lanes(client, planned, workload)
                 for kind in ("random", "blocks"):
                     plans[kind] = baseline(client, planned, kind, workload, rng, join_order)
                 for round_ in range(args.rounds):  # alternate, so drifts in the machine's load hit every plan alike

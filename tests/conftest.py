@@ -75,7 +75,10 @@ def _check_plan(problem: Problem, solution: Solution) -> None:
     if plan.cost_model == "time":  # compute always takes time; the paper's cost of one device is 0
         assert plan.total_s > 0
     assert plan.layers == layers
-    assert plan.micro_batches == problem.micro_batches(solution.shape.group_size)
+    # Every lane takes its share of the batch (an even one, rounded up, or its own by its speed), at least a sequence.
+    shares = [plan.lane_sequences(lane) for lane in range(plan.group_size)]
+    assert min(shares) >= 1 and (sum(shares) == plan.batch if plan.lane_batches else shares == [-(-plan.batch // plan.group_size)] * plan.group_size)
+    assert plan.micro_batches == max(len(plan.micro_batch_sizes(lane)) for lane in range(plan.group_size))
 
     # The wire form round-trips, through JSON text too.
     wire = plan.to_wire()

@@ -68,6 +68,7 @@ def plan_document(plan: Plan | None, published: float | None, peers: Mapping[str
         "epoch": plan.epoch, "start_step": plan.start_step, "published": published, "cost_model": plan.cost_model,
         "model": plan.model, "dtype": plan.dtype, "batch": plan.batch, "micro_batch": plan.micro_batch,
         "micro_batches": plan.micro_batches, "predicted_step_s": _finite(plan.total_s),
+        "lane_batches": [plan.lane_sequences(lane) for lane in range(plan.group_size)],  # sequences each lane takes
         "overhead_s": plan.cost.get("overhead_s", 0.0),  # what the prediction counts beyond the time model's terms
         "steps_factor": plan.steps_factor,  # all-reduce's steps to a loss over this plan's (planner/quality.py)
         "measured_step_s": entry.measured_step_s if entry is not None else None,

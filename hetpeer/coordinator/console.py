@@ -76,7 +76,8 @@ def _plan_text(plan: Plan | None, plan_time: float | None) -> Text:
     lines += [f"  stage {s.index} layers [{s.layer_start},{s.layer_end}) {s.sync_words}"
               f"{f', to the next in {s.hop_codecs}' if s.hop_codecs else ''}: {' '.join(s.devices)}" for s in plan.stages]
     lines += [f"  recipe: {plan.recipe.words}"]
-    lines += [f"  lane {i}: {' -> '.join(lane)}" for i, lane in enumerate(plan.lanes)]
+    lines += [f"  lane {i}: {' -> '.join(lane)}" + (f" ({plan.lane_sequences(i)} sequences a step)" if plan.lane_batches else "")
+              for i, lane in enumerate(plan.lanes)]
     lines += [f"  standby: {line}" for line in plan.standby_lines()]
     return Text("\n".join(lines))
 

@@ -353,9 +353,11 @@ def start_step(
     furthest = max(furthest_step(current, records), reached)
     if broken_now:
         return furthest + 1
-    tokens_per_step = current.lane_batch * seq_len
-    rates = [r.tokens_per_s for d, r in records.items() if d in current.devices and r.tokens_per_s > 0]
-    step_s = tokens_per_step / float(np.median(rates)) if rates and tokens_per_step else current.total_s
+    # each member's step time from its lane's tokens a step over its own rate (lanes may take unlike shares)
+    lane_of = {d: lane for stage in current.stages for lane, d in enumerate(stage.devices)}
+    steps_s = [current.lane_sequences(lane_of[d]) * seq_len / r.tokens_per_s
+               for d, r in records.items() if d in lane_of and r.tokens_per_s > 0]
+    step_s = float(np.median(steps_s)) if steps_s and seq_len else current.total_s
     if not math.isfinite(step_s) or step_s <= 0:
         return furthest + 2
     return furthest + min(MAX_LEAD_STEPS, 2 + math.ceil(LEAD_HEARTBEATS * heartbeat_s / step_s))

@@ -4,6 +4,9 @@ A plan is what the coordinator publishes and what `hetpeer plan --json` prints. 
 
     {"version": 1, "epoch": int, "start_step": int, "cost_model": "dtfm" | "time",
      "model": str, "layers": int, "batch": int, "micro_batch": int, "micro_batches": int, "dtype": str,
+     "lane_batches": [int per lane],                  # optional: sequences each lane takes a step, summing to batch
+                                                      #   (absent: every lane ceil(batch / lanes)); micro_batches is
+                                                      #   then the most micro-batches any lane runs
      "seq_len": int,                                  # optional: tokens per sequence it was made for
      "stages": [{"index": s, "layer_start": int, "layer_end": int (exclusive),
                  "devices": [device id per lane], "sync": "allreduce" | "gossip" | "outer" | "none",
@@ -135,7 +138,7 @@ class Plan:
     layers: int
     batch: int
     micro_batch: int
-    micro_batches: int  # per lane per step
+    micro_batches: int  # per lane per step: the most any lane runs, where lanes take unlike shares
     dtype: str
     stages: tuple[StagePlan, ...]
     standby: tuple[str, ...] = ()
@@ -154,6 +157,9 @@ class Plan:
     # the position in the swarm's window order (peer/data/order.py) at start_step: windows read before it
     data_position: int = 0
     dataset: Dataset | None = None  # the prepared corpus every first stage reads; None: each peer's own data
+    # Sequences each lane takes a step, in lane order, summing to `batch`: faster lanes take more, so that lanes of
+    # unlike speed finish together. Empty: every lane takes ceil(batch / lanes).
+    lane_batches: tuple[int, ...] = ()
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
@@ -218,15 +224,19 @@ class Plan:
     def devices(self) -> tuple[str, ...]:
         return tuple(d for stage in self.stages for d in stage.devices)
 
-    @property
-    def lane_batch(self) -> int:
-        """Sequences each lane processes per step: the batch split over the lanes, rounded up."""
-        return -(-self.batch // self.group_size)
+    def lane_sequences(self, lane: int) -> int:
+        """Sequences lane `lane` processes a step: its share of `lane_batches`, else the batch split over the lanes,
+        rounded up."""
+        return self.lane_batches[lane] if self.lane_batches else -(-self.batch // self.group_size)
+
+    def lane_offset(self, lane: int) -> int:
+        """Sequences the lanes before `lane` process a step: where its slice of a step's windows starts."""
+        return sum(self.lane_batches[:lane]) if self.lane_batches else lane * self.lane_sequences(0)
 
     @property
     def rows_per_step(self) -> int:
-        """Training windows the swarm reads a step: every lane's lane batch."""
-        return self.group_size * self.lane_batch
+        """Training windows the swarm reads a step: every lane's sequences."""
+        return self.lane_offset(self.group_size)
 
     def data_position_at(self, step: int) -> int:
         """The swarm's data position at `step` (>= start_step) of this plan: windows read before that step."""
@@ -234,12 +244,10 @@ class Plan:
             raise ValueError(f"step {step} is before plan epoch {self.epoch}'s start step {self.start_step}")
         return self.data_position + (step - self.start_step) * self.rows_per_step
 
-    @property
-    def micro_batch_sizes(self) -> tuple[int, ...]:
-        """Sequences in each of a lane's micro-batches; the last one takes what is left."""
-        return (self.micro_batch,) * (self.micro_batches - 1) + (
-            self.lane_batch - self.micro_batch * (self.micro_batches - 1),
-        )
+    def micro_batch_sizes(self, lane: int) -> tuple[int, ...]:
+        """Sequences in each of lane `lane`'s micro-batches; the last one takes what is left."""
+        full, rest = divmod(self.lane_sequences(lane), self.micro_batch)
+        return (self.micro_batch,) * full + ((rest,) if rest else ())
 
     def position(self, device: str) -> tuple[int, int]:
         """(stage, lane) of a device in the plan; KeyError for a device on standby or not in the plan."""
@@ -306,6 +314,7 @@ class Plan:
             "micro_batch": self.micro_batch,
             "micro_batches": self.micro_batches,
             "dtype": self.dtype,
+            **({"lane_batches": list(self.lane_batches)} if self.lane_batches else {}),
             **({"seq_len": self.seq_len} if self.seq_len else {}),
             "stages": [
                 {
@@ -340,7 +349,7 @@ class Plan:
             root,
             {"version", "epoch", "start_step", "cost_model", "model", "layers", "batch", "micro_batch",
              "micro_batches", "dtype", "stages", "lanes", "standby", "cost", "steps_factor", "estimated_links", "standby_reasons",
-             "seq_len", "recipe", "data_position", "dataset"},
+             "seq_len", "recipe", "data_position", "dataset", "lane_batches"},
             "plan",
         )
         version = need_int(field(root, "version", "plan"), "plan.version")
@@ -387,6 +396,8 @@ class Plan:
             micro_batch=need_int(field(root, "micro_batch", "plan"), "plan.micro_batch", minimum=1),
             micro_batches=need_int(field(root, "micro_batches", "plan"), "plan.micro_batches", minimum=1),
             dtype=need_str(field(root, "dtype", "plan"), "plan.dtype"),
+            lane_batches=tuple(need_int(b, f"plan.lane_batches[{j}]", minimum=1)
+                               for j, b in enumerate(need_list(root.get("lane_batches", []), "plan.lane_batches"))),
             stages=tuple(stages),
             standby=tuple(
                 need_str(d, f"plan.standby[{j}]")
@@ -483,12 +494,16 @@ def _check(plan: Plan) -> None:
             if device in seen:
                 raise SchemaError(f"{path}.devices", f"device {device!r} appears more than once in the plan")
             seen.add(device)
-    lane_batch = -(-plan.batch // lanes)
+    if plan.lane_batches:
+        if len(plan.lane_batches) != lanes or sum(plan.lane_batches) != plan.batch or min(plan.lane_batches) < 1:
+            raise SchemaError("plan.lane_batches", f"must give each of the {lanes} lanes at least one sequence, "
+                              f"{plan.batch} (the batch) in all, got {list(plan.lane_batches)}")
+    lane_batch = max(plan.lane_sequences(lane) for lane in range(lanes))
     if plan.micro_batch > lane_batch or plan.micro_batches != -(-lane_batch // plan.micro_batch):
         raise SchemaError(
             "plan.micro_batches",
-            f"{plan.micro_batches} micro-batches of {plan.micro_batch} do not cover a lane's {lane_batch} sequences "
-            f"(batch {plan.batch} over {lanes} lanes) exactly once",
+            f"{plan.micro_batches} micro-batches of {plan.micro_batch} do not cover the largest lane's {lane_batch} "
+            f"sequences (batch {plan.batch} over {lanes} lanes) exactly once",
         )
     if expected_start != plan.layers:
         raise SchemaError("plan.stages", f"cover layers [0, {expected_start}) but the model has {plan.layers}")

@@ -128,7 +128,7 @@ def test_launch_runs_every_peer_to_the_end(tmp_path, cli):
             losses.append(float(found[0].group(1)))
         assert all(math.isfinite(loss) for loss in losses)
         # step 1 runs the untrained model on the lane's own data: the printed loss is that loss, to 4 places
-        assert losses[0] == pytest.approx(lane_loss(lane, plan.lane_batch), abs=1e-4)
+        assert losses[0] == pytest.approx(lane_loss(lane, plan.lane_sequences(lane)), abs=1e-4)
     for device in ("d0", "d1"):
         for step in (1, 2, 3):
             assert any(re.match(rf"\[{device}\] step {step}/3\s+loss -", line) for line in lines), (device, step, done.stdout)

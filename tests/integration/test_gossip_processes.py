@@ -237,8 +237,8 @@ def fresh_loss(lane: int, step: int) -> float:
 
     spec, plan = preset("tiny"), make_plan("gossip")
     model = build_stage(spec, 0, spec.layers)
-    position = plan.data_position_at(step) + lane * plan.lane_batch  # the lane's windows of that step
-    batch = Corpus.default().batch(position, plan.lane_batch, spec.seq_len, seed=0)
+    position = plan.data_position_at(step) + plan.lane_offset(lane)  # the lane's windows of that step
+    batch = Corpus.default().batch(position, plan.lane_sequences(lane), spec.seq_len, seed=0)
     with torch.no_grad():
         return model.loss(model(torch.from_numpy(batch.tokens)), torch.from_numpy(batch.labels)).item()
 

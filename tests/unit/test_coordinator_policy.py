@@ -403,7 +403,7 @@ def lead(heartbeat_s: float, tokens_per_s: float, plan: Plan | None = None) -> i
 
 def test_a_planned_switch_leads_by_a_few_heartbeats_of_steps():
     plan = make_plan([["a", "b"], ["c", "d"]], epoch=3)
-    tokens_per_s = plan.lane_batch * SEQ_LEN / 0.5  # a step takes 0.5 s
+    tokens_per_s = plan.lane_sequences(0) * SEQ_LEN / 0.5  # a step takes 0.5 s
     ahead = lead(2.0, tokens_per_s, plan)
     heartbeats_of_steps = policy.LEAD_HEARTBEATS * 2.0 / 0.5
     assert ahead >= heartbeats_of_steps  # every peer reads the plan before its lane gets there

@@ -157,6 +157,21 @@ def test_allreduce_gives_every_member_the_adam_step_of_the_mean_gradient(n):
     assert not any(t.inbox.misbehaving for t in group.transports.values())
 
 
+def test_allreduce_weighs_lanes_of_unlike_shares_by_them():
+    """Lanes taking 1, 2 and 5 of a step's 8 sequences: the mean every member steps on is the whole batch's gradient,
+    each lane's own (its batch's mean) weighted by its share."""
+    rng = np.random.default_rng(5)
+    size, shares = 12, np.array([1, 2, 5])
+    devices = ("p0", "p1", "p2")
+    plan = Plan("time", "tiny", 4, 8, 1, 5, "fp32", (StagePlan(0, 0, 4, devices, "allreduce"),), lane_batches=tuple(shares))
+    group = Group(3, plan=plan, size=size, config=SyncConfig(allreduce_timeout_s=10))
+    grads = rng.normal(size=(3, size)).astype(np.float32)
+    ok(group.step(0, grads))
+    expected = torch.from_numpy((shares @ grads.astype(np.float64) / shares.sum()).astype(np.float32))
+    for sync in group.syncs.values():
+        torch.testing.assert_close(sync.flat.grad, expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("sync", ["allreduce", "gossip"])
 def test_an_allreduce_group_measures_the_gradient_noise_scale_and_a_gossip_group_does_not(sync):
     """Each lane's gradient is G + its own noise: a lane's squared norm averages |G|^2 + tr(S) / b, the mean's
@@ -170,7 +185,7 @@ def test_an_allreduce_group_measures_the_gradient_noise_scale_and_a_gossip_group
     # one lane's noise, of variance sigma^2 per coordinate, is tr(S) / b with b = 1: B_simple = size sigma^2 / |G|^2
     expected = size * sigma**2 / float(np.square(g.astype(np.float64)).sum())
     for sync_ in group.syncs.values():
-        found = sync_.noise.estimate(lane_tokens=1)
+        found = sync_.noise.estimate(1, n)
         if sync == "gossip":
             assert found is None  # its lanes never see the mean gradient
         else:

@@ -119,7 +119,7 @@ def test_the_data_position_and_dataset_round_trip_and_are_left_out_where_none():
     raw.update(data_position=4096, dataset={"manifest": "ab" * 32, "url": "https://example.org/corpus/"})
     plan = Plan.from_wire(raw)
     assert plan.to_wire()["dataset"] == raw["dataset"] and Plan.from_wire(plan.to_wire()) == plan
-    assert plan.rows_per_step == plan.group_size * plan.lane_batch
+    assert plan.rows_per_step == plan.group_size * plan.lane_sequences(0)
     assert plan.data_position_at(plan.start_step + 3) == 4096 + 3 * plan.rows_per_step
 
 
@@ -127,6 +127,19 @@ def test_lanes_may_be_left_out():
     raw = wire()
     del raw["lanes"]
     assert Plan.from_wire(raw).lanes == (("a", "c"), ("b", "d"))
+
+
+def test_lanes_of_unlike_shares_round_trip_and_tile_the_step():
+    """Lane a takes 6 of the 8 sequences in micro-batches of 4 (one partial), lane b 2: the most micro-batches any
+    lane runs is 2; a step's windows are a's 6 then b's 2."""
+    raw = _with(lambda r: r.update(lane_batches=[6, 2], micro_batch=4, micro_batches=2))
+    plan = Plan.from_wire(raw)
+    assert plan.to_wire() == raw
+    assert [plan.lane_sequences(lane) for lane in range(2)] == [6, 2]
+    assert plan.micro_batch_sizes(0) == (4, 2) and plan.micro_batch_sizes(1) == (2,)
+    assert (plan.lane_offset(0), plan.lane_offset(1), plan.rows_per_step) == (0, 6, 8)
+    even = Plan.from_wire(wire())  # without them: each lane ceil(batch / lanes), in the order of the lanes
+    assert even.micro_batch_sizes(1) == (1,) * 4 and (even.lane_offset(1), even.rows_per_step) == (4, 8)
 
 
 def test_a_learned_overhead_may_take_time_off_the_step():
@@ -170,6 +183,11 @@ BAD = [
     ("bool as int", lambda r: r.update(batch=True), "plan.batch"),
     ("unknown dtype", lambda r: r.update(dtype="fp8"), "plan.dtype"),
     ("micro-batch above the batch", lambda r: r.update(micro_batch=r["batch"] + 1), "plan.micro_batch"),
+    ("lane shares short of the batch", lambda r: r.update(lane_batches=[5, 2]), "plan.lane_batches"),
+    ("a share per lane, one short", lambda r: r.update(lane_batches=[8]), "plan.lane_batches"),
+    ("a lane with nothing to do", lambda r: r.update(lane_batches=[8, 0]), "plan.lane_batches[1]"),
+    ("a share as a string", lambda r: r.update(lane_batches=["4", 4]), "plan.lane_batches[0]"),
+    ("micro-batches short of the largest share", lambda r: r.update(lane_batches=[6, 2]), "plan.micro_batches"),
     ("validation without a batch", lambda r: r["recipe"].update(eval_batch=0), "plan.recipe.eval_batch"),
     ("negative validation interval", lambda r: r["recipe"].update(eval_every=-1), "plan.recipe.eval_every"),
     ("a negative learning rate", lambda r: r["recipe"].update(lr=-1.0), "plan.recipe.lr"),

@@ -115,10 +115,11 @@ def test_micro_batch_sizes_cover_the_lane_batch_exactly(lanes):
     for batch in range(lanes, 24):
         for micro_batch, count in _fitting(batch, lanes):
             plan = _plan(batch, lanes, micro_batch, count)
-            sizes = plan.micro_batch_sizes
+            sizes = plan.micro_batch_sizes(lanes - 1)
+            lane_batch = plan.lane_sequences(lanes - 1)
             # Every lane takes its share, rounded up: together the lanes cover the whole batch.
-            assert plan.lane_batch * lanes >= batch > (plan.lane_batch - 1) * lanes
-            assert sum(sizes) == plan.lane_batch
+            assert lane_batch * lanes >= batch > (lane_batch - 1) * lanes
+            assert sum(sizes) == lane_batch
             assert len(sizes) == plan.micro_batches == count
             assert all(size == micro_batch for size in sizes[:-1])
             assert 1 <= sizes[-1] <= micro_batch
@@ -128,8 +129,8 @@ def test_micro_batch_sizes_cover_the_lane_batch_exactly(lanes):
 
 def test_an_uneven_split_leaves_the_rest_to_the_last_micro_batch():
     plan = _plan(batch=10, lanes=2, micro_batch=2, micro_batches=3)
-    assert plan.lane_batch == 5
-    assert plan.micro_batch_sizes == (2, 2, 1)
+    assert plan.lane_sequences(0) == plan.lane_sequences(1) == 5
+    assert plan.micro_batch_sizes(1) == (2, 2, 1)
 
 
 def test_position_names_stage_and_lane():

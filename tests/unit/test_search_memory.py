@@ -105,10 +105,12 @@ def test_a_shape_the_swarm_grows_back_into_is_searched_again():
 
 def test_a_remembered_shape_that_lost_out_is_tried_again_when_the_peer_that_made_it_lose_returns():
     # five devices, one slow: 2 x 2 of the fast four, the slow one on standby; a fast one leaves, and 2 x 2 would
-    # need the slow one, so 2 x 1 wins that round; the fast one returns: 2 x 2 must win again in one round
+    # need the slow one, so 2 x 1 wins that round (its lane's one micro-batch alone outlasts a 2 x 1 step: a lane
+    # 10x slower would still pay, taking fewer of the step's micro-batches); the fast one returns: 2 x 2 must win
+    # again in one round
     p = problem(8, 5).subset(np.arange(5))
     tflops = p.tflops.copy()
-    tflops[4] = tflops[:4].min() / 10
+    tflops[4] = tflops[:4].min() / 1000
     p = replace(p, tflops=tflops)
     first = run(p, 0.3, 0, stages=2)
     assert first.shape == Shape(2, 2) and first.plan.standby == (p.device_ids[4],)

@@ -8,6 +8,7 @@ import pytest
 
 from hetpeer.coordinator import policy
 from hetpeer.coordinator.planner import PlannerConfig, Problem, Shape, make_model, solve
+from hetpeer.coordinator.planner.lanes import lane_times
 from hetpeer.coordinator.planner.sharing import Sharing, fair_level
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.records import LinkMeasurement, PeerRecord
@@ -135,7 +136,8 @@ def test_screens_hold_the_grids_sharing():
     rows = np.arange(len(cells))
     flat[rows, cells[:, 0]], flat[rows, cells[:, 1]] = grid.ravel()[cells[:, 1]], grid.ravel()[cells[:, 0]]
     slowdown = model._slowdowns(batch).transpose(0, 2, 1)
-    lane, _ = model._lanes(batch.transpose(0, 2, 1), counts[None, None, :], slowdown)
+    *parts, _ = model._lane_parts(batch.transpose(0, 2, 1), counts[None, None, :], slowdown)
+    lane = lane_times(*parts, model._allocate(*parts), shape.stages)  # the step shared out over the lanes
     stage_bytes = np.broadcast_to(counts * model.wire_per_layer + model.wire_fixed, (len(batch), shape.stages))
     allreduce, gossip = model._groups(batch, stage_bytes)
     need = np.broadcast_to(model.mem_fixed + counts * model.mem_per_layer, stage_bytes.shape)
@@ -148,12 +150,13 @@ def test_screens_hold_the_grids_sharing():
     assert not np.allclose(slowdown, 1.0)  # the case means something: some devices are slowed
 
     a, b = np.array([(0, 1), (2, 3)]).T
-    new = model._exchanged_lanes(grid, counts, _segments(2), a, b)
+    new = model._exchanged_lanes(grid, counts, _segments(2), a, b, model.micro_batches)
     for k in range(len(a)):
         for j, (s1, s2) in enumerate(_segments(2)):
             g = grid.copy()
             g[s1:s2, a[k]], g[s1:s2, b[k]] = grid[s1:s2, b[k]], grid[s1:s2, a[k]]
-            lanes, _ = model._lanes(g.T[None], counts[None, None, :], model._slowdowns(g[None]).transpose(0, 2, 1))
+            lanes, _ = model._lanes(g.T[None], counts[None, None, :], model._slowdowns(g[None]).transpose(0, 2, 1),
+                                    model.micro_batches)
             assert new[k, j] == pytest.approx(lanes[0, a[k]], rel=1e-12)
 
 

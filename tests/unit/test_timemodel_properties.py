@@ -34,9 +34,9 @@ def docstring_step(
     the steps factor (`quality.TABLE`, tested on its own)."""
     w = problem.workload
     S, m = grid.shape
-    M = problem.micro_batches(m)
+    M = problem.micro_batches(m)  # each lane's in the even split
     lat, bw, flops = problem.latency_s, problem.bandwidth_bytes_per_s, problem.tflops * 1e12
-    lanes = []
+    parts = []  # per lane: (round trip, period)
     for l in range(m):
         t = [layers[s] * 3 * w.micro_batch * w.layer_fwd_flops_per_seq / flops[grid[s, l]] for s in range(S)]
         t[-1] += 3 * w.micro_batch * w.head_fwd_flops_per_seq / flops[grid[-1, l]]
@@ -45,8 +45,21 @@ def docstring_step(
                   for s in range(S - 1)]  # fmt: skip
         work = values * sum(WORK_S_PER_VALUE[codec] for codec in compress) / 2  # encoding and decoding, each way
         round_trip = sum(t) + sum(2 * lat[grid[s, l], grid[s + 1, l]] + sum(x_each[s]) + 2 * work for s in range(S - 1))
-        period = max(max(t), max((max(x) + work for x in x_each), default=0.0), round_trip / S if M > S else 0.0)
-        lanes.append(round_trip + (M - 1) * period)
+        parts.append((round_trip, max(max(t), max((max(x) + work for x in x_each), default=0.0))))
+
+    def lane_time(l: int, k: int) -> float:  # lane l with k micro-batches: past S, a round trip per S of them too
+        round_trip, period = parts[l]
+        return round_trip + (k - 1) * max(period, round_trip / S if k > S else 0.0)
+
+    # the step's micro-batches, each lane one and then each in turn to the lane that would finish it soonest (at
+    # most the even split's where that is fewer than the stages); the even split where there are fewer than lanes
+    total = -(-w.batch // problem.lane_micro_batch(m))
+    counts = [M] * m
+    if total >= m and m > 1:
+        counts, cap = [1] * m, (M if M < S else total)
+        for _ in range(total - m):
+            counts[min((l for l in range(m) if counts[l] < cap), key=lambda l: lane_time(l, counts[l] + 1))] += 1
+    lanes = [lane_time(l, counts[l]) for l in range(m)]
     lane_s = max(lanes)
     if m == 1:
         return lane_s, lane_s + TIE_BREAK * float(np.mean(lanes))

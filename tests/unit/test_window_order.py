@@ -55,10 +55,12 @@ def test_plans_of_any_shape_tile_the_order_and_the_coordinator_carries_the_posit
     """Lanes read their slices of each step's rows; the coordinator gives each new plan the position at its start step
     from the plan the swarm ran before it, so a run through re-plans reads each position exactly once."""
     publisher = SimpleNamespace(recent_plans=[])
-    shapes = [(2, 16, 0), (3, 16, 7), (4, 10, 12), (1, 5, 20)]  # lanes, batch, start step
+    shapes = [(2, 16, 0), (3, 16, 7), (4, 10, 12), (1, 5, 20), (3, 12, 22)]  # lanes, batch, start step
     published = []
     for epoch, (lanes, batch, start) in enumerate(shapes, 1):
         plan = plan_of(lanes, batch, start, epoch)
+        if epoch == len(shapes):  # lanes of unlike speed, taking unlike shares
+            plan = replace(plan, lane_batches=(7, 1, 4), micro_batches=7)
         plan = replace(plan, data_position=Publisher._data_position(publisher, start))
         publisher.recent_plans.append(plan)
         published.append(plan)
@@ -71,9 +73,9 @@ def test_plans_of_any_shape_tile_the_order_and_the_coordinator_carries_the_posit
     for plan, end in zip(published, [p.start_step for p in published[1:]] + [40]):
         for step in range(plan.start_step, end):
             for lane in range(plan.group_size):
-                first = plan.data_position_at(step) + lane * plan.lane_batch
-                read += range(first, first + plan.lane_batch)
+                first = plan.data_position_at(step) + plan.lane_offset(lane)
+                read += range(first, first + plan.lane_sequences(lane))
     assert sorted(read) == list(range(len(read)))  # none twice, none skipped
-    assert published[1].data_position == 7 * 16 and later.data_position == published[3].data_position_at(26)
+    assert published[1].data_position == 7 * 16 and later.data_position == published[4].data_position_at(26)
     with pytest.raises(ValueError, match="before plan epoch"):
         published[1].data_position_at(3)

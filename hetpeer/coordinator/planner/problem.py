@@ -55,6 +55,7 @@ class Report:
     outer_every: tuple[int, ...] = ()  # per stage, H of a group with outer steps (0 otherwise; () none has them)
     outer_delay: tuple[int, ...] = ()  # per stage, the steps its exchange overlaps (D)
     steps_factor: float = 1.0  # all-reduce's steps to the loss over this plan's (`quality.py`)
+    lane_batches: tuple[int, ...] = ()  # sequences per lane, summing to the batch (`lanes.py`; () the even split)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -8,10 +8,11 @@ links) and finds nothing. Two rules, each a proof that no plan the time model wo
   for one sequence's backward pass, which every stage holds at least (a recomputing stage rebuilds a
   layer's activations at a time; more layers, sequences and a group's exchange only add to it), so every
   plan with it overflows;
-- too slow: in any plan with m lanes, a device processes its lane's ceil(batch / m) sequences through at
-  least one layer, forward and backward, and the lane's step takes at least that long (the time model's lane
-  is round trip + (M - 1) x bottleneck, at least M micro-batches of its compute). With the most lanes any
-  plan can have, that bound still exceeds the predicted step of a plan without the device (`reference_s`,
+- too slow: in any plan with m lanes, a device processes at least one micro-batch (of min(micro-batch,
+  ceil(batch / m)) sequences: lanes share a step's micro-batches by their speed, each lane one at least)
+  through at least one layer, forward and backward, and the lane's step takes at least that long (the time
+  model's lane is round trip + (M - 1) x bottleneck, at least M micro-batches of its compute). With the most
+  lanes any plan can have, that bound still exceeds the predicted step of a plan without the device (`reference_s`,
   from a few block layouts of the fastest remaining devices): no plan with it is as fast.
 
 Pruning is O(n) plus a handful of cost evaluations; it is skipped where the planner must use every device.
@@ -67,7 +68,7 @@ def prune(
     too_slow = np.zeros(n, dtype=bool)
     if np.isfinite(reference_s):
         most_lanes = max(1, min(w.batch, len(remaining)))
-        sequences = -(-w.batch // most_lanes)
+        sequences = min(w.micro_batch, -(-w.batch // most_lanes))  # one micro-batch, at the most lanes
         # every step pays the problem's fixed overhead too (a coordinator's learned one may be negative)
         least_s = sequences * 3 * w.layer_fwd_flops_per_seq / (problem.tflops * 1e12) + problem.step_overhead_s
         too_slow = ~too_small & (least_s > reference_s)

@@ -10,7 +10,9 @@ def format_plan(plan: Plan, baselines: dict[str, float | None], random_samples: 
     lines = [
         f"plan: {len(plan.stages)} stages x {len(lanes)} lanes"
         + (f", {len(plan.standby)} on standby" if plan.standby else "")
-        + f"; {plan.micro_batches} micro-batches of {plan.micro_batch} per lane per step",
+        + (f"; {plan.micro_batches} micro-batches of {plan.micro_batch} per lane per step" if not plan.lane_batches else
+           f"; lanes take {'/'.join(map(str, plan.lane_batches))} of the {plan.batch} sequences a step, in "
+           f"micro-batches of {plan.micro_batch}, by their speed"),
         "",
         "stage  layers    sync            devices (one per lane, in lane order)",
     ]
@@ -26,7 +28,8 @@ def format_plan(plan: Plan, baselines: dict[str, float | None], random_samples: 
         lines += ["", "recomputed in the backward pass, to fit memory (one more forward each):"]
         lines += [f"  stage {stage.index}: {stage.recompute} of its {stage.layers} layers" for stage in recomputing]
     lines += ["", f"recipe: {plan.recipe.words}", "", "lanes (stage 0 first):"]
-    lines += [f"  lane {i}: {' -> '.join(lane)}" for i, lane in enumerate(lanes)]
+    lines += [f"  lane {i}: {' -> '.join(lane)}" + (f"  ({plan.lane_sequences(i)} sequences)" if plan.lane_batches else "")
+              for i, lane in enumerate(lanes)]
     if plan.standby:
         lines += ["", "standby:"] + [f"  {line}" for line in plan.standby_lines(names_shown=len(plan.standby))]
     lines += ["", f"predicted cost ({plan.cost_model} model, seconds per step):"]
@@ -57,4 +60,5 @@ def _sync_words(plan: Plan) -> str:
         return "one lane: no group to sync"
     tokens = -(-plan.batch // lanes) * plan.seq_len
     batch = f"{tokens:,} tokens a lane-step" if tokens else f"{-(-plan.batch // lanes)} sequences a lane-step"
+    batch += " on average" if plan.lane_batches else ""
     return f"{' and '.join(modes)} in groups of {lanes}, {batch}"

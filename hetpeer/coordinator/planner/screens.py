@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hetpeer.coordinator.planner import lanes as balance
+
 KEPT_PAIRS = 5  # largest pairs a swap's screen keeps per group and channel: a swap changes at most 4
 EXCHANGED_LANES = 32  # lanes whose every pair a screen of exchanges looks at: all of them up to 32 lanes
 
@@ -50,10 +52,12 @@ class Screens:
         work = base.evaluation["work"]  # (1, S)
         pick = np.arange(K)[:, None]
         rows, lanes = cells // m, cells % m  # (K, 2)
-        lane = np.repeat(base.evaluation["lane"], K, axis=0)
+        parts = [np.repeat(part, K, axis=0) for part in base.evaluation["parts"]]
         changed = batch[pick, :, lanes]
         slowdown = base.slowdown[changed] if np.ndim(base.slowdown) else 1.0  # the grid's: a swap keeps its devices
-        lane[pick, lanes] = self._lanes(changed, work[:, None, :], slowdown)[0]
+        for whole, part in zip(parts, self._lane_parts(changed, work[:, None, :], slowdown)):
+            whole[pick, lanes] = part
+        lane = balance.lane_times(*parts, self._allocate(*parts), grid.shape[0])  # the step shared out again
         lane_s = lane.max(axis=1)
         allreduce = np.repeat(base.evaluation["allreduce"], K, axis=0)
         gossip = np.repeat(base.evaluation["gossip"], K, axis=0)
@@ -94,8 +98,10 @@ class Screens:
         slow[np.argsort(-lane, kind="stable")[:EXCHANGED_LANES]] = True
         a, b = np.nonzero(np.triu(slow[:, None] | slow[None, :], 1))
         work = evaluation["work"][0]
-        # both lanes of each pair after the exchange, (pairs, segments) each, from one set of lane tables
-        mine, theirs = np.split(self._exchanged_lanes(grid, work, segments, np.r_[a, b], np.r_[b, a]), 2)
+        # both lanes of each pair after the exchange, (pairs, segments) each, from one set of lane tables, each
+        # lane's micro-batches held at the grid's
+        one, other = np.r_[a, b], np.r_[b, a]
+        mine, theirs = np.split(self._exchanged_lanes(grid, work, segments, one, other, evaluation["micro"][0][one]), 2)
         # the slowest lane besides a and b: among the three slowest
         top = np.argsort(-lane, kind="stable")[:3]
         others = np.full(len(a), -np.inf)
@@ -118,12 +124,13 @@ class Screens:
         return batch
 
     def _exchanged_lanes(
-        self, grid: np.ndarray, work: np.ndarray, segments: np.ndarray, a: np.ndarray, b: np.ndarray
+        self, grid: np.ndarray, work: np.ndarray, segments: np.ndarray, a: np.ndarray, b: np.ndarray,
+        micro: np.ndarray | int,
     ) -> np.ndarray:
-        """(pairs, segments): the time of lane a[k] with stages [s1, s2) of lane b[k] in place of its own,
-        for every pair k and segment (s1, s2), as `_lanes` computes it (`work`: each stage's layers' worth)."""
+        """(pairs, segments): the time of lane a[k] with stages [s1, s2) of lane b[k] in place of its own, taking
+        `micro` (pairs,) micro-batches, for every pair k and segment (s1, s2), as `_lanes` computes it (`work`:
+        each stage's layers' worth)."""
         S = grid.shape[0]
-        M = self.micro_batches
         lanes = grid.T  # (m, S)
         slowdown = self._device_slowdowns(grid)  # an exchange keeps the grid's devices, so their sharing
         slowdown = slowdown[lanes] if np.ndim(slowdown) else slowdown
@@ -160,15 +167,13 @@ class Screens:
             period = np.maximum(peak, peak_x)
         else:
             round_trip, period = compute, peak
-        if M > S:
-            period = np.maximum(period, round_trip / S)
-        lane = round_trip + (M - 1) * period
+        ends = np.zeros(round_trip.shape)
         if S > 1 and self.tied_bytes:  # the new lane's ends, both ways at once, as `_lanes`
             first = np.where(s1 == 0, lanes[b, :1], lanes[a, :1])
             last = np.where(s2 == S, lanes[b, -1:], lanes[a, -1:])
             there, back = self._pairs(first, last), self._pairs(last, first)
-            lane = lane + np.maximum(there[0] + self.tied_bytes * there[1], back[0] + self.tied_bytes * back[1])
-        return lane
+            ends = np.maximum(there[0] + self.tied_bytes * there[1], back[0] + self.tied_bytes * back[1])
+        return balance.lane_times(round_trip, period, ends, np.reshape(micro, (-1, 1)), S)
 
     def _channels(self, src: np.ndarray, dst: np.ndarray, stage_bytes: np.ndarray) -> np.ndarray:
         """Pair values (..., channels) from devices src to dst given as (..., channels): the ring's

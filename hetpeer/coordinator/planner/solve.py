@@ -175,7 +175,9 @@ def to_plan(problem: Problem, cost_model: str, grid: np.ndarray, report: Report)
         layers=w.model.layers,
         batch=w.batch,
         micro_batch=problem.lane_micro_batch(grid.shape[1]),
-        micro_batches=problem.micro_batches(grid.shape[1]),
+        micro_batches=max(-(-b // problem.lane_micro_batch(grid.shape[1])) for b in report.lane_batches)
+        if report.lane_batches else problem.micro_batches(grid.shape[1]),
+        lane_batches=report.lane_batches,
         dtype=w.dtype,
         seq_len=w.model.seq_len,
         stages=stages,

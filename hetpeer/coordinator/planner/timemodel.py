@@ -67,7 +67,7 @@ from functools import cached_property
 
 import numpy as np
 
-from hetpeer.coordinator.planner import outer, quality
+from hetpeer.coordinator.planner import lanes as balance, outer, quality
 from hetpeer.coordinator.planner.codecs import HopCodecs
 from hetpeer.coordinator.planner.problem import PlanningError, Problem, Report, Shape
 from hetpeer.coordinator.planner.screens import Screens
@@ -116,7 +116,8 @@ class TimeCost(Screens):
         w, model = problem.workload, problem.workload.model
         stages, m = shape.stages, shape.group_size
         mb = problem.lane_micro_batch(m)
-        self.micro_batches = problem.micro_batches(m)
+        self.micro_batches = problem.micro_batches(m)  # each lane's in the even split: ceil(batch / m) sequences
+        self.total_micro = -(-w.batch // mb)  # the step's micro-batches, shared out over the lanes (`lanes.py`)
         # what a step of each sync mode is worth against all-reduce's (`quality.py`), for this shape's groups
         self.lane_tokens = problem.lanes_batch(m) * model.seq_len
         self.gossip_factor = quality.TABLE.factor("gossip", m, self.lane_tokens, noise_tokens=problem.noise_scale_tokens)
@@ -230,11 +231,19 @@ class TimeCost(Screens):
         fewest = np.ceil(short / (self.mem_per_layer - self.mem_per_recomputed)).astype(np.int64)
         return np.where(counts <= plain, 0, np.clip(fewest, 1, counts))
 
-    def _lanes(self, cols: np.ndarray, work: np.ndarray, slowdown: np.ndarray | float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    def _lanes(self, cols: np.ndarray, work: np.ndarray, slowdown: np.ndarray | float, micro: np.ndarray | int
+               ) -> tuple[np.ndarray, np.ndarray]:
         """Lane times for lanes given as (..., S) device indices with (..., S) layers' worth of compute
-        (layers, recomputation counted), each device slowed by `slowdown` (..., S) from sharing its device:
-        (lane seconds (...), per-stage compute t (..., S))."""
-        stages, M = cols.shape[-1], self.micro_batches
+        (layers, recomputation counted), each device slowed by `slowdown` (..., S) from sharing its device, each
+        taking `micro` (...) micro-batches: (lane seconds (...), per-stage compute t (..., S))."""
+        *parts, t = self._lane_parts(cols, work, slowdown)
+        return balance.lane_times(*parts, micro, cols.shape[-1]), t
+
+    def _lane_parts(self, cols: np.ndarray, work: np.ndarray, slowdown: np.ndarray | float
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """What lanes (..., S) take apart from how many micro-batches they run (`lanes.lane_times`): their round
+        trip, period and once-a-step exchange between their ends (...), and per-stage compute t (..., S)."""
+        stages = cols.shape[-1]
         t = (work * self.layer_s[cols] + self._fixed(cols)) * slowdown
         if stages > 1:
             latency, per_byte = self._pairs(cols[..., :-1], cols[..., 1:])
@@ -243,13 +252,18 @@ class TimeCost(Screens):
             period = np.maximum(t.max(-1), peak.max(-1))
         else:
             round_trip, period = t.sum(-1), t.max(-1)
-        if M > stages:
-            period = np.maximum(period, round_trip / stages)
-        lane = round_trip + (M - 1) * period
+        ends = np.zeros(round_trip.shape)
         if stages > 1 and self.tied_bytes:
             there, back = self._pairs(cols[..., 0], cols[..., -1]), self._pairs(cols[..., -1], cols[..., 0])
-            lane = lane + np.maximum(there[0] + self.tied_bytes * there[1], back[0] + self.tied_bytes * back[1])
-        return lane, t
+            ends = np.maximum(there[0] + self.tied_bytes * there[1], back[0] + self.tied_bytes * back[1])
+        return round_trip, period, ends, t
+
+    def _allocate(self, round_trip: np.ndarray, period: np.ndarray, ends: np.ndarray) -> np.ndarray:
+        """Micro-batches per lane (K, m): the step's shared out so that its lanes finish together (`lanes.py`), or
+        the even split where the step has fewer micro-batches than lanes."""
+        if self.total_micro < self.shape.group_size:
+            return np.full(round_trip.shape, self.micro_batches, dtype=np.int64)
+        return balance.allocate(round_trip, period, ends, self.shape.stages, self.total_micro, self.micro_batches)
 
     def _fixed(self, cols: np.ndarray) -> np.ndarray:
         """(..., S) seconds a micro-batch costs each device of lanes (..., S) beyond its layers: the Python around it,
@@ -391,7 +405,9 @@ class TimeCost(Screens):
         slowdown = self._slowdowns(grids)
         counts, recompute, work = self._layers(grids, slowdown)
         lanes_slowdown = slowdown.transpose(0, 2, 1) if np.ndim(slowdown) else slowdown
-        lane, t = self._lanes(grids.transpose(0, 2, 1), work[:, None, :], lanes_slowdown)  # lanes: (K, m)
+        *parts, t = self._lane_parts(grids.transpose(0, 2, 1), work[:, None, :], lanes_slowdown)  # lanes: (K, m)
+        micro = self._allocate(*parts)
+        lane = balance.lane_times(*parts, micro, self.shape.stages)
         slowest = lane.argmax(axis=1)
         lane_s = lane[np.arange(K), slowest]
         stage_bytes = counts * self.wire_per_layer + self.wire_fixed  # (K, S)
@@ -411,6 +427,7 @@ class TimeCost(Screens):
         objective = self._objective(lane, sync_s, overflow, move, update, factor * departures)
         return {
             "counts": counts, "recompute": recompute, "work": work, "need": need, "lane": lane, "t": t, "update": update,
+            "parts": parts, "micro": micro,
             "slowest": slowest, "lane_s": lane_s,
             "allreduce": allreduce, "gossip": gossip, "sync_s": sync_s, "use_gossip": use_gossip, "total": total,
             "use_outer": use_outer, "outer_every": outer_every, "outer_delay": outer_delay,
@@ -480,7 +497,7 @@ class TimeCost(Screens):
     def report(self, grid: np.ndarray) -> Report:
         e = self._evaluate(grid[None])
         lane = int(e["slowest"][0])
-        t, M = e["t"][0, lane], self.micro_batches
+        t, M = e["t"][0, lane], int(e["micro"][0, lane])
         lane_s = float(e["lane"][0, lane])
         sync = tuple(
             "none" if self.shape.group_size == 1 else ("outer" if o else "gossip" if g else "allreduce")
@@ -511,7 +528,17 @@ class TimeCost(Screens):
             outer_every=tuple(int(h) for h in e["outer_every"][0]),
             outer_delay=tuple(int(d) for d in e["outer_delay"][0]),
             steps_factor=float(e["factor"][0]),
+            lane_batches=self._lane_batches(e["micro"][0], e["lane"][0]),
         )
+
+    def _lane_batches(self, micro: np.ndarray, lane_s: np.ndarray) -> tuple[int, ...]:
+        """Sequences per lane (`Report.lane_batches`) from its micro-batches (m,) and times (m,); () where that is
+        the even split (also where the step has fewer micro-batches than lanes: each lane its rounded-up share)."""
+        problem, m = self.problem, self.shape.group_size
+        if self.total_micro < m:
+            return ()
+        shares = balance.sequences(micro, problem.lane_micro_batch(m), problem.workload.batch, lane_s)
+        return () if (shares == problem.lanes_batch(m)).all() else tuple(int(b) for b in shares)
 
     def _hop_codecs(self, grid: np.ndarray) -> tuple[tuple[tuple[str, str], ...], ...]:
         """Per hop (stage s to s + 1) and lane, the (forward, backward) codecs the time model counted."""

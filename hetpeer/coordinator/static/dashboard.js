@@ -98,7 +98,13 @@
       root.append(svg("text", { x, y: 16, class: "head" }, `stage ${s}`));
       root.append(svg("text", { x, y: 32, class: "small" }, `layers ${stage.layers[0]}-${stage.layers[1] - 1} · ${stage.sync}${stage.hop ? ` · → ${stage.hop}` : ""}`));
     });
-    for (let l = 0; l < shown; l++) root.append(svg("text", { x: 4, y: at(0, l)[1] + BOX_H / 2 + 4, class: "small" }, `lane ${l}`));
+    // lanes of unlike speed take unlike shares of the batch: each lane's sequences a step under its name
+    const shares = (plan.lane_batches || []).some((b) => b !== plan.lane_batches[0]) ? plan.lane_batches : null;
+    for (let l = 0; l < shown; l++) {
+      const y = at(0, l)[1] + BOX_H / 2 + 4;
+      root.append(svg("text", { x: 4, y, class: "small" }, `lane ${l}`));
+      if (shares) root.append(svg("text", { x: 4, y: y + 13, class: "small" }, `${shares[l]} seq`));
+    }
 
     const bandwidths = plan.links.filter((k) => k.measured).map((k) => k.bandwidth_bytes_per_s);
     const widest = Math.max(...bandwidths, 1), narrowest = Math.min(...bandwidths, widest);

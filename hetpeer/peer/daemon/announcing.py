@@ -41,12 +41,13 @@ def achieved_tflops(plan: Plan, me: str, spec: ModelSpec, compute_s: float, cost
     step costs by its probe (`costs`: the embedding on the first stage, the head and loss on the last, the Python
     around each micro-batch). Where the probe did not time the head (a peer that announces no step costs), the head
     counts by its FLOPs, as a block."""
-    stage, _ = plan.position(me)
+    stage, lane = plan.position(me)
     first, last = stage == 0, stage == len(plan.stages) - 1
     workload = Workload(spec, batch=plan.batch, micro_batch=plan.micro_batch, dtype=plan.dtype)
-    flops = workload.stage_flops(plan.stages[stage].layers, last=last and not costs.head_s_per_seq, sequences=plan.lane_batch,
+    flops = workload.stage_flops(plan.stages[stage].layers, last=last and not costs.head_s_per_seq, sequences=plan.lane_sequences(lane),
                                  recompute=plan.stages[stage].recompute, recompute_share=costs.recompute)
-    rest = plan.lane_batch * (first * costs.embed_s_per_seq + last * costs.head_s_per_seq) + plan.micro_batches * costs.micro_s
+    rest = plan.lane_sequences(lane) * (first * costs.embed_s_per_seq + last * costs.head_s_per_seq) \
+        + len(plan.micro_batch_sizes(lane)) * costs.micro_s
     return flops / max(compute_s - rest, BLOCKS_SHARE * compute_s) / 1e12
 
 

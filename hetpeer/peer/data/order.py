@@ -4,7 +4,7 @@ A corpus is a list of shards of tokens; shard s holds `counts[s]` windows of `se
 is tokens [i L, i L + L + 1), so consecutive windows share one token: the label of one is the first input
 of the next). The swarm reads one sequence of window positions 0, 1, 2, ...: step t of a plan that starts
 at step S with data position P reads positions [P + (t - S) R, P + (t - S + 1) R), R being the plan's rows a
-step (lanes x lane batch), lane l the l-th slice of lane_batch of them. Position p is window
+step (every lane's sequences), lane l the l-th slice of them (`Plan.lane_offset`). Position p is window
 `locate(p)` of epoch p // W (W windows in all): each epoch visits every window exactly once, so a swarm that
 carries P through its plan changes and checkpoints neither repeats nor skips one.
 

@@ -143,6 +143,9 @@ class GroupSync:
         if self.mode == "outer" and self.outer is None:
             self.outer = OuterState(self.flat.data)
         self.ring_sizes = [len(part) for part in torch.empty(self.flat.size, device="meta").tensor_split(len(self.members))]
+        # an all-reduce averages the lanes' gradients by their shares of the step's batch: the gradient of the whole
+        # batch, however unlike the shares (each lane's gradient is its own batch's mean)
+        self.share = len(self.members) * plan.lane_sequences(self.index) / plan.rows_per_step
         if self.mode == "none" and len(self.members) > 1:
             log.warning("%s: plan says sync none for a group of %d; its lanes will drift apart", self.device_id, len(self.members))
 
@@ -182,6 +185,8 @@ class GroupSync:
         left_out: list[str] = []
         if self.mode == "allreduce" or self.warming(step):
             self.noise.lane(self.flat.grad)
+            if self.share != 1.0:
+                self.flat.grad.mul_(self.share)
             self._ring_allreduce(self.flat.grad, step)
             self.noise.mean(self.flat.grad, len(self.members))
         elif self.mode == "gossip":

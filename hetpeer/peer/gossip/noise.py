@@ -6,8 +6,8 @@ norm at two batch sizes b < B, whose expectations are |G|^2 + tr(S) / b and |G|^
 
     |G|^2 ~ (B |g_B|^2 - b |g_b|^2) / (B - b),      tr(S) ~ (|g_b|^2 - |g_B|^2) / (1 / b - 1 / B)
 
-An all-reduce group of n lanes holds both for free: each lane's own gradient (b = the lane's tokens a step,
-before the ring) and the mean (B = n b, after it). Both estimators are noisy, so each is averaged
+An all-reduce group holds both for free: each lane's own gradient (b = the lane's tokens a step, before the
+ring) and the mean, weighted by the lanes' shares of the batch (B = the group's tokens a step, after it). Both estimators are noisy, so each is averaged
 (an exponential average over steps, as the paper advises) before their ratio is taken. B_simple in tokens is
 where a batch stops paying: a lane batch well below it gains nearly n-fold from averaging n of them, one well
 above it little, which is what places a swarm on the planner's steps factor table (`planner/quality.py`).
@@ -22,12 +22,13 @@ import torch
 SMOOTHING = 0.05  # weight of a new step in the averages: about the last 20 steps
 
 
-def noise_scale(small: float, big: float, lane_tokens: float, peers: int) -> float | None:
+def noise_scale(small: float, big: float, lane_tokens: float, group_tokens: float) -> float | None:
     """B_simple in tokens from the mean squared gradient norm at a lane's batch (`small`, `lane_tokens` tokens)
-    and at the group's (`big`, `peers` lanes); None where the estimate is not positive (too few steps to tell)."""
-    if peers < 2 or not lane_tokens > 0:
+    and at the group's (`big`, `group_tokens` tokens); None where the estimate is not positive (too few steps to
+    tell) or the group holds no larger batch than the lane."""
+    if not 0 < lane_tokens < group_tokens:
         return None
-    b, nb = lane_tokens, lane_tokens * peers
+    b, nb = lane_tokens, group_tokens
     gradient = (nb * big - b * small) / (nb - b)
     trace = (small - big) / (1 / b - 1 / nb)
     return trace / gradient if gradient > 0 and trace > 0 else None
@@ -54,9 +55,10 @@ class NoiseMeter:
         self.squares.mul_(1 - weight).add_(step, alpha=weight)
         self.steps += 1
 
-    def estimate(self, lane_tokens: float) -> float | None:
-        """B_simple in tokens from the averages, or None before a step or where it is not positive."""
-        if not self.steps:
+    def estimate(self, lane_tokens: float, group_tokens: float) -> float | None:
+        """B_simple in tokens from the averages (this lane's tokens a step, and its group's), or None before a step
+        or where it is not positive."""
+        if not self.steps or self.peers < 2:
             return None
         small, big = self.squares.tolist()
-        return noise_scale(small, big, lane_tokens, self.peers)
+        return noise_scale(small, big, lane_tokens, group_tokens)

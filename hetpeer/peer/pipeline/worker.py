@@ -140,8 +140,8 @@ class StageWorker:
         # it announces fetching this plan's state, and its first frames come once it has it)
         self.patience: Callable[[str], bool] = lambda sender: False
         self.slowdown = Slowdown(config.slowdown)
-        self.schedule = one_f_one_b(self.stage, len(plan.stages), plan.micro_batches)
-        self.sizes = plan.micro_batch_sizes
+        self.sizes = plan.micro_batch_sizes(self.lane)
+        self.schedule = one_f_one_b(self.stage, len(plan.stages), len(self.sizes))
         self.step = plan.start_step
         self._dtype = TORCH_DTYPES[plan.dtype]
         transport.set_policy(self.accept)
@@ -205,7 +205,7 @@ class StageWorker:
                 with self._autocast(), self.slowdown.of(("forward", self.sizes[micro])):
                     y = self.model(x)
                     if self.next is None:
-                        y = self.model.loss(y, labels) * (self.sizes[micro] / self.plan.lane_batch)
+                        y = self.model.loss(y, labels) * (self.sizes[micro] / self.plan.lane_sequences(self.lane))
                         loss_sum += y.detach()
                 if self.next is not None:
                     self._send("activation", self.next, y.detach().to(self._dtype), micro)
@@ -228,7 +228,7 @@ class StageWorker:
         self.transport.flush(timeout, to=[p for p in (self.previous, self.next) if p is not None])
         self._tie_gradients(step)
         wait_s += time.perf_counter() - tick
-        sequences = self.plan.lane_batch
+        sequences = self.plan.lane_sequences(self.lane)
         return StepResult(
             step=step,
             loss=float(loss_sum) if self.next is None else None,
@@ -243,7 +243,8 @@ class StageWorker:
     def noise_scale(self) -> float | None:
         """The gradient noise scale (tokens) this peer's all-reduce group measured lately (`gossip/noise.py`); None in a
         group that does not all-reduce gradients, or before its first step."""
-        return self.sync.noise.estimate(self.plan.lane_batch * self.spec.seq_len)
+        return self.sync.noise.estimate(self.plan.lane_sequences(self.lane) * self.spec.seq_len,
+                                        self.plan.rows_per_step * self.spec.seq_len)
 
     def apply(self, last: bool = False) -> SyncReport:
         """Average with the group and take the optimizer step that closes the current step; unless this is
@@ -390,7 +391,7 @@ class StageWorker:
     def _lane_data(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         if self.previous is not None:
             return None
-        batch = self.corpus.batch(self._position(step), self.plan.lane_batch, self.spec.seq_len, seed=self.seed)
+        batch = self.corpus.batch(self._position(step), self.plan.lane_sequences(self.lane), self.spec.seq_len, seed=self.seed)
         device = self.config.device
         return [
             (torch.from_numpy(part.tokens).to(device), torch.from_numpy(part.labels).to(device))
@@ -399,7 +400,7 @@ class StageWorker:
 
     def _position(self, step: int) -> int:
         """The first of the lane's windows at `step`: its slice of the step's in the swarm's order."""
-        return self.plan.data_position_at(step) + self.lane * self.plan.lane_batch
+        return self.plan.data_position_at(step) + self.plan.lane_offset(self.lane)
 
     def _recv(self, kind: str, sender: str, step: int, micro: int) -> torch.Tensor:
         while True:
