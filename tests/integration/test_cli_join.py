@@ -6,6 +6,7 @@ left behind: the launcher's `hetpeer join` peers and their hivemind daemons shar
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -97,10 +98,10 @@ def cli():
     runner.cleanup()
 
 
-def lane_loss(lane: int, lane_batch: int) -> float:
+def lane_loss(plan: Plan, lane: int) -> float:
     """The untrained model's mean loss on a lane's batch of step 0: what that lane's first step reports."""
     model = build_stage(SPEC, 0, SPEC.layers)
-    batch = Corpus.default().batch(lane * lane_batch, lane_batch, SPEC.seq_len, seed=0)  # the lane's slice of step 0
+    batch = Corpus.default().batch(plan.lane_offset(lane), plan.lane_sequences(lane), SPEC.seq_len, seed=0)  # its slice
     with torch.no_grad():
         return model.loss(model(torch.from_numpy(batch.tokens)), torch.from_numpy(batch.labels)).item()
 
@@ -109,8 +110,11 @@ def lane_loss(lane: int, lane_batch: int) -> float:
 
 
 @pytest.mark.slow
-def test_launch_runs_every_peer_to_the_end(tmp_path, cli):
+@pytest.mark.parametrize("shares", [(), (6, 2)], ids=["even", "lanes-of-unlike-shares"])
+def test_launch_runs_every_peer_to_the_end(tmp_path, cli, shares):
     plan = make_plan(lanes=2)  # stage 0: d0 d1, stage 1: d2 d3
+    if shares:  # lane 0 takes 6 of the 8 sequences in 3 micro-batches, lane 1 the other 2 in one
+        plan = dataclasses.replace(plan, lane_batches=shares, micro_batches=3)
     plan_path = write_json(tmp_path / "plan.json", plan.to_wire())
     out = tmp_path / "run"
     done = cli("launch", str(plan_path), "--steps", "3", "--out", str(out))
@@ -128,7 +132,7 @@ def test_launch_runs_every_peer_to_the_end(tmp_path, cli):
             losses.append(float(found[0].group(1)))
         assert all(math.isfinite(loss) for loss in losses)
         # step 1 runs the untrained model on the lane's own data: the printed loss is that loss, to 4 places
-        assert losses[0] == pytest.approx(lane_loss(lane, plan.lane_sequences(lane)), abs=1e-4)
+        assert losses[0] == pytest.approx(lane_loss(plan, lane), abs=1e-4)
     for device in ("d0", "d1"):
         for step in (1, 2, 3):
             assert any(re.match(rf"\[{device}\] step {step}/3\s+loss -", line) for line in lines), (device, step, done.stdout)

@@ -155,8 +155,8 @@ def test_screens_hold_the_grids_sharing():
         for j, (s1, s2) in enumerate(_segments(2)):
             g = grid.copy()
             g[s1:s2, a[k]], g[s1:s2, b[k]] = grid[s1:s2, b[k]], grid[s1:s2, a[k]]
-            lanes, _ = model._lanes(g.T[None], counts[None, None, :], model._slowdowns(g[None]).transpose(0, 2, 1),
-                                    model.micro_batches)
+            *parts, _ = model._lane_parts(g.T[None], counts[None, None, :], model._slowdowns(g[None]).transpose(0, 2, 1))
+            lanes = lane_times(*parts, model.micro_batches, 2)
             assert new[k, j] == pytest.approx(lanes[0, a[k]], rel=1e-12)
 
 

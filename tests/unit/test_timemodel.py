@@ -621,7 +621,8 @@ def test_exchanged_lanes_are_the_full_evaluation_of_the_exchanged_grid(shape, ti
     new = model._exchanged_lanes(grid, counts, segments, a, b, model.micro_batches)
     for k in range(len(a)):
         grids = np.stack([exchanged(grid, a[k], b[k], s1, s2) for s1, s2 in segments])
-        lanes, _ = model._lanes(grids.transpose(0, 2, 1), counts[None, None, :], 1.0, model.micro_batches)
+        *parts, _ = model._lane_parts(grids.transpose(0, 2, 1), counts[None, None, :], 1.0)
+        lanes = lane_times(*parts, model.micro_batches, shape.stages)
         np.testing.assert_allclose(new[k], lanes[:, a[k]], rtol=1e-12)
 
 

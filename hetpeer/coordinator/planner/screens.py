@@ -1,11 +1,13 @@
 """The cheap estimates the search screens its moves with, for the time model (`timemodel.py`).
 
 - A swap of two cells: the layer split held at the grid's, only the two lanes and two groups it
-  touches re-evaluated, and in each group only the pairs a changed lane is in; devices that share a
-  device keep the slowdown the grid gives them (a swap with standby changes it a little).
+  touches re-evaluated (and the step's micro-batches shared out over the lanes again), and in each group
+  only the pairs a changed lane is in; devices that share a device keep the slowdown the grid gives them (a
+  swap with standby changes it a little).
 - An exchange of a run of stages between two lanes: every group keeps its devices, so split, memory
   and weights to move stay; the two lanes' new times come exact from prefix sums and range maxima,
-  every segment of every pair of lanes with one of the slowest at once.
+  every segment of every pair of lanes with one of the slowest at once, each lane keeping the micro-batches
+  the grid gives it.
 
 Both are held to the full evaluation by tests/unit/test_timemodel.py; the search confirms what they
 rank best with the exact cost.
@@ -24,7 +26,7 @@ EXCHANGED_LANES = 32  # lanes whose every pair a screen of exchanges looks at: a
 
 
 class Screens:
-    """Mixed into `TimeCost`, whose exact pieces it uses: `_evaluate`, `_lanes`, `_pairs`, `_sync`,
+    """Mixed into `TimeCost`, whose exact pieces it uses: `_evaluate`, `_lane_parts`, `_allocate`, `_pairs`, `_sync`,
     `_overflow`, `_objective`, and its per-device and per-stage figures."""
 
     def init_screens(self, rounds: int) -> None:
@@ -128,8 +130,8 @@ class Screens:
         micro: np.ndarray | int,
     ) -> np.ndarray:
         """(pairs, segments): the time of lane a[k] with stages [s1, s2) of lane b[k] in place of its own, taking
-        `micro` (pairs,) micro-batches, for every pair k and segment (s1, s2), as `_lanes` computes it (`work`:
-        each stage's layers' worth)."""
+        `micro` (pairs,) micro-batches, for every pair k and segment (s1, s2), as `_lane_parts` and
+        `lanes.lane_times` compute it (`work`: each stage's layers' worth)."""
         S = grid.shape[0]
         lanes = grid.T  # (m, S)
         slowdown = self._device_slowdowns(grid)  # an exchange keeps the grid's devices, so their sharing
@@ -168,7 +170,7 @@ class Screens:
         else:
             round_trip, period = compute, peak
         ends = np.zeros(round_trip.shape)
-        if S > 1 and self.tied_bytes:  # the new lane's ends, both ways at once, as `_lanes`
+        if S > 1 and self.tied_bytes:  # the new lane's ends, both ways at once, as `_lane_parts`
             first = np.where(s1 == 0, lanes[b, :1], lanes[a, :1])
             last = np.where(s2 == S, lanes[b, -1:], lanes[a, -1:])
             there, back = self._pairs(first, last), self._pairs(last, first)

@@ -231,18 +231,12 @@ class TimeCost(Screens):
         fewest = np.ceil(short / (self.mem_per_layer - self.mem_per_recomputed)).astype(np.int64)
         return np.where(counts <= plain, 0, np.clip(fewest, 1, counts))
 
-    def _lanes(self, cols: np.ndarray, work: np.ndarray, slowdown: np.ndarray | float, micro: np.ndarray | int
-               ) -> tuple[np.ndarray, np.ndarray]:
-        """Lane times for lanes given as (..., S) device indices with (..., S) layers' worth of compute
-        (layers, recomputation counted), each device slowed by `slowdown` (..., S) from sharing its device, each
-        taking `micro` (...) micro-batches: (lane seconds (...), per-stage compute t (..., S))."""
-        *parts, t = self._lane_parts(cols, work, slowdown)
-        return balance.lane_times(*parts, micro, cols.shape[-1]), t
-
     def _lane_parts(self, cols: np.ndarray, work: np.ndarray, slowdown: np.ndarray | float
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """What lanes (..., S) take apart from how many micro-batches they run (`lanes.lane_times`): their round
-        trip, period and once-a-step exchange between their ends (...), and per-stage compute t (..., S)."""
+        """Lanes given as (..., S) device indices with (..., S) layers' worth of compute (layers, recomputation
+        counted), each device slowed by `slowdown` (..., S) from sharing its device, apart from how many
+        micro-batches they run (`lanes.lane_times` takes those): their round trip, period and once-a-step exchange
+        between their ends (...), and per-stage compute t (..., S)."""
         stages = cols.shape[-1]
         t = (work * self.layer_s[cols] + self._fixed(cols)) * slowdown
         if stages > 1:
