@@ -133,10 +133,14 @@ def join_order(device: str) -> int:
 
 
 def publish(control: ControlPlane, client: ApiClient, plan: Plan, epoch: int, tokens_per_step: int) -> Plan:
-    """Publish `plan` under the coordinator's key, taking effect about `LEAD_S` seconds from now."""
-    progress = client.call_get_progress()
+    """Publish `plan` under the coordinator's key, taking effect about `LEAD_S` seconds from now, with what the
+    coordinator gives every plan from the one it replaces: the organizer's recipe and dataset (a plan without them
+    would be republished at once under the recipe), and the data position at its start step."""
+    progress, (current, _) = client.call_get_progress(), client.call_get_plan()
     step_s = tokens_per_step / progress.tokens_per_s if progress.tokens_per_s else 1.0
-    plan = replace(plan, epoch=epoch, start_step=progress.step + max(5, round(LEAD_S / step_s)))
+    start = max(progress.step + max(5, round(LEAD_S / step_s)), current.start_step)
+    plan = replace(plan, epoch=epoch, start_step=start, recipe=current.recipe, dataset=current.dataset,
+                   data_position=current.data_position_at(start))
     if not control.publish_plan(plan, ttl_s=3600):
         raise SystemExit(f"could not publish plan epoch {epoch}")
     return plan
