@@ -12,7 +12,7 @@ def format_plan(plan: Plan, baselines: dict[str, float | None], random_samples: 
         + (f", {len(plan.standby)} on standby" if plan.standby else "")
         + (f"; {plan.micro_batches} micro-batches of {plan.micro_batch} per lane per step" if not plan.lane_batches else
            f"; lanes take {'/'.join(map(str, plan.lane_batches))} of the {plan.batch} sequences a step, in "
-           f"micro-batches of {plan.micro_batch}, by their speed"),
+           f"micro-batches of {plan.micro_batch}"),
         "",
         "stage  layers    sync            devices (one per lane, in lane order)",
     ]

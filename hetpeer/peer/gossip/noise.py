@@ -7,7 +7,8 @@ norm at two batch sizes b < B, whose expectations are |G|^2 + tr(S) / b and |G|^
     |G|^2 ~ (B |g_B|^2 - b |g_b|^2) / (B - b),      tr(S) ~ (|g_b|^2 - |g_B|^2) / (1 / b - 1 / B)
 
 An all-reduce group holds both for free: each lane's own gradient (b = the lane's tokens a step, before the
-ring) and the mean, weighted by the lanes' shares of the batch (B = the group's tokens a step, after it). Both estimators are noisy, so each is averaged
+ring) and the mean, weighted by the lanes' shares of the batch (B = the group's tokens a step, after it).
+Both estimators are noisy, so each is averaged
 (an exponential average over steps, as the paper advises) before their ratio is taken. B_simple in tokens is
 where a batch stops paying: a lane batch well below it gains nearly n-fold from averaging n of them, one well
 above it little, which is what places a swarm on the planner's steps factor table (`planner/quality.py`).
