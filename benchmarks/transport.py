@@ -9,10 +9,11 @@ all of them alike; each figure is the median over the rounds:
 
 - plain TCP: `sendall` of the raw bytes into a receiver's preallocated buffer, a one-byte ack: the
   reference no transport that frames and checks its data can beat;
-- direct: hetpeer's `NetworkTransport` over `TcpLink`, as `hetpeer launch` runs it (no handshake);
-- direct, sealed: the same with each end's swarm key (`LinkIdentity`), as swarm peers run it: the
-  connection starts with the handshake that proves both device ids and agrees on keys, and every byte
-  after it travels in AES-256-GCM records (`hetpeer/peer/transport/sealed.py`);
+- direct: hetpeer's `NetworkTransport` over `TcpLink` without a handshake: what framing and checks cost
+  before sealing (no peer `hetpeer` runs goes without it);
+- direct, sealed: the same with each end's key (`LinkIdentity`), as every peer runs it (a swarm's or a fixed
+  plan's): the connection starts with the handshake that proves both device ids and agrees on keys, and every
+  byte after it travels in AES-256-GCM records (`hetpeer/peer/transport/sealed.py`);
 - relayed, sealed: the same, but the receiver cannot be dialled: it registered at a relay (a third
   process, `hetpeer/peer/transport/relay.py`), which splices the sender's connection to one the receiver
   opens; the two ends' handshake and sealing run through it (how two peers behind NAT meet);

@@ -25,6 +25,7 @@ from hetpeer.protocol.workload import Workload
 
 JOIN_FILE_WAIT_S = 120.0
 TENSOR_PORT, DHT_PORT = 7000, 7001  # a swarm peer's default ports off this machine: the ones to forward on a home router
+DEFAULT_LINK_KEY = str(Path.home() / ".hetpeer" / "link.key")  # a fixed plan peer's, as `hetpeer key` and `join --plan` take it
 
 
 def add_commands(commands) -> None:
@@ -45,6 +46,10 @@ def add_commands(commands) -> None:
     static.add_argument("--as", dest="device_id", metavar="DEVICE", help="this peer's device id in the plan")
     static.add_argument("--peers", type=Path, metavar="ADDRESSES.json", help="the address book (see docs/pipeline.md)")
     static.add_argument("--identity", metavar="KEY", help="this peer's P2P private key file (needed when the book gives it a P2P address)")
+    static.add_argument("--link-key", type=Path, metavar="FILE",
+                        help="this peer's link key, whose SHA-256 the book gives it as \"key\": its direct links prove "
+                        f"it and are sealed with it (default {DEFAULT_LINK_KEY.replace(str(Path.home()), '~')}; "
+                        "`hetpeer key` makes one)")
     static.add_argument("--rejoin", action="store_true",
                         help="first download the stage's parameters and optimizer state from the rest of its group, "
                         "and enter at the group's step")
@@ -81,6 +86,17 @@ def add_commands(commands) -> None:
     add_run_options(launch)
     add_recipe_options(launch)
     launch.set_defaults(run=run_launch)
+
+    key = commands.add_parser(
+        "key",
+        help="make a fixed plan peer's link key and print its SHA-256",
+        description="Print the SHA-256 of the link key in FILE, making the key there first when the file does not "
+        "exist. The SHA-256 is what a fixed plan's address book gives the peer as \"key\": `hetpeer join --plan` proves "
+        "itself with the key on every direct link and seals the link, and refuses peers whose key is not the book's.",
+    )
+    key.add_argument("file", type=Path, nargs="?", metavar="FILE",
+                     help=f"the key file (default {DEFAULT_LINK_KEY.replace(str(Path.home()), '~')})")
+    key.set_defaults(run=run_key)
 
     export = commands.add_parser(
         "export",
@@ -243,6 +259,7 @@ def run_join(args: argparse.Namespace) -> int:
             links=args.link,
             listen=_host_port(args.listen) if args.listen else None,
             identity_path=args.identity,
+            link_key=args.link_key or Path(DEFAULT_LINK_KEY),
             data=str(args.data) if args.data else None,
             data_cache=data_cache(args),
             tokenizer=tokenizer,
@@ -359,6 +376,21 @@ def on_this_machine(maddrs: list[str]) -> bool:
     """Whether a swarm reached through `maddrs` runs on this machine alone (every address a loopback one)."""
     hosts = [maddr_host(m) for m in maddrs]
     return all(h is not None and (h == "localhost" or h.startswith("127.") or h == "::1") for h in hosts)
+
+
+def run_key(args: argparse.Namespace) -> int:
+    from hetpeer.protocol.identity import KeyFileError, load_or_create_link_key
+
+    path = args.file or Path(DEFAULT_LINK_KEY)
+    made = not path.exists()
+    try:
+        digest = load_or_create_link_key(path).digest
+    except (KeyFileError, OSError) as error:
+        raise UserError(str(error)) from None
+    if made:
+        print(f"made a new link key in {path}", file=sys.stderr)
+    print(f"{digest}  {path}")
+    return 0
 
 
 def run_export(args: argparse.Namespace) -> int:

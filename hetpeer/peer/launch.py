@@ -1,7 +1,8 @@
 """The local launcher: every peer of a plan on this machine, each in its own `hetpeer join` process.
 
-It gives each peer a TCP port and a P2P key, writes the address book, starts the peers, shows their
-output prefixed by device id, and stops them all when one fails, when all are done, or on Ctrl+C.
+It gives each peer a TCP port and a link key (its direct links' handshake proves it, and seals them), and a
+P2P key where P2P is used, writes the address book, starts the peers, shows their output prefixed by device id,
+and stops them all when one fails, when all are done, or on Ctrl+C.
 """
 
 from __future__ import annotations
@@ -20,12 +21,22 @@ from hetpeer.protocol.addresses import AddressBook, PeerAddress
 from hetpeer.protocol.plan import Plan
 
 
+def link_key_path(out_dir: Path, device: str) -> Path:
+    """Where `write_address_book` keeps `device`'s link key."""
+    return out_dir / f"{device}.link.key"
+
+
 def write_address_book(devices: Sequence[str], out_dir: Path, links: str, host: str = "127.0.0.1") -> Path:
-    """Ports and P2P keys for `devices` on this machine; the book is `out_dir/addresses.json`. Direct TCP alone
-    (`links` "tcp") needs no hivemind."""
+    """Ports, link keys and P2P keys for `devices` on this machine; the book is `out_dir/addresses.json`, the keys
+    beside it. Direct TCP alone (`links` "tcp") runs no P2P daemon."""
+    from hetpeer.protocol.identity import load_or_create_link_key
+
     peers = {}
     for device in devices:
-        direct = (host, free_port(host)) if links in ("auto", "tcp") else None
+        direct = digest = None
+        if links in ("auto", "tcp"):
+            direct = (host, free_port(host))
+            digest = load_or_create_link_key(link_key_path(out_dir, device)).digest
         p2p: tuple[str, ...] = ()
         if links in ("auto", "p2p"):
             from hivemind.p2p import P2P
@@ -36,7 +47,7 @@ def write_address_book(devices: Sequence[str], out_dir: Path, links: str, host: 
             if not key.exists():
                 P2P.generate_identity(str(key))
             p2p = (f"/ip4/{host}/tcp/{free_port(host)}/p2p/{p2p_peer_id(str(key))}",)
-        peers[device] = PeerAddress(direct=direct, p2p=p2p)
+        peers[device] = PeerAddress(direct=direct, p2p=p2p, key=digest)
     path = out_dir / "addresses.json"
     path.write_text(json.dumps(AddressBook(peers).to_wire(), indent=1))
     return path
@@ -64,6 +75,8 @@ def launch(
             ]
             if links != "tcp":
                 command += ["--identity", str(out_dir / f"{device}.key")]
+            if links != "p2p":
+                command += ["--link-key", str(link_key_path(out_dir, device))]
             processes[device] = subprocess.Popen(
                 command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
             )

@@ -20,7 +20,9 @@ from hetpeer.peer.pipeline.worker import StageWorker, StepResult, WorkerConfig, 
 from hetpeer.peer.probe import peak_resident_bytes, resident_bytes
 from hetpeer.peer.transport.links import Link, P2PLink, TcpLink
 from hetpeer.peer.transport.network import Emulation, NetworkTransport
+from hetpeer.peer.transport.stream import LinkIdentity
 from hetpeer.protocol.addresses import LINK_CHOICES, AddressBook
+from hetpeer.protocol.identity import KeyFileError, load_or_create_link_key
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.workload import Workload
 
@@ -41,6 +43,7 @@ class PeerSetup:
     links: str = "auto"  # auto: direct TCP, falling back to P2P
     listen: tuple[str, int] | None = None  # where to accept TCP; default: this peer's address in the book
     identity_path: str | None = None  # P2P private key; its peer id must be the book's
+    link_key: Path | None = None  # the direct link's key (RSA, DER; made if missing); its SHA-256 must be the book's
     data: str | None = None  # corpus folder or file; default: the Python standard library's sources
     tokenizer: str | None = None  # tokenizer.json (or a folder with one); default: bytes
     data_cache: DataCache = DataCache()  # where a plan's dataset is downloaded to
@@ -73,6 +76,27 @@ class PeerSetup:
                 )
         if self.links == "p2p" and not address.p2p:
             raise PeerSetupError(f"{self.device_id} has no P2P address in the book")
+        if self.links in ("auto", "tcp"):
+            self.link_identity()  # refused here, before anything starts, when the key is not the book's
+
+    def link_identity(self) -> LinkIdentity:
+        """What this peer proves itself with on direct links: its link key, which must be the one whose digest
+        the book gives it; every other device of the book proves itself by its own."""
+        wanted = self.book.get(self.device_id).key
+        if wanted is None:
+            raise PeerSetupError(f"the book gives {self.device_id} no link key (\"key\"): run `hetpeer key FILE` on its "
+                                 "machine and write the SHA-256 it prints into the book, or use --link p2p")
+        if self.link_key is None:
+            raise PeerSetupError(f"give {self.device_id}'s link key file (--link-key), the key whose SHA-256 the book gives it")
+        try:
+            key = load_or_create_link_key(self.link_key)
+        except KeyFileError as error:
+            raise PeerSetupError(str(error)) from None
+        own = key.digest
+        if own != wanted:
+            raise PeerSetupError(f"link key {self.link_key} has SHA-256 {own}; the book says {self.device_id}'s is {wanted} "
+                                 "(give the key the book was written for, or write this one's digest into the book)")
+        return LinkIdentity(self.device_id, key, book=self.book.keys())
 
 
 def p2p_peer_id(identity_path: str) -> str:
@@ -89,7 +113,8 @@ def build_transport(setup: PeerSetup) -> NetworkTransport:
     links: list[Link] = []
     if setup.links in ("auto", "tcp"):
         host, port = setup.listen or address.direct
-        links.append(TcpLink(host, port, advertise_host=address.direct[0] if address.direct else None))
+        links.append(TcpLink(host, port, advertise_host=address.direct[0] if address.direct else None,
+                             identity=setup.link_identity()))
     if setup.links in ("auto", "p2p") and address.p2p:
         host_maddrs = [maddr.rsplit("/p2p/", 1)[0] for maddr in address.p2p]
         links.append(P2PLink(identity_path=setup.identity_path, host_maddrs=host_maddrs))

@@ -5,9 +5,13 @@ launcher writes (or that the organisers of a fixed set of machines write by hand
 
     {"version": 1,
      "peers": {"DEVICE": {"direct": "HOST:PORT",                        # optional
+                          "key": "<SHA-256 of its link key, 64 hex>",   # with "direct"
                           "p2p": ["/ip4/.../tcp/PORT/p2p/PEER_ID", ...]}}} # optional, may be empty
 
-A peer with neither kind of address cannot be reached and is refused at parse time.
+A peer with neither kind of address cannot be reached and is refused at parse time. A direct link opens
+with the handshake of `handshake.py` and is sealed: in a fixed plan a peer proves its device id with the key
+whose digest the book gives it (`hetpeer key` prints a key's), so the book of a peer with a direct address
+must carry one. P2P streams are authenticated by their peer id and sealed by libp2p.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from hetpeer.protocol.wire import SchemaError, field, need_int, need_list, need_
 BOOK_VERSION = 1
 MADDR_TCP_RE = re.compile(r"/(ip4|ip6|dns4|dns6|dns)/([^/]+)/tcp/(\d+)")  # protocol, host, port of a TCP multiaddr
 LINK_CHOICES = ("auto", "tcp", "p2p")  # how peers reach each other: direct TCP falling back to P2P, or only one
+KEY_RE = re.compile(r"[0-9a-f]{64}\Z")  # a key's whole SHA-256 (`identity.key_digest`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +38,8 @@ class PeerAddress:
     # the device that relays for it
     dialable: bool = True
     relay: str | None = None
+    key: str | None = None  # in a fixed plan's book: the SHA-256 of the link key the peer proves itself with
+
 
     @property
     def p2p_peer_id(self) -> str | None:
@@ -42,17 +49,25 @@ class PeerAddress:
         wire: dict[str, Any] = {"p2p": list(self.p2p)}
         if self.direct is not None:
             wire["direct"] = f"{self.direct[0]}:{self.direct[1]}"
+        if self.key is not None:
+            wire["key"] = self.key
         return wire
 
     @staticmethod
     def from_wire(raw: Any, path: str) -> "PeerAddress":
         record = need_mapping(raw, path)
-        no_extra_fields(record, {"direct", "p2p"}, path)
+        no_extra_fields(record, {"direct", "p2p", "key"}, path)
         direct = host_port(record["direct"], f"{path}.direct") if "direct" in record else None
         p2p = peer_maddrs(record.get("p2p", []), f"{path}.p2p")
         if direct is None and not p2p:
             raise SchemaError(path, "has neither a direct address nor a p2p multiaddr")
-        return PeerAddress(direct=direct, p2p=p2p)
+        key = None
+        if "key" in record:
+            key = need_str(record["key"], f"{path}.key")
+            if not KEY_RE.match(key):
+                raise SchemaError(f"{path}.key", f"must be the SHA-256 of a link key, 64 lowercase hex digits "
+                                                 f"(`hetpeer key FILE` prints it), got {key[:80]!r}")
+        return PeerAddress(direct=direct, p2p=p2p, key=key)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +78,10 @@ class AddressBook:
         if device not in self.peers:
             raise KeyError(f"no address for peer {device!r} in the address book")
         return self.peers[device]
+
+    def keys(self) -> dict[str, str]:
+        """Device id -> the SHA-256 of its link key, for every peer the book gives one (a fixed plan's)."""
+        return {device: address.key for device, address in self.peers.items() if address.key is not None}
 
     def device_of_p2p_id(self, peer_id: str) -> str | None:
         """The device whose P2P identity is `peer_id`: P2P streams authenticate their remote end."""
@@ -82,9 +101,15 @@ class AddressBook:
         if version != BOOK_VERSION:
             raise SchemaError("addresses.version", f"must be {BOOK_VERSION}, got {version}")
         peers = need_mapping(field(root, "peers", "addresses"), "addresses.peers")
-        return AddressBook(
+        book = AddressBook(
             {need_str(d, "addresses.peers"): PeerAddress.from_wire(a, f"addresses.peers.{d}") for d, a in peers.items()}
         )
+        for device, address in sorted(book.peers.items()):
+            if address.direct is not None and address.key is None:
+                raise SchemaError(f"addresses.peers.{device}.key", "missing: a peer with a direct address proves itself "
+                                  "with the link key whose SHA-256 this gives (on its machine, `hetpeer key FILE` makes "
+                                  "one and prints it; `hetpeer launch` writes them)")
+        return book
 
     @staticmethod
     def load(path: str | Path) -> "AddressBook":

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import hashlib
 import json
 import logging
 import math
@@ -27,7 +26,7 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from hetpeer.protocol.plan import Plan
-from hetpeer.protocol.identity import fingerprint
+from hetpeer.protocol.identity import KeyFileError, fingerprint, key_digest, load_or_create_link_key
 from hetpeer.protocol.records import (
     SCHEMA,
     PeerRecord,
@@ -85,28 +84,14 @@ def yield_cpu(pid: int | None, nice: int) -> None:
 
 
 def load_or_create_key(path: str | Path):
-    """The RSA private key in `path` (DER), created there (mode 0600) if the file does not exist."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import rsa
+    """The RSA private key in `path` (DER), created there (mode 0600) if the file does not exist, as hivemind's
+    RSAPrivateKey (what signs DHT records)."""
     from hivemind.utils.crypto import RSAPrivateKey
 
-    path = Path(path)
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        key = RSAPrivateKey()
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as out:
-            out.write(key.to_bytes())
-        return key
     try:
-        der = path.read_bytes()
-        loaded = serialization.load_der_private_key(der, password=None)
-    except OSError as error:
-        raise ControlError(f"cannot read key file {path}: {error.strerror or error}") from None
-    except (ValueError, TypeError):  # TypeError: a key file that is password-protected
-        loaded = None
-    if not isinstance(loaded, rsa.RSAPrivateKey):  # another kind of key would fail later, when signing
-        raise ControlError(f"{path} is not an RSA private key in DER form (delete it to make a new identity)")
+        der = load_or_create_link_key(path).to_bytes()
+    except KeyFileError as error:
+        raise ControlError(str(error)) from None
     key = RSAPrivateKey.__new__(RSAPrivateKey)
     key.__setstate__({"_private_key": der})  # hivemind's own (pickle) path to a key from bytes
     return key
@@ -114,11 +99,6 @@ def load_or_create_key(path: str | Path):
 
 def public_key_bytes(private_key) -> bytes:
     return private_key.get_public_key().to_bytes()
-
-
-def key_digest(public_key: bytes) -> str:
-    """The full SHA-256 of a public key: what peers are told to trust for plans (`--coordinator-key`)."""
-    return hashlib.sha256(public_key).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)

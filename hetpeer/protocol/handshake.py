@@ -1,8 +1,9 @@
 """The direct link's handshake: binds a TCP connection to the swarm keys of the peers at its two ends, and
 gives them the keys that seal everything after it (`peer/transport/sealed.py`).
 
-A device id is `NAME-<fingerprint of the peer's RSA key>` (records.py), so a peer proves it is the device
-it claims by signing a fresh nonce with that key. Both ends prove themselves, each over the other's nonce,
+A swarm's device id is `NAME-<fingerprint of the peer's RSA key>` (records.py), a fixed plan's is bound to its
+key by the address book (`key`, the key's whole SHA-256), so a peer proves it is the device it claims by
+signing a fresh nonce with that key. Both ends prove themselves, each over the other's nonce,
 and each brings a fresh X25519 key for this connection alone:
 
     listener -> dialer    b"HPA2" + 32-byte nonce + 32-byte X25519 key        (the challenge)
@@ -25,9 +26,9 @@ from __future__ import annotations
 import os
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
-from hetpeer.protocol.identity import bound, fingerprint
+from hetpeer.protocol.identity import bound, fingerprint, key_digest, verify
 
 MAGIC = b"HPA2"
 NONCE_BYTES = 32
@@ -130,28 +131,33 @@ class Proof:
 
 
 def prove(private_key: Any, role: str, nonce: bytes, prover: str, verifier: str, keys: bytes) -> Proof:
-    """`prover`'s proof (signed with its hivemind RSAPrivateKey) for the peer that sent `nonce`, over the
-    connection's two X25519 keys (`keys`, the dialer's first)."""
+    """`prover`'s proof (signed with its key: a swarm peer's hivemind RSAPrivateKey, a fixed plan peer's `LinkKey`)
+    for the peer that sent `nonce`, over the connection's two X25519 keys (`keys`, the dialer's first)."""
     public_key = private_key.get_public_key().to_bytes()
     return Proof(prover, public_key, private_key.sign(signed_bytes(role, nonce, prover, verifier, keys)))
 
 
-def check(proof: Proof, role: str, nonce: bytes, verifier: str, keys: bytes, expected: str | None = None) -> str:
-    """The device `proof` proves (HandshakeError saying why not): its id is bound to the key (`device_id`),
+def check(proof: Proof, role: str, nonce: bytes, verifier: str, keys: bytes, expected: str | None = None,
+          book: Mapping[str, str] | None = None) -> str:
+    """The device `proof` proves (HandshakeError saying why not): its id is bound to the key (its name's
+    fingerprint, `device_id`; given a fixed plan's `book` of device -> key digest, the digest the book gives it),
     the key signed this connection's nonce for `verifier` in `role`, and, given `expected`, it is that device."""
-    from cryptography.exceptions import UnsupportedAlgorithm
-    from hivemind.utils.crypto import RSAPublicKey
-
     if expected is not None and proof.device != expected:
         raise HandshakeError(f"the peer at this address is {proof.device!r}, not {expected!r}")
-    if not bound(proof.device, proof.public_key):
+    if book is not None:
+        if proof.device not in book:
+            raise HandshakeError(f"{proof.device!r} has no link key in this plan's address book")
+        if key_digest(proof.public_key) != book[proof.device]:
+            raise HandshakeError(f"{proof.device!r} presented a key whose SHA-256 is {key_digest(proof.public_key)[:16]}..., "
+                                 f"the address book gives it {book[proof.device][:16]}...")
+    elif not bound(proof.device, proof.public_key):
         raise HandshakeError(f"device id {proof.device!r} is not bound to the key it presented (fingerprint "
                              f"{fingerprint(proof.public_key)})")
     try:
-        key = RSAPublicKey.from_bytes(proof.public_key)
-    except (ValueError, TypeError, UnsupportedAlgorithm) as error:  # what cryptography raises for keys it cannot load
+        verified = verify(proof.public_key, signed_bytes(role, nonce, proof.device, verifier, keys), proof.signature)
+    except ValueError as error:
         raise HandshakeError(f"{proof.device}'s public key does not parse: {error}") from None
-    if not key.verify(signed_bytes(role, nonce, proof.device, verifier, keys), proof.signature):
+    if not verified:
         raise HandshakeError(f"{proof.device!r}'s signature over this connection's nonce and keys does not verify: "
                              "it does not hold that device's key, meant another peer, or someone between swapped a key")
     return proof.device

@@ -5,7 +5,8 @@ Not a test module: `test_pipeline_processes.py` starts it once per peer, each in
     python pipeline_peer.py PLAN.json DEVICE ADDRESSES.json OUT_DIR {tcp,p2p,auto}
         [--identity KEY] [--listen HOST:PORT] [--timeout SECONDS] [--die-after-first-activation]
 
-It builds the transport as `hetpeer join` does (`node.PeerSetup` and `node.build_transport`), runs the
+It builds the transport as `hetpeer join` does (`node.PeerSetup` and `node.build_transport`; its link key is
+OUT_DIR/DEVICE.link.key, as `launch.link_key_path` names it), runs the
 forward and backward passes of step 0 (no optimizer step), and writes into OUT_DIR:
 
     DEVICE.ready written once the transport listens
@@ -35,6 +36,7 @@ import numpy as np
 import torch
 
 from hetpeer.peer import node
+from hetpeer.peer.launch import link_key_path
 from hetpeer.peer.data.corpus import Corpus
 from hetpeer.peer.pipeline.worker import StageWorker, WorkerConfig
 from hetpeer.peer.transport import TransportError
@@ -73,6 +75,7 @@ def main() -> int:
         links=args.link,
         listen=listen,
         identity_path=args.identity,
+        link_key=link_key_path(args.out, args.device),
     )
     stage, _ = setup.plan.position(args.device)
     corpus = Corpus.default() if stage == 0 else None

@@ -23,9 +23,11 @@ from p2p_keys import make_keys
 from processes import live_processes
 from hetpeer.logline import unstamp
 from hetpeer.peer.data.corpus import Corpus
+from hetpeer.peer.launch import link_key_path
 from hetpeer.peer.reach import free_port
 from hetpeer.peer.model import build_stage
 from hetpeer.protocol.addresses import AddressBook
+from hetpeer.protocol.identity import load_or_create_link_key
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.modelspec import preset
 
@@ -46,6 +48,14 @@ def make_plan(lanes: int, *, batch: int = 8, micro_batch: int = 2, dtype: str = 
         cost_model="time", model="tiny", layers=SPEC.layers, batch=batch, micro_batch=micro_batch,
         micro_batches=-(-lane_batch // micro_batch), dtype=dtype, stages=stages,
     )  # fmt: skip
+
+
+def fixed_book(folder: Path, devices=("d0", "d1")) -> tuple[dict, list[str]]:
+    """A hand-written address book of peers on this machine, each with a link key made under `folder`, and the
+    options that run d0 with its key."""
+    keys = {d: load_or_create_link_key(link_key_path(folder, d)).digest for d in devices}
+    book = {"version": 1, "peers": {d: {"direct": f"127.0.0.1:{free_port()}", "key": keys[d]} for d in devices}}
+    return book, ["--link-key", str(link_key_path(folder, "d0"))]
 
 
 def write_json(path: Path, wire) -> Path:
@@ -227,10 +237,10 @@ def keys(tmp_path_factory):
 def join_case(case: str, tmp_path: Path, keys) -> tuple[list[str], list[str]]:
     """(arguments of `hetpeer join`, words its error line must hold)."""
     plan = make_plan(lanes=1, batch=4, micro_batch=2)
-    book = {"version": 1, "peers": {d: {"direct": f"127.0.0.1:{free_port()}"} for d in ("d0", "d1")}}
+    book, extra = fixed_book(tmp_path)
     plan_path = tmp_path / "plan.json"
     book_path = tmp_path / "addresses.json"
-    device, extra, words = "d0", [], []
+    device, words = "d0", []
     if case == "device not in the plan":
         device, words = "d7", ["'d7'", "holds no stage"]
     elif case == "device not in the address book":
@@ -239,7 +249,7 @@ def join_case(case: str, tmp_path: Path, keys) -> tuple[list[str], list[str]]:
     elif case == "key of another peer":
         (mine, mine_id), (_, other_id) = keys["mine"], keys["other"]
         book["peers"]["d0"]["p2p"] = [f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{other_id}"]
-        extra, words = ["--identity", mine], [mine, mine_id, other_id]
+        extra, words = [*extra, "--identity", mine], [mine, mine_id, other_id]
     elif case == "plan is not JSON":
         plan_path.write_text('{"version": 1, "stages": [')
         words = [str(plan_path), "not valid JSON"]
@@ -247,21 +257,33 @@ def join_case(case: str, tmp_path: Path, keys) -> tuple[list[str], list[str]]:
         plan = make_plan(lanes=1, batch=4, micro_batch=2, dtype="fp16")
         words = ["fp16", "bf16 or fp32"]
     elif case == "bad --listen":
-        extra, words = ["--listen", "localhost"], ["--listen", "HOST:PORT", "'localhost'"]
+        extra, words = [*extra, "--listen", "localhost"], ["--listen", "HOST:PORT", "'localhost'"]
     elif case == "bad address book entry":
         book["peers"]["d1"]["direct"] = "127.0.0.1"
         words = ["addresses.peers.d1.direct", "HOST:PORT", "'127.0.0.1'"]
     elif case == "not a device":
-        extra, words = ["--device", "gpu"], ["--device", "auto, cpu, cuda or cuda:N", "'gpu'"]
+        extra, words = [*extra, "--device", "gpu"], ["--device", "auto, cpu, cuda or cuda:N", "'gpu'"]
     elif case == "a training option, which is the plan's":
-        extra, words = ["--lr", "1e-3"], ["--lr is the organizer's", "--set lr=VALUE"]
+        extra, words = [*extra, "--lr", "1e-3"], ["--lr is the organizer's", "--set lr=VALUE"]
     elif case == "a codec this peer does not know":  # a plan from a newer hetpeer
         raw = plan.to_wire()
         raw["stages"][0]["forward"] = ["int3"]
         plan_path.write_text(json.dumps(raw))
         words = ["plan.stages[0].forward[0]", "'int3' is not one this peer knows", "newer hetpeer"]
     elif case == "a GPU this machine lacks":  # no CUDA at all, or fewer than 100 GPUs: both say so
-        extra, words = ["--device", "cuda:99"], ["--device cuda:99"]
+        extra, words = [*extra, "--device", "cuda:99"], ["--device cuda:99"]
+    elif case == "a book without link keys":
+        del book["peers"]["d1"]["key"]
+        words = ["addresses.peers.d1.key", "missing", "hetpeer key FILE"]
+    elif case == "a link key that is not hex":
+        book["peers"]["d1"]["key"] = "sha256:" + "0" * 57
+        words = ["addresses.peers.d1.key", "64 lowercase hex digits"]
+    elif case == "another peer's link key":
+        extra, words = ["--link-key", str(link_key_path(tmp_path, "d1"))], [
+            str(link_key_path(tmp_path, "d1")), book["peers"]["d1"]["key"], book["peers"]["d0"]["key"], "the book says d0's"]
+    elif case == "a link key file that is not a key":
+        (tmp_path / "not-a-key").write_text("hello")
+        extra, words = ["--link-key", str(tmp_path / "not-a-key")], ["not-a-key", "not an RSA private key"]
     else:
         raise AssertionError(case)
     if not plan_path.exists():
@@ -273,7 +295,8 @@ def join_case(case: str, tmp_path: Path, keys) -> tuple[list[str], list[str]]:
 
 JOIN_CASES = ["device not in the plan", "device not in the address book", "key of another peer", "plan is not JSON",
               "fp16 plan", "bad --listen", "bad address book entry", "not a device", "a GPU this machine lacks",
-              "a training option, which is the plan's", "a codec this peer does not know"]  # fmt: skip
+              "a training option, which is the plan's", "a codec this peer does not know", "a book without link keys",
+              "a link key that is not hex", "another peer's link key", "a link key file that is not a key"]  # fmt: skip
 
 
 @pytest.mark.parametrize("case", JOIN_CASES)
@@ -379,11 +402,11 @@ def test_launch_refuses_a_model_folder_plan_without_its_folder(tmp_path, cli, gp
 
 def test_join_refuses_a_tokenizer_or_data_that_does_not_fit(tmp_path, cli, gpt2_folder):
     plan_path = write_json(tmp_path / "plan.json", make_plan(lanes=1, batch=4).to_wire())
-    book = {"version": 1, "peers": {d: {"direct": f"127.0.0.1:{free_port()}"} for d in ("d0", "d1")}}
+    book, key = fixed_book(tmp_path)
     book_path = write_json(tmp_path / "book.json", book)
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"text": "fine"}\nnot json\n')
-    common = ["join", "--plan", str(plan_path), "--as", "d0", "--peers", str(book_path), "--link", "tcp", "--steps", "1"]
+    common = ["join", "--plan", str(plan_path), "--as", "d0", "--peers", str(book_path), "--link", "tcp", "--steps", "1", *key]
     for extra, words in ((["--tokenizer", str(gpt2_folder / "tokenizer.json")], ["has 300 tokens", "model tiny (256)"]),
                          (["--data", str(broken)], ["broken.jsonl:2", "not a JSON object"])):
         done = cli(*common, *extra, timeout_s=60)
@@ -401,9 +424,9 @@ def test_join_refuses_to_resume_from_a_checkpoint_of_another_model(tmp_path, cli
     moments = {name: torch.zeros(sum(p.numel() for p in stage.parameters())) for name in ("m", "v", "window")}
     save_stage(tmp_path / "saved" / "d0.safetensors", stage, moments, spec=other, layers=(0, 3), step=5, epoch=1, adam_step=5)
     plan_path = write_json(tmp_path / "plan.json", make_plan(lanes=1, batch=4).to_wire())
-    book = {"version": 1, "peers": {d: {"direct": f"127.0.0.1:{free_port()}"} for d in ("d0", "d1")}}
+    book, key = fixed_book(tmp_path)
     done = cli("join", "--plan", str(plan_path), "--as", "d0", "--peers", str(write_json(tmp_path / "book.json", book)),
-               "--link", "tcp", "--steps", "1", "--resume", str(tmp_path / "saved"), timeout_s=60)
+               "--link", "tcp", "--steps", "1", "--resume", str(tmp_path / "saved"), *key, timeout_s=60)
     assert done.returncode == 2, (done.stdout, done.stderr)
     lines = done.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("hetpeer join: error: "), done.stderr

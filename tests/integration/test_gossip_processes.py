@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from hetpeer.logline import unstamp
-from hetpeer.peer.launch import write_address_book
+from hetpeer.peer.launch import link_key_path, write_address_book
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.recipe import Recipe
 
@@ -150,7 +150,7 @@ class Peers:
 
     def join(self, group: Group, device: str, *extra: str, log_name: str | None = None) -> Peer:
         args = ["--plan", str(group.plan), "--peers", str(group.book), "--link", "tcp", "--threads", "1",
-                "--save", str(group.save), *extra]  # fmt: skip
+                "--link-key", str(link_key_path(group.book.parent, device)), "--save", str(group.save), *extra]  # fmt: skip
         peer = Peer(device, args, self.logs / f"{log_name or device}.log")
         self.started.append(peer)
         return peer

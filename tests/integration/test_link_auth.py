@@ -1,5 +1,6 @@
 """Direct links prove both ends' device ids: frames sent in a member's name by anyone without its key never
-reach the member's inbox, and the honest frames still do (real TCP on 127.0.0.1)."""
+reach the member's inbox, and the honest frames still do (real TCP on 127.0.0.1). In a swarm an id is bound to
+its key by its name; in a fixed plan by the address book."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from hetpeer.peer.transport.links import TcpLink
 from hetpeer.peer.transport.stream import LinkIdentity
 from hetpeer.peer.transport.network import NetworkTransport
 from hetpeer.protocol.addresses import AddressBook, PeerAddress
-from hetpeer.protocol.identity import device_id
+from hetpeer.protocol.identity import device_id, load_or_create_link_key
 
 KINDS = ("activation", "gradient", "params", "state_request", "probe")
 
@@ -140,3 +141,59 @@ def test_a_silent_connection_is_closed_after_the_handshake_deadline(members, mon
         idle.recv(1 << 10)  # the rest of the challenge
         assert idle.recv(1) == b"", "the listener closed the connection"
     assert "no proof within" in tb.inbox.rejections[-1][1]
+
+
+# -- a fixed plan: device ids the plan gives, bound to keys by the address book ---------------------------
+
+
+@pytest.fixture()
+def fixed(tmp_path):
+    """d0 and d1 of a fixed plan, each proving itself with the link key whose digest the book gives it."""
+    keys = {d: load_or_create_link_key(tmp_path / f"{d}.link.key") for d in ("d0", "d1")}
+    book = AddressBook({d: PeerAddress(direct=("127.0.0.1", free_port()), key=k.digest) for d, k in keys.items()})
+    ids = {d: LinkIdentity(d, k, book=book.keys()) for d, k in keys.items()}
+    with transport(ids["d0"], book, book.get("d0").direct[1]) as t0, transport(ids["d1"], book, book.get("d1").direct[1]) as t1:
+        yield ids, t0, t1, book
+
+
+def test_fixed_plan_peers_prove_the_keys_their_book_gives(fixed):
+    ids, t0, t1, book = fixed
+    t0.send("d1", "activation", torch.arange(4.0), step=0)
+    t0.flush(10)
+    assert torch.equal(t1.recv("activation", "d0", 0, 0, timeout_s=10), torch.arange(4.0))
+    t1.send("d0", "gradient", torch.ones(4), step=0)  # and the other way, dialled by d1
+    t1.flush(10)
+    assert torch.equal(t0.recv("gradient", "d1", 0, 0, timeout_s=10), torch.ones(4))
+    assert t1.inbox.unauthenticated == 0 and t0.inbox.unauthenticated == 0
+
+
+def test_a_fixed_plan_refuses_another_key_and_a_stranger_bound_to_its_own(fixed, tmp_path):
+    ids, t0, t1, book = fixed
+    impostor = LinkIdentity("d0", load_or_create_link_key(tmp_path / "impostor.key"), book=book.keys())
+    with transport(impostor, book) as forged:  # d0's name, another key
+        attack(forged, "d1", "d0")
+        wait_for(lambda: t1.inbox.unauthenticated >= 1)
+    assert "'d0' presented a key whose SHA-256 is" in t1.inbox.rejections[-1][1]
+    swarm_peer = identity("mallory")  # an id bound to its key by its name, as in a swarm: not this plan's
+    with transport(swarm_peer, book) as stranger:
+        attack(stranger, "d1", "d0")
+        wait_for(lambda: t1.inbox.unauthenticated >= 2)
+    assert f"{swarm_peer.device!r} has no link key in this plan's address book" in t1.inbox.rejections[-1][1]
+    with pytest.raises(Exception):  # nothing of either reached the inbox
+        t1.recv("activation", "d0", 0, 0, timeout_s=0.5)
+    t0.send("d1", "activation", torch.ones(4), step=0)
+    t0.flush(10)
+    assert torch.equal(t1.recv("activation", "d0", 0, 0, timeout_s=10), torch.ones(4))
+    assert not t1.inbox.misbehaving
+
+
+def test_a_fixed_plan_peer_does_not_send_to_a_listener_without_the_books_key(fixed, tmp_path):
+    ids, t0, t1, book = fixed
+    port = free_port()
+    moved = AddressBook({**book.peers, "d1": PeerAddress(direct=("127.0.0.1", port), key=book.get("d1").key)})
+    squatter = LinkIdentity("d1", load_or_create_link_key(tmp_path / "squatter.key"), book=book.keys())
+    with transport(squatter, moved, port):
+        t0.book = moved
+        t0.send("d1", "activation", torch.ones(4), step=0)
+        with pytest.raises(PeerUnreachable, match="presented a key whose SHA-256"):
+            t0.flush(10)

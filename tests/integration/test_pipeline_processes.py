@@ -24,7 +24,7 @@ import torch
 
 from p2p_keys import make_keys
 from hetpeer.peer.data.corpus import Corpus
-from hetpeer.peer.launch import free_port
+from hetpeer.peer.launch import free_port, link_key_path
 from hetpeer.peer.model import build_stage
 from hetpeer.peer.pipeline.worker import StageWorker, WorkerConfig
 from hetpeer.peer.transport.codec import checksum, decode, encode
@@ -32,6 +32,7 @@ from hetpeer.peer.transport.links import TcpLink
 from hetpeer.peer.transport.network import NetworkTransport
 from hetpeer.protocol.addresses import AddressBook, PeerAddress
 from hetpeer.protocol.frame import PREFIX, FrameHeader, decode_header, header_length
+from hetpeer.protocol.identity import load_or_create_link_key
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.modelspec import preset
 
@@ -55,8 +56,14 @@ def make_plan(layers_per_stage: list[int], micro_batch: int, batch: int = BATCH)
     )  # fmt: skip
 
 
-def tcp_book(devices) -> AddressBook:
-    return AddressBook({d: PeerAddress(direct=("127.0.0.1", free_port())) for d in devices})
+def link_keys(devices, out: Path) -> dict[str, str]:
+    """Each device's link key, made where `pipeline_peer.py` reads it: device -> the digest its book entry carries."""
+    return {d: load_or_create_link_key(link_key_path(out, d)).digest for d in devices}
+
+
+def tcp_book(devices, out: Path) -> AddressBook:
+    keys = link_keys(devices, out)
+    return AddressBook({d: PeerAddress(direct=("127.0.0.1", free_port()), key=keys[d]) for d in devices})
 
 
 def write(path: Path, wire: dict) -> Path:
@@ -174,7 +181,7 @@ def neighbours(plan: Plan) -> dict[str, set[str]]:
 )  # fmt: skip
 def test_tcp_pipeline_matches_the_whole_model(layers_per_stage, micro_batch, tmp_path, peers, reference):
     plan = make_plan(layers_per_stage, micro_batch)
-    loss, grads, routes = run_pipeline(tmp_path, peers, plan, tcp_book(plan.devices), "tcp")
+    loss, grads, routes = run_pipeline(tmp_path, peers, plan, tcp_book(plan.devices, peers.out), "tcp")
     assert_matches_reference(loss, grads, reference)
     assert routes == {d: {n: "tcp" for n in ns} for d, ns in neighbours(plan).items()}
 
@@ -205,9 +212,9 @@ def test_refused_direct_address_falls_back_to_p2p(tmp_path, peers, reference, p2
     """The book's direct addresses are closed ports (each peer listens elsewhere): every frame goes over P2P."""
     plan = make_plan([2, 2], 1)
     closed = {d: free_port() for d in plan.devices}  # nobody listens there
-    book = AddressBook(
-        {d: PeerAddress(direct=("127.0.0.1", closed[d]), p2p=(p2p_maddr(p2p_keys[d][1]),)) for d in plan.devices}
-    )
+    keys = link_keys(plan.devices, peers.out)
+    book = AddressBook({d: PeerAddress(direct=("127.0.0.1", closed[d]), p2p=(p2p_maddr(p2p_keys[d][1]),), key=keys[d])
+                        for d in plan.devices})
     extra = lambda d: ("--identity", p2p_keys[d][0], "--listen", f"127.0.0.1:{free_port()}")  # noqa: E731
     loss, grads, routes = run_pipeline(tmp_path, peers, plan, book, "auto", extra=extra)
     assert_matches_reference(loss, grads, reference)
@@ -229,7 +236,7 @@ def assert_failed_naming(peers: Peers, device: str, culprit: str) -> dict:
 def test_stage0_fails_when_the_next_peer_never_starts(tmp_path, peers):
     plan = make_plan([2, 2], 1)
     plan_path = write(tmp_path / "plan.json", plan.to_wire())
-    book_path = write(tmp_path / "addresses.json", tcp_book(plan.devices).to_wire())
+    book_path = write(tmp_path / "addresses.json", tcp_book(plan.devices, peers.out).to_wire())
     peers.start(plan_path, "d0", book_path, "tcp", "--timeout", "2")
     assert_failed_naming(peers, "d0", "d1")
     assert not (peers.out / "d0.npz").exists()
@@ -239,7 +246,7 @@ def test_stage0_fails_when_the_next_peer_never_starts(tmp_path, peers):
 def test_stage0_fails_when_the_next_peer_dies_mid_step(tmp_path, peers):
     plan = make_plan([2, 2], 1)  # four micro-batches: d1 dies after the first
     plan_path = write(tmp_path / "plan.json", plan.to_wire())
-    book_path = write(tmp_path / "addresses.json", tcp_book(plan.devices).to_wire())
+    book_path = write(tmp_path / "addresses.json", tcp_book(plan.devices, peers.out).to_wire())
     peers.start(plan_path, "d1", book_path, "tcp", "--die-after-first-activation")
     peers.wait_ready("d1")  # so d0 reaches it: the failure is the death, not a refused connection
     peers.start(plan_path, "d0", book_path, "tcp", "--timeout", "2")

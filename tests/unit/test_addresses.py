@@ -12,17 +12,18 @@ from hetpeer.protocol.wire import SchemaError
 
 ID_A = "QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
 ID_B = "12D3KooWD3eckifWpRn9wQpMG9R9hX3sD158z7EqHWmweQAJU5SA"
+KEY_0, KEY_2, KEY_3 = ("0" * 63 + "1", "ab" * 32, "0123456789abcdef" * 4)  # SHA-256s of link keys
 
 
 def wire() -> dict:
     return {
         "version": 1,
         "peers": {
-            "gpu-0": {"direct": "10.0.0.1:7000", "p2p": [f"/ip4/10.0.0.1/tcp/7001/p2p/{ID_A}",
-                                                        f"/ip4/1.2.3.4/udp/7001/quic/p2p/{ID_A}"]},
+            "gpu-0": {"direct": "10.0.0.1:7000", "key": KEY_0, "p2p": [f"/ip4/10.0.0.1/tcp/7001/p2p/{ID_A}",
+                                                                         f"/ip4/1.2.3.4/udp/7001/quic/p2p/{ID_A}"]},
             "gpu-1": {"p2p": [f"/ip4/1.2.3.5/tcp/4001/p2p/{ID_B}"]},
-            "gpu-2": {"direct": "[::1]:65535"},
-            "gpu-3": {"direct": "peer.example.org:1", "p2p": []},
+            "gpu-2": {"direct": "[::1]:65535", "key": KEY_2},
+            "gpu-3": {"direct": "peer.example.org:1", "p2p": [], "key": KEY_3},
         },
     }
 
@@ -30,11 +31,12 @@ def wire() -> dict:
 def test_round_trip_and_lookups():
     book = AddressBook.from_wire(wire())
     assert book.get("gpu-0") == PeerAddress(
-        direct=("10.0.0.1", 7000), p2p=tuple(wire()["peers"]["gpu-0"]["p2p"])
+        direct=("10.0.0.1", 7000), p2p=tuple(wire()["peers"]["gpu-0"]["p2p"]), key=KEY_0
     )
     assert book.get("gpu-1").direct is None and book.get("gpu-1").p2p_peer_id == ID_B
     assert book.get("gpu-2").direct == ("::1", 65535)
-    assert book.get("gpu-3") == PeerAddress(direct=("peer.example.org", 1))
+    assert book.get("gpu-3") == PeerAddress(direct=("peer.example.org", 1), key=KEY_3)
+    assert book.keys() == {"gpu-0": KEY_0, "gpu-2": KEY_2, "gpu-3": KEY_3}  # gpu-1 is reached over P2P alone
     assert book.get("gpu-3").p2p_peer_id is None
     with pytest.raises(KeyError, match="gpu-9"):
         book.get("gpu-9")
@@ -109,6 +111,11 @@ BAD = [
     ("neither address", lambda: _peer({}), "addresses.peers.x"),
     ("neither address, empty p2p", lambda: _peer({"p2p": []}), "addresses.peers.x"),
     ("empty device id", lambda: _with(lambda r: r["peers"].update({"": {"direct": "h:1"}})), "addresses.peers"),
+    ("direct address without a link key", lambda: _peer({"direct": "h:1"}), "addresses.peers.x.key"),
+    ("link key in capitals", lambda: _peer({"direct": "h:1", "key": KEY_2.upper()}), "addresses.peers.x.key"),
+    ("link key cut short", lambda: _peer({"direct": "h:1", "key": KEY_2[:-1]}), "addresses.peers.x.key"),
+    ("link key as a number", lambda: _peer({"direct": "h:1", "key": 7}), "addresses.peers.x.key"),
+    ("link key with a prefix", lambda: _peer({"direct": "h:1", "key": f"sha256:{KEY_2}"}), "addresses.peers.x.key"),
 ]
 
 
@@ -129,6 +136,10 @@ def test_error_messages_say_what_is_wrong():
         AddressBook.from_wire(_peer({}))
     with pytest.raises(SchemaError, match="must be 1, got 2"):
         AddressBook.from_wire(_with(lambda r: r.update(version=2)))
+    with pytest.raises(SchemaError, match=r"missing: a peer with a direct address proves itself .*`hetpeer key FILE`"):
+        AddressBook.from_wire(_peer({"direct": "h:1"}))
+    with pytest.raises(SchemaError, match="64 lowercase hex digits"):
+        AddressBook.from_wire(_peer({"direct": "h:1", "key": "f" * 65}))
 
 
 def test_load_of_a_missing_file(tmp_path):

@@ -126,8 +126,9 @@ async def connect(host: str, port: int) -> SocketStream:
 class TcpLink(Link):
     """The direct path: TCP to the peer's announced host and port. With an `identity`, every connection
     starts with the handshake of `protocol/handshake.py`, and only a connection whose other end proved its
-    device id carries frames (`Stream.authenticated`). Without one (`hetpeer launch`: processes an
-    organizer starts on machines it trusts), the sender a frame names is taken at its word."""
+    device id carries frames (`Stream.authenticated`); every peer `hetpeer` runs has one. Without one (the
+    transport benchmark's baseline, tests of the inbox on a bare socket) the sender a frame names is taken at
+    its word."""
 
     name = "tcp"
     errors = (OSError, asyncio.TimeoutError, HandshakeError)

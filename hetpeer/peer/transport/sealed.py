@@ -39,7 +39,7 @@ class SealedStream(Stream):
         from cryptography.exceptions import InvalidTag
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-        self._invalid_tag = InvalidTag  # imported here: a link without a handshake (`hetpeer launch`) never needs it
+        self._invalid_tag = InvalidTag
         self.inner, self.remote, self.authenticated = inner, inner.remote, inner.authenticated
         self._seal, self._open = AESGCM(send_key), AESGCM(receive_key)
         self._sent = self._received = 0  # records so far in each direction: their nonces
@@ -145,7 +145,7 @@ async def answer(stream: Stream, identity: LinkIdentity, hello: Hello, lengths: 
     theirs = bytes(await stream.read_exactly(NONCE_BYTES + KEY_BYTES))
     their_nonce, their_key = theirs[:NONCE_BYTES], theirs[NONCE_BYTES:]
     keys = their_key + hello.key.public
-    device = check(proof, "dialer", hello.nonce, identity.device, keys)
+    device = check(proof, "dialer", hello.nonce, identity.device, keys, book=identity.book)
     await stream.write([prove(identity.private_key, "listener", their_nonce, identity.device, device, keys).encode()])
     stream.authenticated = device
     to_listener, to_dialer = session_keys(hello.key.secret(their_key), their_nonce, hello.nonce, device, identity.device)
@@ -158,7 +158,8 @@ async def dial(stream: Stream, identity: LinkIdentity, to: str) -> Stream:
     mine, key = nonce(), Ephemeral()
     keys = key.public + their_key
     await stream.write([prove(identity.private_key, "dialer", their_nonce, identity.device, to, keys).encode(), mine, key.public])
-    stream.authenticated = check(await read_proof(stream), "listener", mine, identity.device, keys, expected=to)
+    stream.authenticated = check(await read_proof(stream), "listener", mine, identity.device, keys, expected=to,
+                                 book=identity.book)
     to_listener, to_dialer = session_keys(key.secret(their_key), mine, their_nonce, identity.device, to)
     return SealedStream(stream, to_listener, to_dialer)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Awaitable, Callable, Sequence
+from typing import Awaitable, Callable, Mapping, Sequence
 
 
 class Stream(ABC):
@@ -52,11 +52,12 @@ Identify = Callable[[str], "str | None"]
 Refuse = Callable[[str, str], None]  # (remote, reason): a connection closed before it carried a frame
 
 
-
 @dataclass(frozen=True, slots=True)
 class LinkIdentity:
-    """What a peer proves itself with on direct links: its device id and the swarm key it is bound to
-    (a hivemind RSAPrivateKey, the one that signs its records)."""
+    """What a peer proves itself with on direct links: its device id and the key it is bound to (a hivemind
+    RSAPrivateKey: a swarm peer's signs its records). In a fixed plan `book` maps each device of the address book
+    to its key's SHA-256: the others prove themselves by those, not by their names (`handshake.check`)."""
 
     device: str
     private_key: object
+    book: Mapping[str, str] | None = None
