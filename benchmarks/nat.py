@@ -10,7 +10,9 @@ ms one way between any two, shaped per destination and emulated as in every test
 - public: every device on the shared network;
 - half-cone: every other device behind a cone NAT (Linux SNAT keeping ports);
 - all-cone: every device behind a cone NAT (no public peer: nobody can relay);
-- half-symmetric: every other device behind a symmetric NAT (`--random-fully`).
+- half-symmetric: every other device behind a symmetric NAT (`--random-fully`);
+- link-down: the half-cone swarm, and after its window the first NATed device's router drops everything for
+  `--outage` seconds (iptables DROP in its FORWARD chain: no reset, no error, as a home link that goes down).
 
 Peers behind NAT join with no address flag, learn from the coordinator's reach service that nobody can dial
 them, and register at a public peer's relay; the coordinator plans with what they announce. Per variant:
@@ -23,9 +25,15 @@ them, and register at a public peer's relay; the coordinator plans with what the
 - longest stall: the largest gap between two consecutive steps of any peer, first step to the window's end;
 - standby: the peers the plan left out, with the coordinator's reason.
 
+For link-down also: the steps the swarm made while the link was down (it must step on), and, from the link's
+return, the seconds until the coordinator lists the peer again ("seen"), until its links work ("linked": its
+record is back, lists no peer it cannot reach, and no other peer's record lists it), polled from the
+coordinator's API every `POLL_S`, and until its probes are answered (its log's next "links measured" line).
+
 `--json` prints one JSON object as the last line: per variant those figures, and the goals' ratios (half-cone
 >= 0.9 of public, half-symmetric >= 0.7 or its unserved peers on standby with a reason; training within 60 s of
-joining; no stall over 60 s).
+joining; no stall over 60 s; link-down: the swarm steps on and the peer is linked again within 30 s of the
+link's return).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
 import sys
 import tempfile
 import time
@@ -47,7 +56,7 @@ from hetpeer.peer.launch import free_port  # noqa: E402
 from hetpeer.protocol.modelspec import preset  # noqa: E402
 from hetpeer.protocol.topology import Topology  # noqa: E402
 from hetpeer.testbed.compose import free_subnet  # noqa: E402
-from hetpeer.testbed.project import COORDINATOR, TestbedConfig, service_name  # noqa: E402
+from hetpeer.testbed.project import COORDINATOR, ROUTER_SUFFIX, TestbedConfig, peer_name, service_name  # noqa: E402
 from hetpeer.testbed.run import Testbed  # noqa: E402
 
 VARIANTS = {
@@ -55,11 +64,14 @@ VARIANTS = {
     "half-cone": lambda i: "cone" if i % 2 else "none",
     "all-cone": lambda i: "cone",
     "half-symmetric": lambda i: "symmetric" if i % 2 else "none",
+    "link-down": lambda i: "cone" if i % 2 else "none",  # the half-cone swarm, then one NATed peer's link goes down
 }
 STEP_RE = re.compile(r"  step (\d+)\b")
 RELAY_RE = re.compile(r"relay: carried ([\d.]+) MiB")
 STANDBY_RE = re.compile(r"(\S+) stays on standby: (.*)")
 PLAN_LIMIT_S = 240.0  # a variant whose swarm has not trained by then is reported as not training
+RECOVERY_LIMIT_S = 180.0  # link-down: how long to watch for the peer's return
+POLL_S = 0.5
 
 
 def topology(peers: int, kinds, bandwidth_mbit: float, latency_ms: float) -> Topology:
@@ -125,13 +137,47 @@ def run_variant(name: str, args, out: Path) -> dict:
                 row["tokens_per_s"] = (last.step - first.step) * tokens_per_step / (time.monotonic() - started)
                 plan, _ = client.call_get_plan()
                 row["plan"] = f"{len(plan.stages)} stage(s) x {plan.group_size} lane(s), standby {len(plan.standby)}"
-            window_end = time.time()
+            window_end = time.time()  # the stall figure is the window's: link-down's outage comes after it
+            if name == "link-down" and "plan" in row:
+                victim = next(d.id for d in config.topology.devices if d.nat != "none")
+                row.update(link_down(bed, client, victim, args.outage))
         for service in [service_name(d.id) for d in config.topology.devices]:
             bed.compose.stop(service)  # as they leave, relays say what they carried in all
         row.update(from_logs(bed.logs(), window_end))
     finally:
         bed.shutdown()
     return row
+
+
+def link_down(bed: Testbed, client: ApiClient, victim: str, outage_s: float) -> dict:
+    """`victim`'s router drops everything for `outage_s` seconds: the steps the swarm made meanwhile, and the
+    seconds from the link's return until the coordinator lists the peer again, until its links work (its record
+    and the others' list no failed path to or from it) and until its probes are answered (a "links measured" line
+    of its log)."""
+    router = ["docker", "exec", bed.compose.container(service_name(victim) + ROUTER_SUFFIX), "iptables"]
+    prefix = f"{peer_name(victim)}-"
+    before = client.call_get_progress().step
+    subprocess.run([*router, "-I", "FORWARD", "1", "-j", "DROP"], check=True)
+    time.sleep(outage_s)
+    during = client.call_get_progress().step - before
+    subprocess.run([*router, "-D", "FORWARD", "-j", "DROP"], check=True)
+    up, up_wall = time.monotonic(), time.time()
+    seen = linked = probed = None
+    while (linked is None or probed is None) and time.monotonic() - up < RECOVERY_LIMIT_S:
+        records = [status.record for status in client.call_list_peers()]
+        mine = next((r for r in records if r.device_id.startswith(prefix)), None)
+        if mine is not None:
+            seen = seen if seen is not None else time.monotonic() - up
+            if linked is None and not mine.unreachable and not any(mine.device_id in r.unreachable for r in records):
+                linked = time.monotonic() - up
+        if probed is None:
+            lines = map(logline.split, bed.compose.logs(service_name(victim)).splitlines())
+            measured = [logline.seconds(when) for when, text in lines
+                        if when is not None and text.startswith("links measured") and logline.seconds(when) > up_wall]
+            probed = min(measured) - up_wall if measured else None
+        time.sleep(POLL_S)
+    return {"outage_s": outage_s, "steps_during_outage": during, "seen_after_s": seen, "linked_after_s": linked,
+            "probes_answered_after_s": probed}
 
 
 def main() -> int:
@@ -146,6 +192,7 @@ def main() -> int:
     parser.add_argument("--group-size", type=int, default=2, help="lanes the coordinator must use (default 2)")
     parser.add_argument("--heartbeat", type=float, default=2.0, help="heartbeat (default 2)")
     parser.add_argument("--window", type=float, default=90.0, help="seconds of the throughput window (default 90)")
+    parser.add_argument("--outage", type=float, default=60.0, help="link-down: seconds the link is down (default 60)")
     parser.add_argument("--image", default="hetpeer:latest")
     parser.add_argument("--out", type=Path, help="where the testbeds' folders go (default: a temporary folder)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -160,6 +207,11 @@ def main() -> int:
         print(f"  {name:<15} {r['tokens_per_s']:>8.0f} tokens/s  join->training {fmt(r.get('join_to_training_s'))} s  "
               f"stall {fmt(r.get('longest_stall_s'), 1)} s  relayed {r.get('relayed_mib', 0):.1f} MiB  "
               f"{r.get('plan', r.get('note', ''))}" + (f"  standby: {r['standby']}" if r.get("standby") else ""), flush=True)
+        if "outage_s" in r:
+            print(f"  {'':<15} link down {r['outage_s']:g} s: the swarm made {r['steps_during_outage']} step(s) meanwhile; "
+                  f"after it returned the coordinator saw the peer in {fmt(r['seen_after_s'], 1)} s, its links worked in "
+                  f"{fmt(r['linked_after_s'], 1)} s, its probes were answered in {fmt(r['probes_answered_after_s'], 1)} s",
+                  flush=True)
     result = {"variants": rows}
     base = rows.get("public", {}).get("tokens_per_s")
     for name in ("half-cone", "all-cone", "half-symmetric"):
@@ -172,7 +224,10 @@ def main() -> int:
     print("goals: half-cone >= 0.90 of public: " + fmt(result.get("half-cone_vs_public"), 3)
           + "; half-symmetric >= 0.70: " + fmt(result.get("half-symmetric_vs_public"), 3)
           + f"; training within 60 s of joining: {fmt(result['slowest_join_to_training_s'])} s"
-          + f"; no stall over 60 s: {fmt(result['longest_stall_s'], 1)} s", flush=True)
+          + f"; no stall over 60 s: {fmt(result['longest_stall_s'], 1)} s"
+          + (f"; link-down: stepped on ({rows['link-down']['steps_during_outage']} steps), links and probes again within "
+             f"30 s: {fmt(rows['link-down']['linked_after_s'], 1)} and {fmt(rows['link-down']['probes_answered_after_s'], 1)} s"
+             if "link-down" in rows else ""), flush=True)
     if args.json:
         print(json.dumps(result))
     return 0

@@ -215,7 +215,8 @@ class Lab:
         return Host(name, netns, f"{lan}.2", public, kind)
 
     def lossy(self, host: Host, share: float) -> None:
-        """Drop `share` of the packets in and, independently, out of the host's link; 0 restores it.
+        """Drop `share` of the packets in and, independently, out of the host's link; 0 restores it, 1 is a link
+        that went down without a word (no reset, no error: `test_dead_paths.py`).
 
         A round trip then survives with probability (1 - share) ** 2. For a NATed host the drops happen
         in its router's FORWARD chain on the LAN leg, so they are silent, as on Wi-Fi. A public host's

@@ -32,6 +32,15 @@ P2P_PROTOCOL = "/hetpeer/frames/1"
 RELAY_MAGIC = b"HPR1"  # sent in place of a proof: a relay request (`relay.py`); a proof's first length is never this
 SOCKET_BUFFER_BYTES = 4 << 20
 HANDSHAKE_TIMEOUT_S = 10.0  # a connection that has not proved who it is by then is closed
+# A path that dies without a word (a home router that drops everything, a NAT mapping gone) is found by TCP itself:
+# an idle connection sends keepalive probes after KEEPALIVE_IDLE_S, and one whose sent bytes or probes go
+# unacknowledged for UNACKED_LIMIT_S is closed (TCP_USER_TIMEOUT, which then also bounds the keepalive probes). The
+# transport redials a closed connection it keeps; each dial waits at most DIAL_TIMEOUT_S for the far end, so a
+# path that comes back is tried again within seconds, not after the kernel's SYN backoff (its retries at 1, 3,
+# 7, 15, 31 and 63 s).
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S = 5, 2
+UNACKED_LIMIT_S = 15
+DIAL_TIMEOUT_S = 5.0
 
 
 class Link(ABC):
@@ -65,6 +74,7 @@ class SocketStream(Stream):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for option in (socket.SO_RCVBUF, socket.SO_SNDBUF):
             sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+        keep_alive(sock)
 
     async def read_exactly(self, n: int, progress: Progress | None = None) -> memoryview:
         buffer = numpy.empty(n, numpy.uint8)  # not zero-filled, unlike bytearray: 64 MB costs no memset
@@ -111,12 +121,26 @@ class SocketStream(Stream):
         self.sock.close()
 
 
+def keep_alive(sock: socket.socket) -> None:
+    """Keepalive probes on an idle connection and a bound on unacknowledged bytes, so a dead path closes it
+    (`UNACKED_LIMIT_S`)."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE_S)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_INTERVAL_S)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, UNACKED_LIMIT_S // KEEPALIVE_INTERVAL_S)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, UNACKED_LIMIT_S * 1000)
+
+
 async def connect(host: str, port: int) -> SocketStream:
-    """A TCP connection to (host, port), as a stream."""
+    """A TCP connection to (host, port), as a stream; TimeoutError when the far end has not answered within
+    `DIAL_TIMEOUT_S`."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setblocking(False)
     try:
-        await asyncio.get_running_loop().sock_connect(sock, (host, port))
+        await asyncio.wait_for(asyncio.get_running_loop().sock_connect(sock, (host, port)), DIAL_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        sock.close()
+        raise asyncio.TimeoutError(f"tcp {host}:{port} did not answer within {DIAL_TIMEOUT_S:g} s") from None
     except BaseException:
         sock.close()
         raise
