@@ -28,7 +28,8 @@ them, and register at a public peer's relay; the coordinator plans with what the
 For link-down also: the steps the swarm made while the link was down (it must step on), and, from the link's
 return, the seconds until the coordinator lists the peer again ("seen"), until its links work ("linked": its
 record is back, lists no peer it cannot reach, and no other peer's record lists it), polled from the
-coordinator's API every `POLL_S`, and until its probes are answered (its log's next "links measured" line).
+coordinator's API every `POLL_S`, and until a round of its probes is answered by every other peer (its log's
+first "links measured" line that names them all; `--probe-targets` is 4, so each round probes all three).
 
 `--json` prints one JSON object as the last line: per variant those figures, and the goals' ratios (half-cone
 >= 0.9 of public, half-symmetric >= 0.7 or its unserved peers on standby with a reason; training within 60 s of
@@ -152,10 +153,11 @@ def run_variant(name: str, args, out: Path) -> dict:
 def link_down(bed: Testbed, client: ApiClient, victim: str, outage_s: float) -> dict:
     """`victim`'s router drops everything for `outage_s` seconds: the steps the swarm made meanwhile, and the
     seconds from the link's return until the coordinator lists the peer again, until its links work (its record
-    and the others' list no failed path to or from it) and until its probes are answered (a "links measured" line
-    of its log)."""
+    and the others' list no failed path to or from it) and until a round of its probes is answered by every other
+    peer (a "links measured" line of its log naming them all)."""
     router = ["docker", "exec", bed.compose.container(service_name(victim) + ROUTER_SUFFIX), "iptables"]
     prefix = f"{peer_name(victim)}-"
+    others = [f"{peer_name(d.id)}-" for d in bed.config.topology.devices if d.id != victim]
     before = client.call_get_progress().step
     subprocess.run([*router, "-I", "FORWARD", "1", "-j", "DROP"], check=True)
     time.sleep(outage_s)
@@ -173,7 +175,8 @@ def link_down(bed: Testbed, client: ApiClient, victim: str, outage_s: float) -> 
         if probed is None:
             lines = map(logline.split, bed.compose.logs(service_name(victim)).splitlines())
             measured = [logline.seconds(when) for when, text in lines
-                        if when is not None and text.startswith("links measured") and logline.seconds(when) > up_wall]
+                        if when is not None and text.startswith("links measured") and logline.seconds(when) > up_wall
+                        and all(f" {other}" in text for other in others)]
             probed = min(measured) - up_wall if measured else None
         time.sleep(POLL_S)
     return {"outage_s": outage_s, "steps_during_outage": during, "seen_after_s": seen, "linked_after_s": linked,
@@ -210,7 +213,7 @@ def main() -> int:
         if "outage_s" in r:
             print(f"  {'':<15} link down {r['outage_s']:g} s: the swarm made {r['steps_during_outage']} step(s) meanwhile; "
                   f"after it returned the coordinator saw the peer in {fmt(r['seen_after_s'], 1)} s, its links worked in "
-                  f"{fmt(r['linked_after_s'], 1)} s, its probes were answered in {fmt(r['probes_answered_after_s'], 1)} s",
+                  f"{fmt(r['linked_after_s'], 1)} s, every peer answered its probes in {fmt(r['probes_answered_after_s'], 1)} s",
                   flush=True)
     result = {"variants": rows}
     base = rows.get("public", {}).get("tokens_per_s")

@@ -38,7 +38,7 @@ def add_commands(commands) -> None:
         "docs/nat.md), measure this machine and the links to a few peers, announce them, and train the stage the coordinator's plans give this peer, following "
         "new plans, until Ctrl+C (or --steps). Without --swarm, run one peer of a fixed plan (--plan, --as, "
         "--peers) for --steps steps: the address book (written by `hetpeer launch`, or by hand for a fixed "
-        "set of machines) says where every peer of the plan can be reached.",
+        "set of machines) says where every peer of the plan can be reached and which key proves it (`hetpeer key`).",
     )
     _add_swarm_options(join)
     static = join.add_argument_group("a fixed plan (without --swarm)")
@@ -65,8 +65,9 @@ def add_commands(commands) -> None:
     launch = commands.add_parser(
         "launch",
         help="run every peer of a plan on this machine",
-        description="Start every peer of a plan on this machine as separate `hetpeer join` processes, with ports "
-        "and P2P keys of their own, show their output, and stop them all when one fails or on Ctrl+C.",
+        description="Start every peer of a plan on this machine as separate `hetpeer join` processes, with ports, "
+        "link keys (their direct links are sealed) and P2P keys of their own, show their output, and stop them all "
+        "when one fails or on Ctrl+C.",
     )
     launch.add_argument("plan", type=Path, nargs="?", metavar="PLAN.json",
                         help="the plan to run (from `hetpeer plan --json`); without one, a demo: the tiny model "

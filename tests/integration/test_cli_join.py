@@ -432,3 +432,18 @@ def test_join_refuses_to_resume_from_a_checkpoint_of_another_model(tmp_path, cli
     assert len(lines) == 1 and lines[0].startswith("hetpeer join: error: "), done.stderr
     assert "is a checkpoint of model tiny (6 layers" in lines[0] and "this peer trains tiny (4 layers" in lines[0], lines[0]
     assert live_members(cli.groups[-1]) == []
+
+
+def test_key_makes_a_link_key_once_and_prints_its_digest(tmp_path, cli):
+    path = tmp_path / "keys" / "link.key"
+    made = cli("key", str(path), timeout_s=60)
+    assert made.returncode == 0, made.stderr
+    assert made.stderr.strip() == f"made a new link key in {path}"
+    assert made.stdout == f"{load_or_create_link_key(path).digest}  {path}\n"
+    assert path.stat().st_mode & 0o777 == 0o600
+    again = cli("key", str(path), timeout_s=60)
+    assert (again.returncode, again.stdout, again.stderr) == (0, made.stdout, ""), "the same key, not a new one"
+    (tmp_path / "not-a-key").write_bytes(b"\x00" * 64)
+    refused = cli("key", str(tmp_path / "not-a-key"), timeout_s=60)
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert refused.stderr.startswith("hetpeer key: error: ") and "is not an RSA private key in DER form" in refused.stderr
