@@ -40,7 +40,6 @@ class PeerAddress:
     relay: str | None = None
     key: str | None = None  # in a fixed plan's book: the SHA-256 of the link key the peer proves itself with
 
-
     @property
     def p2p_peer_id(self) -> str | None:
         return self.p2p[0].rsplit("/p2p/", 1)[1] if self.p2p else None

@@ -1,14 +1,19 @@
-"""Fixtures of the multi-host tier: a lab of network namespaces (`lab.py`), with public hosts and NAT routers.
-It needs root; HETPEER_REQUIRE_NETNS=1 (CI) turns a machine that cannot run it into a failure, not a skip."""
+"""Fixtures of the multi-host tier: a lab of network namespaces (`lab.py`), with public hosts and NAT routers, and
+`hetpeer` processes run on its hosts (`run`). It needs root; HETPEER_REQUIRE_NETNS=1 (CI) turns a machine that cannot run it into a failure, not a skip."""
 
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-from lab import Lab, netns_missing
+from lab import Host, Lab, netns_missing
+from runs import Start
 
 REQUIRED = os.environ.get("HETPEER_REQUIRE_NETNS") == "1"
 
@@ -26,3 +31,29 @@ def netns_ready() -> None:
 def lab(netns_ready) -> Iterator[Lab]:
     with Lab() as made:
         yield made
+
+
+@pytest.fixture
+def run(lab: Lab, tmp_path: Path) -> Iterator[Start]:
+    """run(host, name, *hetpeer_args): `hetpeer` in the host's namespace, its output in tmp_path/name.log;
+    stopped (its whole process group, p2pd included) before the lab closes."""
+    started: list[subprocess.Popen] = []
+
+    def start(host: Host, name: str, *args: str) -> subprocess.Popen:
+        log = open(tmp_path / f"{name}.log", "wb")
+        argv = host.argv([sys.executable, "-m", "hetpeer.cli", *args])
+        started.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+        log.close()
+        return started[-1]
+
+    yield start
+    for proc in started:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in started:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -114,6 +114,7 @@ class Host:
     address: str  # its own IP, on eth0
     public_address: str  # the source address others see: its own, or its NAT router's public one
     nat: Nat
+    router: str | None = None  # the namespace of its NAT router, if behind one
 
     def argv(self, cmd: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self.netns, *cmd]
@@ -134,6 +135,7 @@ class Lab:
         self.prefix = f"{MARKER}{os.getpid()}-{secrets.token_hex(2)}-"
         self.namespaces: list[str] = []
         self._lossy: set[str] = set()
+        self._homes: dict[str, tuple[str, int]] = {}  # router namespace -> (its LAN's /24 prefix, the next host octet)
         self._started = False
 
     # 10.<octet>.0.0/24. Each lab's subnet lives in its own namespaces, so no two can clash; a random octet
@@ -190,20 +192,19 @@ class Lab:
 
         "cone": MASQUERADE keeps the host's source port when it is free on the router (endpoint-independent
         mapping). "symmetric": --random-fully picks a random port for each connection. Either way the
-        router accepts only replies from the public side: with no DNAT nothing can dial the host.
+        router accepts only replies from the public side: with no DNAT nothing can dial the host. The
+        private network is a bridge in the router (`lan0`), so `beside` can put more hosts on it.
         """
         if kind not in ("cone", "symmetric"):
             raise ValueError(f"kind must be 'cone' or 'symmetric', not {kind!r}")
         router = self._add_namespace(f"{_valid(name)}-gw")
-        netns = self._add_namespace(name)
         public = self._plug(router, "wan0")
         lan, self._next_lan = f"192.168.{self._next_lan}", self._next_lan + 1
-        _sh("ip", "-n", netns, "link", "add", "eth0", "type", "veth", "peer", "name", "lan0", "netns", router)
+        _sh("ip", "-n", router, "link", "add", "lan0", "type", "bridge")
         _sh("ip", "-n", router, "addr", "add", f"{lan}.1/24", "dev", "lan0")
         _sh("ip", "-n", router, "link", "set", "lan0", "up")
-        _sh("ip", "-n", netns, "addr", "add", f"{lan}.2/24", "dev", "eth0")
-        _sh("ip", "-n", netns, "link", "set", "eth0", "up")
-        _sh("ip", "-n", netns, "route", "add", "default", "via", f"{lan}.1")
+        if os.path.exists("/proc/sys/net/bridge"):  # frames between the LAN's hosts are switched, not filtered
+            _in(router, "sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=0")
         _in(router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
         iptables = ("ip", "netns", "exec", router, "iptables")
         _sh(*iptables, "-P", "FORWARD", "DROP")
@@ -212,14 +213,37 @@ class Lab:
             "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT")
         masquerade = ["-t", "nat", "-A", "POSTROUTING", "-o", "wan0", "-j", "MASQUERADE"]
         _sh(*iptables, *masquerade, *(["--random-fully"] if kind == "symmetric" else []))
-        return Host(name, netns, f"{lan}.2", public, kind)
+        self._homes[router] = (lan, 2)
+        return self._home_host(name, router, public, kind)
+
+    def beside(self, neighbour: Host, name: str) -> Host:
+        """Another host on `neighbour`'s home network, behind the same router: the same public address, as a
+        household's second machine, a campus or a carrier's NAT puts many volunteers behind one."""
+        if neighbour.router not in self._homes:
+            raise ValueError(f"{neighbour.name} is not behind a NAT router of this lab")
+        return self._home_host(name, neighbour.router, neighbour.public_address, neighbour.nat)
+
+    def _home_host(self, name: str, router: str, public: str, kind: Nat) -> Host:
+        lan, octet = self._homes[router]
+        if octet > 254:
+            raise LabError(f"the home network {lan}.0/24 is full")
+        self._homes[router] = (lan, octet + 1)
+        netns = self._add_namespace(_valid(name))
+        port = f"h{octet}"  # the host's end in the router, on its bridge
+        _sh("ip", "-n", netns, "link", "add", "eth0", "type", "veth", "peer", "name", port, "netns", router)
+        _sh("ip", "-n", router, "link", "set", port, "master", "lan0", "up")
+        _sh("ip", "-n", netns, "addr", "add", f"{lan}.{octet}/24", "dev", "eth0")
+        _sh("ip", "-n", netns, "link", "set", "eth0", "up")
+        _sh("ip", "-n", netns, "route", "add", "default", "via", f"{lan}.1")
+        return Host(name, netns, f"{lan}.{octet}", public, kind, router)
 
     def lossy(self, host: Host, share: float) -> None:
         """Drop `share` of the packets in and, independently, out of the host's link; 0 restores it, 1 is a link
         that went down without a word (no reset, no error: `test_dead_paths.py`).
 
         A round trip then survives with probability (1 - share) ** 2. For a NATed host the drops happen
-        in its router's FORWARD chain on the LAN leg, so they are silent, as on Wi-Fi. A public host's
+        in its router's FORWARD chain on the LAN leg, so they are silent, as on Wi-Fi, and fall on every host
+        of that home network (`beside`) alike. A public host's
         link ends on the bridge, which iptables does not see (no br_netfilter wanted), so its drops happen
         in its own INPUT and OUTPUT chains: there a dropped outgoing UDP datagram fails its sendto() with
         EPERM (TCP just retransmits).
@@ -229,7 +253,7 @@ class Lab:
         if host.nat == "none":
             netns, hooks = host.netns, (("INPUT", "-i", "eth0"), ("OUTPUT", "-o", "eth0"))
         else:
-            netns, hooks = f"{host.netns}-gw", (("FORWARD", "-i", "lan0"), ("FORWARD", "-o", "lan0"))
+            netns, hooks = host.router, (("FORWARD", "-i", "lan0"), ("FORWARD", "-o", "lan0"))
         iptables = ("ip", "netns", "exec", netns, "iptables")
         # A chain of its own, so that a later call replaces the loss rather than adding to it.
         if netns not in self._lossy:

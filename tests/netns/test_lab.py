@@ -179,6 +179,23 @@ def test_nated_hosts_cannot_dial_each_other(lab: Lab, spawn: Spawn) -> None:
         assert accepted(server)[0] == client.public_address
 
 
+def test_hosts_beside_each_other_share_their_routers_address(lab: Lab, spawn: Spawn) -> None:
+    a, b = lab.public("a"), lab.behind_nat("b", "cone")
+    c = lab.beside(b, "c")
+    assert (c.public_address, c.nat, c.router) == (b.public_address, "cone", b.router)
+    assert c.address.rsplit(".", 1)[0] == b.address.rsplit(".", 1)[0] and c.address != b.address
+    server, port = listen(spawn, a)
+    for client in (b, c):  # both dial out under the one public address
+        local_port(dial(client, a.address, port))
+        assert accepted(server)[0] == b.public_address
+    server, port = listen(spawn, c)  # and reach each other on their own network, as a household's machines do
+    port_used = local_port(dial(b, c.address, port))
+    assert accepted(server) == (b.address, port_used)
+    assert dial(a, c.public_address, port).startswith("failed ")  # nobody outside dials in
+    with pytest.raises(ValueError, match="not behind a NAT router"):
+        lab.beside(a, "d")
+
+
 def udp_arrivals(spawn: Spawn, sender: Host, receiver: Host, count: int) -> int:
     counter = spawn(receiver, COUNT)
     port = int(read_line(counter))

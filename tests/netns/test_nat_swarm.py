@@ -10,62 +10,15 @@ says so and trains, its records and plans read and written on the coordinator's 
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import Callable, Iterator
 
-import pytest
-
-from lab import Host, Lab
+from lab import Lab
+from runs import Start, wait_for_line
 
 STEPS = 6
 DEADLINE_S = 300.0
-Start = Callable[..., subprocess.Popen]
-
-
-@pytest.fixture
-def run(lab: Lab, tmp_path: Path) -> Iterator[Start]:
-    """run(host, name, *hetpeer_args): `hetpeer` in the host's namespace, its output in tmp_path/name.log;
-    stopped (its whole process group, p2pd included) before the lab closes."""
-    started: list[subprocess.Popen] = []
-
-    def start(host: Host, name: str, *args: str) -> subprocess.Popen:
-        log = open(tmp_path / f"{name}.log", "wb")
-        argv = host.argv([sys.executable, "-m", "hetpeer.cli", *args])
-        started.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1"}))
-        log.close()
-        return started[-1]
-
-    yield start
-    for proc in started:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-    for proc in started:
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
-def wait_for_line(path: Path, pattern: str, proc: subprocess.Popen, deadline: float) -> re.Match:
-    """The first line of the log at `path` matching `pattern`; fails when the process ends or time runs out first."""
-    regex = re.compile(pattern, re.MULTILINE)
-    while True:
-        text = path.read_text(errors="replace") if path.exists() else ""
-        found = regex.search(text)
-        if found:
-            return found
-        assert proc.poll() is None or regex.search(path.read_text(errors="replace")), (
-            f"{path.name} ended (exit {proc.returncode}) without a line matching {pattern!r}:\n{text[-3000:]}")
-        assert time.monotonic() < deadline, f"no line matching {pattern!r} in {path.name} in time:\n{text[-3000:]}"
-        time.sleep(0.5)
 
 
 def test_peers_behind_cone_and_symmetric_nat_train_through_direct_links_and_a_relay(lab: Lab, run: Start, tmp_path: Path):

@@ -1,0 +1,26 @@
+"""`hetpeer` processes on the lab's hosts, for the tier's swarm tests: how they are started (the `run` fixture of
+conftest.py) and how their logs are read."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable
+
+Start = Callable[..., subprocess.Popen]  # run(host, name, *hetpeer_args)
+
+
+def wait_for_line(path: Path, pattern: str, proc: subprocess.Popen, deadline: float) -> re.Match:
+    """The first line of the log at `path` matching `pattern`; fails when the process ends or time runs out first."""
+    regex = re.compile(pattern, re.MULTILINE)
+    while True:
+        text = path.read_text(errors="replace") if path.exists() else ""
+        found = regex.search(text)
+        if found:
+            return found
+        assert proc.poll() is None or regex.search(path.read_text(errors="replace")), (
+            f"{path.name} ended (exit {proc.returncode}) without a line matching {pattern!r}:\n{text[-3000:]}")
+        assert time.monotonic() < deadline, f"no line matching {pattern!r} in {path.name} in time:\n{text[-3000:]}"
+        time.sleep(0.5)
