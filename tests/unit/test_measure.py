@@ -526,14 +526,17 @@ def test_other_processes_on_the_cores_do_not_slow_the_compute_figure(one_thread)
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * cores)]
     try:
         time.sleep(0.5)
+        wall, cpu = time.perf_counter(), time.thread_time()
         shared = block_tflops(spec, micro_batch=1, seconds=0.5, best=True)
-        by_the_clock = block_tflops(spec, micro_batch=1, seconds=0.5)  # the median pass, by the clock
+        wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
     finally:
         for spinner in spinners:
             spinner.kill()
             spinner.wait()
-    # three processes to a core: the clock reads every pass about 3 times slower; the thread's CPU time does not
-    assert by_the_clock < 0.6 * alone
+    # the load was real: two spinners to a core left this thread well under a core while it measured (about 2/5
+    # of one; a median pass read by the clock is no control, a pass shorter than a time slice often runs whole),
+    # and yet its figure, from the thread's CPU time, is about what it was alone
+    assert wall > 1.5 * cpu, (wall, cpu)
     assert shared > 0.6 * alone
 
 
