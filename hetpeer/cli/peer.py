@@ -26,6 +26,7 @@ from hetpeer.protocol.workload import Workload
 JOIN_FILE_WAIT_S = 120.0
 TENSOR_PORT, DHT_PORT = 7000, 7001  # a swarm peer's default ports off this machine: the ones to forward on a home router
 DEFAULT_LINK_KEY = str(Path.home() / ".hetpeer" / "link.key")  # a fixed plan peer's, as `hetpeer key` and `join --plan` take it
+DEFAULT_LINK_KEY_SHOWN = "~/.hetpeer/link.key"  # the same, as --help says it
 
 
 def add_commands(commands) -> None:
@@ -48,7 +49,7 @@ def add_commands(commands) -> None:
     static.add_argument("--identity", metavar="KEY", help="this peer's P2P private key file (needed when the book gives it a P2P address)")
     static.add_argument("--link-key", type=Path, metavar="FILE",
                         help="this peer's link key, whose SHA-256 the book gives it as \"key\": its direct links prove "
-                        f"it and are sealed with it (default {DEFAULT_LINK_KEY.replace(str(Path.home()), '~')}; "
+                        f"it and are sealed with it (default {DEFAULT_LINK_KEY_SHOWN}; "
                         "`hetpeer key` makes one)")
     static.add_argument("--rejoin", action="store_true",
                         help="first download the stage's parameters and optimizer state from the rest of its group, "
@@ -96,7 +97,7 @@ def add_commands(commands) -> None:
         "itself with the key on every direct link and seals the link, and refuses peers whose key is not the book's.",
     )
     key.add_argument("file", type=Path, nargs="?", metavar="FILE",
-                     help=f"the key file (default {DEFAULT_LINK_KEY.replace(str(Path.home()), '~')})")
+                     help=f"the key file (default {DEFAULT_LINK_KEY_SHOWN})")
     key.set_defaults(run=run_key)
 
     export = commands.add_parser(
