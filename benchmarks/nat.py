@@ -9,19 +9,22 @@ ms one way between any two, shaped per destination and emulated as in every test
 
 - public: every device on the shared network;
 - half-cone: every other device behind a cone NAT (Linux SNAT keeping ports);
-- all-cone: every device behind a cone NAT (no public peer: nobody can relay);
+- all-cone: every device behind a cone NAT (no public peer: nobody can relay; the pairs punch holes);
 - half-symmetric: every other device behind a symmetric NAT (`--random-fully`);
 - link-down: the half-cone swarm, and after its window the first NATed device's router drops everything for
   `--outage` seconds (iptables DROP in its FORWARD chain: no reset, no error, as a home link that goes down).
 
 Peers behind NAT join with no address flag, learn from the coordinator's reach service that nobody can dial
-them, and register at a public peer's relay; the coordinator plans with what they announce. Per variant:
+them and whether their NAT keeps ports, punch holes to each other where both do, and register at a public
+peer's relay where there is one; the coordinator plans with what they announce. Per variant:
 
 - tokens/s: global batches the swarm completes in `--window` seconds once it has run `SETTLE_STEPS`, from the
   coordinator's progress (the same reading `benchmarks/swarm.py` takes), against the public variant's;
 - join to training: per peer, from its process's first log line (past the testbed's wait for the join file)
   to its first step line (the largest);
 - relayed bytes: what the public peers' relays carried (their last "relay: carried" line, written as they leave);
+- paths: the pairs of peers whose records, at the window's end, say they reach each other over a punched hole,
+  and through a relay;
 - longest stall: the largest gap between two consecutive steps of any peer, first step to the window's end;
 - standby: the peers the plan left out, with the coordinator's reason.
 
@@ -32,7 +35,7 @@ coordinator's API every `POLL_S`, and until a round of its probes is answered by
 first "links measured" line that names them all; `--probe-targets` is 4, so each round probes all three).
 
 `--json` prints one JSON object as the last line: per variant those figures, and the goals' ratios (half-cone
->= 0.9 of public, half-symmetric >= 0.7 or its unserved peers on standby with a reason; training within 60 s of
+and all-cone >= 0.9 of public, half-symmetric >= 0.7 or its unserved peers on standby with a reason; training within 60 s of
 joining; no stall over 60 s; link-down: the swarm steps on and the peer is linked again within 30 s of the
 link's return).
 """
@@ -138,6 +141,7 @@ def run_variant(name: str, args, out: Path) -> dict:
                 row["tokens_per_s"] = (last.step - first.step) * tokens_per_step / (time.monotonic() - started)
                 plan, _ = client.call_get_plan()
                 row["plan"] = f"{len(plan.stages)} stage(s) x {plan.group_size} lane(s), standby {len(plan.standby)}"
+                row.update(paths([status.record for status in client.call_list_peers()]))
             window_end = time.time()  # the stall figure is the window's: link-down's outage comes after it
             if name == "link-down" and "plan" in row:
                 victim = next(d.id for d in config.topology.devices if d.nat != "none")
@@ -148,6 +152,14 @@ def run_variant(name: str, args, out: Path) -> dict:
     finally:
         bed.shutdown()
     return row
+
+
+def paths(records) -> dict:
+    """The pairs of peers whose records say they reach each other over a punched hole, and through a relay."""
+    def pairs(field: str) -> list[list[str]]:
+        return sorted({tuple(sorted((r.device_id, other))) for r in records for other in getattr(r, field)})
+
+    return {"punched_pairs": pairs("punched"), "relayed_pairs": pairs("relayed")}
 
 
 def link_down(bed: Testbed, client: ApiClient, victim: str, outage_s: float) -> dict:
@@ -209,6 +221,7 @@ def main() -> int:
         r = rows[name]
         print(f"  {name:<15} {r['tokens_per_s']:>8.0f} tokens/s  join->training {fmt(r.get('join_to_training_s'))} s  "
               f"stall {fmt(r.get('longest_stall_s'), 1)} s  relayed {r.get('relayed_mib', 0):.1f} MiB  "
+              f"pairs punched {len(r.get('punched_pairs', ()))} relayed {len(r.get('relayed_pairs', ()))}  "
               f"{r.get('plan', r.get('note', ''))}" + (f"  standby: {r['standby']}" if r.get("standby") else ""), flush=True)
         if "outage_s" in r:
             print(f"  {'':<15} link down {r['outage_s']:g} s: the swarm made {r['steps_during_outage']} step(s) meanwhile; "
@@ -225,6 +238,7 @@ def main() -> int:
     result["slowest_join_to_training_s"] = max(joins) if joins else None
     result["longest_stall_s"] = max(stalls) if stalls else None
     print("goals: half-cone >= 0.90 of public: " + fmt(result.get("half-cone_vs_public"), 3)
+          + "; all-cone >= 0.90 of public, nothing relayed: " + fmt(result.get("all-cone_vs_public"), 3)
           + "; half-symmetric >= 0.70: " + fmt(result.get("half-symmetric_vs_public"), 3)
           + f"; training within 60 s of joining: {fmt(result['slowest_join_to_training_s'])} s"
           + f"; no stall over 60 s: {fmt(result['longest_stall_s'], 1)} s"

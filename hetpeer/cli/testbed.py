@@ -28,7 +28,7 @@ def add_commands(commands) -> None:
         "it sends to each other device to the topology's bandwidth times --scale (htb, per destination); the "
         "topology's latency is added by the peers' transport (emulated: this kernel has no netem); compute is slowed "
         "in proportion to each device's TFLOPS; a device's memory_gb limits its container, and its nat (cone or "
-        "symmetric) puts it behind a router container of its own that masquerades it (docs/nat.md). Peers measure their links themselves and the coordinator plans from "
+        "symmetric) puts it behind a router container of its own that masquerades it (cone keeps ports: peers behind two punch holes through them; docs/nat.md). Peers measure their links themselves and the coordinator plans from "
         "what they measured. At the end the containers' logs and a run report are kept in --out and the containers "
         "removed (--keep leaves them running). Needs Docker and the hetpeer image (docker/build.sh).",
     )

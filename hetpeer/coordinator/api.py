@@ -171,4 +171,7 @@ def _peer_to_pb(record: PeerRecord, age_s: float) -> swarm_pb2.Peer:
         step_costs=record.step_costs.to_wire(),
         unreachable=list(record.unreachable),
         noise_scale=record.noise_scale,
+        punch=record.punch,
+        punched=list(record.punched),
+        relayed=list(record.relayed),
     )

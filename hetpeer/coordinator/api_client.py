@@ -78,6 +78,9 @@ def _peer_from_pb(pb: swarm_pb2.Peer) -> PeerStatus:
         timings=pb.timings,
         step_costs=costs,
         unreachable=tuple(pb.unreachable),
+        punch=pb.punch,
+        punched=tuple(pb.punched),
+        relayed=tuple(pb.relayed),
         software=pb.software,
         version=pb.version,
     )

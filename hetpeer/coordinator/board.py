@@ -137,6 +137,7 @@ def peer_rows(board: Board) -> list[dict[str, Any]]:
                 "tflops": record.tflops, "achieved_tflops": record.achieved_tflops, "memory_bytes": record.memory_bytes,
                 "device_name": record.device_name, "software": record.software, "age_s": max(0.0, view.now - record.time),
                 "links": len(record.links), "suspects": list(record.suspects), "reachable": record.reachable,
+                "reach": record.reach_words(), "punched": list(record.punched), "relayed": list(record.relayed),
             })
         rows.append(row)
     return rows

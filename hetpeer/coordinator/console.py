@@ -58,7 +58,7 @@ def status_view(plan: Plan | None, peers: Sequence[PeerStatus], progress: Progre
         table.add_row(
             r.device_id, Text(r.state, style=STATE_STYLES.get(r.state, "")), place(plan, r), str(r.step),
             f"{r.loss:.4f}" if r.loss is not None else "-", f"{r.tokens_per_s:.1f}", f"{r.tflops:.3g}",
-            f"{r.achieved_tflops:.3g}" if r.achieved_tflops else "-", Text(r.device_name), Text(r.reachable), f"{p.age_s:.0f}",
+            f"{r.achieved_tflops:.3g}" if r.achieved_tflops else "-", Text(r.device_name), Text(r.reach_words()), f"{p.age_s:.0f}",
         )
     parts = ([Text(problem, style="bold red")] if problem else []) + [head, Text(""), table, Text("")]
     return Group(*parts, _plan_text(plan, plan_time))

@@ -8,10 +8,12 @@
   (a pair measured both ways takes the slower bandwidth and the mean latency of the two); a pair nobody
   measured is guessed no better than the worse end's typical link (the median of its measured links,
   else of all measured links, else `DEFAULT_LINK`) and marked, so the plan can name the links it uses
-  that were estimated (`estimated_links`). Two peers that both announce nobody can dial them have no path:
-  their pair is `ABSENT_LINK`, slow enough that the search shuns it, and `without_path` names the pairs a
-  plan would still make neighbours; so is a pair whose two peers each report they could not reach the
-  other (a lane that stalled on it: the next plan does not pair them again).
+  that were estimated (`estimated_links`). Two peers that both announce nobody can dial them have no path,
+  unless both punch holes (`PeerRecord.punches_with`: a punched pair is a direct link, as measured or
+  estimated, not its relay's two hops): their pair is `ABSENT_LINK`, slow enough that the search shuns it,
+  and `without_path` names the pairs a plan would still make neighbours; so is a pair whose two peers each
+  report they could not reach the other (a lane that stalled on it, a hole that would not punch: the next
+  plan does not pair them again, but for their relay).
 - `broken`: why the running plan cannot go on (a member stopped announcing, or announces that its lane
   stalled under this plan), or None.
 - `decide`: whether to run the planner now, and why.
@@ -137,15 +139,19 @@ def build_problem(
 
 def _relayed(records: Mapping[str, PeerRecord], ids: Sequence[str], latency: np.ndarray, bandwidth: np.ndarray,
              estimated: np.ndarray) -> None:
-    """Pairs of peers that nobody can dial, in place: through the relay of either (its two hops: latencies
-    added, the slower bandwidth; the better relay where both have one), else `ABSENT_LINK` (no path, a fact).
-    O(relayed peers x peers behind NAT)."""
+    """Pairs of peers that nobody can dial, in place: punched where both punch holes (left as measured or
+    estimated: a direct link), else through the relay of either (its two hops: latencies added, the slower
+    bandwidth; the better relay where both have one), else `ABSENT_LINK` (no path, a fact).
+    O(relayed peers x peers behind NAT + punching peers squared)."""
     index = {d: i for i, d in enumerate(ids)}
     behind = np.array([records[d].behind_nat for d in ids], dtype=bool)
     hidden = np.array([records[d].reachable == "none" for d in ids], dtype=bool)
-    absent = np.outer(hidden, hidden)  # neither can dial the other nor has a relay: no path
-    for a, b in _reported(records):  # pairs whose ends each failed to reach the other: no path either
-        absent[index[a], index[b]] = absent[index[b], index[a]] = True
+    punched = _punched(records, ids)
+    absent = np.outer(hidden, hidden) & ~punched  # neither can dial the other, punch, nor has a relay: no path
+    for a, b in _reported(records):  # pairs whose ends each failed to reach the other: no path either (punched or not)
+        i, j = index[a], index[b]
+        absent[i, j] = absent[j, i] = True
+        punched[i, j] = punched[j, i] = False
     latency[absent], bandwidth[absent], estimated[absent] = ABSENT_LINK[0], ABSENT_LINK[1], False
     nat = np.flatnonzero(behind)
     via_latency, via_bandwidth = np.full(latency.shape, np.inf), np.zeros(bandwidth.shape)  # [i, j]: through j's relay
@@ -157,7 +163,7 @@ def _relayed(records: Mapping[str, PeerRecord], ids: Sequence[str], latency: np.
     own = via_bandwidth >= via_bandwidth.T
     best_latency = np.where(own, via_latency, via_latency.T)
     best_bandwidth = np.where(own, via_bandwidth, via_bandwidth.T)
-    pair = np.outer(behind, behind) & (best_bandwidth > 0)
+    pair = np.outer(behind, behind) & (best_bandwidth > 0) & ~punched
     np.fill_diagonal(pair, False)
     latency[pair], bandwidth[pair], estimated[pair] = best_latency[pair], best_bandwidth[pair], False
 
@@ -172,12 +178,20 @@ def _running_slowdowns(ids: Sequence[str], sharing: Sharing | None, current: Pla
     return sharing.device_slowdowns(members)[0]
 
 
+def _punched(records: Mapping[str, PeerRecord], ids: Sequence[str]) -> np.ndarray:
+    """(n, n): the pairs that can punch a hole to each other (`PeerRecord.punches_with`)."""
+    punching = np.array([bool(records[d].punch and records[d].behind_nat and records[d].address.direct) for d in ids])
+    hosts = np.array([records[d].address.direct[0] if punching[i] else "" for i, d in enumerate(ids)], dtype=object)
+    return np.outer(punching, punching) & (hosts[:, None] != hosts[None, :])  # one public address: no hairpinning
+
+
 def without_path(plan: Plan, records: Mapping[str, PeerRecord]) -> list[tuple[str, str]]:
     """The pairs the plan's traffic crosses (`Plan.links`) that have no path: both peers announce that nobody can
-    dial them, or each reports it could not reach the other."""
+    dial them and cannot punch a hole to each other, or each reports it could not reach the other."""
     hidden = {d for d, r in records.items() if r.reachable == "none"}
     reported = _reported(records)
-    return sorted(pair for pair in plan.links if (pair[0] in hidden and pair[1] in hidden) or pair in reported)
+    return sorted(pair for pair in plan.links if pair in reported or (
+        pair[0] in hidden and pair[1] in hidden and not records[pair[0]].punches_with(records[pair[1]])))
 
 
 def _reported(records: Mapping[str, PeerRecord]) -> set[tuple[str, str]]:

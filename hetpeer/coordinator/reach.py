@@ -1,12 +1,13 @@
 """The coordinator's reach service (`protocol/reach.py`): dials a peer's ports back at the address its
 request came from, and says what it saw.
 
-It dials only the requester's own address, at most `MAX_PORTS` ports, one request per address at a time
-and a bounded number at once, each with a short timeout: it cannot be made to reach a third party, nor to
+It dials only the requester's own address, at most `MAX_PORTS` ports (all at once), one request per address
+at a time and a bounded number at once, each with a short timeout (a home router drops what it does not
+expect, so a closed port costs the whole timeout): it cannot be made to reach a third party, nor to
 hold many sockets open. Requests from one address wait their turn (peers behind one household's router, a
 campus or a carrier's NAT share it), up to `MAX_PER_ADDRESS` at once; beyond that, or past `TURN_WAIT_S`,
 the connection is closed and the peer asks again. Requests that do not parse are answered by closing the
-connection.
+connection. The answer names the source port the request came from: a peer whose NAT keeps ports sees its own.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import socket
 import socketserver
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Callable
 
 from hetpeer.protocol.reach import MAX_LINE_BYTES, TURN_WAIT_S, ReachReply, ReachRequest
@@ -45,7 +48,7 @@ class ReachServer:
 
         class Handler(socketserver.StreamRequestHandler):
             def handle(self) -> None:
-                service._handle(self.connection, self.client_address[0])
+                service._handle(self.connection, self.client_address[0], self.client_address[1])
 
         self._server = _Server((self.host, self.port), Handler)
         self.port = self._server.server_address[1]
@@ -59,7 +62,7 @@ class ReachServer:
             self._server.server_close()
             self._server = None
 
-    def _handle(self, connection: socket.socket, address: str) -> None:
+    def _handle(self, connection: socket.socket, address: str, source_port: int) -> None:
         observed = _plain(address)
         if not self._slots.acquire(blocking=False):
             return  # closing is the answer: the peer asks again later
@@ -70,13 +73,15 @@ class ReachServer:
                 return
             connection.settimeout(READ_TIMEOUT_S)
             request = ReachRequest.decode(connection.makefile("rb").readline(MAX_LINE_BYTES + 1))
+            received = time.monotonic()
             if not turn.acquire(timeout=TURN_WAIT_S):
                 log.info("reach request from %s closed: its turn did not come within %g s", observed, TURN_WAIT_S)
                 return
             try:
-                reply = self.rpc_reach(request, observed)
+                reply = self.rpc_reach(request, observed, source_port)
             finally:
                 turn.release()
+            reply = replace(reply, held_s=time.monotonic() - received)
             connection.sendall(reply.encode())
         except SchemaError as error:
             log.info("reach request from %s refused: %s", observed, error)
@@ -105,11 +110,12 @@ class ReachServer:
             else:
                 self._turns[observed] = (lock, holding - 1)
 
-    def rpc_reach(self, request: ReachRequest, observed: str) -> ReachReply:
-        """Dial each port asked at `observed`, the address the request came from."""
-        opened = tuple(self._dials(observed, port) for port in request.ports)
+    def rpc_reach(self, request: ReachRequest, observed: str, source_port: int) -> ReachReply:
+        """Dial each port asked at `observed`, the address the request came from (from `source_port`), all at once."""
+        with ThreadPoolExecutor(len(request.ports), thread_name_prefix="reach-dial") as dialling:
+            opened = tuple(dialling.map(lambda port: self._dials(observed, port), request.ports))
         self.answered += 1
-        return ReachReply(observed, opened, self.clock())
+        return ReachReply(observed, source_port, opened, self.clock())
 
     def _dials(self, host: str, port: int) -> bool:
         try:

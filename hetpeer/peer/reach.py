@@ -4,6 +4,8 @@
 A port others could dial means a direct link; none means the peer sits behind NAT or a firewall: it dials
 the peers it works with, and they answer over its connections (`transport/network.py`). A peer that cannot
 ask (no reach service named, or it does not answer) says its reachability is unknown and is dialled as before.
+It asks from the port it would punch holes from (`transport/punch.py`): the source port the service saw tells
+whether its NAT keeps ports.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from hetpeer.peer.transport.links import share_port
 from hetpeer.protocol.reach import MAX_LINE_BYTES, TURN_WAIT_S, ReachReply, ReachRequest
 from hetpeer.protocol.wire import SchemaError
 
@@ -34,6 +37,14 @@ class Reach:
     open: tuple[bool, ...]  # per port asked, in order
     clock_offset_s: float  # add to this machine's clock to read the coordinator's
     round_trip_s: float
+    local_port: int = 0  # the port the request left from
+    seen_port: int = 0  # the source port the service saw it come from
+
+    @property
+    def keeps_port(self) -> bool:
+        """Whether the path out (its NAT, if any) kept the request's source port: a port this peer binds is then the
+        port others see, whatever it dials (Linux's MASQUERADE and most home routers keep it while it is free)."""
+        return self.local_port == self.seen_port != 0
 
 
 class ReachError(Exception):
@@ -41,12 +52,19 @@ class ReachError(Exception):
 
 
 def ask(service: tuple[str, int], ports: Sequence[int], timeout_s: float = 15.0,
-        clock: Callable[[], float] = time.time) -> Reach:
-    """Ask the reach service at `service` (HOST, PORT) to dial `ports` back; ReachError when it cannot. The
-    connection is given `timeout_s`, the answer `ANSWER_WAIT_S`."""
+        clock: Callable[[], float] = time.time, source: tuple[str, int] | None = None) -> Reach:
+    """Ask the reach service at `service` (HOST, PORT) to dial `ports` back, from `source` (HOST, PORT; bound shared,
+    as the punching sockets bind it) or any port; ReachError when it cannot. The connection is given `timeout_s`,
+    the answer `ANSWER_WAIT_S`."""
     host, port = service
     try:
-        with socket.create_connection((host, port), timeout=timeout_s) as sock:
+        with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
+            if source is not None:
+                share_port(sock)
+                sock.bind(source)
+            sock.settimeout(timeout_s)
+            sock.connect((host, port))
+            local_port = sock.getsockname()[1]
             sock.settimeout(ANSWER_WAIT_S)
             sent = clock()
             sock.sendall(ReachRequest(tuple(ports), sent).encode())
@@ -60,23 +78,27 @@ def ask(service: tuple[str, int], ports: Sequence[int], timeout_s: float = 15.0,
         reply = ReachReply.decode(line, len(ports))
     except SchemaError as error:
         raise ReachError(f"the reach service at {host}:{port} answered nonsense: {error}") from None
-    return Reach(reply.observed, reply.open, reply.time - (sent + received) / 2, received - sent)
+    # NTP's offset: the reply's time is when it left, `held_s` after the request arrived; what is left of the wait
+    # is the round trip, taken as half each way
+    arrived = reply.time - reply.held_s
+    offset = ((arrived - sent) + (reply.time - received)) / 2
+    return Reach(reply.observed, reply.open, offset, max(0.0, received - sent - reply.held_s), local_port, reply.port)
 
 
 def ask_patiently(service: tuple[str, int], ports: Sequence[int], say: Callable[[str], None],
                   clock: Callable[[], float] = time.time, tries: int = ASK_TRIES, first_wait_s: float = 2.0,
-                  sleep: Callable[[float], None] = time.sleep) -> Reach:
+                  sleep: Callable[[float], None] = time.sleep, source: tuple[str, int] | None = None) -> Reach:
     """`ask`, again when it fails (a service that closed on this peer, was restarting or did not answer in time),
     after 2, 4, 8 s (`first_wait_s` doubling, up to half more at random, so that peers behind one address
     refused together do not ask together again), saying each failure with `say`; the last one is raised."""
     for attempt in range(tries - 1):
         try:
-            return ask(service, ports, clock=clock)
+            return ask(service, ports, clock=clock, source=source)
         except ReachError as error:
             wait = first_wait_s * 2**attempt * random.uniform(1.0, 1.5)
             say(f"reachable: asking again in {wait:.0f} s ({error})")
             sleep(wait)
-    return ask(service, ports, clock=clock)
+    return ask(service, ports, clock=clock, source=source)
 
 
 _LOWEST_PORT = 20000  # below it lie the ports that services on a machine commonly listen on

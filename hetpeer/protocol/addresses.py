@@ -38,6 +38,7 @@ class PeerAddress:
     # the device that relays for it
     dialable: bool = True
     relay: str | None = None
+    punch: int | None = None  # the port it punches holes from (`peer/transport/punch.py`), when it does
     key: str | None = None  # in a fixed plan's book: the SHA-256 of the link key the peer proves itself with
 
     @property

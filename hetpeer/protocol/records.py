@@ -39,7 +39,9 @@ from hetpeer.protocol.wire import SchemaError
 # 6: plans name each hop's codecs (forward, backward) and frames may be int4
 # 10: records say what the peer's own process kept its device busy while it measured the other work (`compute_own`)
 # 11: records say how many times the peer has timed its device since it started (`timings`)
-PROTOCOL_VERSION = 11
+# 12: records say the port a peer behind a NAT that keeps ports punches holes from (`punch`), whom it calls now
+#     (`calling`), and which peers it reaches through a punched hole or a relay (`punched`, `relayed`)
+PROTOCOL_VERSION = 12
 COMPUTE_KEY_RE = re.compile(r"[0-9a-f]{16}\Z")
 OWNER_RE = re.compile(rb"\[owner:(.+)\]\Z", re.DOTALL)  # \Z, not $: $ also matches before a final newline
 STATES = ("probing", "waiting", "fetching", "training", "standby", "leaving")
@@ -49,6 +51,7 @@ MAX_DHT_MADDRS = 8
 MAX_MADDR_CHARS = 256
 MAX_PLAN_BYTES = 1 << 20
 MAX_SUSPECTS = 16  # peers one record may report as misbehaving, and as unreachable
+MAX_CALLING = 16  # peers one record may call to punch a hole to
 MAX_TOKEN_CHARS = 1024
 MAX_TEXT_CHARS = 128  # a device name, a software string: shown to organizers on pages and terminals
 TTL_HEARTBEATS = 5  # a peer record expires after this many heartbeats without a new one (loaded machines miss some)
@@ -133,6 +136,10 @@ class PeerSchema(_Strict):
     step_costs: List[pydantic.StrictFloat] = [0.0] * len(FIELDS_OF_STEP_COSTS)
     reachable: pydantic.StrictStr = "unknown"
     unreachable: List[pydantic.StrictStr] = []
+    punch: pydantic.StrictInt = 0
+    calling: List[pydantic.StrictStr] = []
+    punched: List[pydantic.StrictStr] = []
+    relayed: List[pydantic.StrictStr] = []
 
 
 class PlanSchema(_Strict):
@@ -193,6 +200,12 @@ class PeerRecord:
     # could not tell ("unknown")
     reachable: str = "unknown"
     unreachable: tuple[str, ...] = ()  # peers it could not reach lately, neither directly nor through a relay
+    # behind a NAT that keeps ports: the port it punches holes from (0: it does not), and the peers it calls now (each
+    # that punches too dials it back: `peer/transport/punch.py`)
+    punch: int = 0
+    calling: tuple[str, ...] = ()
+    punched: tuple[str, ...] = ()  # peers it reaches now over a hole punched through both NATs
+    relayed: tuple[str, ...] = ()  # and through a relay; any other peer it measured, directly
     software: str = ""
     version: int = PROTOCOL_VERSION
 
@@ -205,6 +218,19 @@ class PeerRecord:
     def behind_nat(self) -> bool:
         """Nobody can dial it: it dials others, and peers like it reach it through its relay, if any."""
         return self.reachable == "none" or self.relay is not None
+
+    def reach_words(self) -> str:
+        """`reachable` for people, with whether it punches and how many peers it reaches over punched holes and
+        relays: "none, punches: 3 punched, 1 relayed"."""
+        paths = [f"{len(peers)} {word}" for peers, word in ((self.punched, "punched"), (self.relayed, "relayed")) if peers]
+        return self.reachable + (", punches" if self.punch else "") + (": " + ", ".join(paths) if paths else "")
+
+    def punches_with(self, other: "PeerRecord") -> bool:
+        """Whether this peer and `other`, both behind NAT, can punch a hole to each other: both punch, and not from
+        one public address (that would need their router to hairpin)."""
+        return (self.behind_nat and other.behind_nat and self.punch != 0 and other.punch != 0
+                and self.address.direct is not None and other.address.direct is not None
+                and self.address.direct[0] != other.address.direct[0])
 
     def to_wire(self) -> dict[str, Any]:
         direct = self.address.direct
@@ -246,6 +272,10 @@ class PeerRecord:
             "step_costs": self.step_costs.to_wire(),
             "reachable": self.reachable,
             "unreachable": list(self.unreachable),
+            "punch": int(self.punch),
+            "calling": list(self.calling),
+            "punched": list(self.punched),
+            "relayed": list(self.relayed),
         }
 
     @staticmethod
@@ -329,9 +359,13 @@ class PeerRecord:
         if parsed.reachable not in REACHABLE and not (relay != parsed.reachable and DEVICE_RE.match(relay) and relay != parsed.device_id):
             raise SchemaError("peer.reachable", f"must be one of {', '.join(REACHABLE)} or {VIA}<another peer's device id>, "
                                                 f"got {parsed.reachable[:64]!r}")
-        for name_, peers in (("suspects", parsed.suspects), ("unreachable", parsed.unreachable)):
-            if len(peers) > MAX_SUSPECTS or len(set(peers)) != len(peers):
-                raise SchemaError(f"peer.{name_}", f"at most {MAX_SUSPECTS} different peers, got {len(peers)}")
+        if not 0 <= parsed.punch <= 65535 or (parsed.punch and parsed.direct is None):
+            raise SchemaError("peer.punch", f"must be a port in 1..65535 of a peer with a direct address, or 0, got {parsed.punch}")
+        for name_, peers, most in (("suspects", parsed.suspects, MAX_SUSPECTS), ("unreachable", parsed.unreachable, MAX_SUSPECTS),
+                                   ("calling", parsed.calling, MAX_CALLING), ("punched", parsed.punched, MAX_LINKS),
+                                   ("relayed", parsed.relayed, MAX_LINKS)):
+            if len(peers) > most or len(set(peers)) != len(peers):
+                raise SchemaError(f"peer.{name_}", f"at most {most} different peers, got {len(peers)}")
             for i, peer in enumerate(peers):
                 if not DEVICE_RE.match(peer) or peer == parsed.device_id:
                     raise SchemaError(f"peer.{name_}[{i}]", f"must be another peer's device id, got {peer[:64]!r}")
@@ -369,6 +403,10 @@ class PeerRecord:
             step_costs=step_costs,
             reachable=parsed.reachable,
             unreachable=tuple(parsed.unreachable),
+            punch=parsed.punch,
+            calling=tuple(parsed.calling),
+            punched=tuple(parsed.punched),
+            relayed=tuple(parsed.relayed),
             software=parsed.software,
             version=parsed.version,
         )

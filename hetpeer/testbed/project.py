@@ -229,7 +229,8 @@ def routing(config: TestbedConfig, device: Device) -> list[str]:
 
 
 def router_commands(config: TestbedConfig, device: Device) -> list[str]:
-    """A home router for `device`: masquerade what its network sends out, let the answers back, nothing else in."""
+    """A home router for `device`: masquerade what its network sends out, let the answers back, nothing else in;
+    what arrives unasked is dropped without an answer (as home routers do: hole punching relies on it)."""
     lan, _, _ = config.lans[service_name(device.id)]
     ports = " --random-fully" if device.nat == "symmetric" else ""
     return [
@@ -237,6 +238,7 @@ def router_commands(config: TestbedConfig, device: Device) -> list[str]:
         "iptables -P FORWARD DROP",
         f"iptables -A FORWARD -s {lan} -j ACCEPT",
         "iptables -A FORWARD -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT",
+        f"iptables -A INPUT ! -s {lan} -m conntrack --ctstate NEW,INVALID -j DROP",
     ]
 
 

@@ -13,7 +13,8 @@ import pytest
 
 from hetpeer.coordinator import reach as reach_service
 from hetpeer.coordinator.reach import ReachServer
-from hetpeer.peer.reach import Reach, ReachError, ask, ask_patiently, listening
+from hetpeer.peer.reach import Reach, ReachError, ask, ask_patiently, free_port, listening
+from hetpeer.peer.transport.links import share_port
 from hetpeer.protocol.reach import ReachReply, ReachRequest
 
 
@@ -36,6 +37,22 @@ def test_it_says_which_ports_it_could_dial_and_how_far_the_clock_is(service):
     assert reach.observed == "127.0.0.1" and reach.open == (True, False)
     assert abs(reach.clock_offset_s - 90.0) < 1.0 + reach.round_trip_s
     assert service.answered == 1
+
+
+def test_it_names_the_source_port_a_request_came_from_so_a_peer_tells_whether_its_port_was_kept(service):
+    """Asked from a port of the peer's choosing (bound shared, as the punching sockets bind it after), the service
+    sees that port: no NAT on 127.0.0.1 changes it. A closed port costs the dial timeout once, not once a port."""
+    port = free_port()
+    shut, shut2 = closed_port(), closed_port()
+    with listening("127.0.0.1", 0) as open_one:
+        reach = ask(("127.0.0.1", service.port), (open_one.getsockname()[1], shut, shut2), source=("127.0.0.1", port))
+    assert (reach.local_port, reach.seen_port) == (port, port) and reach.keeps_port
+    assert reach.open == (True, False, False)
+    again = ask(("127.0.0.1", service.port), (shut,), source=("127.0.0.1", port))  # the same port again, at once
+    assert again.seen_port == port and again.keeps_port
+    with socket.socket() as punching:  # and a socket that punches from it, bound beside
+        share_port(punching)
+        punching.bind(("127.0.0.1", port))
 
 
 def test_a_request_that_does_not_parse_gets_no_answer_and_the_service_goes_on(service):
@@ -72,6 +89,24 @@ class SlowDials(ReachServer):
         with self.count_lock:
             self.at_once -= 1
         return super()._dials(host, port)
+
+
+def test_the_clock_offset_leaves_out_the_time_the_service_held_the_request():
+    """Dials to ports a home router drops take the whole dial timeout: seconds in which the request waits at the
+    service, which the round trip's midpoint would count as half there and half back (1 s off here)."""
+    class Held(ReachServer):
+        def _dials(self, host: str, port: int) -> bool:
+            time.sleep(2.0)
+            return False
+
+    service = Held("127.0.0.1", 0, clock=lambda: time.time() + 90.0).start()
+    try:
+        reach = ask(("127.0.0.1", service.port), (closed_port(),))
+    finally:
+        service.shutdown()
+    assert reach.open == (False,)
+    assert abs(reach.clock_offset_s - 90.0) < 0.25, reach
+    assert reach.round_trip_s < 1.0, reach  # the two seconds held are not the network's
 
 
 def ask_at_once(service: ReachServer, peers: int) -> list:
@@ -121,7 +156,7 @@ def flaky_service(closes: int, answers: bool = True) -> tuple[socket.socket, thr
         connection = server.accept()[0]
         with connection:
             ReachRequest.decode(connection.makefile("rb").readline())
-            connection.sendall(ReachReply("127.0.0.1", (True,), time.time()).encode())
+            connection.sendall(ReachReply("127.0.0.1", 1, (True,), time.time()).encode())
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()

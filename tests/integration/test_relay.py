@@ -56,7 +56,8 @@ def test_frames_cross_between_two_undialable_peers_through_the_relay_both_ways(s
     tb.send(a.device, "gradient", PATTERN * 2, step=0)  # back over the stream a opened through the relay
     tb.flush(15)
     assert torch.equal(ta.recv("gradient", b.device, 0, 0, timeout_s=15), PATTERN * 2)
-    assert ta.routes[b.device] == "relay" and tb.routes[a.device] == "back"
+    assert ta.routes[b.device] == "relay" and tb.routes[a.device] == "relay"  # b answers over the call a placed
+    assert ta.paths()[b.device] == tb.paths()[a.device] == "relayed"
     assert relay.relayed_bytes > 2 * PATTERN.numel() * 4 and relay.calls[b.device] == 1
     assert not ta.inbox.misbehaving and not tb.inbox.misbehaving
 

@@ -191,8 +191,11 @@ class Lab:
         """A host on a private /24 whose router masquerades it onto the public subnet.
 
         "cone": MASQUERADE keeps the host's source port when it is free on the router (endpoint-independent
-        mapping). "symmetric": --random-fully picks a random port for each connection. Either way the
-        router accepts only replies from the public side: with no DNAT nothing can dial the host. The
+        mapping), so two hosts behind cone routers can punch a TCP connection through them. "symmetric":
+        --random-fully picks a random port for each connection. Either way the router accepts only replies
+        from the public side: with no DNAT nothing can dial the host, and what arrives unasked is dropped
+        without an answer, as home routers do (a router that answered with a reset of its own would also keep
+        the conntrack entry of the SYN it refused, which takes the port a hole punched to it needs). The
         private network is a bridge in the router (`lan0`), so `beside` can put more hosts on it.
         """
         if kind not in ("cone", "symmetric"):
@@ -211,6 +214,7 @@ class Lab:
         _sh(*iptables, "-A", "FORWARD", "-i", "lan0", "-o", "wan0", "-j", "ACCEPT")
         _sh(*iptables, "-A", "FORWARD", "-i", "wan0", "-o", "lan0",
             "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT")
+        _sh(*iptables, "-A", "INPUT", "-i", "wan0", "-m", "conntrack", "--ctstate", "NEW,INVALID", "-j", "DROP")
         masquerade = ["-t", "nat", "-A", "POSTROUTING", "-o", "wan0", "-j", "MASQUERADE"]
         _sh(*iptables, *masquerade, *(["--random-fully"] if kind == "symmetric" else []))
         self._homes[router] = (lan, 2)

@@ -24,3 +24,16 @@ def wait_for_line(path: Path, pattern: str, proc: subprocess.Popen, deadline: fl
             f"{path.name} ended (exit {proc.returncode}) without a line matching {pattern!r}:\n{text[-3000:]}")
         assert time.monotonic() < deadline, f"no line matching {pattern!r} in {path.name} in time:\n{text[-3000:]}"
         time.sleep(0.5)
+
+
+def start_coordinator(run: Start, host, tmp_path: Path, swarm: str, deadline: float, *args: str) -> tuple[subprocess.Popen, Path]:
+    """`hetpeer coordinator` of `swarm` on `host`, its DHT on port 31337 of every interface, announced at the
+    host's address, with `args` beside; once it wrote its join file: (its process, the join file)."""
+    join = tmp_path / "join.json"
+    coordinator = run(
+        host, "coordinator", "coordinator", "--swarm", swarm, "--home", str(tmp_path / "coordinator"),
+        "--host-maddr", "/ip4/0.0.0.0/tcp/31337", "--announce-maddr", f"/ip4/{host.address}/tcp/31337",
+        "--join-file", str(join), *args,
+    )
+    wait_for_line(tmp_path / "coordinator.log", r"join file:", coordinator, deadline)
+    return coordinator, join

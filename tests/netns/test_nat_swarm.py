@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from lab import Lab
-from runs import Start, wait_for_line
+from runs import Start, start_coordinator, wait_for_line
 
 STEPS = 6
 DEADLINE_S = 300.0
@@ -28,14 +28,8 @@ def test_peers_behind_cone_and_symmetric_nat_train_through_direct_links_and_a_re
              "cone2": lab.behind_nat("cone2", "cone")}
     nated = ("cone", "sym", "cone2")
     lab.lossy(hosts["cone"], 0.02)  # a Wi-Fi link that drops 2% of packets
-    join = tmp_path / "join.json"
-    coordinator = run(
-        coordinator_host, "coordinator", "coordinator", "--swarm", "nat", "--home", str(tmp_path / "coordinator"),
-        "--host-maddr", "/ip4/0.0.0.0/tcp/31337", "--announce-maddr", f"/ip4/{coordinator_host.address}/tcp/31337",
-        "--join-file", str(join), "--min-peers", "4", "--stages", "2", "--group-size", "2", "--heartbeat", "1",
-        "--steps", str(STEPS),
-    )
-    wait_for_line(tmp_path / "coordinator.log", r"join file:", coordinator, deadline)
+    coordinator, join = start_coordinator(run, coordinator_host, tmp_path, "nat", deadline,
+                                          "--min-peers", "4", "--stages", "2", "--group-size", "2", "--heartbeat", "1", "--steps", str(STEPS))
     skewed = {"cone2": ("--emulate-clock-skew", "-90")}  # a machine whose clock runs 90 s behind
     peers = {name: run(host, name, "join", "--join-file", str(join), "--name", name, "--home", str(tmp_path / name),
                        "--heartbeat", "1", "--steps", str(STEPS), *skewed.get(name, ()))

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from lab import Lab
-from runs import Start, wait_for_line
+from runs import Start, start_coordinator, wait_for_line
 
 HOME = 8
 DEADLINE_S = 420.0  # ten peers starting on two cores; generous, this only stops a hang
@@ -21,13 +21,8 @@ def test_eight_peers_behind_one_address_are_all_answered_and_planned(lab: Lab, r
     coordinator_host, public = lab.public("coord"), lab.public("pub")
     first = lab.behind_nat("home0", "cone")
     homes = {"home0": first, **{f"home{i}": lab.beside(first, f"home{i}") for i in range(1, HOME)}}
-    join = tmp_path / "join.json"
-    coordinator = run(
-        coordinator_host, "coordinator", "coordinator", "--swarm", "home", "--home", str(tmp_path / "coordinator"),
-        "--host-maddr", "/ip4/0.0.0.0/tcp/31337", "--announce-maddr", f"/ip4/{coordinator_host.address}/tcp/31337",
-        "--join-file", str(join), "--min-peers", str(HOME + 1), "--heartbeat", "1",
-    )
-    wait_for_line(tmp_path / "coordinator.log", r"join file:", coordinator, deadline)
+    coordinator, join = start_coordinator(run, coordinator_host, tmp_path, "home", deadline,
+                                          "--min-peers", str(HOME + 1), "--heartbeat", "1")
     peers = {name: run(host, name, "join", "--join-file", str(join), "--name", name, "--home", str(tmp_path / name),
                        "--heartbeat", "1") for name, host in {"pub": public, **homes}.items()}
     for name in homes:

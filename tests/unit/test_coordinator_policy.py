@@ -653,6 +653,51 @@ def test_two_peers_behind_nat_reach_each_other_through_a_relay_at_its_two_hops()
     assert policy.without_path(make_plan([["a"], ["c"]]), records) == [("a", "c")]
 
 
+def test_two_peers_behind_nats_that_keep_ports_are_a_direct_link_punched_not_a_relay_or_no_path():
+    """a, b and c punch holes (each behind its own router); d cannot (its NAT changes ports); b also registered at
+    relay r: its pair with a is still the punched link as measured, not r's two hops."""
+    def home(device: str, host: str, **changes) -> PeerRecord:
+        return record(device, **{"address": PeerAddress(direct=(host, 7000)), "punch": 40000, "reachable": "none", **changes})
+
+    records = {
+        "a": home("a", "198.51.100.1", links={"b": link(0.004, 90e6), "r": link(0.02, 50e6)}),
+        "b": home("b", "198.51.100.2", links={"r": link(0.03, 20e6)}, reachable="via:r"),
+        "c": home("c", "198.51.100.3"),
+        "d": home("d", "198.51.100.4", punch=0),
+        "e": home("e", "198.51.100.3"),  # behind c's router: one public address
+        "r": record("r", reachable="direct"),
+    }
+    problem, estimated = policy.build_problem(records, WORKLOAD, None)
+    i = {d: problem.device_ids.index(d) for d in records}
+    assert problem.latency_s[i["a"], i["b"]] == pytest.approx(0.004) and problem.bandwidth_bytes_per_s[i["a"], i["b"]] == 90e6
+    assert not estimated[i["a"], i["b"]] and estimated[i["a"], i["c"]]  # a-c: punchable, not measured yet, guessed
+    assert problem.bandwidth_bytes_per_s[i["a"], i["c"]] > 1e6
+    for pair in (("a", "d"), ("c", "d"), ("c", "e")):
+        assert (problem.latency_s[i[pair[0]], i[pair[1]]], problem.bandwidth_bytes_per_s[i[pair[0]], i[pair[1]]]) == policy.ABSENT_LINK
+    assert problem.bandwidth_bytes_per_s[i["d"], i["b"]] == 20e6  # d reaches b through b's relay
+    assert policy.without_path(make_plan([["a"], ["c"]]), records) == []
+    assert policy.without_path(make_plan([["c"], ["e"]]), records) == [("c", "e")]
+    assert policy.without_path(make_plan([["a", "c"], ["d", "b"]]), records) == [("a", "d")]  # d-b: through b's relay
+    # a hole that would not punch (each reports the other): no path but b's relay
+    records["a"], records["b"] = replace(records["a"], unreachable=("b",)), replace(records["b"], unreachable=("a",))
+    problem, _ = policy.build_problem(records, WORKLOAD, None)
+    assert problem.latency_s[i["a"], i["b"]] == pytest.approx(0.05) and problem.bandwidth_bytes_per_s[i["a"], i["b"]] == 20e6
+    records["a"], records["c"] = replace(records["a"], unreachable=("c",)), replace(records["c"], unreachable=("a",))
+    assert policy.without_path(make_plan([["a"], ["c"]]), records) == [("a", "c")]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_planners_mask_of_punched_pairs_is_the_records_own_rule(seed):
+    rng = np.random.default_rng(seed)
+    records = {f"p{k}": record(f"p{k}", address=PeerAddress(direct=(f"10.0.0.{rng.integers(4)}", 7000)),
+                               punch=int(rng.choice([0, 40000])), reachable=str(rng.choice(["none", "direct", "via:p0"])))
+               for k in range(12)}
+    ids = sorted(records)
+    mask = policy._punched(records, ids)
+    expected = np.array([[a != b and records[a].punches_with(records[b]) for b in ids] for a in ids])
+    assert (mask == expected).all() and mask.any() and not mask.all()
+
+
 def test_a_pair_whose_peers_each_report_they_could_not_reach_the_other_has_no_path_from_then_on():
     """A firewall the reach check did not see: a lane stalled on it, and the next plan does not pair them again.
     One side's report is not enough: the neighbours of a peer that died and came back report it for a while."""

@@ -381,3 +381,35 @@ def test_a_peer_without_the_reach_checks_offset_takes_the_median_of_the_records_
     for left in (Clocked([90.0], from_reach=True), Clocked([]), Clocked([3.9, -3.9, 1.0])):
         left._correct_clock()  # the reach check's offset stands; no records; within two heartbeats
         assert left.control.set == [] and left.said == []
+
+
+class Keeping(Reaching):
+    """A punching peer's reaching part, alone: the records it read, its running plan, what it keeps connections to."""
+
+    def __init__(self, records: dict[str, PeerRecord], running: Plan) -> None:
+        self.device_id, self.records, self.running, self.pending = "me", records, running, None
+        self.reachable, self.punch_port, self.lock, self.kept = "none", 40000, threading.Lock(), None
+        self.transport = SimpleNamespace(keep_connected=lambda peers: setattr(self, "kept", set(peers)))
+        self.relay_link, self.relay, self.links = SimpleNamespace(via=None), None, SimpleNamespace(current=dict)
+
+
+def test_a_punching_peer_calls_its_neighbours_first_then_a_spread_of_others_and_keeps_whoever_calls_it():
+    def home(device: str, host: str, punch: int = 40000, calling: tuple[str, ...] = ()) -> PeerRecord:
+        return replace(record(device, None, 0), address=PeerAddress(direct=(host, 7000)), reachable="none", punch=punch,
+                       calling=calling)
+
+    records = {"me": home("me", "198.51.100.1"), "n1": home("n1", "198.51.100.2"), "n2": home("n2", "198.51.100.3", punch=0),
+               "caller": home("caller", "198.51.100.4", calling=("me",)), "sibling": home("sibling", "198.51.100.1")}
+    records.update({f"o{i:02}": home(f"o{i:02}", f"203.0.113.{i}") for i in range(30)})
+    peer = Keeping(records, make_plan([["me", "x"], ["n1", "n2"]]))
+    peer._keep_paths()
+    assert peer.calling[0] == "n1" and len(peer.calling) == 16  # its lane neighbour first, then 15 others
+    assert "n2" not in peer.calling and "sibling" not in peer.calling  # cannot punch; behind its own router
+    assert peer.kept == set(peer.calling) | {"caller"}  # n2 has no path at all: nothing to keep
+    first = peer.calling
+    peer._keep_paths()
+    assert peer.calling == first  # the same others heartbeat after heartbeat
+    other = Keeping(records, make_plan([["n1"], ["me"]]))
+    other.device_id = "n1"  # me's lane neighbour, reading the same records
+    other._keep_paths()
+    assert set(other.calling[1:]) != set(first[1:])  # another peer calls another spread

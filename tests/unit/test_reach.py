@@ -16,20 +16,20 @@ from hetpeer.protocol.wire import SchemaError
 
 def test_request_and_reply_round_trip():
     assert ReachRequest.decode(ReachRequest((7000, 7001), 12.5).encode()) == ReachRequest((7000, 7001), 12.5)
-    reply = ReachReply("203.0.113.7", (True, False), 99.0)
+    reply = ReachReply("203.0.113.7", 40123, (True, False), 99.0, held_s=3.01)
     assert ReachReply.decode(reply.encode(), 2) == reply
 
 
 @pytest.mark.parametrize("line, where", [
     (b"not json\n", "reach_request"),
-    (json.dumps({"version": 2, "ports": [1], "time": 0.0}).encode(), "reach_request.version"),
-    (json.dumps({"version": 1, "ports": [], "time": 0.0}).encode(), "reach_request.ports"),
-    (json.dumps({"version": 1, "ports": [1, 2, 3, 4, 5], "time": 0.0}).encode(), "reach_request.ports"),
-    (json.dumps({"version": 1, "ports": [70000], "time": 0.0}).encode(), "reach_request.ports"),
-    (json.dumps({"version": 1, "ports": [0], "time": 0.0}).encode(), "reach_request.ports[0]"),
-    (json.dumps({"version": 1, "ports": [True], "time": 0.0}).encode(), "reach_request.ports[0]"),
-    (json.dumps({"version": 1, "ports": [1], "time": "now"}).encode(), "reach_request.time"),
-    (json.dumps({"version": 1, "ports": [1], "time": 0.0, "to": "10.0.0.1"}).encode(), "reach_request.to"),
+    (json.dumps({"version": 1, "ports": [1], "time": 0.0}).encode(), "reach_request.version"),
+    (json.dumps({"version": 2, "ports": [], "time": 0.0}).encode(), "reach_request.ports"),
+    (json.dumps({"version": 2, "ports": [1, 2, 3, 4, 5], "time": 0.0}).encode(), "reach_request.ports"),
+    (json.dumps({"version": 2, "ports": [70000], "time": 0.0}).encode(), "reach_request.ports"),
+    (json.dumps({"version": 2, "ports": [0], "time": 0.0}).encode(), "reach_request.ports[0]"),
+    (json.dumps({"version": 2, "ports": [True], "time": 0.0}).encode(), "reach_request.ports[0]"),
+    (json.dumps({"version": 2, "ports": [1], "time": "now"}).encode(), "reach_request.time"),
+    (json.dumps({"version": 2, "ports": [1], "time": 0.0, "to": "10.0.0.1"}).encode(), "reach_request.to"),
     (b"{" + b" " * MAX_LINE_BYTES + b"}", "reach_request"),
 ])
 def test_a_bad_request_is_refused_naming_what_is_wrong(line, where):
@@ -39,10 +39,17 @@ def test_a_bad_request_is_refused_naming_what_is_wrong(line, where):
 
 
 @pytest.mark.parametrize("raw, ports, where", [
-    ({"version": 1, "observed": "not-an-ip", "open": [True], "time": 1.0}, 1, "reach_reply.observed"),
-    ({"version": 1, "observed": "10.0.0.1", "open": [True], "time": 1.0}, 2, "reach_reply.open"),
-    ({"version": 1, "observed": "10.0.0.1", "open": ["yes"], "time": 1.0}, 1, "reach_reply.open"),
-    ({"version": 1, "observed": "10.0.0.1", "open": [True]}, 1, "reach_reply.time"),
+    ({"version": 2, "observed": "not-an-ip", "port": 9, "open": [True], "time": 1.0}, 1, "reach_reply.observed"),
+    ({"version": 2, "observed": "10.0.0.1", "port": 9, "open": [True], "time": 1.0}, 2, "reach_reply.open"),
+    ({"version": 2, "observed": "10.0.0.1", "port": 9, "open": ["yes"], "time": 1.0}, 1, "reach_reply.open"),
+    ({"version": 2, "observed": "10.0.0.1", "port": 9, "open": [True]}, 1, "reach_reply.time"),
+    ({"version": 2, "observed": "10.0.0.1", "open": [True], "time": 1.0}, 1, "reach_reply.port"),
+    ({"version": 2, "observed": "10.0.0.1", "port": 0, "open": [True], "time": 1.0}, 1, "reach_reply.port"),
+    ({"version": 2, "observed": "10.0.0.1", "port": 65536, "open": [True], "time": 1.0}, 1, "reach_reply.port"),
+    ({"version": 1, "observed": "10.0.0.1", "open": [True], "time": 1.0}, 1, "reach_reply.version"),
+    ({"version": 2, "observed": "10.0.0.1", "port": 9, "open": [True], "time": 1.0}, 1, "reach_reply.held_s"),
+    ({"version": 2, "observed": "10.0.0.1", "port": 9, "open": [True], "time": 1.0, "held_s": -1.0}, 1, "reach_reply.held_s"),
+    ({"version": 2, "observed": "10.0.0.1", "port": 9, "open": [True], "time": 1.0, "held_s": 1e9}, 1, "reach_reply.held_s"),
 ])
 def test_a_bad_reply_is_refused_naming_what_is_wrong(raw, ports, where):
     with pytest.raises(SchemaError) as error:
@@ -57,6 +64,12 @@ def test_the_volunteer_is_told_what_would_help():
     assert "cannot dial this peer at 198.51.100.4" in closed and "forward TCP port(s) 7000 (tensors), 7001 (DHT)" in closed
     partly = advice(Reach("198.51.100.4", (True, False), 0.0, 0.01), ports, names)
     assert "partly" in partly and "7001 (DHT)" in partly and "7000" not in partly
+
+
+def test_a_nat_keeps_the_port_only_when_the_service_saw_the_one_the_request_left_from():
+    assert Reach("198.51.100.4", (False,), 0.0, 0.01, local_port=40123, seen_port=40123).keeps_port
+    assert not Reach("198.51.100.4", (False,), 0.0, 0.01, local_port=40123, seen_port=1034).keeps_port
+    assert not Reach("198.51.100.4", (False,), 0.0, 0.01).keeps_port  # not told: no claim
 
 
 def test_a_clock_far_off_is_said_and_a_close_one_is_not():

@@ -465,3 +465,30 @@ def test_the_peers_a_peer_could_not_reach_are_checked():
     own = parse(wire()).device_id
     for bad in ([own], ["x"], ["other-0123456789ab"] * 2, [f"p{i}-0123456789ab" for i in range(17)]):
         refused(wire(unreachable=bad), "peer.unreachable" if len(set(bad)) != len(bad) or len(bad) > 16 else "peer.unreachable[0]")
+
+
+def test_the_port_a_peer_punches_from_and_the_peers_it_calls_are_checked():
+    calls = ["other-0123456789ab", "third-0123456789ab"]
+    parsed = parse(wire(reachable="none", punch=40123, calling=calls, punched=calls[:1], relayed=calls[1:]))
+    assert (parsed.punch, parsed.calling, parsed.punched, parsed.relayed) == (40123, tuple(calls), tuple(calls[:1]), tuple(calls[1:]))
+    assert parse(wire()).punch == 0 and parse(wire()).calling == ()
+    for bad in (-1, 65536):
+        refused(wire(punch=bad), "peer.punch")
+    refused(wire(punch=40123, direct=None), "peer.punch")  # a port with no address to punch to
+    own = parse(wire()).device_id
+    for bad in ([own], ["x"], calls[:1] * 2, [f"p{i}-0123456789ab" for i in range(17)]):
+        refused(wire(calling=bad), "peer.calling" if len(set(bad)) != len(bad) or len(bad) > 16 else "peer.calling[0]")
+    refused(wire(punched=[own]), "peer.punched[0]")
+    refused(wire(relayed=calls[:1] * 2), "peer.relayed")
+
+
+def test_two_peers_punch_to_each_other_only_when_both_are_behind_nat_punch_and_have_two_addresses():
+    def peer(host: str, punch: int = 40123, reachable: str = "none") -> PeerRecord:
+        return record(address=PeerAddress(direct=(host, 7000)), punch=punch, reachable=reachable)
+
+    a, b = peer("198.51.100.1"), peer("203.0.113.9")
+    assert a.punches_with(b) and b.punches_with(a)
+    assert peer("198.51.100.1", reachable="via:relay-0123456789ab").punches_with(b)  # registered at a relay: still
+    assert not a.punches_with(peer("203.0.113.9", punch=0))  # its NAT changes ports
+    assert not a.punches_with(peer("203.0.113.9", reachable="direct"))  # dialled, not punched
+    assert not a.punches_with(peer("198.51.100.1"))  # behind one address: their router would have to hairpin

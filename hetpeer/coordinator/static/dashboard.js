@@ -209,7 +209,8 @@
     { key: "links", label: "links", num: true, show: (p) => (missing(p.links) ? "-" : p.links) },
     { key: "age_s", label: "age s", num: true, show: (p) => fixed(p.age_s, 0) },
     { key: "device_name", label: "device", show: (p) => p.device_name || "-" },
-    { key: "reachable", label: "reachable", show: (p) => p.reachable || "-" },
+    { key: "reachable", label: "reachable", show: (p) => el("span", { title: [["punched", p.punched], ["relayed", p.relayed]]
+        .filter(([, peers]) => peers && peers.length).map(([how, peers]) => `${how}: ${peers.join(", ")}`).join("\n") }, p.reach || p.reachable || "-") },
     { key: "software", label: "software", show: (p) => p.software || "-" },
     { key: "admission", label: "admission", show: (p) => p.admission + (p.suspects && p.suspects.length ? ` · reports ${p.suspects.join(", ")}` : "") },
   ];

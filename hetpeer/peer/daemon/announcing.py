@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from hetpeer import __version__
 from hetpeer.protocol.identity import DEVICE_RE
 from hetpeer.protocol.plan import Plan
-from hetpeer.protocol.records import MAX_SUSPECTS, PeerRecord
+from hetpeer.protocol.records import MAX_LINKS, MAX_SUSPECTS, PeerRecord
 from hetpeer.protocol.stepcosts import StepCosts
 from hetpeer.protocol.modelspec import ModelSpec
 from hetpeer.protocol.workload import Workload
@@ -60,6 +60,7 @@ class Announcing:
         with self.lock:
             links = self.links.current()
         self._suspect()
+        paths = {d: path for d, path in self.transport.paths().items() if d in self.records}
         return PeerRecord(
             device_id=self.device_id,
             model=self.spec.name,
@@ -92,6 +93,10 @@ class Announcing:
             reachable=self.announced_reachable,
             unreachable=tuple(d for d in self.transport.unreachable(UNREACHED_HEARTBEATS * self.config.heartbeat_s)
                               if d in self.records)[:MAX_SUSPECTS],
+            punch=self.punch_port,
+            calling=self.calling,
+            punched=tuple(sorted(d for d, path in paths.items() if path == "punched"))[:MAX_LINKS],
+            relayed=tuple(sorted(d for d, path in paths.items() if path == "relayed"))[:MAX_LINKS],
             software=f"hetpeer {__version__}",
         )
 

@@ -35,6 +35,7 @@ from hetpeer.peer.transport.inbox import Interrupted, PeerUnreachable, Transport
 from hetpeer.peer.transport.links import TcpLink
 from hetpeer.peer.transport.stream import LinkIdentity
 from hetpeer.peer.transport.network import Emulation, NetworkTransport
+from hetpeer.peer.transport.punch import Puncher
 from hetpeer.peer.transport.relay import Relay, RelayLink
 from hetpeer.protocol.addresses import AddressBook
 from hetpeer.protocol.control import ControlPlane
@@ -140,9 +141,10 @@ class SwarmPeer(Following, Handover, Announcing, Probing, Reaching):
         tcp = TcpLink(host, port, advertise_host=announce_host, identity=identity)
         tcp.relay = self.relay = Relay(self.device_id)  # serves only where others can dial this peer
         self.relay_link = RelayLink(identity, book=lambda: self.transport.book)
+        puncher = Puncher(identity, host, self.punch_port, public_host=announce_host) if self.punch_port else None
         self.transport = NetworkTransport(
             self.device_id, AddressBook({}), [tcp, self.relay_link],
-            connect_timeout_s=min(10.0, config.worker.timeout_s), emulation=config.emulation,
+            connect_timeout_s=min(10.0, config.worker.timeout_s), emulation=config.emulation, puncher=puncher,
         )
         self.transport.start()
         self.transport.book = AddressBook({self.device_id: self.transport.address()})
@@ -284,7 +286,7 @@ class SwarmPeer(Following, Handover, Announcing, Probing, Reaching):
         # a peer back after its record lapsed (restarted, or cut off a while) is no longer one this peer failed to reach
         self.transport.forget_failures(set(records) - set(self.records))
         self.control.remember(r.dht for r in sorted(records.values(), key=lambda r: -r.time))
-        book = {d: replace(r.address, dialable=not r.behind_nat, relay=r.relay) for d, r in records.items()}
+        book = {d: replace(r.address, dialable=not r.behind_nat, relay=r.relay, punch=r.punch or None) for d, r in records.items()}
         book[self.device_id] = self.transport.address()
         self.transport.book = AddressBook(book)
         with self.lock:

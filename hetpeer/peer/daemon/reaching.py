@@ -3,26 +3,32 @@
 Before its DHT node and transport start, the peer asks the coordinator's reach service to dial its two ports
 back (`reach.py`), each on a bare listener: from the answer it takes the address others see (announced when it
 listens on every interface and no address was given), whether its DHT node can take keys (client mode when its
-port cannot be dialled) and the clock offset to the swarm. It says in one line which and what would help.
+port cannot be dialled) and the clock offset to the swarm. It says in one line which and what would help. It asks
+from a third port, the one it would punch holes from: a peer nobody can dial whose NAT kept that port punches
+(`transport/punch.py`), and says so.
 A peer that got no answer (or has no reach service) takes the offset from the other peers' signed records
 instead (`_correct_clock`, each heartbeat).
 
 While it runs, each heartbeat, a peer that cannot be dialled keeps connections open to the peers its plans make
 it work with, so they can answer it (the address book marks who cannot be dialled, from their records). Two
-peers that cannot be dialled, neither through a relay, have no path: neither probes the other.
+peers that cannot be dialled, neither through a relay, have no path: neither probes the other, unless both punch.
+A peer that punches calls (`calling` in its record) its plan neighbours that punch too, and up to `MAX_CALLING`
+with some others to measure; it keeps a punched connection to each peer it calls and to each that calls it, so
+both ends of a pair dial at once.
 """
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import logging
 import statistics
 import time
 
-from hetpeer.peer.reach import ReachError, advice, ask_patiently, clock_words, listening
+from hetpeer.peer.reach import ReachError, advice, ask_patiently, clock_words, free_port, listening
 from hetpeer.protocol.addresses import MADDR_TCP_RE
 from hetpeer.protocol.reach import VIA
-from hetpeer.protocol.records import PeerRecord
+from hetpeer.protocol.records import MAX_CALLING, PeerRecord
 
 log = logging.getLogger("hetpeer.peer")
 WILDCARDS = ("0.0.0.0", "::")
@@ -38,6 +44,8 @@ class Reaching:
     `reachable`) and keeps its paths to other peers (`_keep_paths`, on the control thread)."""
 
     reachable = "unknown"  # what the reach check found: "direct", "none" or "unknown"
+    punch_port = 0  # behind a NAT that keeps ports: the port this peer punches holes from (0: it does not punch)
+    calling: tuple[str, ...] = ()  # the peers it calls now, to punch a hole to each
     clock_from_reach = False  # whether the reach check gave the clock offset (else the records give it)
     _relay_said = (0, 0.0)  # (bytes relayed when last said, when)
 
@@ -57,8 +65,10 @@ class Reaching:
         dht_host = dht.group(2)
         with listening(host, port) as tensors, listening(dht_host, int(dht.group(3))) as node:
             port, dht_port = tensors.getsockname()[1], node.getsockname()[1]
+            punch_port = free_port(host)
             try:
-                reach = ask_patiently(config.reach, (port, dht_port), self.report, clock=lambda: time.time() + control.skew_s)
+                reach = ask_patiently(config.reach, (port, dht_port), self.report, clock=lambda: time.time() + control.skew_s,
+                                      source=(host, punch_port))
             except ReachError as error:
                 if guess:
                     raise ReachError(f"{error}; without it this peer cannot tell the address others see: give "
@@ -71,6 +81,13 @@ class Reaching:
         tensors_open, dht_open = reach.open
         self.reachable = "direct" if tensors_open else "none"
         self.report(advice(reach, (port, dht_port), ("tensors", "DHT")))
+        if not tensors_open:
+            self.punch_port = punch_port if reach.keeps_port else 0
+            self.report(f"reachable: its NAT kept port {punch_port} (the service saw it come from {reach.observed}:"
+                        f"{reach.seen_port}): peers behind NAT that keep ports too connect to it directly, punching a "
+                        f"hole through both NATs from that port" if reach.keeps_port else
+                        f"reachable: its NAT changed the port it dialled from ({punch_port} went out as {reach.seen_port}): "
+                        "it cannot punch holes; peers behind NAT reach it through a relay")
         if guess:
             announce_host = reach.observed
         if not dht_open:
@@ -116,11 +133,26 @@ class Reaching:
         with self.lock:
             records = dict(self.records)
             wanted = self._plan_neighbours() if self.reachable == "none" else set()
-        self.transport.keep_connected(d for d in wanted if d in records and records[d].reachable != "none")
+        keep = {d for d in wanted if d in records and records[d].reachable != "none"}
+        me = records.get(self.device_id)
+        if self.punch_port and me is not None:
+            punching = {d for d, r in records.items() if d != self.device_id and me.punches_with(r)}
+            self.calling = self._to_call(punching & wanted, punching - wanted)
+            keep |= set(self.calling) | {d for d in punching if self.device_id in records[d].calling}
+        self.transport.keep_connected(keep)
         if self.reachable == "none":
             self.relay_link.via = self._pick_relay(records)
         if time.monotonic() - self._relay_said[1] > RELAY_SAY_S:
             self._say_relayed("so far")
+
+    def _to_call(self, neighbours: set[str], others: set[str]) -> tuple[str, ...]:
+        """Whom to call: the plan's neighbours, then others to measure, up to `MAX_CALLING`. The others go by a hash
+        of the pair, so each peer calls a spread of them, the same ones heartbeat after heartbeat."""
+        def spread(d: str) -> bytes:
+            return hashlib.blake2b("|".join(sorted((self.device_id, d))).encode(), digest_size=8).digest()
+
+        chosen = sorted(neighbours)[:MAX_CALLING]
+        return tuple(chosen + sorted(others, key=spread)[: MAX_CALLING - len(chosen)])
 
     def _linger_as_relay(self) -> None:
         """A relay that leaves keeps the calls it carries up a little while (until they end, at most

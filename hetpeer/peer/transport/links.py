@@ -131,6 +131,14 @@ def keep_alive(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, UNACKED_LIMIT_S * 1000)
 
 
+def share_port(sock: socket.socket) -> None:
+    """Let `sock` bind a port that other sockets of this peer bind too, each dialling elsewhere (Linux tells their
+    connections apart by the far end): the reach check's and every hole punched from it."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if hasattr(socket, "SO_REUSEPORT"):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+
+
 async def connect(host: str, port: int) -> SocketStream:
     """A TCP connection to (host, port), as a stream; TimeoutError when the far end has not answered within
     `DIAL_TIMEOUT_S`."""

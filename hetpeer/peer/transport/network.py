@@ -8,7 +8,9 @@ for the network; `flush` waits for the queues.
 A connection carries frames both ways, whichever side dialled it: a peer behind NAT (which nobody can
 dial) dials the peers it works with (`keep_connected`), and frames to it travel back over those
 connections. Frames to a peer whose address is not `dialable` take a connection of its own, else its
-relay's, waiting up to the connect timeout for one.
+relay's, waiting up to the connect timeout for one. Two peers behind NATs that keep ports, each keeping a
+connection to the other, punch one (`punch.py`): it is shared by both channels, both ways, and replaces a
+relayed connection between them.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from hetpeer.peer.transport.base import DEFAULT_MAX_FRAME_BYTES, Transport
 from hetpeer.peer.transport.codec import PayloadCheck
 from hetpeer.peer.transport.inbox import Arrival, PeerUnreachable, TransportError, TransportTimeout
 from hetpeer.peer.transport.links import Link, spawn
+from hetpeer.peer.transport.punch import Puncher
 from hetpeer.peer.transport.stream import Progress, Stream
 from hetpeer.protocol.addresses import AddressBook, PeerAddress
 from hetpeer.protocol.frame import PREFIX, FrameError, FrameHeader, decode_header, header_length
@@ -33,6 +36,8 @@ from hetpeer.protocol.frame import PREFIX, FrameError, FrameHeader, decode_heade
 log = logging.getLogger("hetpeer.transport")
 MAX_EMULATED_LATENCY_S = 10.0
 DRAIN_LIMIT_BYTES = 1 << 20  # a refused frame's payload up to this size is read past; beyond, the stream is closed
+PATHS = {"tcp": "direct", "back": "direct", "p2p": "direct", "punched": "punched", "relay": "relayed"}  # route -> path
+KEEP_SAY_S = 30.0  # a kept connection that keeps failing for one reason is said again this often
 EMULATED_CHUNK_S = 0.01  # an emulated rate paces a frame in pieces of about this long, as a link delivers it
 
 
@@ -76,13 +81,14 @@ class NetworkTransport(Transport):
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         connect_timeout_s: float = 10.0,
         emulation: Emulation = Emulation(),
+        puncher: Puncher | None = None,
     ) -> None:
         if not links:
             raise ValueError("a transport needs at least one link")
         super().__init__(device, max_frame_bytes=max_frame_bytes)
         self.book, self.links, self.connect_timeout_s = book, tuple(links), connect_timeout_s
-        self.emulation = emulation
-        self.routes: dict[str, str] = {}  # destination -> name of the link that reached it
+        self.emulation, self.puncher = emulation, puncher  # no puncher: this peer does not punch holes
+        self.routes: dict[str, str] = {}  # destination -> the route of the stream that last reached it (`Stream.route`)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         # one queue, pump and connection per (destination, channel): link probes travel apart from training
@@ -98,6 +104,8 @@ class NetworkTransport(Transport):
         self._opening: dict[tuple[str, str], asyncio.Lock] = {}
         self.keep: frozenset[str] = frozenset()  # peers this one keeps a connection open to (it must be the one to dial)
         self.keep_every_s = 1.0
+        self._keeping: dict[str, asyncio.Task] = {}  # per kept peer, the dial or punch under way
+        self._keep_said: dict[str, tuple[str, float]] = {}  # per kept peer, the last failure said, and when
         self.unreached: dict[str, float] = {}  # destination -> when frames to it last failed to leave (monotonic)
 
     # -- life cycle ---------------------------------------------------------------------------
@@ -115,7 +123,8 @@ class NetworkTransport(Transport):
     async def _start_links(self) -> None:
         for link in self.links:
             await link.start(self.device, lambda peer_id: self.book.device_of_p2p_id(peer_id),
-                             lambda stream: self._serve(stream, accepted=True), self.inbox.refuse_connection)
+                             lambda stream, name=link.name: self._serve(stream, accepted=True, route=name),
+                             self.inbox.refuse_connection)
 
     def address(self) -> PeerAddress:
         """This peer's entry for the address book: every link's address together."""
@@ -254,7 +263,7 @@ class NetworkTransport(Transport):
         tried: dict[str, str] = {}
         while True:
             if not address.dialable and (accepted := self._accepted_stream(to, channel)) is not None:
-                return self._route(to, "back", accepted)
+                return self._route(to, accepted)
             for link in self.links:
                 if not link.reaches(address):
                     continue
@@ -263,12 +272,13 @@ class NetworkTransport(Transport):
                 except link.errors as error:
                     tried[link.name] = str(error) or type(error).__name__
                     continue
+                stream.route = link.name
                 spawn(self._serve(stream), f"{self.device}<-{to} ({link.name})")  # frames come back over it too
-                return self._route(to, link.name, stream)
+                return self._route(to, stream)
             if not address.dialable and not tried:
                 tried["dial"] = f"{to} cannot be dialled (it announced so) and has no connection to this peer"
-            if (accepted := self._accepted_stream(to, channel)) is not None:  # `to` dialled this peer meanwhile
-                return self._route(to, "back", accepted)
+            if (accepted := self._accepted_stream(to, channel)) is not None:  # `to` dialled (or punched) meanwhile
+                return self._route(to, accepted)
             if not tried:
                 raise PeerUnreachable(f"no link of {self.device} can use the addresses of {to}")
             if time.monotonic() >= deadline:
@@ -276,16 +286,21 @@ class NetworkTransport(Transport):
                 raise PeerUnreachable(f"cannot reach {to} within {self.connect_timeout_s:g} s ({reasons})")
             await asyncio.sleep(0.1)  # the peer may still be starting, or about to dial this one
 
-    def _route(self, to: str, route: str, stream: Stream) -> Stream:
+    def _route(self, to: str, stream: Stream) -> Stream:
+        route = stream.route
         if self.routes.get(to) != route:
-            log.info("%s reaches %s %s", self.device, to,
-                     "over the connection it opened" if route == "back" else f"over {route}")
+            words = {"back": "over the connection it opened", "punched": "over a connection punched through both NATs"}
+            log.info("%s reaches %s %s", self.device, to, words.get(route, f"over {route}"))
         self.routes[to] = route
         return stream
 
+    def paths(self) -> dict[str, str]:
+        """Per peer this one reached lately, how: "direct", "punched" or "relayed"."""
+        return {d: PATHS.get(route, "direct") for d, route in list(self.routes.items())}
+
     def _accepted_stream(self, to: str, channel: str) -> Stream | None:
-        """A live stream `to` opened to this peer: for probes its newest, for frames its oldest (a peer behind NAT
-        opens one for frames when it takes a plan, and one for probes when it probes)."""
+        """A live stream `to` opened to this peer, or punched with it: for probes its newest, for frames its oldest (a
+        peer behind NAT opens one for frames when it takes a plan, and one for probes when it probes)."""
         streams = [stream for stream in self._accepted.get(to, ()) if not stream.closed]
         if not streams:
             return None
@@ -307,20 +322,68 @@ class NetworkTransport(Transport):
             not s.closed for (to, _), s in list(self._streams.items()) if to == peer)
 
     def keep_connected(self, peers: Iterable[str]) -> None:
-        """Keep a connection open to each of `peers` (each with a path: dialable, or through its relay), redialled
-        within `keep_every_s` when it drops: how a peer that cannot be dialled stays reachable to them."""
+        """Keep a connection open to each of `peers` (each with a path: dialable, through its relay, or punched),
+        redialled within `keep_every_s` when it drops: how a peer that cannot be dialled stays reachable to them.
+        To a peer this one can punch a hole to, the connection is punched (the other side keeps one too, so both
+        dial at once), and a relayed one does not count."""
         self.keep = frozenset(peers) - {self.device}
+
+    def _punchable(self, peer: str) -> bool:
+        address = self.book.peers.get(peer)
+        return self.puncher is not None and address is not None and self.puncher.reaches(address)
+
+    def _kept(self, peer: str) -> bool:
+        if not self._punchable(peer):
+            return self.connected(peer)
+        streams = [*self._accepted.get(peer, ()), *(s for (to, _), s in list(self._streams.items()) if to == peer)]
+        return any(not s.closed and s.route != "relay" for s in streams)
 
     async def _keep_loop(self) -> None:
         while True:
             for peer in sorted(self.keep):
-                if self.connected(peer) or peer not in self.book.peers:
+                busy = self._keeping.get(peer)
+                if (busy is not None and not busy.done()) or peer not in self.book.peers or self._kept(peer):
                     continue
-                try:
-                    await self._stream_to(peer, "frames")
-                except (PeerUnreachable, ConnectionError, OSError) as error:
-                    log.info("%s: cannot keep a connection to %s: %s", self.device, peer, error)
+                self._keeping[peer] = spawn(self._keep_one(peer), f"{self.device}-keep-{peer}")
+            for peer in set(self._keeping) - self.keep:
+                if self._keeping[peer].done():
+                    del self._keeping[peer]
             await asyncio.sleep(self.keep_every_s)
+
+    async def _keep_one(self, peer: str) -> None:
+        """Dial `peer`, or punch a hole to it, for the connection kept to it; a failure is said (once a reason, and
+        again after `KEEP_SAY_S`) and tried again by the keep loop."""
+        try:
+            if self._punchable(peer):
+                await self._punch(peer)
+            else:
+                await self._stream_to(peer, "frames")
+        except (PeerUnreachable, *Puncher.errors) as error:  # dials and punches fail alike: OSError, timeouts, handshakes
+            reason, now = str(error) or type(error).__name__, time.monotonic()
+            said = self._keep_said.get(peer)
+            if said is None or said[0] != reason or now - said[1] > KEEP_SAY_S:
+                self._keep_said[peer] = (reason, now)
+                log.info("%s: cannot keep a connection to %s: %s", self.device, peer, reason)
+            return
+        self._keep_said.pop(peer, None)
+
+    async def _punch(self, peer: str) -> None:
+        """A connection punched to `peer`, shared by both channels both ways; the relayed ones it replaces are closed
+        once no frame is being written on them (the far side's pumps then take the punched one too)."""
+        stream = await self.puncher.open(peer, self.book.get(peer))
+        stream.route = "punched"
+        spawn(self._serve(stream, accepted=True, route="punched"), f"{self.device}<-{peer} (punched)")
+        self._route(peer, stream)
+        for channel in ("frames", "probe"):
+            old = self._streams.get((peer, channel))
+            if old is not None and old is not stream and old.route == "relay":
+                self._streams[(peer, channel)] = stream
+                spawn(self._retire(old), f"{self.device}-retire-{peer}")
+
+    @staticmethod
+    async def _retire(stream: Stream) -> None:
+        async with stream.lock:
+            stream.close()
 
     def flush(self, timeout_s: float, to: Iterable[str] | None = None) -> None:
         wanted = None if to is None else set(to)
@@ -344,9 +407,12 @@ class NetworkTransport(Transport):
                 await queue.join()
 
     # -- receiving ----------------------------------------------------------------------------
-    async def _serve(self, stream: Stream, accepted: bool = False) -> None:
+    async def _serve(self, stream: Stream, accepted: bool = False, route: str | None = None) -> None:
         """Read frames off one stream until it ends; garbage or an oversize frame closes it. A stream accepted
-        from a peer that proved who it is may carry frames back to it (`_accepted_stream`)."""
+        from a peer that proved who it is (or punched with it) may carry frames back to it (`_accepted_stream`);
+        `route` names how it came (`Stream.route`: a link's listener "tcp" is "back")."""
+        if route is not None:
+            stream.route = "back" if route in ("tcp", "p2p") else route
         inbox, incoming = self.inbox, set()
         opener = stream.authenticated if accepted else None
         if opener is not None:
