@@ -25,8 +25,8 @@ from hetpeer.protocol.workload import Workload
 
 JOIN_FILE_WAIT_S = 120.0
 TENSOR_PORT, DHT_PORT = 7000, 7001  # a swarm peer's default ports off this machine: the ones to forward on a home router
-DEFAULT_LINK_KEY = str(Path.home() / ".hetpeer" / "link.key")  # a fixed plan peer's, as `hetpeer key` and `join --plan` take it
-DEFAULT_LINK_KEY_SHOWN = "~/.hetpeer/link.key"  # the same, as --help says it
+DEFAULT_LINK_KEY_SHOWN = "~/.hetpeer/link.key"  # a fixed plan peer's, as `hetpeer key` and `join --plan` take it
+DEFAULT_LINK_KEY = str(Path(DEFAULT_LINK_KEY_SHOWN).expanduser())
 
 
 def add_commands(commands) -> None:

@@ -21,6 +21,8 @@ from hetpeer.peer.daemon.handover import donors_for, still_fetched
 from hetpeer.peer.daemon.reaching import Reaching
 from hetpeer.peer.daemon.probing import REPROFILE_S, REPROFILE_WAITING_HEARTBEATS, Probing, device_trains
 from hetpeer.peer.probe import MachineProfile
+from hetpeer.peer.transport.punch import Puncher
+from hetpeer.peer.transport.stream import LinkIdentity
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.records import PeerRecord
@@ -386,10 +388,14 @@ def test_a_peer_without_the_reach_checks_offset_takes_the_median_of_the_records_
 class Keeping(Reaching):
     """A punching peer's reaching part, alone: the records it read, its running plan, what it keeps connections to."""
 
-    def __init__(self, records: dict[str, PeerRecord], running: Plan) -> None:
-        self.device_id, self.records, self.running, self.pending = "me", records, running, None
+    def __init__(self, records: dict[str, PeerRecord], running: Plan, device: str = "me") -> None:
+        self.device_id, self.records, self.running, self.pending = device, records, running, None
         self.reachable, self.punch_port, self.lock, self.kept = "none", 40000, threading.Lock(), None
-        self.transport = SimpleNamespace(keep_connected=lambda peers: setattr(self, "kept", set(peers)))
+        # the address book as `SwarmPeer._control_round` makes it from the records, and a puncher at its own address
+        book = {d: replace(r.address, dialable=not r.behind_nat, relay=r.relay, punch=r.punch or None) for d, r in records.items()}
+        puncher = Puncher(LinkIdentity(device, None), "0.0.0.0", 40000, public_host=records[device].address.direct[0])
+        self.transport = SimpleNamespace(keep_connected=lambda peers: setattr(self, "kept", set(peers)),
+                                         punchable=lambda d: d in book and puncher.reaches(book[d]))
         self.relay_link, self.relay, self.links = SimpleNamespace(via=None), None, SimpleNamespace(current=dict)
 
 
@@ -409,7 +415,6 @@ def test_a_punching_peer_calls_its_neighbours_first_then_a_spread_of_others_and_
     first = peer.calling
     peer._keep_paths()
     assert peer.calling == first  # the same others heartbeat after heartbeat
-    other = Keeping(records, make_plan([["n1"], ["me"]]))
-    other.device_id = "n1"  # me's lane neighbour, reading the same records
+    other = Keeping(records, make_plan([["n1"], ["me"]]), device="n1")  # me's lane neighbour, reading the same records
     other._keep_paths()
     assert set(other.calling[1:]) != set(first[1:])  # another peer calls another spread

@@ -134,9 +134,8 @@ class Reaching:
             records = dict(self.records)
             wanted = self._plan_neighbours() if self.reachable == "none" else set()
         keep = {d for d in wanted if d in records and records[d].reachable != "none"}
-        me = records.get(self.device_id)
-        if self.punch_port and me is not None:
-            punching = {d for d, r in records.items() if d != self.device_id and me.punches_with(r)}
+        if self.punch_port:
+            punching = {d for d in records if d != self.device_id and self.transport.punchable(d)}
             self.calling = self._to_call(punching & wanted, punching - wanted)
             keep |= set(self.calling) | {d for d in punching if self.device_id in records[d].calling}
         self.transport.keep_connected(keep)

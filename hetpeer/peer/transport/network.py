@@ -123,8 +123,7 @@ class NetworkTransport(Transport):
     async def _start_links(self) -> None:
         for link in self.links:
             await link.start(self.device, lambda peer_id: self.book.device_of_p2p_id(peer_id),
-                             lambda stream, name=link.name: self._serve(stream, accepted=True, route=name),
-                             self.inbox.refuse_connection)
+                             lambda stream: self._serve(stream, accepted=True), self.inbox.refuse_connection)
 
     def address(self) -> PeerAddress:
         """This peer's entry for the address book: every link's address together."""
@@ -328,12 +327,13 @@ class NetworkTransport(Transport):
         dial at once), and a relayed one does not count."""
         self.keep = frozenset(peers) - {self.device}
 
-    def _punchable(self, peer: str) -> bool:
+    def punchable(self, peer: str) -> bool:
+        """Whether this peer punches holes and `peer`, as the address book has it, can be punched to."""
         address = self.book.peers.get(peer)
         return self.puncher is not None and address is not None and self.puncher.reaches(address)
 
     def _kept(self, peer: str) -> bool:
-        if not self._punchable(peer):
+        if not self.punchable(peer):
             return self.connected(peer)
         streams = [*self._accepted.get(peer, ()), *(s for (to, _), s in list(self._streams.items()) if to == peer)]
         return any(not s.closed and s.route != "relay" for s in streams)
@@ -354,7 +354,7 @@ class NetworkTransport(Transport):
         """Dial `peer`, or punch a hole to it, for the connection kept to it; a failure is said (once a reason, and
         again after `KEEP_SAY_S`) and tried again by the keep loop."""
         try:
-            if self._punchable(peer):
+            if self.punchable(peer):
                 await self._punch(peer)
             else:
                 await self._stream_to(peer, "frames")
@@ -371,8 +371,7 @@ class NetworkTransport(Transport):
         """A connection punched to `peer`, shared by both channels both ways; the relayed ones it replaces are closed
         once no frame is being written on them (the far side's pumps then take the punched one too)."""
         stream = await self.puncher.open(peer, self.book.get(peer))
-        stream.route = "punched"
-        spawn(self._serve(stream, accepted=True, route="punched"), f"{self.device}<-{peer} (punched)")
+        spawn(self._serve(stream, accepted=True), f"{self.device}<-{peer} (punched)")
         self._route(peer, stream)
         for channel in ("frames", "probe"):
             old = self._streams.get((peer, channel))
@@ -407,12 +406,9 @@ class NetworkTransport(Transport):
                 await queue.join()
 
     # -- receiving ----------------------------------------------------------------------------
-    async def _serve(self, stream: Stream, accepted: bool = False, route: str | None = None) -> None:
+    async def _serve(self, stream: Stream, accepted: bool = False) -> None:
         """Read frames off one stream until it ends; garbage or an oversize frame closes it. A stream accepted
-        from a peer that proved who it is (or punched with it) may carry frames back to it (`_accepted_stream`);
-        `route` names how it came (`Stream.route`: a link's listener "tcp" is "back")."""
-        if route is not None:
-            stream.route = "back" if route in ("tcp", "p2p") else route
+        from a peer that proved who it is (or punched with it) may carry frames back to it (`_accepted_stream`)."""
         inbox, incoming = self.inbox, set()
         opener = stream.authenticated if accepted else None
         if opener is not None:

@@ -44,10 +44,8 @@ class Puncher:
 
     errors = (OSError, asyncio.TimeoutError, HandshakeError)
 
-    def __init__(self, identity: LinkIdentity, host: str, port: int, public_host: str | None = None,
-                 window_s: float = PUNCH_WINDOW_S) -> None:
-        self.identity, self.host, self.port, self.public_host, self.window_s = identity, host, port, public_host, window_s
-        self.punched = 0  # connections punched so far
+    def __init__(self, identity: LinkIdentity, host: str, port: int, public_host: str | None = None) -> None:
+        self.identity, self.host, self.port, self.public_host = identity, host, port, public_host
 
     def reaches(self, address: PeerAddress) -> bool:
         # two peers behind one address would dial their own router: that needs hairpinning, which few routers do
@@ -56,7 +54,7 @@ class Puncher:
 
     async def open(self, to: str, address: PeerAddress) -> Stream:
         host = address.direct[0]
-        sock = await punch((self.host, self.port), (host, address.punch), self.window_s)
+        sock = await punch((self.host, self.port), (host, address.punch), PUNCH_WINDOW_S)
         stream = SocketStream(sock, f"punched {host}:{address.punch}")
         try:
             if self.identity.device < to:  # the answering side, as a listener would be
@@ -75,7 +73,7 @@ class Puncher:
         except BaseException:
             stream.close()
             raise
-        self.punched += 1
+        sealed.route = "punched"
         return sealed
 
 

@@ -245,6 +245,7 @@ class RelayLink(Link):
             refuse(f"relay {relay}", f"link handshake through the relay failed: {error or 'timed out'}")
             stream.close()
             return
+        sealed.route = "relay"  # the caller's frames come through the relay, and frames back go the same way
         await serve(sealed)
 
     async def shutdown(self) -> None:

@@ -12,8 +12,9 @@ class Stream(ABC):
     remote: str  # for logs
     authenticated: str | None  # the device at the other end, when the link proves it
     closed = False
-    # how the transport came by it: a link's name when it opened it ("tcp", "relay", "p2p", "punched"), "back" when
-    # the other end dialled this peer directly, "relay" when it called through this peer's relay
+    # how it came: the name of the link that dialled it ("tcp", "relay", "p2p"; the transport sets it), "punched"
+    # (`punch.py`), "relay" for a call answered through this peer's relay (`relay.py`), else "back": the other end
+    # dialled this peer directly
     route = "back"
     _lock: asyncio.Lock | None = None
 
