@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import random
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -61,6 +62,9 @@ def ask(service: tuple[str, int], ports: Sequence[int], timeout_s: float = 15.0,
         with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
             if source is not None:
                 share_port(sock)
+                # closed with a reset, not into TIME_WAIT: that would hold this (port, service) pair a minute, and
+                # an ask again from the same port (a retry) could not connect ("Cannot assign requested address")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 sock.bind(source)
             sock.settimeout(timeout_s)
             sock.connect((host, port))

@@ -5,6 +5,7 @@ behind one address are answered in turn; a peer whose check failed asks again.""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import socket
 import threading
 import time
@@ -53,6 +54,28 @@ def test_it_names_the_source_port_a_request_came_from_so_a_peer_tells_whether_it
     with socket.socket() as punching:  # and a socket that punches from it, bound beside
         share_port(punching)
         punching.bind(("127.0.0.1", port))
+
+
+def test_a_peer_that_closes_first_can_ask_again_from_the_same_port_at_once():
+    """A service slow to close leaves the asker to close first; its port and the service's must not then be held
+    in TIME_WAIT, or the peer's retry from its punch port could not connect for a minute."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        def answer_and_wait(times: int) -> None:
+            for _ in range(times):
+                connection, (host, port) = server.accept()
+                with connection:
+                    connection.makefile("rb").readline()
+                    connection.sendall(ReachReply(host, port, (False,), time.time()).encode())
+                    connection.settimeout(10)
+                    with contextlib.suppress(ConnectionResetError):  # until the asker has closed
+                        connection.recv(1)
+        answering = threading.Thread(target=answer_and_wait, args=(2,), daemon=True)
+        answering.start()
+        port = free_port()
+        first = ask(server.getsockname(), (7,), source=("127.0.0.1", port))
+        again = ask(server.getsockname(), (7,), source=("127.0.0.1", port))
+        answering.join(10)
+    assert first.seen_port == again.seen_port == port
 
 
 def test_a_request_that_does_not_parse_gets_no_answer_and_the_service_goes_on(service):
