@@ -2,7 +2,7 @@
 (`policy.decide`, `broken`, `worth_it`, `running_report`), planner (`solve`) and `repair` on a simulated
 clock, to compare re-plan policies by the tokens per second the swarm trains.
 
-    python3 benchmarks/churn.py [--peers 1000] [--hours 1] [--budget 0.5] [--seed 0] [--quick] [--json]
+    python3 benchmarks/churn.py [--peers 1000] [--hours 1] [--budget 0.5] [--seed 0] [--public 1] [--cone 0] [--quick] [--json]
 
 Sessions. How long a volunteer stays is drawn from a Weibull distribution, the family Javadi, Kondo, Vincent
 and Anderson fitted (with log-normal and gamma, per cluster of hosts) to the availability intervals of about
@@ -35,6 +35,12 @@ layers it does not hold at its best incoming bandwidth from a current holder), d
 not step. A running plan trains batch tokens / its predicted step time, less the share of its lanes with
 a member gone: those lanes stall until a plan without that member takes effect.
 
+Volunteers at home. With `--public` below 1, each peer that comes is public with that chance, behind a cone NAT
+with `--cone` (it punches holes to other cone peers) and else behind a symmetric NAT (it reaches other NATed
+peers only through a relay); NATed peers register at a public peer as peers do (`planner/relays.behind_nat`), so
+a relay that leaves moves its peers to others, and the planner counts what the pairs through one relay share.
+The default is every peer public.
+
 Policies: re-plan interval, gain threshold, what a break does (`solve`: a full re-solve; `repair`) and what
 a newcomer does (`solve`: a solve as soon as it settled; `wait`: it waits on standby for the periodic
 re-solve, by passing it as `considered` to `decide`). Every policy sees the same arrivals and departures (same
@@ -63,6 +69,7 @@ import numpy as np
 
 from hetpeer.coordinator import policy as coordinator_policy
 from hetpeer.coordinator.planner import PlannerConfig, PlanningError, Problem, Solution, solve, synthetic
+from hetpeer.coordinator.planner.relays import CONE, PUBLIC, SYMMETRIC, behind_nat
 from hetpeer.coordinator.repair import repair
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan
@@ -121,6 +128,7 @@ class Swarm:
     tflops: np.ndarray
     memory_bytes: np.ndarray
     records: dict[str, PeerRecord]
+    kinds: np.ndarray  # (n,) `relays.PUBLIC`, `CONE` or `SYMMETRIC`
 
 
 def sessions(count: int, shape: float, mean_s: float, rng: np.random.Generator) -> np.ndarray:
@@ -137,8 +145,10 @@ def residual_sessions(count: int, shape: float, mean_s: float, rng: np.random.Ge
     return found * rng.random(count)
 
 
-def make_swarm(peers: int, hours: float, shape: float, mean_h: float, seed: int) -> Swarm:
-    """The peers there at time 0 and the Poisson arrivals over `hours`, with devices and links. O(n^2)."""
+def make_swarm(peers: int, hours: float, shape: float, mean_h: float, seed: int, public: float = 1.0,
+               cone: float = 0.0) -> Swarm:
+    """The peers there at time 0 and the Poisson arrivals over `hours`, with devices and links, a share `public` of
+    them public and `cone` behind cone NATs (the rest behind symmetric ones). O(n^2)."""
     rng = np.random.default_rng(seed)
     mean_s, horizon_s = mean_h * 3600.0, hours * 3600.0
     gaps = rng.exponential(mean_s / peers, size=int(4 * peers * horizon_s / mean_s) + 16)
@@ -157,7 +167,9 @@ def make_swarm(peers: int, hours: float, shape: float, mean_h: float, seed: int)
                       state="training", time=0.0)
         for k, d in enumerate(ids)
     }  # fmt: skip
-    return Swarm(ids, arrive, leave, whole.latency_s, whole.bandwidth_bytes_per_s, whole.tflops, whole.memory_bytes, records)
+    kinds = np.full(n, PUBLIC) if public >= 1 else rng.choice([PUBLIC, CONE, SYMMETRIC], size=n, p=[public, cone, 1 - public - cone])
+    return Swarm(ids, arrive, leave, whole.latency_s, whole.bandwidth_bytes_per_s, whole.tflops, whole.memory_bytes, records,
+                 kinds)
 
 
 def workload() -> Workload:
@@ -166,13 +178,15 @@ def workload() -> Workload:
 
 def problem_over(swarm: Swarm, seen: np.ndarray, current: Plan | None) -> Problem:
     """The planner's problem over the peers the coordinator sees (indices in id order), as `build_problem`
-    makes it from complete measurements."""
+    makes it from complete measurements: NATed peers' pairs through the relays they pick among the public peers seen."""
     cut = np.ix_(seen, seen)
-    return Problem(
+    problem = Problem(
         device_ids=tuple(swarm.ids[i] for i in seen), latency_s=swarm.latency_s[cut],
         bandwidth_bytes_per_s=swarm.bandwidth_bytes_per_s[cut], workload=workload(), tflops=swarm.tflops[seen],
         memory_bytes=swarm.memory_bytes[seen], current=current,
     )  # fmt: skip
+    kinds = swarm.kinds[seen]
+    return problem if (kinds == PUBLIC).all() else behind_nat(problem, kinds)
 
 
 @dataclass
@@ -411,21 +425,26 @@ def main(argv: list[str] | None = None) -> int:
                         help="interval_s:gain:solve|repair:solve|wait (repeatable; default a set of 11; the old defaults are always run)")
     parser.add_argument("--quick", action="store_true",
                         help="40 peers, 0.5 h, budget 0.25 s, mean session 1 h, 2 policies: for tests")
+    parser.add_argument("--public", type=float, default=1.0, help="share of peers that are public (default 1: all)")
+    parser.add_argument("--cone", type=float, default=0.0, help="share behind cone NATs (default 0; the rest symmetric)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args(argv)
     if args.quick:  # sessions shortened too, so that a few minutes see peers come and go
         args.peers, args.hours, args.budget, args.session_mean_h = 40, 0.5, 0.25, 1.0
     if args.peers < 4 or args.hours <= 0 or args.budget <= 0 or args.session_shape <= 0 or args.session_mean_h <= 0:
         parser.error("--peers must be at least 4; --hours, --budget, --session-shape and --session-mean-h positive")
+    if not (0 < args.public <= 1 and 0 <= args.cone <= 1 - args.public):
+        parser.error("--public must be in (0, 1] and --cone in [0, 1 - public]")
     policies = [BEFORE] + [p for p in (args.policies or (QUICK_POLICIES if args.quick else DEFAULT_POLICIES)) if p != BEFORE]
     started = time.perf_counter()
-    swarm = make_swarm(args.peers, args.hours, args.session_shape, args.session_mean_h, args.seed)
+    swarm = make_swarm(args.peers, args.hours, args.session_shape, args.session_mean_h, args.seed, args.public, args.cone)
     horizon_s = args.hours * 3600
     arrived = int((swarm.arrive_s >= 0).sum())
     left = int((swarm.leave_s < horizon_s).sum())
     print(f"churn: {args.peers} peers, {args.hours:g} h, Weibull sessions shape {args.session_shape:g} mean "
           f"{args.session_mean_h:g} h; {arrived} arrived and {left} left in the window; planner budget "
-          f"{args.budget:g} CPU s; seed {args.seed}", flush=True)
+          f"{args.budget:g} CPU s; seed {args.seed}" + (f"; {args.public:.0%} public, {args.cone:.0%} behind cone NATs, "
+          f"{1 - args.public - args.cone:.0%} behind symmetric ones" if args.public < 1 else ""), flush=True)
     solver = Solver(args.budget, args.seed)
     results = []
     for chosen in policies:
@@ -458,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({
             "peers": args.peers, "hours": args.hours, "budget_s": args.budget, "seed": args.seed,
             "session_shape": args.session_shape, "session_mean_h": args.session_mean_h, "arrived": arrived, "left": left,
+            "public": args.public, "cone": args.cone,
             "results": [r.summary() for r in results], "top": top.policy.name, "best": best.policy.name,
         }))  # fmt: skip
     return 0

@@ -11,6 +11,8 @@ ms one way between any two, shaped per destination and emulated as in every test
 - half-cone: every other device behind a cone NAT (Linux SNAT keeping ports);
 - all-cone: every device behind a cone NAT (no public peer: nobody can relay; the pairs punch holes);
 - half-symmetric: every other device behind a symmetric NAT (`--random-fully`);
+- relays: two more devices than `--peers` and one more lane, every third device public and the others behind
+  symmetric NATs, so that pairs of them must talk through a relay, and there are two relays to spread them over;
 - link-down: the half-cone swarm, and after its window the first NATed device's router drops everything for
   `--outage` seconds (iptables DROP in its FORWARD chain: no reset, no error, as a home link that goes down).
 
@@ -23,6 +25,10 @@ peer's relay where there is one; the coordinator plans with what they announce. 
 - join to training: per peer, from its process's first log line (past the testbed's wait for the join file)
   to its first step line (the largest);
 - relayed bytes: what the public peers' relays carried (their last "relay: carried" line, written as they leave);
+- relay load: per relay, the MiB a step the plan predicted it carries (`Plan.relay_load`, read at the window's end)
+  against what it carried a step while it trained: between its first and last "relay: carried" lines from its
+  first step to its last, over the steps it made between them (its own step lines; the lines come every 30 s), so
+  keepalives and anything else through it count too;
 - paths: the pairs of peers whose records, at the window's end, say they reach each other over a punched hole,
   and through a relay;
 - longest stall: the largest gap between two consecutive steps of any peer, first step to the window's end;
@@ -36,8 +42,8 @@ first "links measured" line that names them all; `--probe-targets` is 4, so each
 
 `--json` prints one JSON object as the last line: per variant those figures, and the goals' ratios (half-cone
 and all-cone >= 0.9 of public, half-symmetric >= 0.7 or its unserved peers on standby with a reason; training within 60 s of
-joining; no stall over 60 s; link-down: the swarm steps on and the peer is linked again within 30 s of the
-link's return).
+joining; no stall over 60 s; relays: each relay's load within what the plan predicted; link-down: the swarm steps
+on and the peer is linked again within 30 s of the link's return).
 """
 
 from __future__ import annotations
@@ -68,8 +74,10 @@ VARIANTS = {
     "half-cone": lambda i: "cone" if i % 2 else "none",
     "all-cone": lambda i: "cone",
     "half-symmetric": lambda i: "symmetric" if i % 2 else "none",
+    "relays": lambda i: "none" if i % 3 == 0 else "symmetric",
     "link-down": lambda i: "cone" if i % 2 else "none",  # the half-cone swarm, then one NATed peer's link goes down
 }
+WIDER = {"relays": 2}  # variants with more devices than --peers (and a lane more: every device trains)
 STEP_RE = re.compile(r"  step (\d+)\b")
 RELAY_RE = re.compile(r"relay: carried ([\d.]+) MiB")
 STANDBY_RE = re.compile(r"(\S+) stays on standby: (.*)")
@@ -94,6 +102,26 @@ def stamped(path: Path):
             yield logline.seconds(when), text
 
 
+def relay_rates(logs: dict[str, Path]) -> dict[str, float]:
+    """Per peer that relayed while it trained: the MiB it carried a step, between its first and last "relay:
+    carried" lines from its first step to its last."""
+    rates = {}
+    for name, path in logs.items():
+        lines = list(stamped(path))
+        steps = [(t, int(m.group(1))) for t, text in lines if (m := STEP_RE.search(text))]
+        if not steps:
+            continue
+        carried = [(t, float(m.group(1))) for t, text in lines
+                   if (m := RELAY_RE.search(text)) and steps[0][0] <= t <= steps[-1][0]]  # not as it lingers, leaving
+        if len(carried) < 2:
+            continue
+        (t1, mib1), (t2, mib2) = carried[0], carried[-1]
+        step1, step2 = (max(step for t, step in steps if t <= when) for when in (t1, t2))
+        if step2 > step1:
+            rates[name] = (mib2 - mib1) / (step2 - step1)
+    return rates
+
+
 def from_logs(logs: dict[str, Path], window_end: float) -> dict:
     """Join to training (per peer, the largest), the longest stall, relayed bytes, standby reasons."""
     joined, stalls, relayed, standby = {}, [], 0.0, {}
@@ -116,17 +144,18 @@ def from_logs(logs: dict[str, Path], window_end: float) -> dict:
 
 
 def run_variant(name: str, args, out: Path) -> dict:
-    kinds = VARIANTS[name]
+    kinds, more = VARIANTS[name], WIDER.get(name, 0)
+    group_size = args.group_size + (1 if more else 0)
     config = TestbedConfig(
-        topology=topology(args.peers, kinds, args.bandwidth, args.latency), out=out / name, slowdown=args.slowdown,
+        topology=topology(args.peers + more, kinds, args.bandwidth, args.latency), out=out / name, slowdown=args.slowdown,
         image=args.image, project=f"hetpeer-bench-nat-{time.time_ns() % 10**8}", subnet=free_subnet(),
         lan_subnets=free_subnet("10.214.0.0/16", prefix=20), api_port=free_port(), http_port=free_port(), swarm="nat",
         batch=args.batch, heartbeat_s=args.heartbeat,
-        coordinator_args=("--replan-interval", "1000000", "--stages", str(args.stages), "--group-size", str(args.group_size)),
+        coordinator_args=("--replan-interval", "1000000", "--stages", str(args.stages), "--group-size", str(group_size)),
     )
     tokens_per_step = config.batch * preset(config.model).seq_len
     bed = Testbed(config, lambda line: None)
-    row: dict = {"variant": name, "nat": [kinds(i) for i in range(args.peers)]}
+    row: dict = {"variant": name, "nat": [kinds(i) for i in range(args.peers + more)]}
     try:
         bed.start()
         with ApiClient(bed.api_address, timeout_s=5.0) as client:
@@ -141,6 +170,7 @@ def run_variant(name: str, args, out: Path) -> dict:
                 row["tokens_per_s"] = (last.step - first.step) * tokens_per_step / (time.monotonic() - started)
                 plan, _ = client.call_get_plan()
                 row["plan"] = f"{len(plan.stages)} stage(s) x {plan.group_size} lane(s), standby {len(plan.standby)}"
+                row["relay_predicted_mib_per_step"] = {relay: carried / 2**20 for relay, _, carried in plan.relay_load}
                 row.update(paths([status.record for status in client.call_list_peers()]))
             window_end = time.time()  # the stall figure is the window's: link-down's outage comes after it
             if name == "link-down" and "plan" in row:
@@ -148,7 +178,12 @@ def run_variant(name: str, args, out: Path) -> dict:
                 row.update(link_down(bed, client, victim, args.outage))
         for service in [service_name(d.id) for d in config.topology.devices]:
             bed.compose.stop(service)  # as they leave, relays say what they carried in all
-        row.update(from_logs(bed.logs(), window_end))
+        logs = bed.logs()
+        row.update(from_logs(logs, window_end))
+        by_service = {service_name(d.id): relay for d in config.topology.devices
+                      for relay in row.get("relay_predicted_mib_per_step", {}) if relay.startswith(f"{peer_name(d.id)}-")}
+        row["relay_measured_mib_per_step"] = {by_service.get(service, service): rate
+                                              for service, rate in relay_rates(logs).items()}
     finally:
         bed.shutdown()
     return row
@@ -213,7 +248,8 @@ def main() -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     args = parser.parse_args()
     out = (args.out or Path(tempfile.mkdtemp(prefix="hetpeer-bench-nat-"))).resolve()
-    print(f"{args.peers} peers, {args.bandwidth:g} Mbit/s and {args.latency:g} ms between any two, compute "
+    wider = "".join(f" ({name}: {args.peers + more})" for name, more in WIDER.items() if name in args.variants)
+    print(f"{args.peers} peers{wider}, {args.bandwidth:g} Mbit/s and {args.latency:g} ms between any two, compute "
           f"{args.slowdown:g}x slower; testbeds in {out}", flush=True)
     rows = {}
     for name in args.variants:
@@ -223,6 +259,9 @@ def main() -> int:
               f"stall {fmt(r.get('longest_stall_s'), 1)} s  relayed {r.get('relayed_mib', 0):.1f} MiB  "
               f"pairs punched {len(r.get('punched_pairs', ()))} relayed {len(r.get('relayed_pairs', ()))}  "
               f"{r.get('plan', r.get('note', ''))}" + (f"  standby: {r['standby']}" if r.get("standby") else ""), flush=True)
+        for relay in sorted(set(r.get("relay_predicted_mib_per_step", {})) | set(r.get("relay_measured_mib_per_step", {}))):
+            print(f"  {'':<15} relay {relay}: predicted {fmt(r.get('relay_predicted_mib_per_step', {}).get(relay), 3)} "
+                  f"MiB a step, carried {fmt(r.get('relay_measured_mib_per_step', {}).get(relay), 3)}", flush=True)
         if "outage_s" in r:
             print(f"  {'':<15} link down {r['outage_s']:g} s: the swarm made {r['steps_during_outage']} step(s) meanwhile; "
                   f"after it returned the coordinator saw the peer in {fmt(r['seen_after_s'], 1)} s, its links worked in "
@@ -235,6 +274,10 @@ def main() -> int:
             result[f"{name}_vs_public"] = rows[name]["tokens_per_s"] / base
     joins = [r["join_to_training_s"] for r in rows.values() if r.get("join_to_training_s") is not None]
     stalls = [r["longest_stall_s"] for r in rows.values() if r.get("longest_stall_s") is not None]
+    if "relays" in rows:  # each relay's measured load over its predicted one (a relay the plan gave nothing: None)
+        predicted, measured = (rows["relays"].get(f"relay_{kind}_mib_per_step", {}) for kind in ("predicted", "measured"))
+        result["relay_measured_vs_predicted"] = {relay: measured.get(relay, 0.0) / mib if mib else None
+                                                 for relay, mib in predicted.items()}
     result["slowest_join_to_training_s"] = max(joins) if joins else None
     result["longest_stall_s"] = max(stalls) if stalls else None
     print("goals: half-cone >= 0.90 of public: " + fmt(result.get("half-cone_vs_public"), 3)
@@ -242,6 +285,8 @@ def main() -> int:
           + "; half-symmetric >= 0.70: " + fmt(result.get("half-symmetric_vs_public"), 3)
           + f"; training within 60 s of joining: {fmt(result['slowest_join_to_training_s'])} s"
           + f"; no stall over 60 s: {fmt(result['longest_stall_s'], 1)} s"
+          + (f"; relays carry <= 1.0 of the predicted load: {result['relay_measured_vs_predicted']}"
+             if "relay_measured_vs_predicted" in result else "")
           + (f"; link-down: stepped on ({rows['link-down']['steps_during_outage']} steps), links and probes again within "
              f"30 s: {fmt(rows['link-down']['linked_after_s'], 1)} and {fmt(rows['link-down']['probes_answered_after_s'], 1)} s"
              if "link-down" in rows else ""), flush=True)

@@ -38,6 +38,7 @@ from typing import Collection, Mapping, Sequence
 import numpy as np
 
 from hetpeer.coordinator.planner import PlannerConfig, Problem, Report, Shape, make_model
+from hetpeer.coordinator.planner.relays import ABSENT_LINK, Relays, route
 from hetpeer.coordinator.planner.sharing import Sharing
 from hetpeer.coordinator.view import noise_scale
 from hetpeer.protocol.plan import Plan
@@ -46,7 +47,6 @@ from hetpeer.protocol.records import TTL_HEARTBEATS, PeerRecord
 from hetpeer.protocol.workload import Workload
 
 DEFAULT_LINK = (1e-3, 100e6)  # (latency s, bytes/s) assumed when no link at all has been measured
-ABSENT_LINK = (10.0, 1e3)  # (latency s, bytes/s) of a pair with no path: any plan crossing it predicts hours a step
 MAX_ESTIMATED_LINKS = 2048  # a plan names at most this many of its estimated links (about 100 kB)
 MAX_LEAD_STEPS = 1000
 LEAD_HEARTBEATS = 5  # a plan that keeps membership takes effect this far ahead: peers read plans once a heartbeat
@@ -114,7 +114,7 @@ def build_problem(
     latency.flat[flat], bandwidth.flat[flat] = measured_latency, slowest
     estimated = np.ones((n, n), dtype=bool)
     estimated.flat[flat] = False
-    _relayed(records, ids, latency, bandwidth, estimated)
+    relays = _relayed(records, ids, latency, bandwidth, estimated, typical_bandwidth)
     np.fill_diagonal(estimated, False)
     np.fill_diagonal(latency, 0.0)
     np.fill_diagonal(bandwidth, np.inf)
@@ -133,16 +133,17 @@ def build_problem(
         step_costs=np.array([records[d].step_costs.to_wire() for d in ids], dtype=float).reshape(len(ids), len(STEP_COSTS)),
         noise_scale_tokens=noise_scale(records[d] for d in ids if records[d].state == "training"),
         departure_stall=departure_stall,
+        relays=relays,
     )
     return problem, estimated
 
 
 def _relayed(records: Mapping[str, PeerRecord], ids: Sequence[str], latency: np.ndarray, bandwidth: np.ndarray,
-             estimated: np.ndarray) -> None:
+             estimated: np.ndarray, typical_bandwidth: np.ndarray) -> Relays | None:
     """Pairs of peers that nobody can dial, in place: punched where both punch holes (left as measured or
-    estimated: a direct link), else through the relay of either (its two hops: latencies added, the slower
-    bandwidth; the better relay where both have one), else `ABSENT_LINK` (no path, a fact).
-    O(relayed peers x peers behind NAT + punching peers squared)."""
+    estimated: a direct link), else through the relay of either (`relays.route`: its two hops, the better relay
+    where both have one; a relay's capacity its typical link, `typical_bandwidth`), else `ABSENT_LINK` (no path,
+    a fact). The relayed pairs' `Relays`, or None. O(peers behind NAT squared)."""
     index = {d: i for i, d in enumerate(ids)}
     behind = np.array([records[d].behind_nat for d in ids], dtype=bool)
     hidden = np.array([records[d].reachable == "none" for d in ids], dtype=bool)
@@ -153,19 +154,11 @@ def _relayed(records: Mapping[str, PeerRecord], ids: Sequence[str], latency: np.
         absent[i, j] = absent[j, i] = True
         punched[i, j] = punched[j, i] = False
     latency[absent], bandwidth[absent], estimated[absent] = ABSENT_LINK[0], ABSENT_LINK[1], False
-    nat = np.flatnonzero(behind)
-    via_latency, via_bandwidth = np.full(latency.shape, np.inf), np.zeros(bandwidth.shape)  # [i, j]: through j's relay
-    for j in nat:
-        r = index.get(records[ids[j]].relay)
-        if r is not None:
-            via_latency[nat, j] = latency[nat, r] + latency[r, j]
-            via_bandwidth[nat, j] = np.minimum(bandwidth[nat, r], bandwidth[r, j])
-    own = via_bandwidth >= via_bandwidth.T
-    best_latency = np.where(own, via_latency, via_latency.T)
-    best_bandwidth = np.where(own, via_bandwidth, via_bandwidth.T)
-    pair = np.outer(behind, behind) & (best_bandwidth > 0) & ~punched
-    np.fill_diagonal(pair, False)
-    latency[pair], bandwidth[pair], estimated[pair] = best_latency[pair], best_bandwidth[pair], False
+    relay = np.array([index.get(records[d].relay, -1) for d in ids], dtype=np.int64)
+    relays = route(latency, bandwidth, behind, relay, punched, typical_bandwidth, tuple(ids))
+    if relays is not None:
+        estimated[relays.via >= 0] = False
+    return relays
 
 
 def _running_slowdowns(ids: Sequence[str], sharing: Sharing | None, current: Plan | None) -> np.ndarray | None:

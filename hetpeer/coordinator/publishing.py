@@ -213,4 +213,6 @@ class Publisher:
                             f"{', '.join(stage.devices)}")
             if plan.estimated_links:
                 self.report(f"  {len(plan.estimated_links)} link(s) not yet measured were estimated")
+            for relay, pairs, carried in plan.relay_load:
+                self.report(f"  relay {relay}: {pairs} pair(s) through it, {carried / 2**20:.2f} MiB a step (predicted)")
         return True

@@ -22,6 +22,8 @@ A plan is what the coordinator publishes and what `hetpeer plan --json` prints. 
      "steps_factor": float,                           # optional (1): all-reduce's steps to a loss over this plan's
                                                       #   (its gossip or outer-step groups' cost in steps, docs/gossip.md)
      "estimated_links": [[device id, device id], ...],  # optional: links it uses that were never measured (estimated)
+     "relay_load": [[device id, int, float], ...],    # optional: per relay it routes pairs through, the pairs and the
+                                                      #   bytes it carries a step (predicted)
      "recipe": {...},                                 # the organizer's training recipe (protocol/recipe.py); optional in
                                                       #   the file: the defaults
      "data_position": int,                            # optional: training windows the swarm read before start_step
@@ -149,6 +151,9 @@ class Plan:
     epoch: int = 0
     start_step: int = 0
     estimated_links: tuple[tuple[str, str], ...] = ()  # links it uses (`links`) the planner had no measurement of
+    # per relay it routes pairs through (peers behind NAT that talk through a public peer): (the relay, the pairs,
+    # the bytes it carries a step, both ways), as the planner predicted them (`coordinator/planner/relays.py`)
+    relay_load: tuple[tuple[str, int, float], ...] = ()
     # Why the standby devices were left out, in runs over `standby`: its first n1 devices for reason 1, the next
     # n2 for reason 2... (device ids are most of a plan's bytes at 10,000 peers: none is written twice).
     standby_reasons: tuple[tuple[str, int], ...] = ()
@@ -336,6 +341,7 @@ class Plan:
             "cost": dict(self.cost),
             **({"steps_factor": self.steps_factor} if self.steps_factor != 1.0 else {}),
             **({"estimated_links": [list(pair) for pair in self.estimated_links]} if self.estimated_links else {}),
+            **({"relay_load": [list(load) for load in self.relay_load]} if self.relay_load else {}),
             **({"standby_reasons": [[r, n] for r, n in self.standby_reasons]} if self.standby_reasons else {}),
             "recipe": self.recipe.to_wire(),
             **({"data_position": self.data_position} if self.data_position else {}),
@@ -348,7 +354,7 @@ class Plan:
         no_extra_fields(
             root,
             {"version", "epoch", "start_step", "cost_model", "model", "layers", "batch", "micro_batch",
-             "micro_batches", "dtype", "stages", "lanes", "standby", "cost", "steps_factor", "estimated_links", "standby_reasons",
+             "micro_batches", "dtype", "stages", "lanes", "standby", "cost", "steps_factor", "estimated_links", "relay_load", "standby_reasons",
              "seq_len", "recipe", "data_position", "dataset", "lane_batches"},
             "plan",
         )
@@ -408,6 +414,7 @@ class Plan:
             epoch=need_int(field(root, "epoch", "plan"), "plan.epoch", minimum=0),
             start_step=need_int(field(root, "start_step", "plan"), "plan.start_step", minimum=0),
             estimated_links=_pairs(root.get("estimated_links", []), "plan.estimated_links"),
+            relay_load=_relay_load(root.get("relay_load", [])),
             standby_reasons=_reasons(root.get("standby_reasons", [])),
             seq_len=need_int(root.get("seq_len", 0), "plan.seq_len", minimum=0),
             recipe=Recipe.from_wire(root["recipe"], "plan.recipe") if "recipe" in root else Recipe(),
@@ -434,6 +441,20 @@ def _pairs(raw: Any, path: str) -> tuple[tuple[str, str], ...]:
             raise SchemaError(f"{path}[{i}]", f"must be a pair of device ids, got {len(pair)} items")
         pairs.append((need_str(pair[0], f"{path}[{i}][0]"), need_str(pair[1], f"{path}[{i}][1]")))
     return tuple(pairs)
+
+
+def _relay_load(raw: Any) -> tuple[tuple[str, int, float], ...]:
+    loads = []
+    for i, entry in enumerate(need_list(raw, "plan.relay_load")):
+        where = f"plan.relay_load[{i}]"
+        load = need_list(entry, where)
+        if len(load) != 3:
+            raise SchemaError(where, f"must be [relay device id, pairs, bytes a step], got {len(load)} items")
+        carried = need_number(load[2], f"{where}[2]")
+        if not (math.isfinite(carried) and carried >= 0):
+            raise SchemaError(f"{where}[2]", f"must be a finite number of bytes >= 0, got {carried!r}")
+        loads.append((need_str(load[0], f"{where}[0]"), need_int(load[1], f"{where}[1]", minimum=1), float(carried)))
+    return tuple(loads)
 
 
 def _reasons(raw: Any) -> tuple[tuple[str, int], ...]:

@@ -21,8 +21,10 @@ one means its NAT (if any) keeps ports, and two such peers can punch a connectio
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,3 +110,13 @@ def _version(root: dict[str, Any], path: str) -> None:
     version = need_int(field(root, "version", path), f"{path}.version")
     if version != REACH_VERSION:
         raise SchemaError(f"{path}.version", f"must be {REACH_VERSION}, got {version}")
+
+
+def relay_score(device_id: str, relay: str, weight: float) -> float:
+    """A peer's score for a relay in weighted rendezvous hashing: -weight / ln(u), u uniform in (0, 1) from a hash
+    of the pair. Each peer behind NAT registers at the relay it scores highest, so peers spread over relays in
+    proportion to their weights with no word between them, and the same peer picks the same relay while the set
+    of relays stays (`peer/daemon/reaching.pick_relay`; the planner's synthetic swarms pick alike)."""
+    digest = hashlib.blake2b(f"{device_id}|{relay}".encode(), digest_size=8).digest()
+    return -weight / math.log((int.from_bytes(digest, "big") + 0.5) / 2**64)
+

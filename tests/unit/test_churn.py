@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hetpeer.coordinator.planner.relays import PUBLIC, SYMMETRIC
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -101,3 +103,21 @@ def test_the_chosen_policy_is_the_coordinators_default() -> None:
     assert churn.CHOSEN.replan_interval_s == defaults["replan_interval_s"].default
     assert churn.CHOSEN.gain == defaults["gain"].default
     assert churn.CHOSEN in churn.DEFAULT_POLICIES and churn.BEFORE in churn.DEFAULT_POLICIES
+
+
+def test_peers_at_home_talk_through_the_relays_of_the_public_peers_seen() -> None:
+    """Half the peers behind symmetric NATs: their pairs go through a public peer's relay; with that relay gone
+    (not seen), its peers register at another; a default swarm stays all public."""
+    swarm = churn.make_swarm(40, 0.05, 0.5, 6.0, seed=2, public=0.5, cone=0.0)
+    assert set(np.unique(swarm.kinds)) == {PUBLIC, SYMMETRIC}
+    seen = np.arange(len(swarm.ids))[:40]
+    problem = churn.problem_over(swarm, seen, None)
+    relays = problem.relays
+    nat = np.flatnonzero(swarm.kinds[seen] == SYMMETRIC)
+    assert relays is not None and (relays.via[np.ix_(nat, nat)][~np.eye(len(nat), dtype=bool)] >= 0).all()
+    assert all(swarm.kinds[seen][problem.device_ids.index(r)] == PUBLIC for r in relays.names)
+    gone = problem.device_ids.index(relays.names[0])
+    fewer = churn.problem_over(swarm, np.delete(seen, gone), None)
+    assert relays.names[0] not in fewer.relays.names and fewer.relays.via.max() >= 0
+    assert (churn.make_swarm(8, 0.05, 0.5, 6.0, seed=1).kinds == PUBLIC).all()
+    assert churn.problem_over(churn.make_swarm(8, 0.05, 0.5, 6.0, seed=1), np.arange(8), None).relays is None

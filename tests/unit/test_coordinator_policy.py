@@ -649,6 +649,11 @@ def test_two_peers_behind_nat_reach_each_other_through_a_relay_at_its_two_hops()
     assert problem.bandwidth_bytes_per_s[i["a"], i["b"]] == 20e6 and not estimated[i["a"], i["b"]]
     assert problem.bandwidth_bytes_per_s[i["c"], i["b"]] == 20e6
     assert (problem.latency_s[i["a"], i["c"]], problem.bandwidth_bytes_per_s[i["a"], i["c"]]) == policy.ABSENT_LINK
+    # the planner knows both relayed pairs cross r, whose link (its typical one: the median of the links measured
+    # to it) they share
+    relays = problem.relays
+    assert relays.names == ("r",) and relays.capacity.tolist() == [50e6]
+    assert relays.via[i["a"], i["b"]] == relays.via[i["c"], i["b"]] == 0 and relays.via[i["a"], i["c"]] == -1
     assert policy.without_path(make_plan([["a"], ["b"]]), records) == []  # through b's relay
     assert policy.without_path(make_plan([["a"], ["c"]]), records) == [("a", "c")]
 

@@ -1,13 +1,15 @@
 """A swarm peer's pure rules: when a new plan replaces the running one (`switch_now`), which plans' frames
 it keeps before it runs them (`held_epochs`), whom a peer entering a plan waits for (`not_arrived`), and
 which peers to download a stage's state from (`donors_for`), whether a peer sharing its device trains
-(`device_trains`: then it neither times the device nor reads its load), when a peer times its device again, and
-when one without the reach check's clock offset takes one from the records it reads."""
+(`device_trains`: then it neither times the device nor reads its load), when a peer times its device again,
+when one without the reach check's clock offset takes one from the records it reads, and which relay a peer
+behind NAT registers at (`pick_relay`)."""
 
 from __future__ import annotations
 
 import json
 import threading
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,7 +20,7 @@ from hetpeer.peer.daemon import probing
 from hetpeer.peer.daemon.announcing import Status, achieved_tflops
 from hetpeer.peer.daemon.following import FUTURE_EPOCHS, fetching, held_epochs, not_arrived, switch_now
 from hetpeer.peer.daemon.handover import donors_for, still_fetched
-from hetpeer.peer.daemon.reaching import Reaching
+from hetpeer.peer.daemon.reaching import Reaching, pick_relay
 from hetpeer.peer.daemon.probing import REPROFILE_S, REPROFILE_WAITING_HEARTBEATS, Probing, device_trains
 from hetpeer.peer.probe import MachineProfile
 from hetpeer.peer.transport.punch import Puncher
@@ -418,3 +420,40 @@ def test_a_punching_peer_calls_its_neighbours_first_then_a_spread_of_others_and_
     other = Keeping(records, make_plan([["n1"], ["me"]]), device="n1")  # me's lane neighbour, reading the same records
     other._keep_paths()
     assert set(other.calling[1:]) != set(first[1:])  # another peer calls another spread
+
+
+def test_peers_behind_nat_spread_over_the_relays_in_proportion_to_their_links_and_keep_theirs():
+    """400 peers, four relays (one twice as fast, one not yet measured: as the median): each relay takes its share,
+    the same again on the next heartbeat; a relay that leaves moves only its own peers; one that comes takes some;
+    a peer keeps a relay that still scores near the best."""
+    public = {"r1": 50e6, "r2": 50e6, "r3": 100e6, "r4": None}
+    peers = [f"home{k}" for k in range(400)]
+    picked = {p: pick_relay(p, None, public) for p in peers}
+    shares = Counter(picked.values())
+    assert set(shares) == set(public)
+    assert 45 <= shares["r1"] <= 115 and 45 <= shares["r2"] <= 115 and 45 <= shares["r4"] <= 115
+    assert 110 <= shares["r3"] <= 210  # twice the weight: about 160 of 400
+    assert all(pick_relay(p, picked[p], public) == picked[p] for p in peers)  # the same, heartbeat after heartbeat
+    without = {d: b for d, b in public.items() if d != "r3"}
+    moved = {p for p in peers if pick_relay(p, picked[p] if picked[p] in without else None, without) != picked[p]}
+    assert moved == {p for p in peers if picked[p] == "r3"}
+    joined = {**public, "r5": 50e6}
+    assert 0 < sum(pick_relay(p, picked[p], joined) == "r5" for p in peers) < 100
+    assert pick_relay("home0", None, {}) is None
+
+
+def test_a_peer_behind_nat_probes_no_peer_it_reaches_only_through_a_relay():
+    """The planner takes a relayed pair at its relay's two hops: a probe through the relay would only load it. A
+    peer it punched a hole to and a public peer are probed; one behind a NAT that changes ports (no hole), reached
+    through its relay, is not."""
+    def home(device: str, host: str, punch: int = 40000, reachable: str = "none") -> PeerRecord:
+        return replace(record(device, None, 0), address=PeerAddress(direct=(host, 7000)), reachable=reachable, punch=punch)
+
+    records = {"me": home("me", "198.51.100.1"), "punches": home("punches", "198.51.100.2"),
+               "public": home("public", "203.0.113.9", punch=0, reachable="direct"),
+               "symmetric": home("symmetric", "198.51.100.3", punch=0, reachable="via:public")}
+    peer = Keeping(records, make_plan([["me"], ["public"]]))
+    peer.transport.connected = lambda d: d == "punches"  # the hole is punched
+    assert [d for d in records if d != "me" and peer._worth_probing(d)] == ["punches", "public"]
+    peer.reachable = "direct"  # a public peer probes them all: it is no pair through a relay
+    assert [d for d in records if d != "me" and peer._worth_probing(d)] == ["punches", "public", "symmetric"]

@@ -152,6 +152,13 @@ def test_a_learned_overhead_may_take_time_off_the_step():
     assert Plan.from_wire(plan.to_wire()) == plan
 
 
+def test_the_predicted_relay_load_round_trips_and_is_left_out_where_nothing_is_relayed():
+    raw = _with(lambda r: r.update(relay_load=[["r", 2, 3145728.0]]))
+    plan = Plan.from_wire(raw)
+    assert plan.relay_load == (("r", 2, 3145728.0),) and plan.to_wire() == raw
+    assert "relay_load" not in Plan.from_wire(wire()).to_wire()
+
+
 def _with(edit) -> dict:
     raw = copy.deepcopy(wire())
     edit(raw)
@@ -202,6 +209,9 @@ BAD = [
     ("negative data position", lambda r: r.update(data_position=-1), "plan.data_position"),
     ("a dataset named by no sha256", lambda r: r.update(dataset={"manifest": "abc"}), "plan.dataset.manifest"),
     ("a dataset at no http url", lambda r: r.update(dataset={"manifest": "a" * 64, "url": "file:///etc/"}), "plan.dataset.url"),
+    ("a relay load without its bytes", lambda r: r.update(relay_load=[["r", 2]]), "plan.relay_load[0]"),
+    ("a relay carrying no pair", lambda r: r.update(relay_load=[["r", 0, 1.0]]), "plan.relay_load[0][1]"),
+    ("a relay carrying negative bytes", lambda r: r.update(relay_load=[["r", 1, -1.0]]), "plan.relay_load[0][2]"),
     ("a dataset with more", lambda r: r.update(dataset={"manifest": "a" * 64, "mirror": "x"}), "plan.dataset.mirror"),
 ]
 

@@ -12,6 +12,7 @@ from hetpeer.coordinator.planner import PlannerConfig, PlanningError, Problem, S
 from hetpeer.coordinator.planner.codecs import WORK_S_PER_VALUE
 from hetpeer.coordinator.planner.lanes import lane_times
 from hetpeer.coordinator.planner.quality import TABLE
+from hetpeer.coordinator.planner.relays import route
 from hetpeer.coordinator.planner.timemodel import TIE_BREAK
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.topology import Topology
@@ -490,13 +491,14 @@ def swaps(grid: np.ndarray, n: int, count: int, rng: np.random.Generator) -> tup
     return batch, cells
 
 
-def held_split_objective(model, grids: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """The full evaluation of every lane and group of `grids` with the layer split `counts` (S,) held."""
+def held_split_objective(model, grids: np.ndarray, counts: np.ndarray, load: np.ndarray | None = None) -> np.ndarray:
+    """The full evaluation of every lane and group of `grids` with the layer split `counts` (S,) held (and relays'
+    `load`, (1, R), where given)."""
     K = len(grids)
-    *parts, _ = model._lane_parts(grids.transpose(0, 2, 1), counts[None, None, :], 1.0)
+    *parts, _ = model._lane_parts(grids.transpose(0, 2, 1), counts[None, None, :], 1.0, load)
     lane = lane_times(*parts, model._allocate(*parts), len(counts))  # the step shared out over the lanes
     stage_bytes = np.broadcast_to(counts * model.wire_per_layer + model.wire_fixed, (K, len(counts)))
-    allreduce, gossip = model._groups(grids, stage_bytes)
+    allreduce, gossip = model._groups(grids, stage_bytes, load)
     need = np.broadcast_to(model.mem_fixed + counts * model.mem_per_layer, stage_bytes.shape)
     overflow = model._overflow(grids, need)
     update = model._update(grids, np.broadcast_to(counts, (K, len(counts))))
@@ -527,6 +529,26 @@ def test_the_screen_is_the_full_evaluation_with_the_split_held(shape, sync, seed
         np.testing.assert_allclose(
             model.screen(grid, batch, cells), held_split_objective(model, batch, counts), rtol=1e-12
         )
+
+
+def test_a_screened_swap_holds_the_grids_relays_as_the_full_evaluation_counts_them():
+    """The screen keeps the base grid's relay load (as it keeps its sharing): against every lane and group of the
+    swapped grid evaluated at that load, it is exact."""
+    rng = np.random.default_rng(0)
+    n = 12
+    problem = Problem.from_topology(Topology.from_wire(synthetic.random_topology(n, 2, rng)), Workload(preset("tiny", 8), batch=64))
+    behind = np.arange(n) >= 2  # ten devices behind NAT, at the relays of devices 0 and 1
+    relays = route(problem.latency_s.copy(), problem.bandwidth_bytes_per_s.copy(), behind, np.where(behind, np.arange(n) % 2, -1),
+                   np.zeros((n, n), dtype=bool), np.full(n, 2e6), problem.device_ids)
+    problem = dataclasses.replace(problem, relays=relays)
+    model = make_model(problem, PlannerConfig(sync="auto"), Shape(2, 4))
+    for _ in range(3):
+        grid = rng.permutation(n)[:8].reshape(2, 4)
+        batch, cells = swaps(grid, n, 50, rng)
+        base = model._evaluate(grid[None])
+        assert (base["load"] > 1).any()  # the relays' share binds
+        np.testing.assert_allclose(model.screen(grid, batch, cells),
+                                   held_split_objective(model, batch, base["counts"][0], base["load"]), rtol=1e-12)
 
 
 def test_a_negative_overhead_takes_at_most_half_of_any_step_off_and_the_plan_carries_what_it_took():

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hetpeer.coordinator.planner.relays import Relays
 from hetpeer.coordinator.planner.sharing import Sharing
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.topology import Topology
@@ -56,6 +57,8 @@ class Report:
     outer_delay: tuple[int, ...] = ()  # per stage, the steps its exchange overlaps (D)
     steps_factor: float = 1.0  # all-reduce's steps to the loss over this plan's (`quality.py`)
     lane_batches: tuple[int, ...] = ()  # sequences per lane, summing to the batch (`lanes.py`; () the even split)
+    # per relay the plan routes pairs through: (its device id, the pairs, the bytes it carries a step; `relays.py`)
+    relay_load: tuple[tuple[str, int, float], ...] = ()
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -89,6 +92,8 @@ class Problem:
     # departures per device and second (as the coordinator observed them) x the seconds one stalls a group that waits for
     # every member (all-reduce, outer steps) until the plan is repaired: what a departure costs each sync mode; 0: none
     departure_stall: float = 0.0
+    # the pairs that talk through a relay and the relays' capacities (`relays.py`); None: every pair has a path of its own
+    relays: Relays | None = None
     # matrices derived once and shared by every shape's cost model: n^2 floats each, gigabytes at 10,000 devices
     _derived: dict = field(default_factory=dict, init=False, repr=False)
 
@@ -173,6 +178,7 @@ class Problem:
             step_costs=None if self.step_costs is None else self.step_costs[devices],
             noise_scale_tokens=self.noise_scale_tokens,
             departure_stall=self.departure_stall,
+            relays=None if self.relays is None else self.relays.subset(devices),
         )
 
     def lanes_batch(self, group_size: int) -> int:

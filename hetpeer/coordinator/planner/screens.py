@@ -57,7 +57,8 @@ class Screens:
         parts = [np.repeat(part, K, axis=0) for part in base.evaluation["parts"]]
         changed = batch[pick, :, lanes]
         slowdown = base.slowdown[changed] if np.ndim(base.slowdown) else 1.0  # the grid's: a swap keeps its devices
-        for whole, part in zip(parts, self._lane_parts(changed, work[:, None, :], slowdown)):
+        load = base.evaluation["load"]  # the grid's: relayed pairs share their relays as in it
+        for whole, part in zip(parts, self._lane_parts(changed, work[:, None, :], slowdown, load)):
             whole[pick, lanes] = part
         lane = balance.lane_times(*parts, self._allocate(*parts), grid.shape[0])  # the step shared out again
         lane_s = lane.max(axis=1)
@@ -103,7 +104,8 @@ class Screens:
         # both lanes of each pair after the exchange, (pairs, segments) each, from one set of lane tables, each
         # lane's micro-batches held at the grid's
         one, other = np.r_[a, b], np.r_[b, a]
-        mine, theirs = np.split(self._exchanged_lanes(grid, work, segments, one, other, evaluation["micro"][0][one]), 2)
+        mine, theirs = np.split(self._exchanged_lanes(grid, work, segments, one, other, evaluation["micro"][0][one],
+                                                      evaluation["load"]), 2)
         # the slowest lane besides a and b: among the three slowest
         top = np.argsort(-lane, kind="stable")[:3]
         others = np.full(len(a), -np.inf)
@@ -127,11 +129,11 @@ class Screens:
 
     def _exchanged_lanes(
         self, grid: np.ndarray, work: np.ndarray, segments: np.ndarray, a: np.ndarray, b: np.ndarray,
-        micro: np.ndarray | int,
+        micro: np.ndarray | int, load: np.ndarray | None = None,
     ) -> np.ndarray:
         """(pairs, segments): the time of lane a[k] with stages [s1, s2) of lane b[k] in place of its own, taking
         `micro` (pairs,) micro-batches, for every pair k and segment (s1, s2), as `_lane_parts` and
-        `lanes.lane_times` compute it (`work`: each stage's layers' worth)."""
+        `lanes.lane_times` compute it (`work`: each stage's layers' worth; `load`: the grid's relays', `_pairs`)."""
         S = grid.shape[0]
         lanes = grid.T  # (m, S)
         slowdown = self._device_slowdowns(grid)  # an exchange keeps the grid's devices, so their sharing
@@ -146,7 +148,7 @@ class Screens:
         compute = ta[:, s1] + tb[:, s2] - tb[:, s1] + ta[:, -1:] - ta[:, s2]
         peak = np.maximum(np.maximum(t_max[a, 0][:, s1], t_max[b[:, None], s1, s2]), t_max[a, :, -1][:, s2])
         if S > 1:
-            latency, per_byte = self._pairs(lanes[:, :-1], lanes[:, 1:])  # (m, S - 1)
+            latency, per_byte = self._pairs(lanes[:, :-1], lanes[:, 1:], load)  # (m, S - 1)
             occupancy, larger, _ = self.hops.occupancy(per_byte)  # a hop's mean, and its larger, direction
             h_sum = np.concatenate([zero, np.cumsum(latency + occupancy, axis=1)], axis=1)  # (m, S): hops before k
             x_max = _range_max(larger)
@@ -158,8 +160,8 @@ class Screens:
             peak_x = np.maximum(peak_x, x_max[a, :, -1][:, after])
             # the joints, where inside the lane: a's stage s1 - 1 to b's s1, and b's s2 - 1 to a's s2
             la, lb = lanes[a], lanes[b]
-            joint_latency, joint_per_byte = self._pairs(la[:, before], lb[:, s1])
-            back_latency, back_per_byte = self._pairs(lb[:, s2 - 1], la[:, after])
+            joint_latency, joint_per_byte = self._pairs(la[:, before], lb[:, s1], load)
+            back_latency, back_per_byte = self._pairs(lb[:, s2 - 1], la[:, after], load)
             (joint_x, joint_peak, _), (back_x, back_peak, _) = map(self.hops.occupancy, (joint_per_byte, back_per_byte))
             joint_x, joint_peak = np.where(s1 > 0, joint_x, 0.0), np.where(s1 > 0, joint_peak, 0.0)
             back_x, back_peak = np.where(s2 < S, back_x, 0.0), np.where(s2 < S, back_peak, 0.0)
@@ -173,15 +175,16 @@ class Screens:
         if S > 1 and self.tied_bytes:  # the new lane's ends, both ways at once, as `_lane_parts`
             first = np.where(s1 == 0, lanes[b, :1], lanes[a, :1])
             last = np.where(s2 == S, lanes[b, -1:], lanes[a, -1:])
-            there, back = self._pairs(first, last), self._pairs(last, first)
+            there, back = self._pairs(first, last, load), self._pairs(last, first, load)
             ends = np.maximum(there[0] + self.tied_bytes * there[1], back[0] + self.tied_bytes * back[1])
         return balance.lane_times(round_trip, period, ends, np.reshape(micro, (-1, 1)), S)
 
-    def _channels(self, src: np.ndarray, dst: np.ndarray, stage_bytes: np.ndarray) -> np.ndarray:
+    def _channels(self, src: np.ndarray, dst: np.ndarray, stage_bytes: np.ndarray, load: np.ndarray | None
+                  ) -> np.ndarray:
         """Pair values (..., channels) from devices src to dst given as (..., channels): the ring's
         latency, the ring's seconds per byte, then each gossip round's pair seconds for
-        `stage_bytes` (broadcast against (..., 1)), computed as `_groups` does."""
-        latency, per_byte = self._pairs(src, dst)
+        `stage_bytes` (broadcast against (..., 1)), computed as `_groups` does (`load`: the grid's relays')."""
+        latency, per_byte = self._pairs(src, dst, load)
         values = latency + stage_bytes * per_byte
         values[..., 0] = latency[..., 0]
         values[..., 1] = per_byte[..., 1]
@@ -194,7 +197,8 @@ class Screens:
         stage_bytes = (evaluation["counts"] * self.wire_per_layer + self.wire_fixed)[0]
         m = grid.shape[1]
         partners = (np.arange(m)[:, None] + self._shifts) % m  # (m, channels)
-        values = self._channels(grid[:, :, None], grid[:, partners], stage_bytes[:, None, None])  # (S, m, channels)
+        values = self._channels(grid[:, :, None], grid[:, partners], stage_bytes[:, None, None],
+                                evaluation["load"])  # (S, m, channels)
         values = values.transpose(0, 2, 1)
         top = np.argsort(-values, axis=-1, kind="stable")[..., :KEPT_PAIRS]
         # A sentinel no swap touches, for groups too small to keep a pair outside the touched ones.
@@ -228,7 +232,7 @@ class Screens:
         src = flat.take(offset + touched)
         dst = flat.take(offset + (touched + self._shifts) % m)
         stage_bytes = base.stage_bytes[rows]  # (K, 2)
-        values = self._channels(src, dst, stage_bytes[..., None])  # (4, K, 2, channels)
+        values = self._channels(src, dst, stage_bytes[..., None], base.evaluation["load"])  # (4, K, 2, channels)
         # The largest pair no changed lane is in: the first of the group's largest few not touched.
         kept = base.top_pair[rows]  # (K, 2, channels, kept pairs + 1)
         hit = kept == touched[0, ..., None]

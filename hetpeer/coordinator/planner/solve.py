@@ -18,6 +18,8 @@ from hetpeer.coordinator.planner.search import Memory, Progress, SearchConfig, s
 from hetpeer.protocol.plan import COST_MODELS, MAX_OUTER_EVERY, RECOMPUTE_CHOICES, Plan, StagePlan, standby_runs
 from hetpeer.protocol.workload import STATE_BYTES_PER_PARAM
 
+MAX_RELAY_LOADS = 256  # a plan names the relays carrying most, at most this many (`Plan.relay_load`)
+
 
 @dataclass(frozen=True, slots=True)
 class PlannerConfig:
@@ -184,6 +186,7 @@ def to_plan(problem: Problem, cost_model: str, grid: np.ndarray, report: Report)
         standby=tuple(ids[d] for d in range(problem.n) if d not in used),
         cost=dict(report.cost),
         steps_factor=report.steps_factor,
+        relay_load=tuple(sorted(report.relay_load, key=lambda load: -load[2])[:MAX_RELAY_LOADS]),
     )
 
 

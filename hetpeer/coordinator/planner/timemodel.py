@@ -23,6 +23,8 @@ For a grid (rows = stages in order, columns = lanes), with M micro-batches per l
   exact for M = 1 and within a few percent on average (`tests/unit/test_timemodel.py`); a model with a
   tied head adds the exchange of that matrix's gradient between the lane's two ends (both ways at
   once, after the backward pass) when they are different devices;
+- a pair of peers behind NAT that talk through a relay has its relay's two hops as its link, and the k relayed
+  pairs a grid routes through one relay share its link: at most its capacity / k each (`relays.py`);
 - a group syncs its stage's parameters either by ring all-reduce after the step,
       2 (m - 1) (max ring latency + stage bytes / (m min ring bandwidth)),
   or by gossip (decentralized Adam, one-peer exponential graph: round r pairs lane l with lane
@@ -231,16 +233,16 @@ class TimeCost(Screens):
         fewest = np.ceil(short / (self.mem_per_layer - self.mem_per_recomputed)).astype(np.int64)
         return np.where(counts <= plain, 0, np.clip(fewest, 1, counts))
 
-    def _lane_parts(self, cols: np.ndarray, work: np.ndarray, slowdown: np.ndarray | float
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    def _lane_parts(self, cols: np.ndarray, work: np.ndarray, slowdown: np.ndarray | float,
+                    load: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Lanes given as (..., S) device indices with (..., S) layers' worth of compute (layers, recomputation
-        counted), each device slowed by `slowdown` (..., S) from sharing its device, apart from how many
-        micro-batches they run (`lanes.lane_times` takes those): their round trip, period and once-a-step exchange
-        between their ends (...), and per-stage compute t (..., S)."""
+        counted), each device slowed by `slowdown` (..., S) from sharing its device and each relayed hop by its
+        relay's `load` (`_pairs`), apart from how many micro-batches they run (`lanes.lane_times` takes those):
+        their round trip, period and once-a-step exchange between their ends (...), and per-stage compute t (..., S)."""
         stages = cols.shape[-1]
         t = (work * self.layer_s[cols] + self._fixed(cols)) * slowdown
         if stages > 1:
-            latency, per_byte = self._pairs(cols[..., :-1], cols[..., 1:])
+            latency, per_byte = self._pairs(cols[..., :-1], cols[..., 1:], load)
             occupancy, peak, _ = self.hops.occupancy(per_byte)
             round_trip = t.sum(-1) + 2 * (latency + occupancy).sum(-1)
             period = np.maximum(t.max(-1), peak.max(-1))
@@ -248,7 +250,7 @@ class TimeCost(Screens):
             round_trip, period = t.sum(-1), t.max(-1)
         ends = np.zeros(round_trip.shape)
         if stages > 1 and self.tied_bytes:
-            there, back = self._pairs(cols[..., 0], cols[..., -1]), self._pairs(cols[..., -1], cols[..., 0])
+            there, back = self._pairs(cols[..., 0], cols[..., -1], load), self._pairs(cols[..., -1], cols[..., 0], load)
             ends = np.maximum(there[0] + self.tied_bytes * there[1], back[0] + self.tied_bytes * back[1])
         return round_trip, period, ends, t
 
@@ -278,15 +280,16 @@ class TimeCost(Screens):
             + (np.arange(S) == S - 1) * model.head_params  # (K, S)
         return (params[:, :, None] * self.update_s[grids]).max(axis=(1, 2))
 
-    def _groups(self, rows: np.ndarray, stage_bytes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _groups(self, rows: np.ndarray, stage_bytes: np.ndarray, load: np.ndarray | None = None
+                ) -> tuple[np.ndarray, np.ndarray]:
         """(all-reduce seconds (...), each gossip round's seconds before overlap (..., rounds)) for groups
-        given as (..., m) devices."""
+        given as (..., m) devices, relayed pairs given their relay's `load` (`_pairs`)."""
         if rows.shape[-1] == 1:
             return np.zeros(rows.shape[:-1]), np.zeros(rows.shape[:-1] + (1,))
         m = rows.shape[-1]
-        latency, per_byte = self._pairs(rows, np.roll(rows, -1, axis=-1))
+        latency, per_byte = self._pairs(rows, np.roll(rows, -1, axis=-1), load)
         allreduce = 2 * (m - 1) * (latency.max(-1) + stage_bytes / m * per_byte.max(-1))
-        latency, per_byte = self._pairs(rows[..., None, :], rows[..., self.partners])  # (..., rounds, m)
+        latency, per_byte = self._pairs(rows[..., None, :], rows[..., self.partners], load)  # (..., rounds, m)
         return allreduce, (latency + stage_bytes[..., None, None] * per_byte).max(-1)
 
     def _slowdowns(self, grids: np.ndarray) -> np.ndarray | float:
@@ -305,10 +308,20 @@ class TimeCost(Screens):
         members[0, grid.ravel()] = True
         return sharing.device_slowdowns(members)[0]
 
-    def _pairs(self, a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(latency seconds, seconds per byte) from devices a to devices b, elementwise."""
+    def _pairs(self, a: np.ndarray, b: np.ndarray, load: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(latency seconds, seconds per byte) from devices a to devices b, elementwise; with `load` ((K, R): the
+        relayed pairs of each of K grids through each relay, `_relay_load`; a and b then (K, ...), or (1, R): one
+        grid's for all), a relayed pair's seconds per byte count its share of its relay (`relays.py`)."""
         index = a * self.problem.n + b
-        return self._latency_flat.take(index), self._seconds_per_byte_flat.take(index)
+        per_byte = self._seconds_per_byte_flat.take(index)
+        if load is not None:
+            per_byte = self.problem.relays.seconds_per_byte(index, per_byte, load)
+        return self._latency_flat.take(index), per_byte
+
+    def _relay_load(self, grids: np.ndarray) -> np.ndarray | None:
+        """(K, R): the relayed pairs grids (K, S, m) route through each relay; None when no pair is relayed."""
+        relays = self.problem.relays
+        return None if relays is None else relays.load(grids)
 
     def _sync(self, allreduce: np.ndarray, gossip: np.ndarray, lane_s: np.ndarray, base_s: np.ndarray,
               outer_fits: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -397,15 +410,16 @@ class TimeCost(Screens):
     def _evaluate(self, grids: np.ndarray) -> dict[str, np.ndarray]:
         K = grids.shape[0]
         slowdown = self._slowdowns(grids)
+        load = self._relay_load(grids)
         counts, recompute, work = self._layers(grids, slowdown)
         lanes_slowdown = slowdown.transpose(0, 2, 1) if np.ndim(slowdown) else slowdown
-        *parts, t = self._lane_parts(grids.transpose(0, 2, 1), work[:, None, :], lanes_slowdown)  # lanes: (K, m)
+        *parts, t = self._lane_parts(grids.transpose(0, 2, 1), work[:, None, :], lanes_slowdown, load)  # lanes: (K, m)
         micro = self._allocate(*parts)
         lane = balance.lane_times(*parts, micro, self.shape.stages)
         slowest = lane.argmax(axis=1)
         lane_s = lane[np.arange(K), slowest]
         stage_bytes = counts * self.wire_per_layer + self.wire_fixed  # (K, S)
-        allreduce, gossip = self._groups(grids, stage_bytes)
+        allreduce, gossip = self._groups(grids, stage_bytes, load)
         need = self._need(counts, recompute)  # (K, S)
         overflow = self._overflow(grids, need)
         if self._current is not None and self.usable_memory is not None:
@@ -426,7 +440,7 @@ class TimeCost(Screens):
             "allreduce": allreduce, "gossip": gossip, "sync_s": sync_s, "use_gossip": use_gossip, "total": total,
             "use_outer": use_outer, "outer_every": outer_every, "outer_delay": outer_delay,
             "move": move, "overflow": overflow.sum(axis=1), "row_overflow": overflow, "objective": objective,
-            "overhead": overhead, "factor": factor, "departures": departures, "outer_fits": outer_fits,
+            "overhead": overhead, "factor": factor, "departures": departures, "outer_fits": outer_fits, "load": load,
         }  # fmt: skip
 
     def _objective(self, lane: np.ndarray, sync_s: np.ndarray, overflow: np.ndarray, move: np.ndarray,
@@ -518,11 +532,12 @@ class TimeCost(Screens):
             objective=float(e["objective"][0]),
             fits_memory=bool(e["overflow"][0] == 0),
             recompute=tuple(int(k) for k in e["recompute"][0]),
-            codecs=self._hop_codecs(grid),
+            codecs=self._hop_codecs(grid, e["load"]),
             outer_every=tuple(int(h) for h in e["outer_every"][0]),
             outer_delay=tuple(int(d) for d in e["outer_delay"][0]),
             steps_factor=float(e["factor"][0]),
             lane_batches=self._lane_batches(e["micro"][0], e["lane"][0]),
+            relay_load=self._relay_bytes(grid, e),
         )
 
     def _lane_batches(self, micro: np.ndarray, lane_s: np.ndarray) -> tuple[int, ...]:
@@ -534,11 +549,53 @@ class TimeCost(Screens):
         shares = balance.sequences(micro, problem.lane_micro_batch(m), problem.workload.batch, lane_s)
         return () if (shares == problem.lanes_batch(m)).all() else tuple(int(b) for b in shares)
 
-    def _hop_codecs(self, grid: np.ndarray) -> tuple[tuple[tuple[str, str], ...], ...]:
+    def _hop_codecs(self, grid: np.ndarray, load: np.ndarray | None) -> tuple[tuple[tuple[str, str], ...], ...]:
         """Per hop (stage s to s + 1) and lane, the (forward, backward) codecs the time model counted."""
-        _, per_byte = self._pairs(grid[:-1], grid[1:])
+        _, per_byte = self._pairs(grid[:-1], grid[1:], load)
         choice = self.hops.occupancy(per_byte)[2]
         return tuple(tuple(self.hops.pairs[c] for c in row) for row in choice)
+
+    def _relay_bytes(self, grid: np.ndarray, e: dict[str, np.ndarray]) -> tuple[tuple[str, int, float], ...]:
+        """Per relay the grid (S, m) routes pairs through: (its device id, the pairs, the bytes it carries a step,
+        both ways), from its evaluation `e`: each relayed hop's micro-batches forward and back in the hop's codecs,
+        each relayed pair of a group what its sync sends between them (all-reduce: 2 (m - 1) / m of the stage along
+        the ring; gossip: the stage from each lane to its round's partner, a round a step; outer steps: their ring
+        once in H steps)."""
+        relays = self.problem.relays
+        if relays is None:
+            return ()
+        S, m = grid.shape
+        carried, pairs = np.zeros(len(relays.names)), np.zeros(len(relays.names), dtype=np.int64)
+        if S > 1:
+            label = relays.via[grid[:-1], grid[1:]]  # (S - 1, m)
+            _, per_byte = self._pairs(grid[:-1], grid[1:], e["load"])
+            choice = self.hops.occupancy(per_byte)[2]
+            hop_bytes = 2 * self.hops.mean_bytes[choice] * e["micro"][0][None, :]  # forward and back, a step
+            np.add.at(carried, label[label >= 0], hop_bytes[label >= 0])
+            np.add.at(pairs, label[label >= 0], 1)
+        if m > 1:
+            stage_bytes = e["counts"][0] * self.wire_per_layer + self.wire_fixed  # (S,)
+            rounds = len(self.partners)
+            for s in range(S):
+                mode = ("gossip" if e["use_gossip"][0, s] else "outer" if e["use_outer"][0, s] else "allreduce")
+                together: dict[tuple[int, int], float] = {}
+                if mode == "gossip":  # round r pairs lane l with l + 2^r: a pair's stage each way, in 1 of `rounds` steps
+                    for r in range(rounds):
+                        for l in range(m):
+                            key = tuple(sorted((int(grid[s, l]), int(grid[s, self.partners[r, l]]))))
+                            together[key] = together.get(key, 0.0) + stage_bytes[s] / rounds
+                else:
+                    share = 2 * (m - 1) / m * (2 if m == 2 else 1)  # a ring of two runs both ways over its one pair
+                    if mode == "outer":
+                        share *= self.ring_share / max(int(e["outer_every"][0, s]), 1)
+                    for l in range(m if m > 2 else 1):
+                        key = tuple(sorted((int(grid[s, l]), int(grid[s, (l + 1) % m]))))
+                        together[key] = share * stage_bytes[s]
+                for (a, b), each_way in together.items():
+                    if relays.via[a, b] >= 0:
+                        carried[relays.via[a, b]] += each_way
+                        pairs[relays.via[a, b]] += 1
+        return tuple((relays.names[r], int(pairs[r]), float(carried[r])) for r in np.flatnonzero(pairs))
 
 
 def _held_layers(problem: Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

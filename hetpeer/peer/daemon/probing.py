@@ -55,7 +55,7 @@ class Probing:
     def _probe_links(self) -> None:
         config = self.config
         with self.lock:
-            known = [d for d in self.records if d != self.device_id and self._has_path(d)]
+            known = [d for d in self.records if d != self.device_id and self._worth_probing(d)]
             preferred = self.running.neighbours(self.device_id) if self.running is not None else []
             oldest = self.links.oldest_first()
         targets = pick_targets(self.device_id, known, preferred, config.probe_targets, self._rng, oldest)

@@ -27,16 +27,38 @@ import time
 
 from hetpeer.peer.reach import ReachError, advice, ask_patiently, clock_words, free_port, listening
 from hetpeer.protocol.addresses import MADDR_TCP_RE
-from hetpeer.protocol.reach import VIA
+from hetpeer.protocol.reach import VIA, relay_score
 from hetpeer.protocol.records import MAX_CALLING, PeerRecord
 
 log = logging.getLogger("hetpeer.peer")
 WILDCARDS = ("0.0.0.0", "::")
 RELAY_SAY_S = 30.0
 RELAY_LINGER_HEARTBEATS = 5
+RELAY_SWITCH = 0.5  # a peer keeps its relay while that one scores at least this share of the best (`pick_relay`)
 # a peer without the reach check's offset corrects its clock when the other peers' records read this far off the
 # swarm's time it keeps (a record is up to a heartbeat old when read, and one refused waits another heartbeat)
 CLOCK_OFF_HEARTBEATS = 2
+
+
+def pick_relay(device_id: str, current: str | None, public: dict[str, float | None]) -> str | None:
+    """The relay for `device_id` among the `public` peers (each with the bandwidth this peer measured to it, None
+    where not yet measured; those count as the median of the others): weighted rendezvous hashing, so that the
+    peers behind NAT spread over the relays in proportion to their links, each picking alone and the same one
+    heartbeat after heartbeat (a relay that leaves moves only its own peers; one that joins takes its share). The
+    `current` one is kept while its score is within `RELAY_SWITCH` of the best (measurements move). None while
+    there is no public peer."""
+    if not public:
+        return None
+    known = [b for b in public.values() if b is not None and b > 0]
+    typical = statistics.median(known) if known else 1.0
+
+    def score(relay: str) -> float:
+        return relay_score(device_id, relay, public[relay] if public[relay] is not None and public[relay] > 0 else typical)
+
+    best = max(sorted(public), key=score)
+    if current in public and score(current) >= RELAY_SWITCH * score(best):
+        return current
+    return best
 
 
 class Reaching:
@@ -174,15 +196,12 @@ class Reaching:
                     f"{', '.join(f'{d} ({n} call(s))' for d, n in sorted(self.relay.calls.items()))}")
 
     def _pick_relay(self, records: dict[str, PeerRecord]) -> str | None:
-        """The peer to relay for this one: the one it has now while that one stays, else the public peer with the
-        fastest link this peer measured (unmeasured ones after, by id). None while there is no public peer."""
+        """The peer to relay for this one, among the public peers in the records (`pick_relay`)."""
         public = [d for d, r in records.items() if r.reachable == "direct" and r.state != "leaving" and d != self.device_id]
-        if self.relay_link.via in public:
-            return self.relay_link.via
         with self.lock:
             measured = self.links.current()
-        fastest = sorted(public, key=lambda d: (-measured[d].bandwidth_bytes_per_s if d in measured else 0.0, d))
-        return fastest[0] if fastest else None
+        return pick_relay(self.device_id, self.relay_link.via,
+                          {d: measured[d].bandwidth_bytes_per_s if d in measured else None for d in public})
 
     def _has_path(self, peer: str) -> bool:
         """Whether this peer can reach `peer` now: by dialling it or its relay, or over a connection it opened."""
@@ -190,6 +209,15 @@ class Reaching:
         if record is None or not record.behind_nat or (record.relay is not None and record.relay != self.device_id):
             return True
         return self.transport.connected(peer)
+
+    def _worth_probing(self, peer: str) -> bool:
+        """Whether a probe to `peer` measures a link the planner uses: it has a path, and not only through a relay
+        (both peers behind NAT, no hole to punch between them). The planner takes such a pair at its relay's two
+        hops (`coordinator/planner/relays.py`), so a probe through the relay would only load the relay's link."""
+        record = self.records.get(peer)
+        relayed = (self.reachable == "none" and record is not None and record.behind_nat
+                   and not self.transport.punchable(peer))
+        return self._has_path(peer) and not relayed
 
     def _plan_neighbours(self) -> set[str]:
         """Whom this peer works with under its running and pending plans: lane neighbours, group members, and
