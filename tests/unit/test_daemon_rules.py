@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from hetpeer.peer.daemon import probing
@@ -457,3 +458,19 @@ def test_a_peer_behind_nat_probes_no_peer_it_reaches_only_through_a_relay():
     assert [d for d in records if d != "me" and peer._worth_probing(d)] == ["punches", "public"]
     peer.reachable = "direct"  # a public peer probes them all: it is no pair through a relay
     assert [d for d in records if d != "me" and peer._worth_probing(d)] == ["punches", "public", "symmetric"]
+    # nor is a plan neighbour reached only through a relay probed: the round's targets leave it out
+    probed = Probed(records, make_plan([["me", "punches"], ["symmetric", "public"]]))
+    probed.transport.connected = lambda d: d == "punches"
+    probed._probe_links()
+    assert probed.targets and "symmetric" not in probed.targets and set(probed.targets) <= {"punches", "public"}
+
+
+class Probed(Keeping, Probing):
+    """A peer behind NAT's probe round, alone: whom it probes."""
+
+    def __init__(self, records: dict[str, PeerRecord], running: Plan) -> None:
+        super().__init__(records, running)
+        self.config = SimpleNamespace(probe_targets=4, probe_bytes=1 << 20, heartbeat_s=HEARTBEAT_S)
+        self._rng, self.targets = np.random.default_rng(0), None
+        self.links = SimpleNamespace(oldest_first=list, add=lambda measured: None, keep_only=lambda records: None)
+        self.prober = SimpleNamespace(measure_many=lambda targets, **_: setattr(self, "targets", list(targets)) or {})

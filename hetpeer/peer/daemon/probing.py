@@ -56,7 +56,8 @@ class Probing:
         config = self.config
         with self.lock:
             known = [d for d in self.records if d != self.device_id and self._worth_probing(d)]
-            preferred = self.running.neighbours(self.device_id) if self.running is not None else []
+            near = self.running.neighbours(self.device_id) if self.running is not None else []
+            preferred = [d for d in near if self._worth_probing(d)]
             oldest = self.links.oldest_first()
         targets = pick_targets(self.device_id, known, preferred, config.probe_targets, self._rng, oldest)
         measured = self.prober.measure_many(targets, budget_bytes=config.probe_bytes, budget_s=config.heartbeat_s)
