@@ -1,5 +1,5 @@
-"""`benchmarks/planner.py --part scale` at a tiny size: every case runs its long solve and its rounds and lands in the
-table; bad options are refused by name."""
+"""`benchmarks/planner.py --part scale` at a tiny size: every case runs its two long solves and its rounds and lands in
+the table with the long solves' spread; bad options are refused by name."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ def test_the_scale_part_runs_each_generator_and_seed_and_tables_them():
     for generator in ("mixed", "home"):
         for seed in (0, 1):
             assert f"{generator} seed {seed}, 16 devices: 0.6 s solve:" in out
+            assert f"{generator} seed {seed}, 16 devices: 0.6 s solve (seeded apart):" in out  # the second reference
             assert f"{generator} seed {seed}, 16 devices: round 3 of 0.2 s:" in out
     rows = [row for row in map(str.split, out.splitlines()) if row[:1] in (["mixed"], ["home"]) and row[1].isdigit()]
     assert [(row[0], row[1], row[2]) for row in rows] == [("mixed", "0", "16"), ("mixed", "1", "16"),
@@ -31,6 +32,7 @@ def test_the_scale_part_runs_each_generator_and_seed_and_tables_them():
     for row in rows:  # the rounds never end worse than their first round: each goes on from the last
         first, after_rounds = float(row[4]), float(row[-2])
         assert after_rounds <= first * (1 + 1e-9)
+        assert row[-4].endswith("%") and float(row[-4].rstrip("%")) >= 0  # the two long solves' spread
     assert out.rstrip().endswith(("summary: scale met", "summary: scale NOT met"))
 
 
