@@ -11,7 +11,9 @@ Parts:
   small regions, a few big sites, home links, devices too small for any stage) under the time model: a
   budget T against the best of two searches of 10 T (seeded apart: one long search is itself noisy, and
   their spread is reported), and the coordinator's plan after 10 rounds of T (each search going on from the
-  last) against the same reference; `--generators`, `--scale-seeds`, `--sizes` choose the cases.
+  last) against the same reference; `--generators`, `--scale-seeds`, `--sizes` choose the cases;
+- workers: the scale cases (`--generators`, default mixed here) solved in T on `--workers` N worker processes
+  (islands, `planner/islands.py`) against one, at equal wall time, one solve at a time (N uses N cores).
 
 The machine is shared and noisy, so every ratio is between figures taken in the same run. Defaults give
 the full benchmark (scenarios and tiny about 8 minutes; scale 30 minutes of a core per case, 15 cases on
@@ -312,8 +314,51 @@ def scale_case(kind: str, generator: str, devices: int, seed: int, budget_s: flo
         memory = solution.memory
         costs.append(solution.report.objective)
         shapes.append(str(solution.shape))
-        say(f"  {label}: round {k + 1} of {budget_s:g} s: {costs[-1]:.4f} s per step, {shapes[-1]}, {walls[-1]:.1f} s")
+        say(f"  {label}: round {k + 1} of {budget_s:g} s: {costs[-1]:.4f} s per step, {shapes[-1]}, {walls[-1]:.1f} s"
+            f"{' (rests: the search has settled)' if solution.generations == 0 else ''}")
     return {"costs": costs, "shapes": shapes, "walls": walls}
+
+
+def run_workers(args: argparse.Namespace) -> bool:
+    budgets = dict(zip(args.sizes, args.scale_budgets))
+    seeds = list(range(args.seed, args.seed + args.scale_seeds))
+    generators = args.generators if args.generators_given else ["mixed"]
+    header(
+        f"workers: the scale swarms solved on {args.workers} worker processes against 1, time cost model, GPT3-XL, batch 512",
+        f"objective (s per step) of solve with budget T on 1 worker and on {args.workers} (the same seed, equal wall time, "
+        f"one solve at a time); generators {', '.join(generators)}, seeds {seeds[0]}-{seeds[-1]}",
+        f"{args.workers} workers below 1 worker on average (mean ratio under 1); every run ends within T + {DEADLINE_SLACK_S:g} s",
+    )
+    rows = [["generator", "seed", "devices", "T s", "cost(1)", "shape(1)", f"cost({args.workers})", f"shape({args.workers})",
+             "ratio", f"wall({args.workers}) s"]]  # fmt: skip
+    ratios, ok = [], True
+    for n in args.sizes:
+        for g in generators:
+            for seed in seeds:
+                problem = scale_problem(g, n, seed)
+                results = []
+                for workers in (1, args.workers):
+                    started = time.perf_counter()
+                    solution = solve(problem, PlannerConfig(time_budget_s=budgets[n], workers=workers),
+                                     np.random.default_rng(seed))
+                    wall_s = time.perf_counter() - started
+                    ok &= wall_s <= budgets[n] + DEADLINE_SLACK_S
+                    results.append((solution.report.objective, str(solution.shape), wall_s))
+                    say(f"  {g} seed {seed}, {n} devices, {workers} worker(s): {results[-1][0]:.4f} s per step, "
+                        f"{results[-1][1]}, {wall_s:.1f} s")
+                (one, one_shape, _), (many, many_shape, many_wall) = results
+                ratios.append(many / one)
+                rows.append([g, str(seed), str(n), f"{budgets[n]:g}", f"{one:.4f}", one_shape, f"{many:.4f}", many_shape,
+                             f"{many / one:.4f}", f"{many_wall:.1f}"])  # fmt: skip
+    ok &= float(np.mean(ratios)) < 1
+    say()
+    say(f"  ratio: cost({args.workers}) over cost(1), below 1 is better; mean {np.mean(ratios):.4f}, range "
+        f"{min(ratios):.4f}-{max(ratios):.4f}, {sum(r < 1 for r in ratios)} of {len(ratios)} better, "
+        f"{sum(r > 1 for r in ratios)} worse")
+    table(rows)
+    say()
+    say(f"result: {'goal met' if ok else 'goal NOT met'}")
+    return ok
 
 
 def run_scale(args: argparse.Namespace) -> bool:
@@ -382,7 +427,7 @@ def _positive_list(kind: type) -> Callable[[str], list]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("scenarios", "tiny", "scale", "all"), default="all")
+    parser.add_argument("--part", choices=("scenarios", "tiny", "scale", "workers", "all"), default="all")
     parser.add_argument("--seed", type=int, default=0, help="seed of solve (and of the scale topologies)")
     group = parser.add_argument_group("scenarios")
     group.add_argument("--scenario", dest="scenario_names", action="append", choices=scenarios.NAMES,
@@ -398,8 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--show-worst", type=int, default=15, help="non-optimal cases listed (default 15)")
     group.add_argument("--progress-every", type=int, default=10, help="topologies between progress lines")
     group = parser.add_argument_group("scale")
-    group.add_argument("--generators", type=lambda text: text.split(","), default=list(synthetic.GENERATORS),
-                       help=f"comma-separated, from {','.join(synthetic.GENERATORS)} (default all)")
+    group.add_argument("--generators", type=lambda text: text.split(","),
+                       help=f"comma-separated, from {','.join(synthetic.GENERATORS)} (default all; workers: mixed)")
     group.add_argument("--sizes", type=_positive_list(int), default=[1024], help="devices, e.g. 64,256 (default 1024)")
     group.add_argument("--scale-budgets", type=_positive_list(float),
                        help="budget T in seconds per size, in --sizes order (default 64:2, 256:6, 1024:60)")
@@ -407,6 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--factor", type=float, default=10.0, help="the long solve's budget in T (default 10)")
     group.add_argument("--rounds", type=int, default=10, help="coordinator rounds of T (default 10)")
     group.add_argument("--jobs", type=int, default=2, help="runs at once, one core each (default 2)")
+    group = parser.add_argument_group("workers")
+    group.add_argument("--workers", type=int, default=2, help="worker processes against one (default 2)")
     return parser
 
 
@@ -414,13 +461,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.scenario_names = args.scenario_names or list(scenarios.NAMES)
+    args.generators_given = args.generators is not None
+    args.generators = args.generators or list(synthetic.GENERATORS)
     if unknown := set(args.cost_models) - {"dtfm", "time"}:
         parser.error(f"--cost-models: unknown {', '.join(sorted(unknown))} (known: dtfm, time)")
     if unknown := set(args.generators) - set(synthetic.GENERATORS):
         parser.error(f"--generators: unknown {', '.join(sorted(unknown))} (known: {', '.join(synthetic.GENERATORS)})")
     if min(args.budget, args.tiny_budget, args.factor) <= 0 or min(args.seeds, args.topologies, args.scale_seeds,
-                                                                    args.rounds, args.jobs) < 1:
-        parser.error("budgets, --factor, --seeds, --topologies, --scale-seeds, --rounds and --jobs must be positive")
+                                                                    args.rounds, args.jobs) < 1 or args.workers < 2:
+        parser.error("budgets, --factor, --seeds, --topologies, --scale-seeds, --rounds and --jobs must be positive, "
+                     "--workers at least 2")
     if args.scale_budgets is None:
         if missing := [n for n in args.sizes if n not in DEFAULT_SCALE_BUDGET_S]:
             parser.error(f"no default budget for {missing} devices: give --scale-budgets")
@@ -428,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(args.scale_budgets) != len(args.sizes):
         parser.error(f"--scale-budgets has {len(args.scale_budgets)} values for {len(args.sizes)} sizes")
     say(f"hetpeer planner benchmark; code: {code_state()}")
-    parts = {"scenarios": run_scenarios, "tiny": run_tiny, "scale": run_scale}
+    parts = {"scenarios": run_scenarios, "tiny": run_tiny, "scale": run_scale, "workers": run_workers}
     chosen = list(parts) if args.part == "all" else [args.part]
     results = {name: parts[name](args) for name in chosen}
     say()

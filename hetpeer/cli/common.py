@@ -105,6 +105,17 @@ def outer_every_text(every: int | None) -> str:
 OUTER_HELP = ("where groups may sync every N steps with an outer step (DiLoCo) instead of every step: auto (default: "
               "the planner weighs them by time to loss, with H per group from its link, 10 to 50), N (every N steps), or "
               "never (docs/gossip.md, Outer steps)")
+
+
+def default_workers() -> int:
+    """The cores this process may run on: the planner's default worker count."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+WORKERS_HELP = (f"planner searches at once, one process each beyond the first, exchanging their best plans (default: "
+                f"the cores this process may use, {default_workers()} here); the plan is the same for a seed and a worker "
+                "count wherever the search finishes within its budget")
+
 COMPRESS_HELP = ("how activations travel between stages and their gradients back: auto (default: per hop, the pair that "
                  "makes it shortest among those whose measured loss effect is within budget), one codec for both, or "
                  f"FORWARD/BACKWARD, e.g. int4/int8; each one of {', '.join(CODECS)} (docs/compression.md)")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from hetpeer import scenarios
 from hetpeer.cli.common import (
-    COMPRESS_HELP, OUTER_HELP, UserError, add_model_options, add_recipe_options, compress_choice, model_spec, non_negative_int, outer_every_choice,
+    COMPRESS_HELP, OUTER_HELP, WORKERS_HELP, UserError, default_workers, add_model_options, add_recipe_options, compress_choice, model_spec, non_negative_int, outer_every_choice,
     positive_float, positive_int, read_json, recipe_from,
 )
 from hetpeer.protocol.plan import COST_MODELS, RECOMPUTE_CHOICES, SYNC_CHOICES, Plan
@@ -79,6 +79,8 @@ def add_commands(commands) -> None:
     search.add_argument("--seed", type=non_negative_int, default=0, metavar="N", help="random seed (default 0)")
     search.add_argument("--time-budget", type=positive_float, default=2.0,
                         metavar="SECONDS", help="seconds to search (default 2)")
+    search.add_argument("--workers", type=positive_int, default=default_workers(), metavar="N",
+                        help=WORKERS_HELP)
     search.add_argument("--random-samples", type=positive_int, default=100,
                         metavar="N", help="random plans averaged for the baseline (default 100)")
     add_recipe_options(plan, outer=True)
@@ -135,6 +137,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         compress=args.compress,
         outer_every=args.outer_every,
         time_budget_s=args.time_budget,
+        workers=args.workers,
     )
 
     def progress(line: str) -> None:
@@ -145,7 +148,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     if not args.quiet:
         print(
             f"planning {name}: {problem.n} devices, {workload.model.name} with {workload.model.layers} layers, "
-            f"batch {workload.batch}, {args.cost_model} cost model, up to {args.time_budget:g} s",
+            f"batch {workload.batch}, {args.cost_model} cost model, up to {args.time_budget:g} s"
+            f"{f' on {args.workers} workers' if args.workers > 1 else ''}",
             file=sys.stderr,
         )
     started = time.perf_counter()

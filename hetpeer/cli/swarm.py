@@ -18,7 +18,7 @@ from hetpeer import logline
 from hetpeer.protocol.plan import SYNC_CHOICES
 from hetpeer.swarm import DEMO_RECIPE
 from hetpeer.cli.common import (
-    COMPRESS_HELP, OUTER_HELP, SWARM_DTYPES, UserError, add_model_options, add_recipe_options, compress_choice, compress_text, home_dir, log_to_stdout, model_spec,
+    COMPRESS_HELP, OUTER_HELP, SWARM_DTYPES, WORKERS_HELP, UserError, default_workers, add_model_options, add_recipe_options, compress_choice, compress_text, home_dir, log_to_stdout, model_spec,
     interrupted_flag, non_negative_float, non_negative_int, outer_every_choice, outer_every_text, positive_float, positive_int, recipe_from, say, stop_on_sigterm,
 )
 
@@ -72,6 +72,7 @@ def add_commands(commands) -> None:
                              help="a new plan must predict a step this much faster than the running one (default 0.1)")
     coordinator.add_argument("--time-budget", type=positive_float, default=2.0, metavar="SECONDS",
                              help="planner search time per solve (default 2); each solve goes on from the last one's search")
+    coordinator.add_argument("--workers", type=positive_int, default=default_workers(), metavar="N", help=WORKERS_HELP)
     coordinator.add_argument("--stages", type=positive_int, metavar="S", help="fix the number of pipeline stages")
     coordinator.add_argument("--group-size", type=positive_int, metavar="M", help="fix the data-parallel group size")
     coordinator.add_argument("--compress", type=compress_choice, default=("auto", "auto"), metavar="auto|CODEC[/CODEC]",
@@ -230,7 +231,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
             api_tls=api_tls, http_listen=http, model=model_spec(args),
             batch=args.batch, micro_batch=args.micro_batch, dtype=args.dtype, heartbeat_s=args.heartbeat,
             replan_interval_s=args.replan_interval, min_peers=args.min_peers, gain=args.gain,
-            time_budget_s=args.time_budget, stages=args.stages, group_size=args.group_size, compress=args.compress,
+            time_budget_s=args.time_budget, workers=args.workers, stages=args.stages, group_size=args.group_size, compress=args.compress,
             sync=args.sync, outer_every=args.outer_every, recipe=recipe, seed=args.seed,
             steps=args.steps, join_file=args.join_file, reach_port=args.reach_port,
             **_admission(args.admission), ban_period_s=args.ban_period, **_dataset(args),

@@ -36,6 +36,7 @@ class CoordinatorConfig:
     min_peers: int = 2
     gain: float = 0.1  # a new plan must predict a step this much faster (moving weights included)
     time_budget_s: float = 2.0
+    workers: int = 1  # planner searches at once (`planner/islands.py`); `hetpeer coordinator` defaults to its cores
     stages: int | None = None
     group_size: int | None = None
     compress: tuple[str, str] = ("auto", "auto")  # codecs between stages: auto (the planner's, per hop) or a fixed pair
@@ -64,6 +65,8 @@ class CoordinatorConfig:
             raise ValueError(f"ban period must be a non-negative number of seconds, got {self.ban_period_s}")
         if not self.heartbeat_s > 0 or not self.replan_interval_s > 0 or not self.time_budget_s > 0:
             raise ValueError("heartbeat, re-plan interval and time budget must be positive")
+        if self.workers < 1:
+            raise ValueError(f"workers must be at least 1, got {self.workers}")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"steps must be at least 1, got {self.steps}")
         if self.sync not in SYNC_CHOICES:

@@ -19,6 +19,7 @@ import numpy as np
 from hetpeer.coordinator import policy
 from hetpeer.coordinator.planner import PlanningError, solve
 from hetpeer.coordinator.planner.codecs import AUTO
+from hetpeer.coordinator.planner.islands import IslandError
 from hetpeer.coordinator.repair import repair
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.records import PeerRecord
@@ -29,7 +30,7 @@ RECENT_PLANS = 8  # plans kept to find the swarm's data position at a new plan's
 class Publisher:
     """Mixed into `service.Coordinator`, whose state it reads and advances: `config`, `planner`, `executor`,
     `control`, `plan` and `plan_time`, `view`, `history`, `considered`, `reached`, `repaired_epoch`,
-    `last_publish`, `_kept`, `_rng`, `recent_plans`, `dataset`, `search_memory` and `calibration`; it says what it does with `report`, `_event` and `_log_once`."""
+    `last_publish`, `_kept`, `_rng`, `recent_plans`, `dataset`, `search_memory`, `islands` and `calibration`; it says what it does with `report`, `_event` and `_log_once`."""
 
     def _solve_and_publish(self, decision: policy.Decision, live: dict[str, PeerRecord], ours: dict[str, PeerRecord]) -> None:
         """Plan over the `live` peers; `ours` (leaving peers included) tells how far the swarm got."""
@@ -96,12 +97,15 @@ class Publisher:
         try:
             # each round's search goes on from the last one's (`search.Memory`): a swarm that stays gets, round after
             # round, the plan of an ever longer search, and a plan change still has to pay for itself (--gain)
-            future = self.executor.submit(solve, problem, self.planner, rng, memory=self.search_memory)
+            future = self.executor.submit(solve, problem, self.planner, rng, memory=self.search_memory, islands=self.islands)
             solution = future.result(timeout=config.time_budget_s * 3 + 10)
             self.search_memory = solution.memory
             return solution
         except PlanningError as error:
             self._event("coordinator", f"no plan: {error}")
+        except IslandError as error:  # a bug, or a worker killed: the rounds go on in this process alone
+            self._event("coordinator", f"the planner goes on with one worker: {error}")
+            self.islands, self.planner = None, replace(self.planner, workers=1)
         except concurrent.futures.TimeoutError:
             self._event("coordinator", f"the planner did not finish within {config.time_budget_s * 3 + 10:g} s")
         return None

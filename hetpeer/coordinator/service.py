@@ -30,6 +30,7 @@ from hetpeer.coordinator.config import CoordinatorConfig
 from hetpeer.coordinator.gatekeeper import Gatekeeper
 from hetpeer.coordinator.history import History, Pace
 from hetpeer.coordinator.planner import Memory, PlannerConfig
+from hetpeer.coordinator.planner.islands import Archipelago, Islands
 from hetpeer.coordinator.publishing import RECENT_PLANS, Publisher
 from hetpeer.coordinator.reach import ReachServer
 from hetpeer.coordinator.view import SwarmView, progress
@@ -54,7 +55,7 @@ class Coordinator(Gatekeeper, Publisher):
         )
         self.planner = PlannerConfig(
             cost_model="time", stages=config.stages, group_size=config.group_size, time_budget_s=config.time_budget_s,
-            compress=config.compress, sync=config.sync, outer_every=config.outer_every,
+            workers=config.workers, compress=config.compress, sync=config.sync, outer_every=config.outer_every,
         )
         self.api: ApiServer | None = None
         self.dashboard: DashboardServer | None = None
@@ -68,7 +69,9 @@ class Coordinator(Gatekeeper, Publisher):
         self.plan_time: float | None = None
         self.dataset: Dataset | None = None  # what plans name: the configured dataset, with where it is served
         self.recent_plans: list[Plan] = []  # the last plans published or found: where the swarm's data position comes from
-        self.search_memory: Memory | None = None  # where the last solve stopped, which the next goes on from (not in the DHT)
+        self.search_memory: Memory | Archipelago | None = None  # where the last solve stopped, which the next goes on from
+        # the planner's worker processes, beyond its own thread (started at the first solve, kept between rounds)
+        self.islands = Islands(config.workers) if config.workers > 1 else None
         self.calibration = calibration.Calibration()  # what the running plans' steps took beyond their prediction (not in the DHT)
         self.first_seen: dict[str, float] = {}
         self.considered: set[str] = set()  # newcomers the running plan was kept without (see `policy.decide`)
@@ -141,6 +144,8 @@ class Coordinator(Gatekeeper, Publisher):
             self.reach.shutdown()
         if self.executor is not None:
             self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.islands is not None:
+            self.islands.close()
         self.control.shutdown()
 
     def __enter__(self) -> "Coordinator":

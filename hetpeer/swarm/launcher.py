@@ -255,7 +255,8 @@ class LocalSwarm:
             "--recipe", str(recipe),
             "--api", self.api_address, "--heartbeat", repr(c.heartbeat_s), "--replan-interval", repr(c.replan_interval_s),
             "--model", c.model, "--batch", str(c.batch), "--micro-batch", str(c.micro_batch), "--dtype", c.dtype,
-            "--time-budget", repr(c.time_budget_s), "--seed", str(c.recipe.seed), "--min-peers", str(min(2, c.peers)),
+            # one planner worker: the peers on this machine have the cores
+            "--time-budget", repr(c.time_budget_s), "--workers", "1", "--seed", str(c.recipe.seed), "--min-peers", str(min(2, c.peers)),
             "--steps", str(c.steps),
             *(("--http", self.http_listen) if self.http_listen else ()),
             *(("--data", str(c.data)) if is_prepared(c.data) else ()),  # served to the peers, which start without it

@@ -195,6 +195,7 @@ def coordinator_command(config: TestbedConfig) -> list[str]:
         "--api", f"0.0.0.0:{API_PORT}", "--http", f"0.0.0.0:{HTTP_PORT}", "--min-peers", str(len(config.topology.devices)),
         "--heartbeat", repr(config.heartbeat_s), "--model", config.model, "--batch", str(config.batch),
         "--micro-batch", str(config.micro_batch), "--dtype", config.dtype,
+        "--workers", "1",  # the containers share this machine's cores: the peers have them
     ]
     if config.steps is not None:
         command += ["--steps", str(config.steps)]

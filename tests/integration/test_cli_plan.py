@@ -51,6 +51,15 @@ def test_json_plan_for_world_wide():
     assert plan.total_s > 0
 
 
+def test_workers_search_together_and_a_bad_count_is_refused():
+    done = hetpeer("plan", "--scenario", "regional", "--json", "--time-budget", "1", "--workers", "2")
+    assert done.returncode == 0, done.stderr
+    assert "on 2 workers" in done.stderr and "epoch 1 of 1: best" in done.stderr
+    assert Plan.from_wire(json.loads(done.stdout)).total_s > 0
+    refused = hetpeer("plan", "--scenario", "regional", "--workers", "0")
+    assert refused.returncode == 2 and "--workers" in refused.stderr and "Traceback" not in refused.stderr
+
+
 def test_readable_plan_names_the_baselines(tmp_path):
     raw = scenarios.load("regional")
     path = tmp_path / "regional.json"

@@ -33,7 +33,7 @@ def start_coordinator(run: Start, host, tmp_path: Path, swarm: str, deadline: fl
     coordinator = run(
         host, "coordinator", "coordinator", "--swarm", swarm, "--home", str(tmp_path / "coordinator"),
         "--host-maddr", "/ip4/0.0.0.0/tcp/31337", "--announce-maddr", f"/ip4/{host.address}/tcp/31337",
-        "--join-file", str(join), *args,
+        "--join-file", str(join), "--workers", "1", *args,  # one planner process: the peers share this machine's cores
     )
     wait_for_line(tmp_path / "coordinator.log", r"join file:", coordinator, deadline)
     return coordinator, join

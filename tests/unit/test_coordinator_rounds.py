@@ -262,9 +262,9 @@ def test_each_solve_goes_on_from_the_search_before_it(coordinator, monkeypatch):
 
     given, returned = [], []
 
-    def solve(problem, config, rng, memory=None):
+    def solve(problem, config, rng, memory=None, islands=None):
         given.append(memory)
-        returned.append(real(problem, config, rng, memory=memory))
+        returned.append(real(problem, config, rng, memory=memory, islands=islands))
         return returned[-1]
 
     real = publishing.solve
@@ -276,6 +276,41 @@ def test_each_solve_goes_on_from_the_search_before_it(coordinator, monkeypatch):
     assert len(given) >= 3 and given[0] is None
     assert all(memory is solution.memory for memory, solution in zip(given[1:], returned))
     assert coordinator.search_memory is returned[-1].memory and returned[-1].memory.shapes
+
+
+def test_rounds_on_two_workers_keep_them_and_go_on_with_one_when_a_worker_dies(tmp_path):
+    """A coordinator with `workers` 2 starts its worker process at the first solve and keeps it between rounds, each
+    round going on from every island's memory; a worker killed under it costs one round's plan, said once, and the
+    rounds after plan with one worker."""
+    from hetpeer.coordinator.planner import Memory
+    from hetpeer.coordinator.planner.islands import Archipelago
+
+    lines: list[str] = []
+    config = CoordinatorConfig(swarm="t", home=tmp_path, heartbeat_s=1.0, min_peers=2, time_budget_s=0.2,
+                               stages=1, replan_interval_s=2.0, workers=2)
+    coordinator = Coordinator(config, lines.append)
+    coordinator.control = Control()
+    coordinator.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    try:
+        for d in ("a", "b", "c"):
+            coordinator.control.announce(d)
+        rounds(coordinator, FIRST_PLAN_ROUNDS)
+        assert [p.plan.epoch for p in coordinator.control.plans] == [1]
+        assert isinstance(coordinator.search_memory, Archipelago) and len(coordinator.search_memory.memories) == 2
+        worker = coordinator.islands._processes[0]
+        rounds(coordinator, 6)  # re-solves of the running plan, on the same worker
+        assert coordinator.islands._processes == [worker] and worker.poll() is None
+        worker.kill()
+        worker.wait()
+        rounds(coordinator, 12)
+        said = [line for line in lines if "goes on with one worker" in line]
+        assert len(said) == 1 and "island 2" in said[0], lines
+        assert coordinator.islands is None and coordinator.planner.workers == 1
+        assert isinstance(coordinator.search_memory, Memory)  # a later round solved, in this process alone
+    finally:
+        coordinator.executor.shutdown()
+        if coordinator.islands is not None:
+            coordinator.islands.close()
 
 
 @pytest.mark.parametrize("pace", [1.5, 0.8])

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -41,3 +43,20 @@ def test_unknown_generators_and_bad_counts_are_refused_by_name():
     assert done.returncode == 2 and "--generators: unknown moon (known: geo, mixed, regions, sites, home)" in done.stderr
     done = bench("--rounds", "0")
     assert done.returncode == 2 and "--rounds" in done.stderr
+
+
+def test_the_workers_part_solves_each_case_on_one_and_on_two_workers():
+    done = bench("--part", "workers", "--sizes", "16", "--scale-budgets", "0.3", "--scale-seeds", "2")
+    assert done.returncode in (0, 1), done.stderr[-2000:]  # 1: a goal missed, which at this size says nothing
+    out = done.stdout
+    for seed in (0, 1):
+        for workers in (1, 2):
+            assert f"mixed seed {seed}, 16 devices, {workers} worker(s):" in out
+    rows = [row for row in map(str.split, out.splitlines()) if row[:1] == ["mixed"] and row[1].isdigit()]
+    assert [(row[1], row[2]) for row in rows] == [("0", "16"), ("1", "16")]
+    for row in rows:
+        one, two, ratio = float(row[4]), float(row[10]), float(row[-2])  # shapes are 5 words: "3 stages x 4 lanes"
+        assert ratio == pytest.approx(two / one, abs=1e-4)
+    assert out.rstrip().endswith(("summary: workers met", "summary: workers NOT met"))
+    done = bench("--part", "workers", "--workers", "1")
+    assert done.returncode == 2 and "--workers at least 2" in done.stderr

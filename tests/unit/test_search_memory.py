@@ -130,3 +130,44 @@ def test_a_shape_whose_remembered_grids_were_all_forgotten_is_scored_again():
     assert [shape for shape, _, _ in _recall(memory, full, [Shape(2, 1), Shape(2, 2)], np.random.default_rng(0))] == [Shape(2, 1)]
     again = run(full, 0.3, 1, memory, stages=2)
     assert again.shape == Shape(2, 2)
+
+
+def test_a_settled_search_rests_until_the_swarm_changes():
+    p = swarm(8, 3, 11)
+    config = PlannerConfig(time_budget_s=30.0)  # settles (three restarts in a row found nothing) long before
+    first = solve(p, config, np.random.default_rng(0))
+    assert first.memory.stale >= config.search.restarts and first.memory.best == pytest.approx(first.report.objective)
+    clock = TickingClock(0.001)
+    rested = solve(p, config, np.random.default_rng(1), clock=clock, memory=first.memory)
+    assert rested.generations == 0 and rested.plan.to_wire() == first.plan.to_wire()
+    assert rested.memory == first.memory and clock.reads <= 2  # no time spent: the budget and the deadline only
+    # a link measured again: the same grid costs more, and the search goes on
+    slower = replace(p, bandwidth_bytes_per_s=p.bandwidth_bytes_per_s * 0.5)
+    again = solve(slower, config, np.random.default_rng(1), memory=first.memory)
+    assert again.generations > 0 and again.memory.searched_s > first.memory.searched_s
+    # a peer left: the search goes on over the rest
+    fewer = p.subset(np.arange(1, p.n))
+    assert solve(fewer, config, np.random.default_rng(1), memory=first.memory).generations > 0
+
+
+def test_a_search_cut_by_its_deadline_has_not_settled():
+    p = problem()
+    cut = run(p, 0.05, 0)
+    assert cut.memory.stale < PlannerConfig().search.restarts
+    assert run(p, 0.05, 1, cut.memory).memory.searched_s > cut.memory.searched_s  # it searched on
+
+
+def test_rounds_too_short_to_settle_alone_settle_together_and_then_rest():
+    p = swarm(8, 3, 11)
+    memory, spent = None, []
+    for seed in range(60):  # rounds of 0.4 s on a clock of 1 ms a reading: no round affords three restarts
+        clock = TickingClock(0.001)
+        done = solve(p, PlannerConfig(time_budget_s=0.4), np.random.default_rng(seed), clock=clock, memory=memory)
+        assert memory is not None or done.memory.stale < 3  # the first round alone does not settle
+        memory = done.memory
+        spent.append(clock.reads)
+        if done.generations == 0:
+            break
+    else:
+        pytest.fail(f"60 rounds did not settle; restarts in a row without a better grid: {memory.stale}")
+    assert memory.stale >= 3 and spent[-1] <= 2 and max(spent[:-1]) > 100

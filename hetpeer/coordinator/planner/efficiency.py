@@ -22,7 +22,6 @@ import math
 from dataclasses import dataclass, replace
 
 import numpy as np
-from scipy.optimize import minimize_scalar
 
 from hetpeer.coordinator.planner.problem import Problem
 
@@ -95,6 +94,8 @@ def fit_link(bandwidth_bytes_per_s: np.ndarray, latency_s: np.ndarray, measured_
     announced bandwidths and one-way latencies, least squares on log(measured / predicted); and the residuals
     (measured / predicted - 1). The window is searched from 4 kB to 4 GB; where no window below that explains
     the measurements better than none, it is inf (nothing limited the streams). O(samples) per trial."""
+    from scipy.optimize import minimize_scalar  # here, not above: every planner import would pay for it
+
     bandwidth, latency, measured = (np.asarray(v, dtype=float) for v in (bandwidth_bytes_per_s, latency_s, measured_bytes_per_s))
     if len(measured) == 0:
         raise ValueError("no link measurement to fit")

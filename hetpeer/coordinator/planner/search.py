@@ -80,6 +80,8 @@ class Found:
     converged: bool  # stopped for lack of progress, not at the deadline
     population: tuple[np.ndarray, ...]  # best first
     memory: "Memory | None" = None  # what the search learnt, to go on from (set by `search`)
+    stale: int = 0  # restarts in a row that found nothing better, at the end (`_restart`)
+    idle: int = 0  # generations in a row that found nothing better, at the end of the last population's evolution
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +104,11 @@ class Memory:
     # again, and given a trial when it is among the most promising, as in a fresh search
     considered: frozenset[Shape] = frozenset()
     devices: frozenset[str] = frozenset()  # the ids of the devices it searched over
+    best: float = np.inf  # the best grid's objective
+    # restarts in a row that found nothing better than `best`, counted on across searches of the same devices that
+    # found nothing better either: at `SearchConfig.restarts` the search has settled, and the next rests (`_rested`)
+    stale: int = 0
+    idle: int = 0  # generations in a row without a better grid in the best shape's population, counted on likewise
 
     @property
     def searched_s(self) -> float:
@@ -121,10 +128,16 @@ class _Shape:
     found: Found | None = None
     population: list[np.ndarray] = field(default_factory=list)
     searched_s: float = 0.0
+    # generations without a better grid that an earlier search of the same devices left, and the objective they
+    # failed to beat: the next evolution counts on from there if its population is no better (`_evolve`)
+    idle: int = 0
+    known: float = np.inf
 
     def evolve(self, problem, config, rng, deadline, clock) -> Found:
         started = clock()
-        self.found = _evolve(problem, self.model, self.seeds, self.population, config, rng, deadline, clock)
+        self.found = _evolve(problem, self.model, self.seeds, self.population, config, rng, deadline, clock,
+                             idle=self.idle, known=self.known)
+        self.idle, self.known = 0, np.inf
         self.population = list(self.found.population)
         self.searched_s += clock() - started
         return self.found
@@ -146,10 +159,15 @@ def search(
     `memory` is where this one stopped."""
     say = progress or (lambda line: None)
     recalled = _recall(memory, problem, shapes, rng) if memory is not None else []
+    if recalled and (rested := _rested(memory, problem, shapes, recalled, make_model, config)) is not None:
+        say(f"{rested.shape}: settled at {rested.objective:.4g} s on this swarm as it is: rests")
+        return rested
     if recalled:
         orders = _device_orders(problem, make_model(recalled[0][0]), rng)
         book = [_Shape(shape, make_model(shape), _constructed(problem, shape, orders) + _sampled(problem, shape, rng),
                        population=population, searched_s=searched_s) for shape, population, searched_s in recalled]
+        if memory.devices == frozenset(problem.device_ids) and recalled[0][0] == memory.shapes[0].shape:
+            book[0].idle, book[0].known = memory.idle, memory.best  # a round shorter than patience converges on
         # shapes the last search could not use (the swarm grew) or whose remembered grids are forgotten: the most
         # promising join the trials, as in a fresh search
         forgotten = {entry.shape for entry in memory.shapes} - {shape for shape, _, _ in recalled}
@@ -178,10 +196,35 @@ def search(
         if not entry.found.converged and clock() < deadline:
             found = entry.evolve(problem, config, rng, deadline, clock)
             say(f"{found.shape}: {found.objective:.4g} s after {found.generations} more generations")
+    # a search that goes on from one of the same devices and has not beaten its best goes on counting its restarts:
+    # a coordinator's rounds, each shorter than the restarts that settle a search, settle together
+    unchanged = memory is not None and recalled and memory.devices == frozenset(problem.device_ids) and (
+        abs(entry.found.objective - memory.best) <= IMPROVEMENT * memory.best)
     started = clock()
-    found = _restart(problem, entry.model, entry.found, orders, config, rng, deadline, clock, say)
+    found = _restart(problem, entry.model, entry.found, orders, config, rng, deadline, clock, say,
+                     stale=memory.stale if unchanged else 0)
     entry.population, entry.searched_s = list(found.population), entry.searched_s + clock() - started
-    return replace(found, memory=_remember(problem, book, entry, considered))
+    return replace(found, memory=_remember(problem, book, entry, considered, found))
+
+
+def _rested(memory: Memory, problem: Problem, shapes: list[Shape], recalled: list, make_model,
+            config: SearchConfig) -> Found | None:
+    """The remembered best as it is, where the searches that made `memory` settled (`config.restarts` restarts in a
+    row found nothing better) and nothing they weighed has changed: the same devices, the same shapes allowed (all
+    scored), and the best grid's objective on this problem within `IMPROVEMENT` of what it was (links measured again
+    move it). A swarm's rounds then stop spending their budget once the search has converged, until peers come or
+    go, a link changes or the remembered grid is lost."""
+    if memory.stale < config.restarts or memory.devices != frozenset(problem.device_ids) or not memory.considered >= set(shapes):
+        return None
+    shape, population, _ = recalled[0]
+    if shape != memory.shapes[0].shape:
+        return None
+    model = make_model(shape)
+    costs = model.batch_cost(np.stack(population))
+    if not abs(float(costs[0]) - memory.best) <= IMPROVEMENT * memory.best:
+        return None
+    ranked = tuple(population[int(k)] for k in np.argsort(costs, kind="stable"))
+    return Found(shape, ranked[0], float(costs.min()), 0, True, ranked, memory=memory, stale=memory.stale)
 
 
 def _score(shapes: list[Shape], make_model, problem: Problem, orders, deadline, clock) -> list:
@@ -249,17 +292,17 @@ def _recall(memory: Memory, problem: Problem, shapes: list[Shape], rng: np.rando
     return recalled
 
 
-def _remember(problem: Problem, book: list[_Shape], best: _Shape, considered: frozenset[Shape]) -> Memory:
+def _remember(problem: Problem, book: list[_Shape], best: _Shape, considered: frozenset[Shape], found: Found) -> Memory:
     ids = np.asarray(problem.device_ids, dtype=object)
     ordered = [best] + [entry for entry in book if entry is not best and entry.population]
     return Memory(tuple(
         Remembered(entry.shape, tuple(tuple(tuple(row) for row in ids[grid].tolist()) for grid in entry.population),
                    entry.searched_s)
         for entry in ordered
-    ), considered, frozenset(problem.device_ids))
+    ), considered, frozenset(problem.device_ids), found.objective, found.stale, found.idle)
 
 
-def _restart(problem, model, found, orders, config, rng, deadline, clock, progress) -> Found:
+def _restart(problem, model, found, orders, config, rng, deadline, clock, progress, stale: int = 0) -> Found:
     """Restarts of a converged population while time is left. A converged population has stopped
     learning, not the search: on small swarms patience runs out in a fraction of the budget (64
     devices: a 2 s budget converged after 1.5 s). Each restart grows a population from fresh seeds
@@ -268,8 +311,8 @@ def _restart(problem, model, found, orders, config, rng, deadline, clock, progre
     without a better grid, or at the deadline; the best grid of all is returned, with a population of
     it, the elites and the last restart's population, which a later search goes on from: a restart cut
     short by the deadline is carried on, not begun again (a round of 60 s at 1024 devices affords about
-    one restart's descents)."""
-    best, stale, generations = found, 0, found.generations
+    one restart's descents). `stale` counts on from an earlier search of the swarm that found nothing better."""
+    best, generations = found, found.generations
     elites = list(found.population[:ELITES])
     while found.converged and stale < config.restarts and clock() < deadline:
         seeds = _fresh_seeds(problem, model, orders, best.grid, rng)
@@ -289,7 +332,7 @@ def _restart(problem, model, found, orders, config, rng, deadline, clock, progre
         if not any(_same_partition(grid, other) for other in population):
             population.append(grid)
     return Found(best.shape, best.grid, best.objective, generations, found.converged,
-                 tuple(population[: _population_size(config, model.shape)]))
+                 tuple(population[: _population_size(config, model.shape)]), stale=stale, idle=found.idle)
 
 
 def _population_size(config: SearchConfig, shape: Shape) -> int:
@@ -365,10 +408,13 @@ def _evolve(
     deadline: float,
     clock: Callable[[], float],
     min_seeds: int = 0,
+    idle: int = 0,
+    known: float = np.inf,
 ) -> Found:
     """Evolve one shape's population, grown from `improved` grids (a trial's population, which local
     search resumes first: a trial may end before its local optima) and then the best raw seeds, at
-    least `min_seeds` of them."""
+    least `min_seeds` of them. Patience counts on from `idle` generations when the grown population's
+    best is `known`'s (within `IMPROVEMENT`): an earlier search's, of which this one goes on."""
     aligner = Aligner(model.link_cost)
     size = _population_size(config, model.shape)
     starts = list(improved)
@@ -386,7 +432,8 @@ def _evolve(
             costs.append(cost)
         if clock() > deadline:
             break
-    generations = stale = 0
+    generations = 0
+    stale = idle if idle and costs and abs(min(costs) - known) <= IMPROVEMENT * known else 0
     while stale < config.patience and clock() < deadline:
         generations += 1
         first, second = (_tournament(costs, rng) for _ in range(2))
@@ -413,7 +460,7 @@ def _evolve(
     converged = stale >= config.patience
     best = int(ranked[0])
     ranked_population = tuple(population[int(k)] for k in ranked)
-    return Found(model.shape, population[best], costs[best], generations, converged, ranked_population)
+    return Found(model.shape, population[best], costs[best], generations, converged, ranked_population, idle=stale)
 
 
 def _interleaved(first: list, second: list) -> list:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -12,6 +13,7 @@ from hetpeer.coordinator.planner import dtfm, timemodel
 from hetpeer.coordinator.planner.codecs import candidates
 from hetpeer.coordinator.planner.outer import OUTER_AUTO
 from hetpeer.coordinator.planner.costmodel import CostModel
+from hetpeer.coordinator.planner.islands import Archipelago, Islands, memories, search_islands
 from hetpeer.coordinator.planner.problem import PlanningError, Problem, Report, Shape
 from hetpeer.coordinator.planner.prune import Pruned, prune
 from hetpeer.coordinator.planner.search import Memory, Progress, SearchConfig, search
@@ -39,6 +41,7 @@ class PlannerConfig:
     # forbidden (only where `sync` is "outer", H chosen per group)
     outer_every: int | None = OUTER_AUTO
     time_budget_s: float = 2.0
+    workers: int = 1  # searches at once, one process each beyond the first (`islands.py`)
     memory_reserve: float = 0.1
     horizon_steps: int = 100
     search: SearchConfig = field(default_factory=SearchConfig)
@@ -48,6 +51,8 @@ class PlannerConfig:
             raise ValueError(f"cost model must be one of {', '.join(COST_MODELS)}, got {self.cost_model!r}")
         if not self.time_budget_s > 0:
             raise ValueError(f"time budget must be positive, got {self.time_budget_s}")
+        if self.workers < 1:
+            raise ValueError(f"workers must be at least 1, got {self.workers}")
         if not 0 <= self.memory_reserve < 1:
             raise ValueError(f"memory reserve must be in [0, 1), got {self.memory_reserve}")
         if self.recompute not in RECOMPUTE_CHOICES:
@@ -72,7 +77,8 @@ class Solution:
     grid: np.ndarray  # indices into the problem's devices
     generations: int
     pruned: Pruned | None = None
-    memory: Memory | None = None  # where the search stopped: give it to the next `solve` of this swarm to go on from
+    # where the search stopped (each island's, with several workers): give it to the next `solve` of this swarm
+    memory: Memory | Archipelago | None = None
 
 
 def make_model(problem: Problem, config: PlannerConfig, shape: Shape) -> CostModel:
@@ -90,12 +96,15 @@ def solve(
     rng: np.random.Generator,
     clock: Callable[[], float] = time.perf_counter,
     progress: Progress | None = None,
-    memory: Memory | None = None,
+    memory: Memory | Archipelago | None = None,
+    islands: Islands | None = None,
 ) -> Solution:
-    """The best plan found within the time budget (deterministic for a seed when the search
+    """The best plan found within the time budget (deterministic for a seed and a worker count when the search
     converges before the deadline). With `memory` (an earlier solution's, for the same workload and
     configuration) the search goes on from where that one stopped: a swarm solved every round gets, after
-    k rounds, about the plan of one search k budgets long."""
+    k rounds, about the plan of one search k budgets long. With `config.workers` > 1 the search runs on that
+    many islands (`islands.py`), in the worker processes of `islands` (a caller that solves again keeps them),
+    or else of processes started for this solve; `clock` then is the system's."""
     if problem.current is not None and problem.current.layers != problem.layers:
         raise PlanningError(
             f"the current plan splits {problem.current.layers} layers but the workload has {problem.layers}"
@@ -118,9 +127,19 @@ def solve(
             models[shape] = make_model(searched, config, shape)
         return models[shape]
 
-    found = search(
-        searched, shapes, model_for, config.search, rng, clock() + config.time_budget_s, clock, progress, memory
-    )
+    if config.workers > 1:
+        own = islands is None or islands.workers != config.workers
+        pool = Islands(config.workers) if own else islands
+        try:
+            found, memory = search_islands(searched, shapes, model_for, functools.partial(make_model, searched, config),
+                                           config.search, rng, config.time_budget_s, pool, progress, memory)
+        finally:
+            if own:
+                pool.close(wait=False)
+    else:
+        found = search(searched, shapes, model_for, config.search, rng, clock() + config.time_budget_s, clock, progress,
+                       memories(memory, 1)[0])
+        memory = found.memory
     report = model_for(found.shape).report(found.grid)
     if not report.fits_memory:
         raise PlanningError(_memory_message(searched, found.shape, config))
@@ -129,7 +148,7 @@ def solve(
     if pruned is not None:
         plan = with_reasons(plan, pruned.reasons(problem.device_ids))
     return Solution(plan=plan, report=report, shape=found.shape, grid=grid, generations=found.generations, pruned=pruned,
-                    memory=found.memory)
+                    memory=memory)
 
 
 def _prune(problem: Problem, config: PlannerConfig) -> Pruned:
