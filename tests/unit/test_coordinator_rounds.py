@@ -280,7 +280,7 @@ def test_each_solve_goes_on_from_the_search_before_it(coordinator, monkeypatch):
 
 def test_rounds_on_two_workers_keep_them_and_go_on_with_one_when_a_worker_dies(tmp_path):
     """A coordinator with `workers` 2 starts its worker process at the first solve and keeps it between rounds, each
-    round going on from every island's memory; a worker killed under it costs one round's plan, said once, and the
+    round going on from every island's memory, the worker's too once it answers in time; a worker killed under it costs one round's plan, said once, and the
     rounds after plan with one worker."""
     from hetpeer.coordinator.planner import Memory
     from hetpeer.coordinator.planner.islands import Archipelago
@@ -296,9 +296,11 @@ def test_rounds_on_two_workers_keep_them_and_go_on_with_one_when_a_worker_dies(t
             coordinator.control.announce(d)
         rounds(coordinator, FIRST_PLAN_ROUNDS)
         assert [p.plan.epoch for p in coordinator.control.plans] == [1]
-        assert isinstance(coordinator.search_memory, Archipelago) and len(coordinator.search_memory.memories) == 2
         worker = coordinator.islands._processes[0]
-        rounds(coordinator, 6)  # re-solves of the running plan, on the same worker
+        # the first solve's 0.2 s may end before the worker has imported the planner; re-solves of the running plan
+        # have it, the same process
+        rounds(coordinator, 6)
+        assert isinstance(coordinator.search_memory, Archipelago) and len(coordinator.search_memory.memories) == 2
         assert coordinator.islands._processes == [worker] and worker.poll() is None
         worker.kill()
         worker.wait()

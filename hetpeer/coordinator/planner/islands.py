@@ -13,8 +13,8 @@ The result is deterministic for a seed and a worker count wherever no island hit
 search is: epochs are cut by the budget, not by the clock, and islands that all settled (stopped before
 their epoch's deadline) without a better grid end the solve early. An island that has not answered `LATE_S`
 after the first island returned (a worker still starting, on a budget shorter than its imports) is left out:
-the workers stop, the first island searches on alone, and the next solve starts them afresh. Where `workers`
-is 1, none of this runs.
+the first island searches on alone, and the next solve passes over the late answer, so that a coordinator's
+short rounds have their workers from the second round on. Where `workers` is 1, none of this runs.
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ class Islands:
         self.workers = workers
         self._pipes: list = []
         self._processes: list = []
+        self._owed: list[int] = []  # per worker, answers to epochs it was left out of: still to come, not to be used
 
     def __enter__(self) -> "Islands":
         return self
@@ -101,6 +102,7 @@ class Islands:
             theirs.close()
             self._pipes.append(Connection(ours.detach()))
             self._processes.append(process)
+            self._owed.append(0)
 
     def close(self, wait: bool = True) -> None:
         """Tell the workers to stop; with `wait`, until they have (a worker in the middle of a search is killed
@@ -119,7 +121,7 @@ class Islands:
                 process.wait()
         for pipe in self._pipes:
             pipe.close()
-        self._pipes, self._processes = [], []
+        self._pipes, self._processes, self._owed = [], [], []
 
     def send(self, island: int, message: tuple) -> None:
         try:
@@ -130,11 +132,16 @@ class Islands:
 
     def receive(self, island: int, timeout: float) -> tuple[Found, float] | None:
         """The island's answer to its epoch (what it found, and the seconds it had left), or None after `timeout`
-        seconds without one (the answer is still to come: only `close` makes the worker safe to use again)."""
+        seconds without one: that answer, when it comes, is passed over by the next `receive`."""
+        pipe = self._pipes[island - 1]
         try:
-            if not self._pipes[island - 1].poll(timeout):
+            while self._owed[island - 1]:  # answers it owed to epochs it was late for: whatever they say
+                pipe.recv()
+                self._owed[island - 1] -= 1
+            if not pipe.poll(timeout):
+                self._owed[island - 1] += 1
                 return None
-            kind, value = self._pipes[island - 1].recv()
+            kind, value = pipe.recv()
         except (EOFError, OSError):
             self.close()
             raise IslandError(f"planner island {island + 1} exited in the middle of a search") from None
@@ -199,8 +206,7 @@ def search_islands(
         migrant = _ids(problem, founds[leader])
         for k in live:
             remembered[k] = _migrated(founds[k].memory, founds[leader].shape, migrant)
-        if late:  # their answers are still to come: the workers stop, the first island goes on alone
-            islands.close(wait=False)
+        if late:  # the first island goes on alone; the next solve passes over the late answers
             live = [0]
         if all(settled) and not improved:
             break
