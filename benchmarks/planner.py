@@ -17,7 +17,7 @@ Parts:
 
 The machine is shared and noisy, so every ratio is between figures taken in the same run. Defaults give
 the full benchmark (scenarios and tiny about 8 minutes; scale 30 minutes of a core per case, 15 cases on
-two cores about 4 hours); the options shrink it for a quick run. Exit status 1 when a part misses its goal.
+two cores about 4 hours; workers 6 minutes); the options shrink it for a quick run. Exit status 1 when a part misses its goal.
 """
 
 from __future__ import annotations
