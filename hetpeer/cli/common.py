@@ -107,13 +107,19 @@ OUTER_HELP = ("where groups may sync every N steps with an outer step (DiLoCo) i
               "never (docs/gossip.md, Outer steps)")
 
 
+# each worker is a process with its own copy of the swarm's matrices: 170 MB at 1,024 devices, growing with their square
+MAX_DEFAULT_WORKERS = 8
+
+
 def default_workers() -> int:
-    """The cores this process may run on: the planner's default worker count."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    """The planner's default worker count: the cores this process may run on, at most `MAX_DEFAULT_WORKERS`."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return min(cores, MAX_DEFAULT_WORKERS)
 
 
 WORKERS_HELP = (f"planner searches at once, one process each beyond the first, exchanging their best plans (default: "
-                f"the cores this process may use, {default_workers()} here); the plan is the same for a seed and a worker "
+                f"the cores this process may use, at most {MAX_DEFAULT_WORKERS}: {default_workers()} here; each a process "
+                "of 170 MB at 1,024 devices); the plan is the same for a seed and a worker "
                 "count wherever the search finishes within its budget")
 
 COMPRESS_HELP = ("how activations travel between stages and their gradients back: auto (default: per hop, the pair that "
