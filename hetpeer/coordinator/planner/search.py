@@ -29,7 +29,9 @@ a seed whenever the deadline is not hit, and anytime when it is.
 Across searches: a search returns its `Memory` (each shape it evolved, its population by device id and
 the seconds it had, and which shapes were scored); a search given one goes on from there instead of starting
 again (`_resume`), as a coordinator's rounds do, and scores the shapes it may use that were not (peers joined);
-when peers joined, every remembered shape gets a trial again.
+when peers joined, every remembered shape gets a trial again. Over the same devices, a search that beats
+nothing counts its patience and its restarts on from the last one's; once the searches settled, the next
+returns the remembered best at once while the swarm is as it was (`_rested`).
 """
 
 from __future__ import annotations
