@@ -69,7 +69,8 @@ class Coordinator(Gatekeeper, Publisher):
         self.plan_time: float | None = None
         self.dataset: Dataset | None = None  # what plans name: the configured dataset, with where it is served
         self.recent_plans: list[Plan] = []  # the last plans published or found: where the swarm's data position comes from
-        self.search_memory: Memory | Archipelago | None = None  # where the last solve stopped, which the next goes on from
+        # where the last solve stopped (each island's, with workers), which the next goes on from (not in the DHT)
+        self.search_memory: Memory | Archipelago | None = None
         # the planner's worker processes, beyond its own thread (started at the first solve, kept between rounds)
         self.islands = Islands(config.workers) if config.workers > 1 else None
         self.calibration = calibration.Calibration()  # what the running plans' steps took beyond their prediction (not in the DHT)
