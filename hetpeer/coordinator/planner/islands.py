@@ -10,8 +10,8 @@ gains twice: N descents where one would run, and the spread of long searches (tw
 lie up to 2% apart) taken as the best of N.
 
 The result is deterministic for a seed and a worker count wherever no island hits a deadline, as one
-search is: epochs are cut by the budget, not by the clock, and islands that all settled (stopped before
-their epoch's deadline) without a better grid end the solve early. An island that has not answered `LATE_S`
+search is: epochs are cut by the budget, not by the clock, and islands that all settled (their restarts in a
+row found nothing better, `Found.stale`) without a better grid end the solve early. An island that has not answered `LATE_S`
 after the first island returned (a worker still starting, on a budget shorter than its imports) is left out:
 the first island searches on alone, and the next solve passes over the late answer, so that a coordinator's
 short rounds have their workers from the second round on. Where `workers` is 1, none of this runs.
@@ -40,7 +40,6 @@ from hetpeer.coordinator.planner.search import Found, Memory, Progress, Remember
 # local search of each member again, which at 1024 devices epochs of 15 s paid so often that 2 islands came out 6%
 # behind one search of 60 s (mixed, seed 0); a budget under this is one epoch: the best of N searches.
 EPOCH_S = 60.0
-SETTLED_S = 0.05  # an island that stopped this long before its epoch's deadline has settled (converged and rested)
 # an island that has not answered this long after the first island returned (at its epoch's deadline or past it,
 # by the move under way) is left out of the rest of the solve: a worker still starting (its imports take 0.3 s)
 # must not hold a short budget up
@@ -130,16 +129,20 @@ class Islands:
             self.close()
             raise IslandError(f"planner island {island + 1} is gone") from None
 
-    def receive(self, island: int, timeout: float) -> tuple[Found, float] | None:
-        """The island's answer to its epoch (what it found, and the seconds it had left), or None after `timeout`
-        seconds without one: that answer, when it comes, is passed over by the next `receive`."""
+    def pass_over(self, island: int) -> None:
+        """The island's answer to the epoch it is searching now is not wanted: the next `receive` skips it."""
+        self._owed[island - 1] += 1
+
+    def receive(self, island: int, timeout: float) -> Found | None:
+        """What the island found in its epoch, or None after `timeout` seconds without an answer: that answer,
+        when it comes, is passed over by the next `receive`."""
         pipe = self._pipes[island - 1]
         try:
             while self._owed[island - 1]:  # answers it owed to epochs it was late for: whatever they say
                 pipe.recv()
                 self._owed[island - 1] -= 1
             if not pipe.poll(timeout):
-                self._owed[island - 1] += 1
+                self.pass_over(island)
                 return None
             kind, value = pipe.recv()
         except (EOFError, OSError):
@@ -185,18 +188,17 @@ def search_islands(
             islands.send(k, (setup, remembered[k], end))
         try:
             founds = {0: search(problem, shapes, make_model, config, streams[0], end, clock, say, remembered[0])}
-        except BaseException:  # the workers' answers to this epoch would reach the next solve: they start afresh
-            islands.close(wait=False)
+        except BaseException:  # the workers' answers to this epoch must not reach the next solve
+            for k in live[1:]:
+                islands.pass_over(k)
             raise
         returned = clock()
-        settled = [returned < end - SETTLED_S]
         for k in live[1:]:
             answer = islands.receive(k, max(0.0, max(returned, end) + LATE_S - clock()))
             if answer is None:
                 say(f"epoch {epoch + 1} of {epochs}: island {k + 1} of {count} did not answer in time: left out")
                 continue
-            founds[k] = answer[0]
-            settled.append(answer[1] > SETTLED_S)
+            founds[k] = answer
         late, live = [k for k in live if k not in founds], [k for k in live if k in founds]
         leader = min(live, key=lambda k: (founds[k].objective, k))
         improved = best is None or founds[leader].objective < best.objective * (1 - IMPROVEMENT)
@@ -208,7 +210,7 @@ def search_islands(
             remembered[k] = _migrated(founds[k].memory, founds[leader].shape, migrant)
         if late:  # the first island goes on alone; the next solve passes over the late answers
             live = [0]
-        if all(settled) and not improved:
+        if all(found.stale >= config.restarts for found in founds.values()) and not improved:
             break
     ordered = [remembered[leader]] + [m for k, m in enumerate(remembered) if k != leader and m is not None]
     return replace(best, memory=remembered[leader]), Archipelago(tuple(ordered))
@@ -260,7 +262,7 @@ def serve(fd: int) -> None:
                          "rng": np.random.default_rng(seed)}
             found = search(state["problem"], state["shapes"], state["model"], state["config"], state["rng"], deadline,
                            time.monotonic, None, memory)
-            answer = ("found", (found, deadline - time.monotonic()))
+            answer = ("found", found)
         except PlanningError as error:
             answer = ("planning", str(error))
         except Exception:  # a bug: the parent raises it with this traceback
