@@ -35,7 +35,7 @@ from hetpeer.protocol.modelspec import preset
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.recipe import Recipe
 
-PAIRS = [("raw", "raw"), ("bf16", "bf16"), ("int8", "int8"), ("int4", "int8"), ("int4", "int4")]
+PAIRS = [("raw", "raw"), ("bf16", "bf16"), ("int8", "int8"), ("int4", "int8"), ("int4", "int6"), ("int4", "int4")]
 GOALS = {"int8": 0.005, "int4": 0.02}  # the forward codec's allowed gap to raw, at equal tokens
 VALIDATION_SEQUENCES, VALIDATION_SEED = 64, 12345
 
@@ -173,7 +173,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the quality part (default 1)")
     parser.add_argument("--seed", type=int, default=0, help="initial weights and data order of the quality part (default 0)")
     parser.add_argument("--pairs", nargs="+", default=[f"{f}/{b}" for f, b in PAIRS], metavar="FORWARD/BACKWARD",
-                        help="codec pairs of the quality part, raw/raw first (default: all five)")
+                        help="codec pairs of the quality part, raw/raw first (default: all six)")
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds per figure of the speed part (default 15)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON at the end")
     args = parser.parse_args()

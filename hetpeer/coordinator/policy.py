@@ -312,10 +312,20 @@ def grid_of(plan: Plan, device_ids: tuple[str, ...]) -> np.ndarray:
 
 def running_report(problem: Problem, config: PlannerConfig, plan: Plan) -> Report:
     """The running plan as the planner judges it on the problem's (fresh) measurements, with its own layer split
-    as the planner would choose it for that grid: `cost["total_s"]` its step, `objective` what a new plan has to
-    beat (the step x its steps factor x what departures cost it, as the search scores every grid)."""
+    as the planner would choose it for that grid and every hop in the codecs the plan gives it (not those the
+    configuration would choose now: links measured since may favour others): `cost["total_s"]` its step,
+    `objective` what a new plan has to beat (the step x its steps factor x what departures cost it, as the search
+    scores every grid)."""
     shape = Shape(len(plan.stages), plan.group_size)
-    return make_model(problem, config, shape).report(grid_of(plan, problem.device_ids))
+    grid = grid_of(plan, problem.device_ids)
+    return make_model(problem, config, shape, plan_codecs(plan, grid)).report(grid)
+
+
+def plan_codecs(plan: Plan, grid: np.ndarray) -> dict[tuple[int, int], tuple[str, str]]:
+    """Each hop of `plan` on its `grid` of device indices, (sender, receiver) -> (forward, backward): the codecs
+    the plan names for it, raw where it names none."""
+    return {(int(grid[s, lane]), int(grid[s + 1, lane])): stage.codecs(lane)
+            for s, stage in enumerate(plan.stages[:-1]) for lane in range(grid.shape[1])}
 
 
 def worth_it(

@@ -41,7 +41,8 @@ from hetpeer.protocol.wire import SchemaError
 # 11: records say how many times the peer has timed its device since it started (`timings`)
 # 12: records say the port a peer behind a NAT that keeps ports punches holes from (`punch`), whom it calls now
 #     (`calling`), and which peers it reaches through a punched hole or a relay (`punched`, `relayed`)
-PROTOCOL_VERSION = 12
+# 13: records' step costs say what each codec's encoding and decoding costs the peer's device
+PROTOCOL_VERSION = 13
 COMPUTE_KEY_RE = re.compile(r"[0-9a-f]{16}\Z")
 OWNER_RE = re.compile(rb"\[owner:(.+)\]\Z", re.DOTALL)  # \Z, not $: $ also matches before a final newline
 STATES = ("probing", "waiting", "fetching", "training", "standby", "leaving")
@@ -438,9 +439,10 @@ def planning_fields(path: str, compute_key: str | None, compute_share: float, co
     if compute_background + compute_own > 1 + 1e-9:
         raise SchemaError(f"{path}.compute_own", f"with compute_background ({compute_background!r}) is more than the whole "
                                                  f"device, got {compute_own!r}")
-    if len(step_costs) not in (OLDER_STEP_COSTS, len(FIELDS_OF_STEP_COSTS)):  # older peers time no recomputation
+    if len(step_costs) not in (*OLDER_STEP_COSTS, len(FIELDS_OF_STEP_COSTS)):  # older peers time no recomputation, no codecs
         raise SchemaError(f"{path}.step_costs", f"must be {len(FIELDS_OF_STEP_COSTS)} numbers "
-                                                f"({', '.join(FIELDS_OF_STEP_COSTS)}; {OLDER_STEP_COSTS} from older peers), "
+                                                f"({', '.join(FIELDS_OF_STEP_COSTS)}; "
+                                                f"{' or '.join(map(str, OLDER_STEP_COSTS))} from older peers), "
                                                 f"got {len(step_costs)}")
     try:
         return StepCosts(*step_costs)

@@ -3,7 +3,8 @@
 Schema (JSON; see docs/topology.md):
 
     {"name": str?, "description": str?,
-     "devices": [{"id": str, "region": str, "tflops": number?, "memory_gb": number?, "nat": str?}, ...],
+     "devices": [{"id": str, "region": str, "tflops": number?, "memory_gb": number?, "nat": str?,
+                  "codec_s": {codec: number}?}, ...],
      "regions": {name: {"latency_ms": number, "bandwidth_gbps": number}},     # inside a region
      "region_links": [{"a": region, "b": region, "latency_ms": .., "bandwidth_gbps": ..}],
      "default_link": {"latency_ms": .., "bandwidth_gbps": ..}?,              # unlisted region pairs
@@ -13,7 +14,9 @@ A link listed once is symmetric. A link listed in both directions with different
 averaged, as Yuan et al. (NeurIPS 2022) do for asymmetric measurements. Device-level `links`
 override region values. Bandwidth is in Gbit/s (1e9 bit/s), latency in milliseconds. A device's `nat`
 (`hetpeer testbed`) puts it behind a router of that kind: "none" (the default), "cone" (source ports kept
-where it can) or "symmetric" (randomised: only a relay helps).
+where it can) or "symmetric" (randomised: only a relay helps). A device's `codec_s` gives, for codecs it measured
+(fp16, bf16, int8, int4, int6), its seconds to encode and decode one value, as a joining peer times them; the planner
+counts the others at one CPU thread's rates.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any, Collection, Mapping
 
 import numpy as np
 
+from hetpeer.protocol.stepcosts import CODEC_FIELDS, MAX_VALUE_S
 from hetpeer.protocol.wire import (
     SchemaError,
     field,
@@ -41,6 +45,7 @@ class Device:
     tflops: float | None = None
     memory_gb: float | None = None
     nat: str = "none"
+    codec_s: tuple[tuple[str, float], ...] = ()  # (codec, encode plus decode seconds per value) it measured
 
 
 NAT_KINDS = ("none", "cone", "symmetric")
@@ -140,6 +145,8 @@ class Topology:
                 entry["memory_gb"] = device.memory_gb
             if device.nat != "none":
                 entry["nat"] = device.nat
+            if device.codec_s:
+                entry["codec_s"] = dict(device.codec_s)
             devices.append(entry)
         wire: dict[str, Any] = {
             "devices": devices,
@@ -172,7 +179,7 @@ def _devices(raw: Any, regions: Mapping[str, Link]) -> tuple[Device, ...]:
     for i, entry in enumerate(entries):
         path = f"topology.devices[{i}]"
         record = need_mapping(entry, path)
-        no_extra_fields(record, {"id", "region", "tflops", "memory_gb", "nat"}, path)
+        no_extra_fields(record, {"id", "region", "tflops", "memory_gb", "nat", "codec_s"}, path)
         device_id = need_str(field(record, "id", path), f"{path}.id")
         if device_id in seen:
             raise SchemaError(f"{path}.id", f"duplicate device id {device_id!r}")
@@ -185,8 +192,21 @@ def _devices(raw: Any, regions: Mapping[str, Link]) -> tuple[Device, ...]:
         nat = need_str(record["nat"], f"{path}.nat") if "nat" in record else "none"
         if nat not in NAT_KINDS:
             raise SchemaError(f"{path}.nat", f"must be one of {', '.join(NAT_KINDS)}, got {nat!r}")
-        devices.append(Device(id=device_id, region=region, tflops=tflops, memory_gb=memory, nat=nat))
+        codec_s = _codec_rates(record["codec_s"], f"{path}.codec_s") if "codec_s" in record else ()
+        devices.append(Device(id=device_id, region=region, tflops=tflops, memory_gb=memory, nat=nat, codec_s=codec_s))
     return tuple(devices)
+
+
+def _codec_rates(raw: Any, path: str) -> tuple[tuple[str, float], ...]:
+    rates = []
+    for codec, value in need_mapping(raw, path).items():
+        if codec not in CODEC_FIELDS:
+            raise SchemaError(f"{path}.{codec}", f"unknown codec (known: {', '.join(CODEC_FIELDS)})")
+        rate = need_number(value, f"{path}.{codec}", positive=True)
+        if rate > MAX_VALUE_S:
+            raise SchemaError(f"{path}.{codec}", f"must be at most {MAX_VALUE_S:g} seconds per value, got {rate!r}")
+        rates.append((codec, rate))
+    return tuple(rates)
 
 
 def _links(raw: Any, path: str, known: set[str], kind: str) -> dict[tuple[str, str], Link]:

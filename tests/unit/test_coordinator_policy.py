@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 
 from hetpeer.coordinator import policy
-from hetpeer.coordinator.planner import PlannerConfig, solve
+from hetpeer.coordinator.planner import PlannerConfig, Shape, make_model, solve
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.records import LinkMeasurement, PeerRecord
+from hetpeer.protocol.stepcosts import StepCosts
 from hetpeer.protocol.wire import SchemaError
 from hetpeer.protocol.modelspec import preset
 from hetpeer.protocol.workload import Workload
@@ -474,6 +475,43 @@ def test_the_running_plan_is_predicted_slower_on_slower_peers():
     slower, _ = policy.build_problem(four_records(tflops=(0.1, 0.05, 0.2, 0.1)), WORKLOAD, None)
     assert (policy.running_report(slower, config, plan).cost["total_s"]
             > policy.running_report(problem, config, plan).cost["total_s"])
+
+
+def test_the_running_plan_is_predicted_in_its_own_codecs_not_those_the_configuration_would_choose_now():
+    """A plan published with int4 hops (its links were slow then) is judged in int4, whatever auto would take on
+    the links as they are now: the coordinator compares new plans against the plan the swarm runs."""
+    config = PlannerConfig(cost_model="time", time_budget_s=0.5, compress=("raw", "raw"), stages=2)
+    problem, _ = policy.build_problem(four_records(), WORKLOAD, None)
+    plan = solve(problem, config, np.random.default_rng(0)).plan
+    assert all(stage.codecs(lane) == ("raw", "raw") for stage in plan.stages for lane in range(plan.group_size))
+    compressed = plan.with_codecs("int4", "int4")
+    running = policy.running_report(problem, config, compressed)
+    assert running.codecs and all(pair == ("int4", "int4") for hop in running.codecs for pair in hop)
+    as_planned = policy.running_report(problem, replace(config, compress=("int4", "int4")), compressed)
+    assert running.cost["total_s"] == pytest.approx(as_planned.cost["total_s"], rel=1e-12)
+    assert running.cost["total_s"] != pytest.approx(policy.running_report(problem, config, plan).cost["total_s"])
+
+
+def test_the_codec_rates_peers_announce_price_their_hops_a_gpu_peer_s_below_a_cpu_peer_s():
+    """Two records, one lane of two stages over a 1 Gbit/s link, int8 both ways: the pair that announced GPU rates
+    (ten times a CPU thread's) is predicted a shorter step than the pair that announced CPU rates, by the codec
+    work the time model counts at their rates: a quarter of each end's rate per codec, a hop's encodings and
+    decodings; the lane is bound by its hop, so M + 1 times a step (twice in its round trip, once in each of its
+    M - 1 periods)."""
+    config = PlannerConfig(cost_model="time", stages=2, group_size=1, compress=("int8", "int8"), allow_standby=False)
+
+    def predicted(rate: float) -> float:
+        costs = StepCosts(int8_s_per_value=rate)
+        records = {"a": record("a", step_costs=costs, links={"b": link(0.01, 1.25e8)}),
+                   "b": record("b", step_costs=costs, links={"a": link(0.01, 1.25e8)})}
+        problem, _ = policy.build_problem(records, WORKLOAD, None)
+        return make_model(problem, config, Shape(2, 1)).report(np.array([[0], [1]])).cost["total_s"]
+
+    cpu, gpu = predicted(6e-9), predicted(6e-10)
+    values = WORKLOAD.micro_batch * SEQ_LEN * WORKLOAD.model.hidden
+    micro = WORKLOAD.batch // WORKLOAD.micro_batch
+    assert gpu < cpu
+    assert cpu - gpu == pytest.approx((micro + 1) * values * (6e-9 - 6e-10), rel=1e-9)
 
 
 def test_the_links_a_plan_uses_are_its_lane_hops_and_its_groups_exponential_graph():

@@ -29,7 +29,7 @@ from hetpeer.peer.transport.stream import LinkIdentity
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.records import PeerRecord
-from hetpeer.protocol.stepcosts import StepCosts
+from hetpeer.protocol.stepcosts import FIELDS, StepCosts
 from hetpeer.protocol.modelspec import preset
 from hetpeer.protocol.workload import Workload
 
@@ -320,11 +320,12 @@ def test_a_home_it_cannot_write_to_is_said_and_the_timing_still_announced(tmp_pa
 @pytest.mark.parametrize("text, words", [
     ("{not json", "not JSON"), ("[1, 2]", "not a JSON object"),
     ('{"tflops": -1}', "tflops must be a positive number"), ('{"step_costs": [1]}', "step_costs must be a list"),
-    ('{"step_costs": [-1, 0, 0, 0, 0]}', "embed_s_per_seq must be"),
+    ('{"step_costs": [-1' + ', 0' * (len(FIELDS) - 1) + ']}', "embed_s_per_seq must be"),
+    ('{"step_costs": [0, 0, 0, 0, 0]}', "step_costs must be a list"),  # a file an older hetpeer wrote: timed again
 ])  # fmt: skip
 def test_a_damaged_machine_file_is_named_and_the_fresh_timing_announced(tmp_path, text, words):
     peer = Reprofiled("waiting", 1e-3, 1e-3, 0.0, tmp_path)
-    good = {**peer._timing_context(), "device_name": "cpu", "compute_key": "k", "tflops": 3e-3, "step_costs": [0.0] * 5,
+    good = {**peer._timing_context(), "device_name": "cpu", "compute_key": "k", "tflops": 3e-3, "step_costs": [0.0] * len(FIELDS),
             "time": probing.time.time()}
     damaged = text if not text.startswith('{"') else json.dumps({**good, **json.loads(text)})
     (tmp_path / probing.MACHINE_FILE).write_text(damaged)

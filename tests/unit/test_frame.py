@@ -13,6 +13,7 @@ from hetpeer.peer.transport import MemoryHub, MemoryTransport
 from hetpeer.peer.transport.codec import TORCH_DTYPES, checksum, decode, encode
 from hetpeer.protocol.frame import (
     BLOCKED_CODECS,
+    CODE_BITS,
     CODECS,
     DTYPES,
     FLOAT_DTYPES,
@@ -25,6 +26,7 @@ from hetpeer.protocol.frame import (
     FrameError,
     FrameHeader,
     decode_header,
+    bytes_per_value,
     header_length,
     payload_bytes,
 )
@@ -94,6 +96,10 @@ def test_payload_sizes_follow_dtype_shape_and_codec():
     assert payload_bytes("bf16", (3, 64), "int4") == 3 * (4 + 32)
     assert payload_bytes("fp32", (65,), "int4") == 2 * (4 + 32)
     assert payload_bytes("fp32", (0, 5), "int4") == 0
+    assert payload_bytes("fp32", (2, 3), "int6") == 1 * 4 + 48  # a scale per tile of 64, then 64 codes of 6 bits
+    assert payload_bytes("bf16", (3, 64), "int6") == 3 * (4 + 48)
+    assert payload_bytes("fp32", (65,), "int6") == 2 * (4 + 48)
+    assert bytes_per_value("fp32", "int6") == 0.75 + 4 / 64 and bytes_per_value("bf16", "int4") == 0.5 + 4 / 64
 
 
 def test_long_unicode_sender_round_trips_up_to_the_limit():
@@ -283,20 +289,21 @@ def test_int8_codec_keeps_each_block_within_half_a_step_of_its_own_scale(dtype):
     assert rebuilt[1].abs().max().item() == pytest.approx(original[1].abs().max().item(), rel=1e-2)
 
 
+@pytest.mark.parametrize("codec, most", [("int4", 7), ("int6", 31)])
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-def test_int4_codec_keeps_each_tile_within_half_a_step_of_its_better_form(dtype):
+def test_4_and_6_bit_codecs_keep_each_tile_within_half_a_step_of_its_better_form(dtype, codec, most):
     rows = _blocks(seed=2, small=1e-2 if dtype == "fp16" else 1e-6)
     rows[5] = 0.75  # a flat tile: exact as it is, 8 times coarser rotated
     tensor = rows.reshape(2, 3, 64).to(TORCH_DTYPES[dtype])
-    header, payload, back = _travel(tensor, "int4")
-    assert len(payload) == 6 * (4 + 32)
+    header, payload, back = _travel(tensor, codec)
+    assert len(payload) == 6 * (4 + 64 * CODE_BITS[codec] // 8)
     assert back.dtype == tensor.dtype and back.shape == tensor.shape
     original, rebuilt = tensor.float().reshape(6, 64), back.float().reshape(6, 64)
     hadamard = torch.ones(1, 1)
     while len(hadamard) < 64:
         hadamard = torch.cat((torch.cat((hadamard, hadamard), 1), torch.cat((hadamard, -hadamard), 1)))
     turned = original @ hadamard / 8
-    step = torch.minimum(original.abs().amax(dim=1), turned.abs().amax(dim=1)) / 7
+    step = torch.minimum(original.abs().amax(dim=1), turned.abs().amax(dim=1)) / most
     scales = torch.frombuffer(bytearray(payload[: 6 * 4]), dtype=torch.float32)
     assert (scales < 0).tolist() == (turned.abs().amax(dim=1) < original.abs().amax(dim=1)).tolist()
     assert scales[4] < 0 and scales[3] > 0 and scales[5] > 0  # the outlier's tile turned; the flat one did not
@@ -306,8 +313,16 @@ def test_int4_codec_keeps_each_tile_within_half_a_step_of_its_better_form(dtype)
     bound = step * 4 * 1.0001 + (original.norm(dim=1) + rebuilt.norm(dim=1)) * storage
     assert bool(((rebuilt - original).norm(dim=1) <= bound).all())
     assert bool((rebuilt[3] == 0).all()) and bool((rebuilt[5] == original[5]).all())
-    flat = (original[4] / (original[4].abs().max() / 7)).round().clamp(-7, 7) * (original[4].abs().max() / 7)
+    flat = (original[4] / (original[4].abs().max() / most)).round().clamp(-most, most) * (original[4].abs().max() / most)
     assert (rebuilt[4] - original[4]).norm() < 0.8 * (flat - original[4]).norm()  # better than left as it is
+
+
+def test_int6_codec_packs_four_codes_in_three_bytes_the_first_in_the_low_bits():
+    tensor = torch.tensor([31.0, -31.0, 1.0, 0.0] + [31.0] * 60)  # rotated, its first value would be 232.6: it goes plain
+    payload = _travel(tensor, "int6")[1]
+    assert struct.unpack("<f", payload[:4])[0] == 1.0  # absmax 31 over 31 levels; positive: not rotated
+    # codes 63, 1, 33, 32: 63 | 1 << 6, 1 >> 2 | (33 & 15) << 4, 33 >> 4 | 32 << 2; then fifteen groups of four 63s
+    assert payload[4:7] == bytes([127, 16, 130]) and payload[7:] == b"\xff" * 45
 
 
 def test_int4_codec_packs_two_codes_a_byte_low_nibble_first():
@@ -426,7 +441,8 @@ def test_float_tensors_travel_in_the_chosen_codec(pair, codec):
         assert size < tensor.numel() * 4
     back = receiver.recv("activation", "a", 0, 0, timeout_s=1.0)
     assert back.dtype == torch.float32
-    levels = 7 / 8 if codec == "int4" else 127  # int4: half a step of 7 levels, on each of 64 values of a tile
+    # int4 and int6: half a step of 7 or 31 levels, on each of 64 values of a tile
+    levels = {"int4": 7 / 8, "int6": 31 / 8}.get(codec, 127)
     assert torch.allclose(back, tensor, rtol=0.01, atol=tensor.abs().max().item() / levels)
 
 

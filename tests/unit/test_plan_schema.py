@@ -108,7 +108,7 @@ def test_with_codecs_names_every_hop_but_the_last_stage():
 
 def test_a_codec_this_peer_does_not_know_is_refused_with_a_clear_line():
     with pytest.raises(SchemaError, match=r"plan.stages\[0\].forward\[1\]: codec 'int3' is not one this peer knows "
-                                          r"\(raw, fp16, bf16, int8, int4\): a newer hetpeer made this plan"):
+                                          r"\(raw, fp16, bf16, int8, int4, int6\): a newer hetpeer made this plan"):
         Plan.from_wire(_with(lambda r: r["stages"][0].update(forward=["int4", "int3"])))
 
 

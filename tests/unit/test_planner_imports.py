@@ -62,7 +62,9 @@ def test_version_loads_no_tensor_or_network_stack():
 
 
 def test_plan_loads_no_tensor_or_network_stack():
-    code, modules = run_cli("plan", "--scenario", "regional", "--time-budget", "0.2", "--quiet", "--random-samples", "2")
+    # four stages: a plan that fits memory whatever the budget affords on a busy machine
+    code, modules = run_cli("plan", "--scenario", "regional", "--stages", "4", "--time-budget", "0.2", "--quiet",
+                            "--random-samples", "2")
     loaded = {name.split(".")[0] for name in modules}
     assert code == 0 and "hetpeer.coordinator.planner.search" in modules  # it did plan
     assert not loaded & {"torch", "hivemind", "grpc"}, sorted(loaded & {"torch", "hivemind", "grpc"})

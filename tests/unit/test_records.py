@@ -434,18 +434,21 @@ def test_how_often_a_peer_timed_its_device_is_a_count_the_wire_can_carry():
 
 
 def test_what_a_stage_step_costs_a_peer_beyond_its_blocks_is_checked():
-    costs = [2e-4, 5e-4, 6e-10, 3e-4, 0.85]
+    costs = [2e-4, 5e-4, 6e-10, 3e-4, 0.85, 1e-10, 1e-10, 4e-10, 9e-10, 7e-10]  # then fp16, bf16, int8, int4, int6 a value
     record = parse(wire(step_costs=costs))
     assert record.step_costs == StepCosts(*costs) and record.step_costs.to_wire() == costs
-    assert record.step_costs.recompute == 0.85
+    assert record.step_costs.recompute == 0.85 and record.step_costs.int4_s_per_value == 9e-10
     assert parse(wire()).step_costs == StepCosts()  # a peer that measured nothing of it
     assert parse(wire()).step_costs.recompute == RECOMPUTE_SHARE
     older = parse(wire(step_costs=costs[:4]))  # a peer that does not time recomputation
     assert older.step_costs == StepCosts(*costs[:4]) and older.step_costs.recompute == RECOMPUTE_SHARE
-    for bad in ([1e-4, 1e-4, 1e-10], [1e-4] * 6, []):
+    no_codecs = parse(wire(step_costs=costs[:5]))  # nor codecs
+    assert no_codecs.step_costs == StepCosts(*costs[:5]) and no_codecs.step_costs.int8_s_per_value == 0.0
+    for bad in ([1e-4, 1e-4, 1e-10], [1e-4] * 6, [1e-4] * 11, []):
         refused(wire(step_costs=bad), "peer.step_costs")
-    for i, bad in itertools.product(range(5), (-1e-4, math.nan, math.inf, 1e3)):
+    for i, bad in itertools.product(range(len(costs)), (-1e-4, math.nan, math.inf, 1e3)):
         refused(wire(step_costs=costs[:i] + [bad] + costs[i + 1:]), "peer.step_costs")
+    refused(wire(step_costs=costs[:9] + [2e-6]), "peer.step_costs")  # 2 us a value: no device encodes that slowly
     refused(wire(step_costs=[0, 0.0, 0.0, 0.0, 0.0]), "peer.step_costs.0")  # an int where a float belongs
 
 

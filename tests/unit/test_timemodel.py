@@ -15,6 +15,7 @@ from hetpeer.coordinator.planner.quality import TABLE
 from hetpeer.coordinator.planner.relays import route
 from hetpeer.coordinator.planner.timemodel import TIE_BREAK
 from hetpeer.protocol.plan import Plan, StagePlan
+from hetpeer.protocol.stepcosts import FIELDS as STEP_COSTS
 from hetpeer.protocol.topology import Topology
 from hetpeer.protocol.modelspec import preset
 from hetpeer.protocol.workload import Workload
@@ -145,7 +146,8 @@ def measured(monkeypatch):
     monkeypatch.setattr(codecs, "LOSS_GAP", {("raw", "raw"): 0.0, ("bf16", "bf16"): 0.0, ("int8", "int8"): 0.001,
                                              ("int4", "int8"): 0.004, ("int4", "int4"): 0.05})
     monkeypatch.setattr(codecs, "QUALITY_BUDGET", 0.01)
-    monkeypatch.setattr(codecs, "WORK_S_PER_VALUE", {"raw": 0.0, "fp16": 1e-9, "bf16": 1e-9, "int8": 2e-9, "int4": 4e-9})
+    monkeypatch.setattr(codecs, "WORK_S_PER_VALUE", {"raw": 0.0, "fp16": 1e-9, "bf16": 1e-9, "int8": 2e-9, "int4": 4e-9,
+                                                     "int6": 3e-9})
     return codecs
 
 
@@ -155,7 +157,7 @@ def test_auto_takes_per_hop_the_shortest_pair_within_the_budget(measured):
     hops = measured.HopCodecs(measured.AUTO, values=1e6, dtype="fp32")
     assert ("int4", "int4") not in hops.pairs and ("int4", "int8") in hops.pairs
     per_byte = np.array([8 / 1e6, 8 / 1e11])  # 1 Mbit/s and 100 Gbit/s
-    mean, larger, choice = hops.occupancy(per_byte)
+    mean, larger, choice = hops.occupancy(per_byte, np.array([0, 1]), np.array([1, 0]))
     assert [hops.pairs[c] for c in choice] == [("int4", "int8"), ("raw", "raw")]
     wire = {"raw": 4.0, "bf16": 2.0, "int8": 1 + 4 / 64, "int4": 0.5 + 4 / 64}  # bytes a value
     work = {"raw": 0.0, "bf16": 1e-9, "int8": 2e-9, "int4": 4e-9}
@@ -193,6 +195,76 @@ def test_auto_plans_codecs_lane_by_lane(measured):
     for lane, (first, second) in enumerate(plan.lanes):
         crossing = problem.bandwidth_bytes_per_s[index[first], index[second]] < 1e8
         assert plan.stages[0].codecs(lane) == (("int4", "int8") if crossing else ("raw", "raw")), plan.lanes
+
+
+def two_devices_over(bandwidth_gbps: float, codec_s: list[dict | None]) -> Problem:
+    """Two devices, a0 and b0, across a link of `bandwidth_gbps`, each with the codec rates it measured (None:
+    none), for 2 stages x 1 lane of the tiny model."""
+    raw = {
+        "devices": [{"id": d, "region": r, "tflops": 1.0, "memory_gb": 100.0, **({"codec_s": c} if c else {})}
+                    for d, r, c in (("a0", "x", codec_s[0]), ("b0", "y", codec_s[1]))],
+        "regions": {"x": {"latency_ms": 1, "bandwidth_gbps": 100}, "y": {"latency_ms": 1, "bandwidth_gbps": 100}},
+        "region_links": [{"a": "x", "b": "y", "latency_ms": 20, "bandwidth_gbps": bandwidth_gbps}],
+    }  # fmt: skip
+    return Problem.from_topology(Topology.from_wire(raw), Workload(preset("tiny", 4), batch=2))
+
+
+def test_each_peer_s_measured_codec_rates_cost_its_ends_of_a_hop(measured):
+    """A hop's codec work is its two devices' own: a quarter of each one's encode plus decode rate for each of
+    the pair's two codecs. Devices that measured nothing count the one-thread table; a fast (GPU) device on
+    both ends makes the compressed hop cheaper than slow (CPU) ones, on the same link."""
+    config = PlannerConfig(stages=2, group_size=1, compress=("int4", "int8"), allow_standby=False)
+    problem = two_devices_over(0.05, [None, None])
+    spec = problem.workload.model
+    values = problem.lane_micro_batch(1) * spec.seq_len * spec.hidden  # a micro-batch's activation
+    grid = np.array([[0], [1]])
+
+    def hop_work(codec_s):
+        model = make_model(two_devices_over(0.05, codec_s), config, Shape(2, 1))
+        _, per_byte = model._pairs(grid[:-1], grid[1:])
+        mean, _, _ = model.hops.occupancy(per_byte, grid[:-1], grid[1:])
+        wire = model.hops.mean_bytes[0] * per_byte
+        return float((mean - wire)[0, 0]), model.report(grid).cost["total_s"]
+
+    cpu = {"int4": 4e-9, "int8": 2e-9}  # the table's figures, measured
+    gpu = {"int4": 2e-10, "int8": 1e-10}
+    unmeasured_s, unmeasured_step = hop_work([None, None])
+    assert unmeasured_s == pytest.approx(values * (4e-9 + 2e-9) / 2, rel=1e-12)
+    assert hop_work([cpu, cpu])[0] == pytest.approx(unmeasured_s, rel=1e-12)
+    gpu_s, gpu_step = hop_work([gpu, gpu])
+    assert gpu_s == pytest.approx(values * (2e-10 + 1e-10) / 2, rel=1e-12)
+    mixed_s, _ = hop_work([gpu, None])  # one end measured, the other at the table's rates
+    assert mixed_s == pytest.approx(values * ((2e-10 + 1e-10) + (4e-9 + 2e-9)) / 4, rel=1e-12)
+    assert gpu_step < unmeasured_step
+
+
+def test_a_gpu_peer_s_rates_change_the_codecs_auto_takes(measured):
+    """On a 100 Gbit/s link a byte costs 8e-11 s: int8 saves a bf16 activation 0.94 bytes a value, 7.5e-11 s, far
+    less than a CPU thread's 2e-9 s of encoding and decoding, and auto sends raw between CPU peers; between GPU
+    peers that measured 100 times faster rates, it compresses."""
+    config = PlannerConfig(stages=2, group_size=1, compress=measured.AUTO, allow_standby=False)
+    grid = np.array([[0], [1]])
+    gpu = {"fp16": 1e-11, "bf16": 1e-11, "int8": 2e-11, "int4": 4e-11}
+    cpu_plan = make_model(two_devices_over(100.0, [None, None]), config, Shape(2, 1)).report(grid)
+    gpu_plan = make_model(two_devices_over(100.0, [gpu, gpu]), config, Shape(2, 1)).report(grid)
+    assert cpu_plan.codecs == ((("raw", "raw"),),)
+    assert gpu_plan.codecs != cpu_plan.codecs and gpu_plan.cost["total_s"] < cpu_plan.cost["total_s"]
+
+
+def test_fixed_hop_codecs_are_counted_whatever_the_configuration_would_choose(measured):
+    """A model told a hop's codecs (a running plan's) counts that hop in them, even a pair outside its
+    candidates: int4/int4 (past the budget here) on a fast link where auto would send raw."""
+    problem = two_devices_over(100.0, [None, None])
+    grid = np.array([[0], [1]])
+    config = PlannerConfig(stages=2, group_size=1, compress=measured.AUTO, allow_standby=False)
+    chosen = make_model(problem, config, Shape(2, 1)).report(grid)
+    assert chosen.codecs == ((("raw", "raw"),),)
+    held = make_model(problem, config, Shape(2, 1), hop_codecs={(0, 1): ("int4", "int4")}).report(grid)
+    assert held.codecs == ((("int4", "int4"),),)
+    fixed = make_model(problem, PlannerConfig(stages=2, group_size=1, compress=("int4", "int4"), allow_standby=False),
+                       Shape(2, 1)).report(grid)
+    assert held.cost["total_s"] == pytest.approx(fixed.cost["total_s"], rel=1e-12)
+    assert held.cost["total_s"] > chosen.cost["total_s"]
 
 
 
@@ -600,7 +672,8 @@ def test_a_stage_step_counts_what_its_devices_measured_beyond_their_blocks():
 
 
 def replace_costs(problem: Problem, costs: np.ndarray) -> Problem:
-    return dataclasses.replace(problem, step_costs=costs)
+    """The problem with `costs` as its step costs, the fields left out (codec rates) unmeasured."""
+    return dataclasses.replace(problem, step_costs=np.pad(costs, ((0, 0), (0, len(STEP_COSTS) - costs.shape[1]))))
 
 
 def test_the_screen_is_exact_when_every_stage_holds_one_layer():

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from hetpeer.coordinator.planner import Problem
+from hetpeer.coordinator.planner.codecs import WORK_S_PER_VALUE, codec_rates
+from hetpeer.protocol.frame import CODECS
 from hetpeer.protocol.topology import Link, Topology
 from hetpeer.protocol.wire import SchemaError
 from hetpeer.protocol.modelspec import preset
@@ -114,6 +116,20 @@ def test_to_wire_round_trips():
     assert again.to_wire() == topology.to_wire()
 
 
+def test_codec_rates_a_device_measured_reach_the_problem_and_round_trip():
+    raw = base()
+    raw["devices"][0]["codec_s"] = {"int8": 4e-10, "int4": 9e-10}
+    topology = Topology.from_wire(raw)
+    assert devices(topology)["a0"].codec_s == (("int8", 4e-10), ("int4", 9e-10))
+    assert Topology.from_wire(topology.to_wire()) == topology
+    problem = Problem.from_topology(topology, Workload(preset("tiny"), batch=8))
+    rates = codec_rates(problem.step_costs)
+    assert rates[0, CODECS.index("int8")] == 4e-10 and rates[0, CODECS.index("int4")] == 9e-10
+    assert rates[0, CODECS.index("bf16")] == WORK_S_PER_VALUE["bf16"]  # not measured: one CPU thread's
+    assert (rates[1:, 1:] == [[WORK_S_PER_VALUE[c] for c in CODECS[1:]]]).all() and not rates[:, 0].any()
+    assert Problem.from_topology(Topology.from_wire(base()), Workload(preset("tiny"), batch=8)).step_costs is None
+
+
 def _edit(path: list, value=None, delete: bool = False) -> dict:
     raw = copy.deepcopy(base())
     target = raw
@@ -159,6 +175,11 @@ BAD = [
     ("unknown link field", _edit(["regions", "c", "jitter_ms"], 1), "topology.regions.c.jitter_ms",
      "not a known field"),
     ("empty devices", _edit(["devices"], []), "topology.devices", "at least one device"),
+    ("unknown codec", _edit(["devices", 0, "codec_s"], {"int3": 1e-9}), "topology.devices[0].codec_s.int3", "unknown codec"),
+    ("zero codec rate", _edit(["devices", 0, "codec_s"], {"int8": 0.0}), "topology.devices[0].codec_s.int8", "positive"),
+    ("codec rate too slow", _edit(["devices", 0, "codec_s"], {"int8": 1e-3}), "topology.devices[0].codec_s.int8",
+     "at most"),
+    ("codec rates not an object", _edit(["devices", 0, "codec_s"], [1e-9]), "topology.devices[0].codec_s", "object"),
     ("devices not a list", _edit(["devices"], {"id": "a0"}), "topology.devices", "list"),
 ]
 

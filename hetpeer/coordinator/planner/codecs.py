@@ -12,10 +12,12 @@ is within `QUALITY_BUDGET`. A fixed `--compress FORWARD/BACKWARD` is the one pai
 
 `LOSS_GAP` is measured by `benchmarks/compression.py --part quality` (the `small` preset on 2 stages x 2
 lanes, 600 steps, the same data, seed and weights for every pair of a seed): each pair's validation loss
-against raw's, at equal tokens, averaged over two seeds (docs/compression.md). `WORK_S_PER_VALUE` is one
-CPU thread's encode plus decode time per value (`--part speed`, an activation of 1 x 1024 x 1600 values); a
-GPU encodes faster (int8 at 13 GB/s on the H200, about 15 times that thread: docs/pipeline.md), so on GPU
-peers the planner counts more work than there is, and errs towards less compression.
+against raw's, at equal tokens, averaged over two seeds (docs/compression.md). A hop's codec work is what
+its two devices measured: each peer times every codec's encoding and decoding of an activation on its own
+device when it joins (`peer.pipeline.steptime`) and announces the rates in its step costs; a GPU encodes int8
+at 13 GB/s on the H200, about 15 times one CPU thread (docs/pipeline.md). Devices that measured nothing (a
+topology file without `codec_s`) count `WORK_S_PER_VALUE`, one CPU thread's encode plus decode time per value
+(`--part speed`, an activation of 1 x 1024 x 1600 values).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from hetpeer.protocol.frame import CODECS, bytes_per_value
+from hetpeer.protocol.stepcosts import CODEC_FIELDS, FIELDS as STEP_COSTS
 
 AUTO = ("auto", "auto")
 # (forward, backward) -> validation loss over raw's - 1 at equal tokens, the mean over seeds 0 and 1
@@ -32,13 +35,30 @@ LOSS_GAP: dict[tuple[str, str], float] = {
     ("bf16", "bf16"): 0.0457,
     ("int8", "int8"): 0.0345,
     ("int4", "int8"): 0.0091,
+    ("int4", "int6"): 0.0,  # -1.48% and -1.73% on seeds 0 and 1 (2026-12-02): better than raw, which counts 0
     ("int4", "int4"): 0.0160,
 }
 # auto takes pairs that cost at most this share of the loss: the measurement's resolution (the same pair lands
 # up to 7 points apart on two seeds), so no pair measured so far is left out
 QUALITY_BUDGET = 0.05
 # codec -> seconds per value to encode and decode on one CPU thread (benchmarks/compression.py --part speed)
-WORK_S_PER_VALUE: dict[str, float] = {"raw": 0.0, "fp16": 8.94e-10, "bf16": 6.74e-10, "int8": 5.86e-09, "int4": 1.41e-08}
+WORK_S_PER_VALUE: dict[str, float] = {"raw": 0.0, "fp16": 8.94e-10, "bf16": 6.74e-10, "int8": 5.86e-09, "int4": 1.41e-08,
+                                      "int6": 1.71e-08}
+
+
+def codec_rates(step_costs: np.ndarray | None) -> np.ndarray | None:
+    """(n, len(CODECS)) encode plus decode seconds per value on each device, from the step costs devices measured
+    ((n, len(stepcosts.FIELDS)): `Problem.step_costs`), `WORK_S_PER_VALUE` where a device measured none; None where
+    no device measured any (every device then counts `WORK_S_PER_VALUE`)."""
+    if step_costs is None:
+        return None
+    columns = [STEP_COSTS.index(CODEC_FIELDS[codec]) for codec in CODECS[1:]]
+    measured = step_costs[:, columns]
+    if not measured.any():
+        return None
+    default = np.array([WORK_S_PER_VALUE[codec] for codec in CODECS[1:]])
+    rates = np.where(measured > 0, measured, default)
+    return np.concatenate([np.zeros((len(rates), 1)), rates], axis=1)  # raw: nothing to do
 
 
 def candidates(compress: tuple[str, str]) -> list[tuple[str, str]]:
@@ -51,28 +71,76 @@ def candidates(compress: tuple[str, str]) -> list[tuple[str, str]]:
 
 
 class HopCodecs:
-    """The hop costs of `candidates(compress)` for a micro-batch of `values` values per activation in `dtype`."""
+    """The hop costs of `candidates(compress)` for a micro-batch of `values` values per activation in `dtype`.
 
-    def __init__(self, compress: tuple[str, str], values: float, dtype: str) -> None:
-        self.pairs = candidates(compress)
+    A hop's codec work is each direction's encoding on its sender and decoding on its receiver. `codec_s` (n,
+    len(CODECS)) gives each device's own encode plus decode seconds per value, as it measured them at join
+    (`peer.probe.codec_rates`), half of it counted for each end; without it every device counts
+    `WORK_S_PER_VALUE`. `fixed` names, for hops given as (sender, receiver) device indices, the pair each
+    must take (a running plan's own codecs, to judge it as it runs); every other hop takes its best of the
+    candidates."""
+
+    def __init__(self, compress: tuple[str, str], values: float, dtype: str, codec_s: np.ndarray | None = None,
+                 fixed: dict[tuple[int, int], tuple[str, str]] | None = None, devices: int = 0) -> None:
+        chosen = candidates(compress)
+        self.pairs = chosen + sorted(set((fixed or {}).values()) - set(chosen))
         wire = np.array([[values * bytes_per_value(dtype, codec) for codec in pair] for pair in self.pairs])  # (P, 2)
         self.mean_bytes, self.peak_bytes = wire.mean(axis=1), wire.max(axis=1)
-        self.work_s = np.array([values * sum(WORK_S_PER_VALUE[codec] for codec in pair) / 2 for pair in self.pairs])
+        codes = np.array([[CODECS.index(codec) for codec in pair] for pair in self.pairs])  # (P, 2)
+        default = np.array([WORK_S_PER_VALUE[codec] for codec in CODECS])
+        if codec_s is None:  # one figure for every device: a hop's work is the pair's, whoever sends
+            self.work_s, self._device_work = values * default[codes].sum(axis=1) / 2, None
+        else:  # (n, P): what a device's ends of a hop cost it, a quarter of its rates for the two codecs
+            self.work_s, self._device_work = None, values * codec_s[:, codes].sum(axis=2) / 4
+        self._n = devices if codec_s is None else len(codec_s)
+        # pairs only fixed hops take: the others never choose them
+        self._others = np.where(np.arange(len(self.pairs)) < len(chosen), 0.0, np.inf) if fixed else None
+        if fixed:
+            if self._n <= 0:
+                raise ValueError("fixed hops need the number of devices")
+            self._fixed_keys = np.array([a * self._n + b for a, b in fixed], dtype=np.int64)
+            order = np.argsort(self._fixed_keys)
+            self._fixed_keys = self._fixed_keys[order]
+            self._fixed_pairs = np.array([self.pairs.index(pair) for pair in fixed.values()], dtype=np.int64)[order]
+        else:
+            self._fixed_keys = None
+
+    def _work(self, src: np.ndarray, dst: np.ndarray) -> np.ndarray:
+        """(..., P) seconds of codec work on hops from devices `src` to `dst` (...)."""
+        if self._device_work is None:
+            return np.broadcast_to(self.work_s, np.shape(src) + (len(self.pairs),))
+        return self._device_work[src] + self._device_work[dst]
 
     def cheapest(self, per_byte: np.ndarray) -> np.ndarray:
         """Each link's round-trip occupancy in its best pair, one pair at a time (for (n, n) matrices)."""
-        best = self.mean_bytes[0] * per_byte + self.work_s[0]
-        for mean_bytes, work_s in zip(self.mean_bytes[1:], self.work_s[1:]):
-            np.minimum(best, mean_bytes * per_byte + work_s, out=best)
+        n = len(per_byte)
+        best = None
+        for p, mean_bytes in enumerate(self.mean_bytes):
+            if self._others is not None and self._others[p]:
+                continue
+            if self._device_work is None:
+                each = mean_bytes * per_byte + self.work_s[p]
+            else:
+                each = mean_bytes * per_byte + self._device_work[:n, p][:, None] + self._device_work[:n, p][None, :]
+            best = each if best is None else np.minimum(best, each, out=best)
         return best
 
-    def occupancy(self, per_byte: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """For links of `per_byte` seconds per byte (any shape): each hop's occupancy in a round trip (the mean
-        of its two directions), in the period (the larger direction), and the index of the pair chosen."""
+    def occupancy(self, per_byte: np.ndarray, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For hops from devices `src` to `dst` over links of `per_byte` seconds per byte (all of one shape): each
+        hop's occupancy in a round trip (the mean of its two directions), in the period (the larger direction),
+        and the index of the pair chosen."""
         if len(self.pairs) == 1:
-            mean = self.mean_bytes[0] * per_byte + self.work_s[0]
-            return mean, self.peak_bytes[0] * per_byte + self.work_s[0], np.zeros(np.shape(per_byte), dtype=np.int64)
-        each = self.mean_bytes * per_byte[..., None] + self.work_s  # (..., P)
+            work = self._work(src, dst)[..., 0]
+            mean = self.mean_bytes[0] * per_byte + work
+            return mean, self.peak_bytes[0] * per_byte + work, np.zeros(np.shape(per_byte), dtype=np.int64)
+        work = self._work(src, dst)
+        each = self.mean_bytes * per_byte[..., None] + work  # (..., P)
+        if self._others is not None:
+            each = each + self._others
         choice = each.argmin(axis=-1)
-        mean = np.take_along_axis(each, choice[..., None], axis=-1)[..., 0]
-        return mean, self.peak_bytes[choice] * per_byte + self.work_s[choice], choice
+        if self._fixed_keys is not None:
+            key = np.asarray(src, dtype=np.int64) * self._n + dst
+            at = np.minimum(np.searchsorted(self._fixed_keys, key), len(self._fixed_keys) - 1)
+            choice = np.where(self._fixed_keys[at] == key, self._fixed_pairs[at], choice)
+        work = np.take_along_axis(work, choice[..., None], axis=-1)[..., 0]
+        return self.mean_bytes[choice] * per_byte + work, self.peak_bytes[choice] * per_byte + work, choice

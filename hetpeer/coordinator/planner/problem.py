@@ -15,6 +15,7 @@ import numpy as np
 from hetpeer.coordinator.planner.relays import Relays
 from hetpeer.coordinator.planner.sharing import Sharing
 from hetpeer.protocol.plan import Plan
+from hetpeer.protocol.stepcosts import CODEC_FIELDS, FIELDS as STEP_COSTS
 from hetpeer.protocol.topology import Topology
 from hetpeer.protocol.workload import Workload
 
@@ -82,9 +83,9 @@ class Problem:
     # swarm's running plan measured beyond its prediction (`coordinator/calibration.py`, which may be below 0)
     step_overhead_s: float = 0.0
     sharing: Sharing | None = None  # devices that compute on one device (`sharing.py`); None: each has its own
-    # (n, 5): what a stage's step costs each device beyond its blocks, as `protocol.records.StepCosts` has them
+    # (n, len(stepcosts.FIELDS)): what a stage's step costs each device beyond its blocks, as `StepCosts` has them
     # (embedding and head s/sequence, optimizer s/parameter, Python s/micro-batch, recomputation's share of a
-    # layer); None: not measured
+    # layer, each codec's encoding and decoding s/value); None: not measured
     step_costs: np.ndarray | None = None
     # the gradient noise scale the swarm's all-reduce groups measure (B_simple in tokens; `quality.py` places groups on
     # the steps factor table by it); None: not measured
@@ -148,6 +149,12 @@ class Problem:
         for name, value in (("dp_bytes", dp_bytes), ("pp_bytes", pp_bytes)):
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise PlanningError(f"{name} must be a positive number of bytes, got {value}")
+        step_costs = None
+        if any(d.codec_s for d in devices):  # the codec rates devices measured; nothing else of their step costs
+            step_costs = np.zeros((len(devices), len(STEP_COSTS)))
+            for i, device in enumerate(devices):
+                for codec, rate in device.codec_s:
+                    step_costs[i, STEP_COSTS.index(CODEC_FIELDS[codec])] = rate
         return Problem(
             device_ids=tuple(d.id for d in devices),
             latency_s=latency,
@@ -158,6 +165,7 @@ class Problem:
             dp_bytes=dp_bytes,
             pp_bytes=pp_bytes,
             current=current,
+            step_costs=step_costs,
         )
 
     def subset(self, devices: np.ndarray) -> "Problem":

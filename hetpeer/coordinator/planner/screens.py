@@ -149,7 +149,7 @@ class Screens:
         peak = np.maximum(np.maximum(t_max[a, 0][:, s1], t_max[b[:, None], s1, s2]), t_max[a, :, -1][:, s2])
         if S > 1:
             latency, per_byte = self._pairs(lanes[:, :-1], lanes[:, 1:], load)  # (m, S - 1)
-            occupancy, larger, _ = self.hops.occupancy(per_byte)  # a hop's mean, and its larger, direction
+            occupancy, larger, _ = self.hops.occupancy(per_byte, lanes[:, :-1], lanes[:, 1:])  # mean, larger direction
             h_sum = np.concatenate([zero, np.cumsum(latency + occupancy, axis=1)], axis=1)  # (m, S): hops before k
             x_max = _range_max(larger)
             # a's hops 0 .. s1 - 2, b's s1 .. s2 - 2, a's s2 .. S - 2 (hop k: stage k to k + 1)
@@ -162,7 +162,8 @@ class Screens:
             la, lb = lanes[a], lanes[b]
             joint_latency, joint_per_byte = self._pairs(la[:, before], lb[:, s1], load)
             back_latency, back_per_byte = self._pairs(lb[:, s2 - 1], la[:, after], load)
-            (joint_x, joint_peak, _), (back_x, back_peak, _) = map(self.hops.occupancy, (joint_per_byte, back_per_byte))
+            joint_x, joint_peak, _ = self.hops.occupancy(joint_per_byte, la[:, before], lb[:, s1])
+            back_x, back_peak, _ = self.hops.occupancy(back_per_byte, lb[:, s2 - 1], la[:, after])
             joint_x, joint_peak = np.where(s1 > 0, joint_x, 0.0), np.where(s1 > 0, joint_peak, 0.0)
             back_x, back_peak = np.where(s2 < S, back_x, 0.0), np.where(s2 < S, back_peak, 0.0)
             hops = hops + joint_x + back_x + np.where(s1 > 0, joint_latency, 0.0) + np.where(s2 < S, back_latency, 0.0)

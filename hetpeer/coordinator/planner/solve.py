@@ -81,12 +81,15 @@ class Solution:
     memory: Memory | Archipelago | None = None
 
 
-def make_model(problem: Problem, config: PlannerConfig, shape: Shape) -> CostModel:
+def make_model(problem: Problem, config: PlannerConfig, shape: Shape,
+               hop_codecs: dict[tuple[int, int], tuple[str, str]] | None = None) -> CostModel:
+    """The configured cost model for one shape; with `hop_codecs` ((sender, receiver) device indices -> (forward,
+    backward) codecs: a running plan's) the time model counts those hops in those codecs."""
     if config.cost_model == dtfm.NAME:
         return dtfm.DtfmCost(problem, shape)
     return timemodel.TimeCost(
         problem, shape, sync=config.sync, memory_reserve=config.memory_reserve, horizon_steps=config.horizon_steps,
-        recompute=config.recompute, compress=config.compress, outer_every=config.outer_every,
+        recompute=config.recompute, compress=config.compress, outer_every=config.outer_every, hop_codecs=hop_codecs,
     )
 
 

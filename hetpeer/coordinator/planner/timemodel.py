@@ -70,7 +70,7 @@ from functools import cached_property
 import numpy as np
 
 from hetpeer.coordinator.planner import lanes as balance, outer, quality
-from hetpeer.coordinator.planner.codecs import HopCodecs
+from hetpeer.coordinator.planner.codecs import HopCodecs, codec_rates
 from hetpeer.coordinator.planner.problem import PlanningError, Problem, Report, Shape
 from hetpeer.coordinator.planner.screens import Screens
 from hetpeer.protocol.plan import RECOMPUTE_CHOICES, SYNC_CHOICES
@@ -102,7 +102,10 @@ class TimeCost(Screens):
         recompute: str = "auto",
         compress: tuple[str, str] = ("raw", "raw"),
         outer_every: int | None = None,
+        hop_codecs: dict[tuple[int, int], tuple[str, str]] | None = None,
     ) -> None:
+        """`hop_codecs`: for hops given as (sender, receiver) device indices, the (forward, backward) pair each must
+        take, as a running plan has them (`policy.running_report`); every other hop the best of `compress`'s."""
         if problem.tflops is None:
             raise PlanningError(
                 "the time cost model needs tflops for every device (topology.devices[*].tflops); "
@@ -129,7 +132,7 @@ class TimeCost(Screens):
         flops_per_s = problem.tflops * 1e12
         self.layer_s = 3 * mb * w.layer_fwd_flops_per_seq / flops_per_s  # (n,)
         self.head_s = 3 * mb * w.head_fwd_flops_per_seq / flops_per_s  # (n,)
-        # what a stage's step costs beyond its blocks, where the devices measured it (`StepCosts`, (n, 5))
+        # what a stage's step costs beyond its blocks, where the devices measured it (`StepCosts`)
         costs = problem.step_costs if problem.step_costs is not None else np.zeros((problem.n, len(STEP_COSTS)))
         self.head_s = np.where(costs[:, 1] > 0, mb * costs[:, 1], self.head_s)  # measured, not counted by FLOPs
         self.first_s = mb * costs[:, 0]  # (n,): the embedding's, on the first stage
@@ -137,7 +140,9 @@ class TimeCost(Screens):
         self.update_s = costs[:, 2]  # (n,): the optimizer's step, seconds per parameter, once a step
         # (n,): what recomputing a layer adds, in layers' worth (of its forward and backward)
         self.recompute_share = np.where(costs[:, 4] > 0, costs[:, 4], RECOMPUTE_SHARE)
-        self.hops = HopCodecs(compress, mb * model.seq_len * model.hidden, w.dtype)  # what a hop costs, in its codecs
+        # what a hop costs, in its codecs (those of `hop_codecs` where given), at each device's measured codec rates
+        self.hops = HopCodecs(compress, mb * model.seq_len * model.hidden, w.dtype, codec_rates(problem.step_costs),
+                              hop_codecs, problem.n)
         self.tied_bytes = model.vocab * model.hidden * w.dtype_bytes if model.tied else 0.0
         # Flat copies: gathering pairs by one flat index is about twice as fast as 2-D indexing.
         self._latency_flat = problem.latency_s.ravel()
@@ -243,7 +248,7 @@ class TimeCost(Screens):
         t = (work * self.layer_s[cols] + self._fixed(cols)) * slowdown
         if stages > 1:
             latency, per_byte = self._pairs(cols[..., :-1], cols[..., 1:], load)
-            occupancy, peak, _ = self.hops.occupancy(per_byte)
+            occupancy, peak, _ = self.hops.occupancy(per_byte, cols[..., :-1], cols[..., 1:])
             round_trip = t.sum(-1) + 2 * (latency + occupancy).sum(-1)
             period = np.maximum(t.max(-1), peak.max(-1))
         else:
@@ -552,7 +557,7 @@ class TimeCost(Screens):
     def _hop_codecs(self, grid: np.ndarray, load: np.ndarray | None) -> tuple[tuple[tuple[str, str], ...], ...]:
         """Per hop (stage s to s + 1) and lane, the (forward, backward) codecs the time model counted."""
         _, per_byte = self._pairs(grid[:-1], grid[1:], load)
-        choice = self.hops.occupancy(per_byte)[2]
+        choice = self.hops.occupancy(per_byte, grid[:-1], grid[1:])[2]
         return tuple(tuple(self.hops.pairs[c] for c in row) for row in choice)
 
     def _relay_bytes(self, grid: np.ndarray, e: dict[str, np.ndarray]) -> tuple[tuple[str, int, float], ...]:
@@ -569,7 +574,7 @@ class TimeCost(Screens):
         if S > 1:
             label = relays.via[grid[:-1], grid[1:]]  # (S - 1, m)
             _, per_byte = self._pairs(grid[:-1], grid[1:], e["load"])
-            choice = self.hops.occupancy(per_byte)[2]
+            choice = self.hops.occupancy(per_byte, grid[:-1], grid[1:])[2]
             hop_bytes = 2 * self.hops.mean_bytes[choice] * e["micro"][0][None, :]  # forward and back, a step
             np.add.at(carried, label[label >= 0], hop_bytes[label >= 0])
             np.add.at(pairs, label[label >= 0], 1)

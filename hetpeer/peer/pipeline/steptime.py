@@ -12,7 +12,10 @@ time model counts a stage's whole step, not its blocks alone:
 - what recomputing a block's activations adds (`gpt.run_blocks`): the block's forward and backward with its
   activations recomputed over the same without, less one. The time model counts it for stages that recompute:
   a forward more in FLOPs, a third, but 0.7 to 1.0 for the tiny model on this machine's CPU cores (micro-batches
-  of 4 and 2), where the second forward's Python and autograd graph cost as much as its arithmetic.
+  of 4 and 2), where the second forward's Python and autograd graph cost as much as its arithmetic;
+- each codec's encoding and decoding of a micro-batch's activation, per value (`codec_s_per_value`): where a hop
+  is compressed, the time model counts its two peers' own rates, not one CPU thread's (a GPU encodes int8 about
+  15 times faster).
 
 Each is timed in the training dtype under the peer's emulated slowdown, as the worker runs its forward and
 backward passes (the optimizer outside it, as there), the fastest of passes over about `seconds`
@@ -33,10 +36,11 @@ from hetpeer.peer.model import build_stage
 from hetpeer.peer.pipeline.worker import StageWorker, WorkerConfig
 from hetpeer.peer.probe import Slowdown, autocast_for, time_per_call
 from hetpeer.peer.transport import MemoryHub, MemoryTransport
+from hetpeer.peer.transport.codec import TORCH_DTYPES, as_received
 from hetpeer.protocol.modelspec import ModelSpec
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.recipe import Recipe
-from hetpeer.protocol.stepcosts import MAX_RECOMPUTE, StepCosts
+from hetpeer.protocol.stepcosts import CODEC_FIELDS, MAX_RECOMPUTE, MAX_VALUE_S, StepCosts
 from hetpeer.protocol.workload import Workload
 
 MICRO_BATCHES = 4  # of the one-stage worker's step
@@ -47,7 +51,7 @@ RECOMPUTE_FLOOR = 0.01  # a recomputation timed as free is noise: it costs at le
 
 def step_costs(spec: ModelSpec, micro_batch: int, device: str = "cpu", seconds: float = 0.5, dtype: str = "fp32",
                slowdown: float = 1.0, tflops: float | None = None) -> StepCosts:
-    """`StepCosts` of `spec`'s stages at `micro_batch` on `device`; takes about 6 x `seconds`. Given `tflops`, the
+    """`StepCosts` of `spec`'s stages at `micro_batch` on `device`; takes about 6.5 x `seconds`. Given `tflops`, the
     block's figure the peer announces (`probe.profile_machine`), the embedding and the head are reckoned against
     it rather than against the block timed again: they hold what a stage's step takes beyond its blocks at the
     announced figure (for a slowed peer, also what a pass started cold after its sleep loses)."""
@@ -90,7 +94,21 @@ def step_costs(spec: ModelSpec, micro_batch: int, device: str = "cpu", seconds: 
     step_s = _worker_step_s(one, micro_batch, device, dtype, slowdown, seconds)
     parts_s = MICRO_BATCHES * (block_s + embed_s + head_s) + update_s * one.params
     micro_s = max(0.0, step_s - parts_s) / MICRO_BATCHES
-    return StepCosts(embed_s / micro_batch, head_s / micro_batch, update_s, micro_s, min(recompute_share, MAX_RECOMPUTE))
+    codecs = codec_s_per_value(micro_batch * spec.seq_len * spec.hidden, device, dtype, seconds / 2)
+    return StepCosts(embed_s / micro_batch, head_s / micro_batch, update_s, micro_s, min(recompute_share, MAX_RECOMPUTE),
+                     **{CODEC_FIELDS[codec]: rate for codec, rate in codecs.items()})
+
+
+def codec_s_per_value(values: int, device: str = "cpu", dtype: str = "fp32", seconds: float = 0.25) -> dict[str, float]:
+    """Per codec but raw, seconds to encode and decode one value of an activation of `values` values in `dtype` on
+    `device`, as a hop does (`codec.as_received`: encoded where it lies, rebuilt from its bytes), the fastest of
+    timings over about `seconds` in all."""
+    activation = torch.randn(values, device=device).to(TORCH_DTYPES[dtype])
+    rates = {}
+    for codec in CODEC_FIELDS:
+        call_s = time_per_call(lambda: as_received(activation, codec), device, seconds / len(CODEC_FIELDS), best=True)
+        rates[codec] = min(max(call_s / values, 1e-15), MAX_VALUE_S)  # a zero would read as not measured
+    return rates
 
 
 def _update_s_per_param(block_params: int, device: str, seconds: float) -> float:

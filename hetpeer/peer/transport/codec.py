@@ -1,5 +1,5 @@
 """Tensors to frame payloads and back: raw bytes, 16-bit floats, 8 bits with a scale per block of 64 values,
-or 4 bits with a scale per tile of 64 values, a tile rotated where that lowers its error.
+or 4 or 6 bits with a scale per tile of 64 values, a tile rotated where that lowers its error.
 
 `encode` runs in the sender's compute thread. With `copy=False` and a raw codec it returns a view of
 the tensor's own memory (the sender must not change the tensor until the frame has left); otherwise the
@@ -59,7 +59,8 @@ def encode(tensor: torch.Tensor, codec: str, copy: bool = True) -> tuple[str, me
             data = torch.where(data.isinf(), data, data.clamp(-FP16_IN_BF16, FP16_IN_BF16))
         return dtype, _bytes(_host(data.to(torch.bfloat16)))
     tiles = _tiles(data)
-    return dtype, _bytes(_host(_int8(tiles, data.numel()) if codec == "int8" else _int4(tiles)))
+    packed = {"int8": lambda: _int8(tiles, data.numel()), "int4": lambda: _int4(tiles), "int6": lambda: _int6(tiles)}
+    return dtype, _bytes(_host(packed[codec]()))
 
 
 def _tiles(data: torch.Tensor) -> torch.Tensor:
@@ -76,19 +77,33 @@ def _int8(tiles: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 def _int4(tiles: torch.Tensor) -> torch.Tensor:
-    """The int4 payload. A tile travels as it is or rotated by the Hadamard transform, which spreads an
-    outlier over the tile so that the other values keep their resolution: whichever form has the smaller
-    absmax, since rounding to 15 levels (a step of absmax / 7) errs by up to half a step on every value
-    either way (the rotation is orthonormal: an error in the rotated form is the same error in the tile)."""
+    """The int4 payload: the tiles' scales, then two 4-bit codes a byte, low nibble first (`_rotated_codes`)."""
+    codes, scales = _rotated_codes(tiles, 7)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return torch.cat((scales.view(torch.uint8), packed.reshape(-1)))
+
+
+def _int6(tiles: torch.Tensor) -> torch.Tensor:
+    """The int6 payload: the tiles' scales, then four 6-bit codes in each 3 bytes, the first in the low bits."""
+    codes, scales = _rotated_codes(tiles, 31)
+    c0, c1, c2, c3 = codes.view(-1, BLOCK // 4, 4).unbind(dim=2)
+    packed = torch.stack((c0 | (c1 << 6), (c1 >> 2) | (c2 << 4), (c2 >> 4) | (c3 << 2)), dim=2)  # uint8: high bits drop
+    return torch.cat((scales.view(torch.uint8), packed.reshape(-1)))
+
+
+def _rotated_codes(tiles: torch.Tensor, most: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes 1 .. 2 most + 1 (uint8, code c for (c - most - 1) x scale) of each tile as it is or rotated by the
+    Hadamard transform, which spreads an outlier over the tile so that the other values keep their resolution:
+    whichever form has the smaller absmax, since rounding to 2 most + 1 levels (a step of absmax / most) errs by up
+    to half a step on every value either way (the rotation is orthonormal: an error in the rotated form is the same
+    error in the tile). Scales are float32, negative where the tile is rotated."""
     turned = tiles @ _hadamard(tiles.device)
     plain_max, turned_max = tiles.abs().amax(dim=1), turned.abs().amax(dim=1)
     rotate = turned_max < plain_max
-    scale = torch.minimum(plain_max, turned_max).clamp_min_(torch.finfo(torch.float32).tiny).div_(7.0)
+    scale = torch.minimum(plain_max, turned_max).clamp_min_(torch.finfo(torch.float32).tiny).div_(float(most))
     form = torch.where(rotate[:, None], turned, tiles)
-    codes = form.div_(scale[:, None]).round_().clamp_(-7, 7).add_(8).to(torch.uint8)
-    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    scales = torch.where(rotate, -scale, scale)  # the sign says "rotated"
-    return torch.cat((scales.view(torch.uint8), packed.reshape(-1)))
+    codes = form.div_(scale[:, None]).round_().clamp_(-most, most).add_(most + 1).to(torch.uint8)
+    return codes, torch.where(rotate, -scale, scale)  # the sign says "rotated"
 
 
 @functools.cache
@@ -195,14 +210,18 @@ def _rebuild(raw: torch.Tensor, codec: str, dtype: torch.dtype, numel: int, shap
     scales = raw[: blocks * 4].view(torch.float32)
     if codec == "int8":
         values = torch.nn.functional.pad(raw[blocks * 4 :].view(torch.int8).float(), (0, -numel % BLOCK))
-        tiles = values.view(blocks, BLOCK) * scales[:, None]
-    else:
+        return (values.view(blocks, BLOCK) * scales[:, None]).reshape(-1)[:numel].reshape(shape).to(dtype)
+    if codec == "int4":
         packed = raw[blocks * 4 :].view(blocks, BLOCK // 2)
         codes = torch.stack((packed & 15, packed >> 4), dim=2).view(blocks, BLOCK).float().sub_(8)
-        tiles = codes.mul_(scales.abs()[:, None])
-        rotated = scales < 0
-        if bool(rotated.any()):
-            tiles[rotated] = tiles[rotated] @ _hadamard(tiles.device)
+    else:
+        b0, b1, b2 = raw[blocks * 4 :].view(blocks, BLOCK // 4, 3).unbind(dim=2)
+        codes = torch.stack((b0 & 63, (b0 >> 6) | ((b1 & 15) << 2), (b1 >> 4) | ((b2 & 3) << 4), b2 >> 2), dim=2)
+        codes = codes.view(blocks, BLOCK).float().sub_(32)
+    tiles = codes.mul_(scales.abs()[:, None])
+    rotated = scales < 0
+    if bool(rotated.any()):
+        tiles[rotated] = tiles[rotated] @ _hadamard(tiles.device)
     return tiles.reshape(-1)[:numel].reshape(shape).to(dtype)
 
 
