@@ -17,7 +17,9 @@ links and the coordinator has planned from those measurements:
    same planner makes from the same records with every hop raw ("uncompressed": what the coordinator
    published before it chose codecs), a random plan and the "blocks" plan (devices in the topology's
    order) of the coordinator's shape, published with the coordinator's key as the coordinator would,
-   `--rounds` windows each, alternating (the machine is shared and its load drifts); medians compared;
+   `--rounds` windows each, alternating (the machine is shared and its load drifts); medians compared, and the
+   coordinator's over uncompressed in time to a loss too: its tokens/s ratio times uncompressed's steps factor
+   over its own (a plan whose hops take int4 needs more steps to a loss: `planner/codecs.STEPS_FACTOR`);
 2. prediction: each plan's predicted seconds per step beside the measured ones: the time model on what
    the peers announce as its window opens (measured links, achieved compute), alike for every kind (a
    plan whose hops are all raw predicted raw, the others with codecs chosen as the coordinator does),
@@ -25,6 +27,13 @@ links and the coordinator has planned from those measurements:
    that ran before it; none for the first plan);
 3. recovery: under each kind of plan, a peer of it is killed (`docker kill`); reported: seconds until a
    plan without it has run a step. The peer is then started again and the swarm waits for it.
+
+Where hops cost (docs/compression.md, "On the testbed"): one device a region, so that every lane crosses
+regions, on links 500 times slower than the scenario's (a 1 Gbit/s link between regions becomes 2 Mbit/s), outer
+steps from the first step (during the recipe's warm start they all-reduce every step, which the windows would
+measure instead):
+
+    python3 benchmarks/testbed.py --per-region 1 --scale 0.002 --batch 32 --outer-warmup 0 --no-recovery --window 40
 
 Time to loss (`--time-to-loss LOSS`), instead of the above: one fresh testbed for each of `--sync-modes` (auto,
 gossip, allreduce by default), one after another, each coordinator held to that `--sync` with the same seed, the
@@ -169,7 +178,9 @@ def bench_config(args, topology: Topology, out: Path, subnet: str, *coordinator_
         project=f"hetpeer-bench-{time.time_ns() % 10**8}", subnet=subnet, api_port=free_port(), swarm="bench",
         batch=args.batch, heartbeat_s=args.heartbeat, model=args.model,
         coordinator_args=("--stages", str(args.stages), "--replan-interval", "1000000", "--seed", str(args.seed),
-                          "--compress", compress_text(args.compress), *coordinator_args),
+                          "--compress", compress_text(args.compress),
+                          *(("--outer-warmup", str(args.outer_warmup)) if args.outer_warmup is not None else ()),
+                          *coordinator_args),
         peer_args=("--probe-targets", "8", "--timeout", "30"),
     )
 
@@ -246,6 +257,9 @@ def main() -> int:
     parser.add_argument("--compress", type=compress_choice, default=("auto", "auto"), metavar="auto|CODEC[/CODEC]",
                         help="the coordinator's --compress (default auto: it chooses each hop's codecs)")
     parser.add_argument("--model", default="tiny", help="the model preset every peer trains (default tiny)")
+    parser.add_argument("--outer-warmup", type=int, metavar="STEP",
+                        help="the coordinator's --outer-warmup (default the recipe's, 100): groups with outer steps "
+                             "all-reduce every step until then, which the windows would measure on slow links")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-recovery", dest="recovery", action="store_false",
                         help="measure the windows only, no peer killed (about 10 minutes shorter)")
@@ -364,6 +378,10 @@ def summarize(rows: list[tuple[str, dict]], recovery: dict[str, float], plans: d
         }
     result["speedup_over_random"] = result["coordinator"]["tokens_per_s"] / result["random"]["tokens_per_s"]
     result["speedup_over_uncompressed"] = result["coordinator"]["tokens_per_s"] / result["uncompressed"]["tokens_per_s"]
+    # in time to a loss: tokens/s over the steps each plan's step is worth (its sync's and its codecs' factor)
+    result["steps_factor"] = {kind: plans[kind].steps_factor for kind in KINDS}
+    result["to_loss_over_uncompressed"] = (result["speedup_over_uncompressed"] * plans["uncompressed"].steps_factor
+                                           / plans["coordinator"].steps_factor)
     result["prediction_error"] = {k: result[k]["measured_s"] / result[k]["predicted_s"] - 1 for k in KINDS}
     result["goals"] = {"speedup_over_random": GOAL_SPEEDUP, "speedup_over_uncompressed": GOAL_CODECS,
                        "prediction_error": GOAL_PREDICTION}
@@ -383,7 +401,9 @@ def print_table(rows: list[tuple[str, dict]], result: dict) -> None:
         print(f"  {kind:<12} {r['tokens_per_s']:>8.0f} tokens/s ({r['tokens_per_s'] / result['coordinator']['tokens_per_s']:.2f}x), "
               f"measured/predicted {r['measured_s'] / r['predicted_s']:.2f}, recovery {recovery}")
     print(f"  coordinator over random: {result['speedup_over_random']:.2f}x, over uncompressed: "
-          f"{result['speedup_over_uncompressed']:.2f}x", flush=True)
+          f"{result['speedup_over_uncompressed']:.2f}x; in time to loss over uncompressed (tokens/s over steps factors "
+          f"{result['steps_factor']['coordinator']:.3f} and {result['steps_factor']['uncompressed']:.3f}): "
+          f"{result['to_loss_over_uncompressed']:.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -123,7 +123,8 @@ WORKERS_HELP = (f"planner searches at once, one process each beyond the first, e
                 "count wherever the search finishes within its budget")
 
 COMPRESS_HELP = ("how activations travel between stages and their gradients back: auto (default: per hop, the pair that "
-                 "makes it shortest among those whose measured loss effect is within budget), one codec for both, or "
+                 "makes it shortest among those whose measured loss effect is within budget, weighing the steps a pair "
+                 "costs in time to loss), one codec for both, or "
                  f"FORWARD/BACKWARD, e.g. int4/int8; each one of {', '.join(CODECS)} (docs/compression.md)")
 
 

@@ -50,18 +50,24 @@ def status_view(plan: Plan | None, peers: Sequence[PeerStatus], progress: Progre
     )
     table = Table(box=None, header_style="bold", pad_edge=False)
     for name, right in (("peer", False), ("state", False), ("stage", False), ("step", True), ("loss", True),
-                        ("tok/s", True), ("TFLOPS", True), ("achieved", True), ("device", False), ("reachable", False),
-                        ("age s", True)):
+                        ("tok/s", True), ("TFLOPS", True), ("achieved", True), ("int8 MB/s", True), ("device", False),
+                        ("reachable", False), ("age s", True)):
         table.add_column(name, justify="right" if right else "left", no_wrap=True)
     for p in sorted(peers, key=lambda p: p.record.device_id):
         r = p.record
         table.add_row(
             r.device_id, Text(r.state, style=STATE_STYLES.get(r.state, "")), place(plan, r), str(r.step),
             f"{r.loss:.4f}" if r.loss is not None else "-", f"{r.tokens_per_s:.1f}", f"{r.tflops:.3g}",
-            f"{r.achieved_tflops:.3g}" if r.achieved_tflops else "-", Text(r.device_name), Text(r.reach_words()), f"{p.age_s:.0f}",
+            f"{r.achieved_tflops:.3g}" if r.achieved_tflops else "-", codec_rate(r.step_costs.int8_s_per_value),
+            Text(r.device_name), Text(r.reach_words()), f"{p.age_s:.0f}",
         )
     parts = ([Text(problem, style="bold red")] if problem else []) + [head, Text(""), table, Text("")]
     return Group(*parts, _plan_text(plan, plan_time))
+
+
+def codec_rate(s_per_value: float) -> str:
+    """A codec's measured encode plus decode time per value as MB/s of fp32 activation ("-": not measured)."""
+    return f"{4e-6 / s_per_value:,.0f}" if s_per_value > 0 else "-"
 
 
 def _plan_text(plan: Plan | None, plan_time: float | None) -> Text:

@@ -14,7 +14,7 @@ from hetpeer.coordinator.api import ApiServer
 from hetpeer.coordinator.api_client import ApiClient
 from hetpeer.coordinator.api_errors import ApiError
 from hetpeer.coordinator.console import render_status, status_json
-from hetpeer.coordinator.view import Progress, SwarmView, progress
+from hetpeer.coordinator.view import PeerStatus, Progress, SwarmView, progress
 from hetpeer.peer.reach import free_port
 from hetpeer.protocol import swarm_pb2
 from hetpeer.protocol.addresses import PeerAddress
@@ -59,7 +59,7 @@ def make_peers() -> dict[str, PeerRecord]:
         # what the coordinator plans by beyond the figures shown: its device shared, its step's costs
         record("b", layers=(0, 4), step=104, compute_key="0123456789abcdef", compute_share=0.5, compute_background=0.2, compute_own=0.05,
                timings=3,
-               step_costs=StepCosts(1e-4, 2e-4, 5e-10, 3e-4), unreachable=("d",), reachable="none", punch=40123,
+               step_costs=StepCosts(1e-4, 2e-4, 5e-10, 3e-4, int8_s_per_value=4e-9), unreachable=("d",), reachable="none", punch=40123,
                punched=("c",), relayed=("a", "d")),
         # the gradient noise scale its all-reduce group measures: the swarm's is the median over those training
         record("c", layers=(4, 6), step=105, loss=2.0, tokens_per_s=300.0, time=NOW - 7.5, noise_scale=4000.0),
@@ -117,6 +117,14 @@ def test_progress_mean_validation_loss_of_the_last_stage(serve):
         figures, listed = client.call_get_progress(), {p.record.device_id: p for p in client.call_list_peers()}
     assert figures == progress(v) and listed["c"].record.val_loss == 2.5
     assert "loss 2.5000  val 2.5000" in render_status(make_plan(), list(listed.values()), figures)
+
+
+def test_status_shows_each_peer_s_int8_rate_where_it_measured_one():
+    """b measured 4 ns a value to encode and decode int8: 1,000 MB/s of fp32; the others measured none."""
+    text = render_status(make_plan(), [PeerStatus(r, 1.0) for r in make_peers().values()], progress(view(make_plan(), make_peers())))
+    rows = {line.split()[0]: line for line in text.splitlines() if line[:1] in "abcdef" and len(line.split()) > 8}
+    assert "int8 MB/s" in text
+    assert "1,000" in rows["b"].split() and "1,000" not in rows["a"].split()
 
 
 def test_progress_counts_the_last_step_of_peers_that_left_under_the_plan():

@@ -136,7 +136,7 @@ def test_screens_hold_the_grids_sharing():
     rows = np.arange(len(cells))
     flat[rows, cells[:, 0]], flat[rows, cells[:, 1]] = grid.ravel()[cells[:, 1]], grid.ravel()[cells[:, 0]]
     slowdown = model._slowdowns(batch).transpose(0, 2, 1)
-    *parts, _ = model._lane_parts(batch.transpose(0, 2, 1), counts[None, None, :], slowdown)
+    *parts, _, _ = model._lane_parts(batch.transpose(0, 2, 1), counts[None, None, :], slowdown)
     lane = lane_times(*parts, model._allocate(*parts), shape.stages)  # the step shared out over the lanes
     stage_bytes = np.broadcast_to(counts * model.wire_per_layer + model.wire_fixed, (len(batch), shape.stages))
     allreduce, gossip = model._groups(batch, stage_bytes)
@@ -155,7 +155,7 @@ def test_screens_hold_the_grids_sharing():
         for j, (s1, s2) in enumerate(_segments(2)):
             g = grid.copy()
             g[s1:s2, a[k]], g[s1:s2, b[k]] = grid[s1:s2, b[k]], grid[s1:s2, a[k]]
-            *parts, _ = model._lane_parts(g.T[None], counts[None, None, :], model._slowdowns(g[None]).transpose(0, 2, 1))
+            *parts, _, _ = model._lane_parts(g.T[None], counts[None, None, :], model._slowdowns(g[None]).transpose(0, 2, 1))
             lanes = lane_times(*parts, model.micro_batches, 2)
             assert new[k, j] == pytest.approx(lanes[0, a[k]], rel=1e-12)
 

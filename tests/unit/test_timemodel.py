@@ -139,12 +139,14 @@ def test_codecs_between_stages_shrink_the_hops_by_hand():
 
 @pytest.fixture
 def measured(monkeypatch):
-    """Codec tables of a known shape: int8 and int4 forward within a 1% budget, int4 both ways past it; the
-    4-bit codec costs 4 ns a value to encode and decode, int8 2 ns, bf16 1 ns, raw nothing."""
+    """Codec tables of a known shape: int8 and int4 forward within a 1% budget, int4 both ways past it, none costing
+    steps (`test_codecs_that_cost_steps_are_weighed_in_time_to_loss` weighs those); the 4-bit codec costs 4 ns a
+    value to encode and decode, int8 2 ns, bf16 1 ns, raw nothing."""
     from hetpeer.coordinator.planner import codecs
 
     monkeypatch.setattr(codecs, "LOSS_GAP", {("raw", "raw"): 0.0, ("bf16", "bf16"): 0.0, ("int8", "int8"): 0.001,
                                              ("int4", "int8"): 0.004, ("int4", "int4"): 0.05})
+    monkeypatch.setattr(codecs, "STEPS_FACTOR", {pair: 1.0 for pair in codecs.LOSS_GAP})
     monkeypatch.setattr(codecs, "QUALITY_BUDGET", 0.01)
     monkeypatch.setattr(codecs, "WORK_S_PER_VALUE", {"raw": 0.0, "fp16": 1e-9, "bf16": 1e-9, "int8": 2e-9, "int4": 4e-9,
                                                      "int6": 3e-9})
@@ -249,6 +251,33 @@ def test_a_gpu_peer_s_rates_change_the_codecs_auto_takes(measured):
     gpu_plan = make_model(two_devices_over(100.0, [gpu, gpu]), config, Shape(2, 1)).report(grid)
     assert cpu_plan.codecs == ((("raw", "raw"),),)
     assert gpu_plan.codecs != cpu_plan.codecs and gpu_plan.cost["total_s"] < cpu_plan.cost["total_s"]
+
+
+@pytest.mark.parametrize("int4_factor", [1.03, 3.0])
+def test_codecs_that_cost_steps_are_weighed_in_time_to_loss(measured, monkeypatch, int4_factor):
+    """int4 activations cost steps (`STEPS_FACTOR`). Across 10 Mbit/s, where the hop is most of the step, the
+    model takes int4/int8 at x1.03 and counts its factor in the plan's; at x3 the same hop is worth less than
+    int8's, which costs no steps. Either way it takes the tier whose step x factor is least, by hand."""
+    monkeypatch.setattr(measured, "STEPS_FACTOR", {**measured.STEPS_FACTOR, ("int4", "int8"): int4_factor})
+    problem = two_devices_over(0.01, [None, None])
+    grid = np.array([[0], [1]])
+    config = PlannerConfig(stages=2, group_size=1, compress=measured.AUTO, allow_standby=False)
+    report = make_model(problem, config, Shape(2, 1)).report(grid)
+
+    def fixed(pair):
+        return make_model(problem, dataclasses.replace(config, compress=pair), Shape(2, 1)).report(grid)
+
+    int4, int8 = fixed(("int4", "int8")), fixed(("int8", "int8"))
+    assert int4.cost["total_s"] < int8.cost["total_s"]  # the fewest bytes make the shortest step
+    assert int4.steps_factor == pytest.approx(int4_factor) and int8.steps_factor == 1.0
+    # one lane, no group: the step is the lane's, and the objective its time to loss with the tie-break
+    assert int4.objective == pytest.approx(int4.cost["total_s"] * (1 + TIE_BREAK) * int4_factor, rel=1e-12)
+    best = min((int4, int8), key=lambda r: r.cost["total_s"] * r.steps_factor)
+    assert best is (int4 if int4_factor < 1.5 else int8)
+    assert report.codecs == best.codecs and report.steps_factor == best.steps_factor
+    assert report.objective == pytest.approx(best.objective, rel=1e-12)
+    plan = solve(problem, config, np.random.default_rng(0)).plan  # the published plan says so
+    assert plan.steps_factor == pytest.approx(best.steps_factor) and plan.stages[0].codecs(0) == best.codecs[0][0]
 
 
 def test_fixed_hop_codecs_are_counted_whatever_the_configuration_would_choose(measured):
@@ -567,7 +596,7 @@ def held_split_objective(model, grids: np.ndarray, counts: np.ndarray, load: np.
     """The full evaluation of every lane and group of `grids` with the layer split `counts` (S,) held (and relays'
     `load`, (1, R), where given)."""
     K = len(grids)
-    *parts, _ = model._lane_parts(grids.transpose(0, 2, 1), counts[None, None, :], 1.0, load)
+    *parts, _, _ = model._lane_parts(grids.transpose(0, 2, 1), counts[None, None, :], 1.0, load)
     lane = lane_times(*parts, model._allocate(*parts), len(counts))  # the step shared out over the lanes
     stage_bytes = np.broadcast_to(counts * model.wire_per_layer + model.wire_fixed, (K, len(counts)))
     allreduce, gossip = model._groups(grids, stage_bytes, load)
@@ -716,7 +745,7 @@ def test_exchanged_lanes_are_the_full_evaluation_of_the_exchanged_grid(shape, ti
     new = model._exchanged_lanes(grid, counts, segments, a, b, model.micro_batches)
     for k in range(len(a)):
         grids = np.stack([exchanged(grid, a[k], b[k], s1, s2) for s1, s2 in segments])
-        *parts, _ = model._lane_parts(grids.transpose(0, 2, 1), counts[None, None, :], 1.0)
+        *parts, _, _ = model._lane_parts(grids.transpose(0, 2, 1), counts[None, None, :], 1.0)
         lanes = lane_times(*parts, model.micro_batches, shape.stages)
         np.testing.assert_allclose(new[k], lanes[:, a[k]], rtol=1e-12)
 

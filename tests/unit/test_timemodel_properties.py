@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hetpeer.coordinator.planner import PlannerConfig, Problem, Shape, make_model
-from hetpeer.coordinator.planner.codecs import WORK_S_PER_VALUE
+from hetpeer.coordinator.planner.codecs import WORK_S_PER_VALUE, steps_factor
 from hetpeer.coordinator.planner.quality import TABLE
 from hetpeer.coordinator.planner.timemodel import TIE_BREAK
 from hetpeer.protocol.frame import bytes_per_value
@@ -31,7 +31,7 @@ def docstring_step(
 ) -> tuple[float, float]:
     """(step seconds, search objective) of a grid with a given layer split, from the formulas in
     timemodel's docstring: the objective adds TIE_BREAK x (mean lane time + mean exposed sync) and is multiplied by
-    the steps factor (`quality.TABLE`, tested on its own)."""
+    the steps factor (`quality.TABLE`, tested on its own) and the codecs' (`codecs.STEPS_FACTOR`)."""
     w = problem.workload
     S, m = grid.shape
     M = problem.micro_batches(m)  # each lane's in the even split
@@ -61,8 +61,9 @@ def docstring_step(
             counts[min((l for l in range(m) if counts[l] < cap), key=lambda l: lane_time(l, counts[l] + 1))] += 1
     lanes = [lane_time(l, counts[l]) for l in range(m)]
     lane_s = max(lanes)
+    codecs_factor = steps_factor(compress) if S > 1 else 1.0  # a fixed pair on every hop, where there are hops
     if m == 1:
-        return lane_s, lane_s + TIE_BREAK * float(np.mean(lanes))
+        return lane_s, (lane_s + TIE_BREAK * float(np.mean(lanes))) * codecs_factor
     model = w.model
     lane_tokens = problem.lanes_batch(m) * model.seq_len
     options = []  # per stage: mode -> (exposed seconds, steps factor)
@@ -94,7 +95,8 @@ def docstring_step(
         step = lane_s + max(exposed)
         if best is None or step * factor < best[0] * best[2]:
             best = (step, (step + TIE_BREAK * (float(np.mean(lanes)) + float(np.mean(exposed)))) * factor, factor)
-    return best[0], best[1]
+    # a fixed pair on every hop: its steps factor (codecs.STEPS_FACTOR) too, where there are hops
+    return best[0], best[1] * codecs_factor
 
 
 def min_max_stage_time(problem: Problem, grid: np.ndarray, caps: list[float] | None = None) -> float:

@@ -10,9 +10,21 @@ planner takes, for every hop of every lane, the pair that makes that hop shortes
 (the mean of the two directions, as the time model counts a hop), among the pairs whose measured loss effect
 is within `QUALITY_BUDGET`. A fixed `--compress FORWARD/BACKWARD` is the one pair everywhere.
 
-`LOSS_GAP` is measured by `benchmarks/compression.py --part quality` (the `small` preset on 2 stages x 2
-lanes, 600 steps, the same data, seed and weights for every pair of a seed): each pair's validation loss
-against raw's, at equal tokens, averaged over two seeds (docs/compression.md). A hop's codec work is what
+A pair can cost steps: int4 activations need about 3% more steps to reach raw's loss. `STEPS_FACTOR` holds
+each pair's measured factor (raw's steps to a validation loss over the pair's), and the time model weighs a
+plan's hops in time to loss, as it weighs sync: a lane's factor is the largest of its hops' pairs, the plan's
+the largest of its lanes', and it multiplies the plan's step. Choosing hop by hop, it compares two tiers for
+every grid, the pairs that cost no steps and all of them, and keeps the one whose step x factor is least
+(`HopCodecs.occupancy(exact=...)`). That is exact when the pairs that cost steps cost the same, as they do
+within the table's resolution.
+
+`LOSS_GAP` and `STEPS_FACTOR` come from `benchmarks/compression.py --part quality` (the `tiny` preset on
+2 stages x 2 lanes, 300 steps, 6 seeds; the same data, seed and weights for raw and every pair of a seed):
+each pair's validation loss against raw's of the same seed at equal tokens, and its steps factor, the means
+over seeds (docs/compression.md, where each has its 95% interval: the widest gap's is +-0.15%). A gap or
+factor below raw's (within its interval of it) counts as raw's. A pair the table has not measured (a fixed
+`--compress fp16/int8`, say) takes the largest factor of the measured pairs with the same forward codec,
+1 where there is none. A hop's codec work is what
 its two devices measured: each peer times every codec's encoding and decoding of an activation on its own
 device when it joins (`peer.pipeline.steptime`) and announces the rates in its step costs; a GPU encodes int8
 at 13 GB/s on the H200, about 15 times one CPU thread (docs/pipeline.md). Devices that measured nothing (a
@@ -28,19 +40,29 @@ from hetpeer.protocol.frame import CODECS, bytes_per_value
 from hetpeer.protocol.stepcosts import CODEC_FIELDS, FIELDS as STEP_COSTS
 
 AUTO = ("auto", "auto")
-# (forward, backward) -> validation loss over raw's - 1 at equal tokens, the mean over seeds 0 and 1
-# (benchmarks/compression.py --part quality)
+# (forward, backward) -> validation loss over raw's - 1 at equal tokens, the mean over 6 seeds (tiny, 2026-12-03;
+# benchmarks/compression.py --part quality): bf16 -0.01% and int8 -0.04%, within their intervals of raw, count 0
 LOSS_GAP: dict[tuple[str, str], float] = {
     ("raw", "raw"): 0.0,
-    ("bf16", "bf16"): 0.0457,
-    ("int8", "int8"): 0.0345,
-    ("int4", "int8"): 0.0091,
-    ("int4", "int6"): 0.0,  # -1.48% and -1.73% on seeds 0 and 1 (2026-12-02): better than raw, which counts 0
-    ("int4", "int4"): 0.0160,
+    ("bf16", "bf16"): 0.0,
+    ("int8", "int8"): 0.0,
+    ("int4", "int8"): 0.0023,
+    ("int4", "int6"): 0.0023,
+    ("int4", "int4"): 0.0026,
 }
-# auto takes pairs that cost at most this share of the loss: the measurement's resolution (the same pair lands
-# up to 7 points apart on two seeds), so no pair measured so far is left out
-QUALITY_BUDGET = 0.05
+# (forward, backward) -> raw's steps to a validation loss over the pair's, the same runs' means (int8's 0.996
+# counts 1)
+STEPS_FACTOR: dict[tuple[str, str], float] = {
+    ("raw", "raw"): 1.0,
+    ("bf16", "bf16"): 1.0,
+    ("int8", "int8"): 1.0,
+    ("int4", "int8"): 1.025,
+    ("int4", "int6"): 1.026,
+    ("int4", "int4"): 1.029,
+}
+# auto takes pairs that cost at most this share of the loss at equal tokens: every pair measured (the table
+# resolves 0.5%); their steps weigh in through STEPS_FACTOR
+QUALITY_BUDGET = 0.01
 # codec -> seconds per value to encode and decode on one CPU thread (benchmarks/compression.py --part speed)
 WORK_S_PER_VALUE: dict[str, float] = {"raw": 0.0, "fp16": 8.94e-10, "bf16": 6.74e-10, "int8": 5.86e-09, "int4": 1.41e-08,
                                       "int6": 1.71e-08}
@@ -59,6 +81,13 @@ def codec_rates(step_costs: np.ndarray | None) -> np.ndarray | None:
     default = np.array([WORK_S_PER_VALUE[codec] for codec in CODECS[1:]])
     rates = np.where(measured > 0, measured, default)
     return np.concatenate([np.zeros((len(rates), 1)), rates], axis=1)  # raw: nothing to do
+
+
+def steps_factor(pair: tuple[str, str]) -> float:
+    """The pair's steps factor: measured, else the largest measured with the same forward codec, else 1."""
+    if pair in STEPS_FACTOR:
+        return STEPS_FACTOR[pair]
+    return max((factor for (forward, _), factor in STEPS_FACTOR.items() if forward == pair[0]), default=1.0)
 
 
 def candidates(compress: tuple[str, str]) -> list[tuple[str, str]]:
@@ -95,6 +124,10 @@ class HopCodecs:
         self._n = devices if codec_s is None else len(codec_s)
         # pairs only fixed hops take: the others never choose them
         self._others = np.where(np.arange(len(self.pairs)) < len(chosen), 0.0, np.inf) if fixed else None
+        self.factor = np.array([steps_factor(pair) for pair in self.pairs])  # (P,)
+        # two tiers worth comparing: candidates that cost steps and candidates that cost none
+        self.tiered = bool((self.factor[:len(chosen)] > 1).any() and (self.factor[:len(chosen)] == 1).any())
+        self._costly = np.where(self.factor > 1, np.inf, 0.0)
         if fixed:
             if self._n <= 0:
                 raise ValueError("fixed hops need the number of devices")
@@ -125,10 +158,12 @@ class HopCodecs:
             best = each if best is None else np.minimum(best, each, out=best)
         return best
 
-    def occupancy(self, per_byte: np.ndarray, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def occupancy(self, per_byte: np.ndarray, src: np.ndarray, dst: np.ndarray,
+                  exact: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For hops from devices `src` to `dst` over links of `per_byte` seconds per byte (all of one shape): each
         hop's occupancy in a round trip (the mean of its two directions), in the period (the larger direction),
-        and the index of the pair chosen."""
+        and the index of the pair chosen (its steps factor: `self.factor[choice]`). `exact`: only among the
+        candidates that cost no steps (where the candidates are `tiered`; fixed hops keep their pairs)."""
         if len(self.pairs) == 1:
             work = self._work(src, dst)[..., 0]
             mean = self.mean_bytes[0] * per_byte + work
@@ -137,6 +172,8 @@ class HopCodecs:
         each = self.mean_bytes * per_byte[..., None] + work  # (..., P)
         if self._others is not None:
             each = each + self._others
+        if exact and self.tiered:
+            each = each + self._costly
         choice = each.argmin(axis=-1)
         if self._fixed_keys is not None:
             key = np.asarray(src, dtype=np.int64) * self._n + dst

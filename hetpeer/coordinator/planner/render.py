@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from hetpeer.coordinator.planner.codecs import steps_factor
 from hetpeer.protocol.plan import Plan
 
 
@@ -36,8 +37,9 @@ def format_plan(plan: Plan, baselines: dict[str, float | None], random_samples: 
     width = max(len(key) for key in plan.cost)
     lines += [f"  {key:<{width}}  {value:10.4f}" for key, value in plan.cost.items()]
     if plan.cost_model == "time":
-        lines += ["", f"steps factor {plan.steps_factor:.2f} ({_sync_words(plan)}): all-reduce's steps to a loss over this "
-                      f"plan's, so {plan.to_loss_s:.4f} s a step of all-reduce's progress (docs/gossip.md, The quality table)"]
+        lines += ["", f"steps factor {plan.steps_factor:.2f} ({_sync_words(plan)}{_codec_words(plan)}): all-reduce's steps "
+                      f"to a loss over this plan's, so {plan.to_loss_s:.4f} s a step of all-reduce's progress (docs/gossip.md, "
+                      f"The quality table; docs/compression.md)"]
     lines += ["", "same shape, same cost model:"]
     names = {"blocks": "blocks (devices in file order)", "random": f"random (mean of {random_samples})"}
     total = plan.total_s
@@ -62,3 +64,12 @@ def _sync_words(plan: Plan) -> str:
     batch = f"{tokens:,} tokens a lane-step" if tokens else f"{-(-plan.batch // lanes)} sequences a lane-step"
     batch += " on average" if plan.lane_batches else ""
     return f"{' and '.join(modes)} in groups of {lanes}, {batch}"
+
+
+def _codec_words(plan: Plan) -> str:
+    """The hops' codecs that cost steps, and their factor, in a few words ("" where none does)."""
+    pairs = {stage.codecs(lane) for stage in plan.stages[:-1] for lane in range(len(stage.devices))}
+    costly = sorted((pair for pair in pairs if steps_factor(pair) > 1), key=steps_factor)
+    if not costly:
+        return ""
+    return f"; hops in {', '.join('/'.join(pair) for pair in costly)}, x{steps_factor(costly[-1]):.3f}"

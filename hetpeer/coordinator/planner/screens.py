@@ -9,8 +9,9 @@
   every segment of every pair of lanes with one of the slowest at once, each lane keeping the micro-batches
   the grid gives it.
 
-Both are held to the full evaluation by tests/unit/test_timemodel.py; the search confirms what they
-rank best with the exact cost.
+Both hold the grid's codec tier (`codecs.py`: whether its hops take pairs that cost steps); a swap counts
+its two lanes' codec factors anew. Both are held to the full evaluation by tests/unit/test_timemodel.py; the
+search confirms what they rank best with the exact cost.
 """
 
 from __future__ import annotations
@@ -58,8 +59,12 @@ class Screens:
         changed = batch[pick, :, lanes]
         slowdown = base.slowdown[changed] if np.ndim(base.slowdown) else 1.0  # the grid's: a swap keeps its devices
         load = base.evaluation["load"]  # the grid's: relayed pairs share their relays as in it
-        for whole, part in zip(parts, self._lane_parts(changed, work[:, None, :], slowdown, load)):
+        exact = bool(base.evaluation["exact"][0])  # the grid's codec tier
+        *new_parts, _, new_factor = self._lane_parts(changed, work[:, None, :], slowdown, load, exact)
+        for whole, part in zip(parts, new_parts):
             whole[pick, lanes] = part
+        lane_factor = np.repeat(base.evaluation["lane_factor"], K, axis=0)
+        lane_factor[pick, lanes] = new_factor
         lane = balance.lane_times(*parts, self._allocate(*parts), grid.shape[0])  # the step shared out again
         lane_s = lane.max(axis=1)
         allreduce = np.repeat(base.evaluation["allreduce"], K, axis=0)
@@ -73,7 +78,7 @@ class Screens:
         outer_fits[pick, rows] = self._outer_fits(batch[pick, rows], need[rows], base.stage_bytes[rows])
         update = self._update(batch, np.repeat(base.evaluation["counts"], K, axis=0))
         sync_s, *_, factor, departures = self._sync(allreduce, gossip, lane_s, lane_s + update, outer_fits)
-        return self._objective(lane, sync_s, overflow, np.zeros(K), update, factor * departures)
+        return self._objective(lane, sync_s, overflow, np.zeros(K), update, factor * lane_factor.max(axis=1) * departures)
 
     def exchanges(self, grid: np.ndarray, count: int) -> np.ndarray:
         """Up to `count` grids, each `grid` with one segment of stages exchanged between two lanes, that
@@ -105,7 +110,7 @@ class Screens:
         # lane's micro-batches held at the grid's
         one, other = np.r_[a, b], np.r_[b, a]
         mine, theirs = np.split(self._exchanged_lanes(grid, work, segments, one, other, evaluation["micro"][0][one],
-                                                      evaluation["load"]), 2)
+                                                      evaluation["load"], bool(evaluation["exact"][0])), 2)
         # the slowest lane besides a and b: among the three slowest
         top = np.argsort(-lane, kind="stable")[:3]
         others = np.full(len(a), -np.inf)
@@ -129,11 +134,12 @@ class Screens:
 
     def _exchanged_lanes(
         self, grid: np.ndarray, work: np.ndarray, segments: np.ndarray, a: np.ndarray, b: np.ndarray,
-        micro: np.ndarray | int, load: np.ndarray | None = None,
+        micro: np.ndarray | int, load: np.ndarray | None = None, exact: bool = False,
     ) -> np.ndarray:
         """(pairs, segments): the time of lane a[k] with stages [s1, s2) of lane b[k] in place of its own, taking
         `micro` (pairs,) micro-batches, for every pair k and segment (s1, s2), as `_lane_parts` and
-        `lanes.lane_times` compute it (`work`: each stage's layers' worth; `load`: the grid's relays', `_pairs`)."""
+        `lanes.lane_times` compute it (`work`: each stage's layers' worth; `load`: the grid's relays', `_pairs`; `exact`:
+        the grid's codec tier)."""
         S = grid.shape[0]
         lanes = grid.T  # (m, S)
         slowdown = self._device_slowdowns(grid)  # an exchange keeps the grid's devices, so their sharing
@@ -149,7 +155,7 @@ class Screens:
         peak = np.maximum(np.maximum(t_max[a, 0][:, s1], t_max[b[:, None], s1, s2]), t_max[a, :, -1][:, s2])
         if S > 1:
             latency, per_byte = self._pairs(lanes[:, :-1], lanes[:, 1:], load)  # (m, S - 1)
-            occupancy, larger, _ = self.hops.occupancy(per_byte, lanes[:, :-1], lanes[:, 1:])  # mean, larger direction
+            occupancy, larger, _ = self.hops.occupancy(per_byte, lanes[:, :-1], lanes[:, 1:], exact)  # mean, larger direction
             h_sum = np.concatenate([zero, np.cumsum(latency + occupancy, axis=1)], axis=1)  # (m, S): hops before k
             x_max = _range_max(larger)
             # a's hops 0 .. s1 - 2, b's s1 .. s2 - 2, a's s2 .. S - 2 (hop k: stage k to k + 1)
@@ -162,8 +168,8 @@ class Screens:
             la, lb = lanes[a], lanes[b]
             joint_latency, joint_per_byte = self._pairs(la[:, before], lb[:, s1], load)
             back_latency, back_per_byte = self._pairs(lb[:, s2 - 1], la[:, after], load)
-            joint_x, joint_peak, _ = self.hops.occupancy(joint_per_byte, la[:, before], lb[:, s1])
-            back_x, back_peak, _ = self.hops.occupancy(back_per_byte, lb[:, s2 - 1], la[:, after])
+            joint_x, joint_peak, _ = self.hops.occupancy(joint_per_byte, la[:, before], lb[:, s1], exact)
+            back_x, back_peak, _ = self.hops.occupancy(back_per_byte, lb[:, s2 - 1], la[:, after], exact)
             joint_x, joint_peak = np.where(s1 > 0, joint_x, 0.0), np.where(s1 > 0, joint_peak, 0.0)
             back_x, back_peak = np.where(s2 < S, back_x, 0.0), np.where(s2 < S, back_peak, 0.0)
             hops = hops + joint_x + back_x + np.where(s1 > 0, joint_latency, 0.0) + np.where(s2 < S, back_latency, 0.0)

@@ -38,6 +38,10 @@ For a grid (rows = stages in order, columns = lanes), with M micro-batches per l
   group size and tokens a lane-step) is how many of them make one; `auto` takes, for every set of modes, each
   group's fastest of the set, and keeps the set whose step x factor (the plan's factor: its groups' largest)
   is least, so a plan is judged by its time to all-reduce's loss;
+- a hop's codecs can cost steps too (int4 activations: `codecs.STEPS_FACTOR`): a lane's codec factor is its
+  hops' largest, and the plan's factor is its sync's times its lanes' largest; where the hops' best pairs
+  cost steps, the grid is evaluated again with each hop's best among those that cost none, and the better of
+  the two (step x factor) is its cost (`exact`: which it took);
 - step = slowest lane + slowest group's exposed sync + the slowest optimizer step (a device's stage
   parameters x its measured seconds per parameter: it follows the lane's last gradient) (+ the problem's
   fixed step overhead: 0 unless efficiency terms give one, or the coordinator learned one from the plan it
@@ -239,25 +243,28 @@ class TimeCost(Screens):
         return np.where(counts <= plain, 0, np.clip(fewest, 1, counts))
 
     def _lane_parts(self, cols: np.ndarray, work: np.ndarray, slowdown: np.ndarray | float,
-                    load: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                    load: np.ndarray | None = None, exact: bool = False) -> tuple[np.ndarray, ...]:
         """Lanes given as (..., S) device indices with (..., S) layers' worth of compute (layers, recomputation
         counted), each device slowed by `slowdown` (..., S) from sharing its device and each relayed hop by its
-        relay's `load` (`_pairs`), apart from how many micro-batches they run (`lanes.lane_times` takes those):
-        their round trip, period and once-a-step exchange between their ends (...), and per-stage compute t (..., S)."""
+        relay's `load` (`_pairs`), their hops' codecs among those that cost no steps where `exact`, apart from how
+        many micro-batches they run (`lanes.lane_times` takes those): their round trip, period and once-a-step
+        exchange between their ends (...), per-stage compute t (..., S), and their codecs' steps factor (...: the
+        largest of their hops')."""
         stages = cols.shape[-1]
         t = (work * self.layer_s[cols] + self._fixed(cols)) * slowdown
         if stages > 1:
             latency, per_byte = self._pairs(cols[..., :-1], cols[..., 1:], load)
-            occupancy, peak, _ = self.hops.occupancy(per_byte, cols[..., :-1], cols[..., 1:])
+            occupancy, peak, choice = self.hops.occupancy(per_byte, cols[..., :-1], cols[..., 1:], exact)
             round_trip = t.sum(-1) + 2 * (latency + occupancy).sum(-1)
             period = np.maximum(t.max(-1), peak.max(-1))
+            factor = self.hops.factor[choice].max(-1)
         else:
-            round_trip, period = t.sum(-1), t.max(-1)
+            round_trip, period, factor = t.sum(-1), t.max(-1), np.ones(cols.shape[:-1])
         ends = np.zeros(round_trip.shape)
         if stages > 1 and self.tied_bytes:
             there, back = self._pairs(cols[..., 0], cols[..., -1], load), self._pairs(cols[..., -1], cols[..., 0], load)
             ends = np.maximum(there[0] + self.tied_bytes * there[1], back[0] + self.tied_bytes * back[1])
-        return round_trip, period, ends, t
+        return round_trip, period, ends, t, factor
 
     def _allocate(self, round_trip: np.ndarray, period: np.ndarray, ends: np.ndarray) -> np.ndarray:
         """Micro-batches per lane (K, m): the step's shared out so that its lanes finish together (`lanes.py`), or
@@ -413,16 +420,25 @@ class TimeCost(Screens):
                 + (recompute > 0) * self.mem_rebuilt)
 
     def _evaluate(self, grids: np.ndarray) -> dict[str, np.ndarray]:
+        """Every grid's cost, in its better codec tier where the candidates are tiered (`codecs.py`): its lanes
+        and what follows from them (sync hidden behind them, the step, the factor) once with each hop's best pair,
+        once with each hop's best among those that cost no steps (where some hop's best costs steps), in one batch of
+        2K; the layer split, groups and memory, which the hops do not move, once. `exact` (K,) says which tier each
+        grid took."""
         K = grids.shape[0]
         slowdown = self._slowdowns(grids)
         load = self._relay_load(grids)
         counts, recompute, work = self._layers(grids, slowdown)
         lanes_slowdown = slowdown.transpose(0, 2, 1) if np.ndim(slowdown) else slowdown
-        *parts, t = self._lane_parts(grids.transpose(0, 2, 1), work[:, None, :], lanes_slowdown, load)  # lanes: (K, m)
+        each = [self._lane_parts(grids.transpose(0, 2, 1), work[:, None, :], lanes_slowdown, load)]  # lanes: (K, m)
+        if self.hops.tiered and (each[0][-1] > 1).any():  # some hop's best pair costs steps: the other tier too
+            each.append(self._lane_parts(grids.transpose(0, 2, 1), work[:, None, :], lanes_slowdown, load, exact=True))
+        *parts, t, lane_factor = [np.concatenate(part) for part in zip(*each)]  # (T K, m): tier by tier
+        T = len(each)
         micro = self._allocate(*parts)
         lane = balance.lane_times(*parts, micro, self.shape.stages)
         slowest = lane.argmax(axis=1)
-        lane_s = lane[np.arange(K), slowest]
+        lane_s = lane[np.arange(T * K), slowest]
         stage_bytes = counts * self.wire_per_layer + self.wire_fixed  # (K, S)
         allreduce, gossip = self._groups(grids, stage_bytes, load)
         need = self._need(counts, recompute)  # (K, S)
@@ -431,21 +447,33 @@ class TimeCost(Screens):
             overflow = np.maximum(overflow, self._move_overflow(grids, counts, need))
         update = self._update(grids, counts)
         outer_fits = self._outer_fits(grids, need, stage_bytes)
-        sync_s, use_gossip, use_outer, outer_every, outer_delay, factor, departures = self._sync(
-            allreduce, gossip, lane_s, lane_s + update, outer_fits)
-        step = lane_s + sync_s.max(axis=1) + update
+
+        def tiled(value):  # a figure of each grid, for each tier
+            return np.concatenate([value] * T) if T > 1 and np.ndim(value) else value
+
+        sync_s, use_gossip, use_outer, outer_every, outer_delay, sync_factor, departures = self._sync(
+            tiled(allreduce), tiled(gossip), lane_s, lane_s + tiled(update), tiled(outer_fits))
+        factor = sync_factor * lane_factor.max(axis=1)  # sync's and codecs' steps: both slow the loss
+        step = lane_s + sync_s.max(axis=1) + tiled(update)
         overhead = np.broadcast_to(self._overhead(step), step.shape)
-        total = step + overhead
         move = self._move_s(grids, counts) if self._current is not None else np.zeros(K)
-        objective = self._objective(lane, sync_s, overflow, move, update, factor * departures)
+        objective = self._objective(lane, sync_s, tiled(overflow), tiled(move), tiled(update), factor * departures)
+        exact = objective[K:] < objective[:K] if T > 1 else np.zeros(K, dtype=bool)  # ties to the tier of best pairs
+        pick = np.arange(K) + K * exact
+
+        def kept(value):
+            return value[pick] if T > 1 else value
+
         return {
-            "counts": counts, "recompute": recompute, "work": work, "need": need, "lane": lane, "t": t, "update": update,
-            "parts": parts, "micro": micro,
-            "slowest": slowest, "lane_s": lane_s,
-            "allreduce": allreduce, "gossip": gossip, "sync_s": sync_s, "use_gossip": use_gossip, "total": total,
-            "use_outer": use_outer, "outer_every": outer_every, "outer_delay": outer_delay,
-            "move": move, "overflow": overflow.sum(axis=1), "row_overflow": overflow, "objective": objective,
-            "overhead": overhead, "factor": factor, "departures": departures, "outer_fits": outer_fits, "load": load,
+            "counts": counts, "recompute": recompute, "work": work, "need": need, "update": update, "t": kept(t),
+            "lane": kept(lane), "parts": [kept(part) for part in parts], "micro": kept(micro),
+            "slowest": kept(slowest), "lane_s": kept(lane_s),
+            "allreduce": allreduce, "gossip": gossip, "sync_s": kept(sync_s), "use_gossip": kept(use_gossip),
+            "total": kept(step + overhead), "use_outer": kept(use_outer), "outer_every": kept(outer_every),
+            "outer_delay": kept(outer_delay), "move": move, "overflow": overflow.sum(axis=1), "row_overflow": overflow,
+            "objective": kept(objective), "overhead": kept(overhead), "factor": kept(factor),
+            "departures": kept(departures), "outer_fits": outer_fits, "load": load, "lane_factor": kept(lane_factor),
+            "exact": exact,
         }  # fmt: skip
 
     def _objective(self, lane: np.ndarray, sync_s: np.ndarray, overflow: np.ndarray, move: np.ndarray,
@@ -537,7 +565,7 @@ class TimeCost(Screens):
             objective=float(e["objective"][0]),
             fits_memory=bool(e["overflow"][0] == 0),
             recompute=tuple(int(k) for k in e["recompute"][0]),
-            codecs=self._hop_codecs(grid, e["load"]),
+            codecs=self._hop_codecs(grid, e["load"], bool(e["exact"][0])),
             outer_every=tuple(int(h) for h in e["outer_every"][0]),
             outer_delay=tuple(int(d) for d in e["outer_delay"][0]),
             steps_factor=float(e["factor"][0]),
@@ -554,10 +582,12 @@ class TimeCost(Screens):
         shares = balance.sequences(micro, problem.lane_micro_batch(m), problem.workload.batch, lane_s)
         return () if (shares == problem.lanes_batch(m)).all() else tuple(int(b) for b in shares)
 
-    def _hop_codecs(self, grid: np.ndarray, load: np.ndarray | None) -> tuple[tuple[tuple[str, str], ...], ...]:
-        """Per hop (stage s to s + 1) and lane, the (forward, backward) codecs the time model counted."""
+    def _hop_codecs(self, grid: np.ndarray, load: np.ndarray | None, exact: bool
+                    ) -> tuple[tuple[tuple[str, str], ...], ...]:
+        """Per hop (stage s to s + 1) and lane, the (forward, backward) codecs the time model counted (in the
+        tier `exact` says)."""
         _, per_byte = self._pairs(grid[:-1], grid[1:], load)
-        choice = self.hops.occupancy(per_byte, grid[:-1], grid[1:])[2]
+        choice = self.hops.occupancy(per_byte, grid[:-1], grid[1:], exact)[2]
         return tuple(tuple(self.hops.pairs[c] for c in row) for row in choice)
 
     def _relay_bytes(self, grid: np.ndarray, e: dict[str, np.ndarray]) -> tuple[tuple[str, int, float], ...]:
@@ -574,7 +604,7 @@ class TimeCost(Screens):
         if S > 1:
             label = relays.via[grid[:-1], grid[1:]]  # (S - 1, m)
             _, per_byte = self._pairs(grid[:-1], grid[1:], e["load"])
-            choice = self.hops.occupancy(per_byte, grid[:-1], grid[1:])[2]
+            choice = self.hops.occupancy(per_byte, grid[:-1], grid[1:], bool(e["exact"][0]))[2]
             hop_bytes = 2 * self.hops.mean_bytes[choice] * e["micro"][0][None, :]  # forward and back, a step
             np.add.at(carried, label[label >= 0], hop_bytes[label >= 0])
             np.add.at(pairs, label[label >= 0], 1)
