@@ -44,7 +44,7 @@ its validation loss reached LOSS (at most `--deadline`), and until it reached th
     python3 benchmarks/testbed.py --per-region 1 --batch 32 --time-to-loss 2.5 --deadline 720
 
 `--json` prints one JSON object as the last line: per plan kind, tokens_per_s, predicted_s, measured_s,
-recovery_s and the plan's codecs, and the goals' ratios. `--out` keeps `plans.json` (the plans and the peers' records) and
+recovery_s and the plan's codecs, each plan's steps_factor, and the goals' ratios (to_loss_over_uncompressed among them). `--out` keeps `plans.json` (the plans and the peers' records) and
 `windows.json` (every window's measurement), which `benchmarks/timemodel_fit.py` fits the time model's
 efficiency terms to.
 """

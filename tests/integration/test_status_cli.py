@@ -27,7 +27,8 @@ def test_the_table_names_every_peer_and_the_plan(serve):
     assert lines[0].startswith("swarm demo  coordinator abababab")
     assert "epoch 3  step 105  loss 2.5000  tokens/s 500.0" in out and "2 records dropped" in out
     header = next(line for line in lines if line.startswith("peer "))
-    assert header.split() == ["peer", "state", "stage", "step", "loss", "tok/s", "TFLOPS", "achieved", "device", "reachable", "age", "s"]
+    assert header.split() == ["peer", "state", "stage", "step", "loss", "tok/s", "TFLOPS", "achieved", "int8", "MB/s", "device",
+                              "reachable", "age", "s"]
     row = next(line for line in lines if line.startswith("c "))
     assert row.split()[:6] == ["c", "training", "s1/l0", "[4,6)", "105", "2.0000"]  # whole lines, though piped
     assert "lane 1: b -> d" in out and "standby: 1 without a stated reason (e)" in out
