@@ -592,11 +592,12 @@ def swaps(grid: np.ndarray, n: int, count: int, rng: np.random.Generator) -> tup
     return batch, cells
 
 
-def held_split_objective(model, grids: np.ndarray, counts: np.ndarray, load: np.ndarray | None = None) -> np.ndarray:
+def held_split_objective(model, grids: np.ndarray, counts: np.ndarray, load: np.ndarray | None = None,
+                         exact: bool = False) -> np.ndarray:
     """The full evaluation of every lane and group of `grids` with the layer split `counts` (S,) held (and relays'
-    `load`, (1, R), where given)."""
+    `load`, (1, R), where given; the hops' codecs in the tier `exact` says, their steps factor counted)."""
     K = len(grids)
-    *parts, _, _ = model._lane_parts(grids.transpose(0, 2, 1), counts[None, None, :], 1.0, load)
+    *parts, _, lane_factor = model._lane_parts(grids.transpose(0, 2, 1), counts[None, None, :], 1.0, load, exact)
     lane = lane_times(*parts, model._allocate(*parts), len(counts))  # the step shared out over the lanes
     stage_bytes = np.broadcast_to(counts * model.wire_per_layer + model.wire_fixed, (K, len(counts)))
     allreduce, gossip = model._groups(grids, stage_bytes, load)
@@ -605,7 +606,7 @@ def held_split_objective(model, grids: np.ndarray, counts: np.ndarray, load: np.
     update = model._update(grids, np.broadcast_to(counts, (K, len(counts))))
     outer_fits = model._outer_fits(grids, need, stage_bytes)
     sync_s, *_, factor, departures = model._sync(allreduce, gossip, lane.max(axis=1), lane.max(axis=1) + update, outer_fits)
-    return model._objective(lane, sync_s, overflow, np.zeros(K), update, factor * departures)
+    return model._objective(lane, sync_s, overflow, np.zeros(K), update, factor * lane_factor.max(axis=1) * departures)
 
 
 @pytest.mark.parametrize("shape", [Shape(1, 6), Shape(2, 2), Shape(3, 4), Shape(2, 5), Shape(4, 7), Shape(8, 3)])
@@ -630,6 +631,31 @@ def test_the_screen_is_the_full_evaluation_with_the_split_held(shape, sync, seed
         np.testing.assert_allclose(
             model.screen(grid, batch, cells), held_split_objective(model, batch, counts), rtol=1e-12
         )
+
+
+def test_a_screened_swap_holds_the_grids_codec_tier_and_counts_its_lanes_codec_factors():
+    """With `--compress auto` on links slow enough that int4 (which costs steps) wins some hops, the screen keeps
+    the base grid's codec tier and counts the swapped lanes' codec factors anew: against every lane and group of
+    the swapped grid evaluated in that tier, it is exact. The base grids take both tiers."""
+    rng = np.random.default_rng(0)
+    n = 24
+    raw = synthetic.random_topology(n, 4, rng)
+    for link in raw["region_links"]:
+        link["bandwidth_gbps"] = link["bandwidth_gbps"] / 200  # between regions: a few Mbit/s
+    problem = Problem.from_topology(Topology.from_wire(raw), Workload(preset("tiny", 8), batch=64))
+    model = make_model(problem, PlannerConfig(sync="auto", compress=("auto", "auto")), Shape(3, 4))
+    assert model.hops.tiered
+    tiers, costly = set(), 0
+    for _ in range(12):
+        grid = rng.permutation(n)[:12].reshape(3, 4)
+        batch, cells = swaps(grid, n, 30, rng)
+        base = model._evaluate(grid[None])
+        exact = bool(base["exact"][0])
+        tiers.add(exact)
+        costly += int(base["lane_factor"][0].max() > 1)
+        np.testing.assert_allclose(model.screen(grid, batch, cells),
+                                   held_split_objective(model, batch, base["counts"][0], exact=exact), rtol=1e-12)
+    assert tiers == {False, True} and costly > 0, (tiers, costly)
 
 
 def test_a_screened_swap_holds_the_grids_relays_as_the_full_evaluation_counts_them():
