@@ -19,6 +19,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from hetpeer.coordinator.api_errors import ApiError
+from hetpeer.coordinator.ledger import CreditBoard
 from hetpeer.coordinator.tls import ServerTls
 from hetpeer.coordinator.view import SwarmView, progress
 from hetpeer.protocol import swarm_pb2
@@ -50,9 +51,10 @@ def _handlers(api: "ApiServer") -> grpc.GenericRpcHandler:
 
 class ApiServer:
     def __init__(
-        self, get_view: Callable[[], SwarmView], listen: str = "127.0.0.1:0", workers: int = 4, tls: ServerTls | None = None
+        self, get_view: Callable[[], SwarmView], listen: str = "127.0.0.1:0", workers: int = 4, tls: ServerTls | None = None,
+        get_credit: Callable[[], CreditBoard | None] = lambda: None,
     ) -> None:
-        self.get_view = get_view
+        self.get_view, self.get_credit = get_view, get_credit
         self.listen = listen
         self.workers = workers
         self.tls = tls

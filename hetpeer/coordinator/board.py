@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from hetpeer.coordinator.gate import Ban
 from hetpeer.coordinator.history import Past
+from hetpeer.coordinator.ledger import CreditBoard
 from hetpeer.coordinator.view import SwarmView, progress
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.records import PeerRecord
@@ -33,6 +34,7 @@ class Board:
     refused: Mapping[str, str]  # device -> why it is left out of plans
     bans: Mapping[str, Ban]
     admission: str  # in words
+    credit: CreditBoard | None = None  # the credit ledger's leaderboard (`ledger.py`)
 
 
 def state(board: Board) -> dict[str, Any]:

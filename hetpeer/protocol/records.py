@@ -42,7 +42,8 @@ from hetpeer.protocol.wire import SchemaError
 # 12: records say the port a peer behind a NAT that keeps ports punches holes from (`punch`), whom it calls now
 #     (`calling`), and which peers it reaches through a punched hole or a relay (`punched`, `relayed`)
 # 13: records' step costs say what each codec's encoding and decoding costs the peer's device
-PROTOCOL_VERSION = 13
+# 14: records carry the peer's team, the work it claims (`trained`) and its receipts for its neighbours' work (`received`)
+PROTOCOL_VERSION = 14
 COMPUTE_KEY_RE = re.compile(r"[0-9a-f]{16}\Z")
 OWNER_RE = re.compile(rb"\[owner:(.+)\]\Z", re.DOTALL)  # \Z, not $: $ also matches before a final newline
 STATES = ("probing", "waiting", "fetching", "training", "standby", "leaving")
@@ -55,6 +56,11 @@ MAX_SUSPECTS = 16  # peers one record may report as misbehaving, and as unreacha
 MAX_CALLING = 16  # peers one record may call to punch a hole to
 MAX_TOKEN_CHARS = 1024
 MAX_TEXT_CHARS = 128  # a device name, a software string: shown to organizers on pages and terminals
+MAX_RECEIPTS = 64  # (sender, epoch, kind) a record confirms: lane neighbours and group members over a few epochs
+MAX_CLAIMS = 8  # epochs a record claims work in
+MAX_MICRO_PER_STEP = 1 << 16  # micro-batches a stage's step may have (a lane's batch over its micro-batch)
+RECEIPT_KINDS = ("activations", "gradients", "params")  # what of a sender's work a receipt counts
+TEAM_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,31}\Z")
 TTL_HEARTBEATS = 5  # a peer record expires after this many heartbeats without a new one (loaded machines miss some)
 
 
@@ -103,6 +109,30 @@ class LinksSchema(_Strict):
     bandwidth_bytes_per_s: List[pydantic.StrictFloat]
 
 
+class ReceiptsSchema(_Strict):
+    """A peer's receipts as parallel lists (checked fast, as `LinksSchema`): for each (sender, epoch, kind), the
+    steps [first, last] it took the sender's frames of and how many micro-batches and sequences they held."""
+
+    peers: List[pydantic.StrictStr]
+    epochs: List[pydantic.StrictInt]
+    kinds: List[pydantic.StrictStr]
+    first: List[pydantic.StrictInt]
+    last: List[pydantic.StrictInt]
+    micro: List[pydantic.StrictInt]
+    sequences: List[pydantic.StrictInt]
+
+
+class ClaimsSchema(_Strict):
+    """The work a peer claims, per epoch, as parallel lists: the steps [first, last] it trained, their micro-batches
+    and sequences."""
+
+    epochs: List[pydantic.StrictInt]
+    first: List[pydantic.StrictInt]
+    last: List[pydantic.StrictInt]
+    micro: List[pydantic.StrictInt]
+    sequences: List[pydantic.StrictInt]
+
+
 class PeerSchema(_Strict):
     version: pydantic.StrictInt
     software: pydantic.StrictStr
@@ -141,6 +171,9 @@ class PeerSchema(_Strict):
     calling: List[pydantic.StrictStr] = []
     punched: List[pydantic.StrictStr] = []
     relayed: List[pydantic.StrictStr] = []
+    team: Optional[pydantic.StrictStr] = None
+    received: ReceiptsSchema
+    trained: ClaimsSchema
 
 
 class PlanSchema(_Strict):
@@ -159,6 +192,33 @@ class SCHEMA(_Strict):
 class LinkMeasurement:
     latency_s: float
     bandwidth_bytes_per_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Receipt:
+    """What a peer took of `sender`'s work in plan `epoch`: its `kind` of frames (activations it forwarded, gradients
+    it sent back, parameters its group mixed) for steps `first` to `last`, `micro` micro-batches of `sequences`
+    sequences in all. Counts are cumulative over the epoch, so a later record supersedes an earlier one."""
+
+    sender: str
+    epoch: int
+    kind: str
+    first: int
+    last: int
+    micro: int
+    sequences: int
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """The work a peer says it did in plan `epoch`: steps `first` to `last` trained, `micro` micro-batches of
+    `sequences` sequences in all (cumulative over the epoch, as a `Receipt`)."""
+
+    epoch: int
+    first: int
+    last: int
+    micro: int
+    sequences: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +267,9 @@ class PeerRecord:
     calling: tuple[str, ...] = ()
     punched: tuple[str, ...] = ()  # peers it reaches now over a hole punched through both NATs
     relayed: tuple[str, ...] = ()  # and through a relay; any other peer it measured, directly
+    team: str | None = None  # the volunteer's team, for the credit leaderboard (`coordinator/ledger.py`)
+    received: tuple[Receipt, ...] = ()  # its receipts for its lane neighbours' (one-stage lanes: group members') work
+    trained: tuple[Claim, ...] = ()  # the work it claims, per epoch: credited as far as its neighbours' receipts agree
     software: str = ""
     version: int = PROTOCOL_VERSION
 
@@ -277,6 +340,18 @@ class PeerRecord:
             "calling": list(self.calling),
             "punched": list(self.punched),
             "relayed": list(self.relayed),
+            "team": self.team,
+            "received": {
+                "peers": [r.sender for r in self.received], "epochs": [r.epoch for r in self.received],
+                "kinds": [r.kind for r in self.received], "first": [r.first for r in self.received],
+                "last": [r.last for r in self.received], "micro": [r.micro for r in self.received],
+                "sequences": [r.sequences for r in self.received],
+            },
+            "trained": {
+                "epochs": [c.epoch for c in self.trained], "first": [c.first for c in self.trained],
+                "last": [c.last for c in self.trained], "micro": [c.micro for c in self.trained],
+                "sequences": [c.sequences for c in self.trained],
+            },
         }
 
     @staticmethod
@@ -370,6 +445,11 @@ class PeerRecord:
             for i, peer in enumerate(peers):
                 if not DEVICE_RE.match(peer) or peer == parsed.device_id:
                     raise SchemaError(f"peer.{name_}[{i}]", f"must be another peer's device id, got {peer[:64]!r}")
+        if parsed.team is not None and not TEAM_RE.match(parsed.team):
+            raise SchemaError("peer.team", f"must be 1-32 of A-Z, a-z, 0-9, _, . and - starting with a letter or digit, "
+                                           f"got {parsed.team[:64]!r}")
+        received = _receipts(parsed.received, parsed.device_id)
+        trained = _claims(parsed.trained)
         address = PeerAddress.from_wire(
             {"p2p": parsed.p2p, **({"direct": parsed.direct} if parsed.direct is not None else {})}, "peer.address"
         )
@@ -408,12 +488,59 @@ class PeerRecord:
             calling=tuple(parsed.calling),
             punched=tuple(parsed.punched),
             relayed=tuple(parsed.relayed),
+            team=parsed.team,
+            received=received,
+            trained=trained,
             software=parsed.software,
             version=parsed.version,
         )
 
 
 _Check = Callable[[Any], bool]
+
+
+def _columns(path: str, parsed: Any, names: Sequence[str], most: int) -> list[tuple]:
+    """The rows of a record's parallel lists (`names` of `parsed`), at most `most` of them, all of one length."""
+    columns = [getattr(parsed, name) for name in names]
+    count = len(columns[0])
+    if count > most:
+        raise SchemaError(path, f"at most {most} entries, got {count}")
+    if any(len(column) != count for column in columns):
+        raise SchemaError(path, f"its lists ({', '.join(names)}) must be of one length, got "
+                                f"{', '.join(str(len(c)) for c in columns)}")
+    return list(zip(*columns))
+
+
+def _counts(path: str, first: int, last: int, micro: int, sequences: int) -> None:
+    """SchemaError unless steps [first, last] and the micro-batches and sequences of them make sense."""
+    if not 0 <= first <= last or not 1 <= micro <= sequences or micro > (last - first + 1) * MAX_MICRO_PER_STEP:
+        raise SchemaError(path, f"steps [{first}, {last}] with {micro} micro-batches of {sequences} sequences: needs "
+                                f"0 <= first <= last and 1 <= micro-batches <= sequences, at most {MAX_MICRO_PER_STEP} a step")
+
+
+def _receipts(parsed: Any, me: str) -> tuple[Receipt, ...]:
+    rows = _columns("peer.received", parsed, ("peers", "epochs", "kinds", "first", "last", "micro", "sequences"), MAX_RECEIPTS)
+    if len({(sender, epoch, kind) for sender, epoch, kind, *_ in rows}) != len(rows):
+        raise SchemaError("peer.received", "names one (sender, epoch, kind) twice")
+    for i, (sender, epoch, kind, first, last, micro, sequences) in enumerate(rows):
+        if not DEVICE_RE.match(sender) or sender == me:
+            raise SchemaError(f"peer.received[{i}]", f"must name another peer's device id, got {sender[:64]!r}")
+        if kind not in RECEIPT_KINDS or epoch < 0:
+            raise SchemaError(f"peer.received[{i}]", f"kind must be one of {', '.join(RECEIPT_KINDS)} and the epoch "
+                                                     f"non-negative, got {kind[:32]!r} in epoch {epoch}")
+        _counts(f"peer.received[{i}]", first, last, micro, sequences)
+    return tuple(Receipt(*row) for row in rows)
+
+
+def _claims(parsed: Any) -> tuple[Claim, ...]:
+    rows = _columns("peer.trained", parsed, ("epochs", "first", "last", "micro", "sequences"), MAX_CLAIMS)
+    if len({row[0] for row in rows}) != len(rows):
+        raise SchemaError("peer.trained", "claims one epoch twice")
+    for i, (epoch, first, last, micro, sequences) in enumerate(rows):
+        if epoch < 0:
+            raise SchemaError(f"peer.trained[{i}]", f"epoch must be non-negative, got {epoch}")
+        _counts(f"peer.trained[{i}]", first, last, micro, sequences)
+    return tuple(Claim(*row) for row in rows)
 
 
 def check_age(time: float, now: float, max_age_s: float) -> None:

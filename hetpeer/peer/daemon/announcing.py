@@ -53,7 +53,8 @@ def achieved_tflops(plan: Plan, me: str, spec: ModelSpec, compute_s: float, cost
 
 class Announcing:
     """The part of `SwarmPeer` that writes its record (`_record`: on the control thread, and once more as
-    it leaves) from its `status`, `machine`, `links` and `checkpoint`, and keeps the `suspects` it reports."""
+    it leaves) from its `status`, `machine`, `links`, `checkpoint` and `tally` (the work it did and took of others,
+    for the credit ledger), and keeps the `suspects` it reports."""
 
     def _record(self) -> PeerRecord:
         status, machine = self.status, self.machine
@@ -97,6 +98,9 @@ class Announcing:
             calling=self.calling,
             punched=tuple(sorted(d for d, path in paths.items() if path == "punched"))[:MAX_LINKS],
             relayed=tuple(sorted(d for d, path in paths.items() if path == "relayed"))[:MAX_LINKS],
+            team=self.config.team,
+            received=self.tally.receipts(),
+            trained=self.tally.claims(),
             software=f"hetpeer {__version__}",
         )
 

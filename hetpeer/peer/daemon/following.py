@@ -181,6 +181,7 @@ class Following:
             self._entering_until = time.monotonic() + min(self.config.worker.timeout_s, (TTL_HEARTBEATS + 1) * self.config.heartbeat_s)
         worker = StageWorker(plan, self.device_id, self.transport, corpus, self.config.worker, server=self.server)
         worker.patience = lambda sender: fetching(plan, self.records, sender)  # records are replaced whole, never changed
+        worker.tally = self.tally
         self.transport.set_policy(self.accept)  # the worker's constructor set its own; this one routes to it
         self.worker, self.previous = worker, old  # frames of this plan now reach it
         inbox.rescreen()

@@ -26,6 +26,7 @@ from hetpeer.peer.gossip.state import StateServer
 from hetpeer.peer.daemon.handover import Handover
 from hetpeer.peer.daemon.measure import LinkHistory, LinkProber
 from hetpeer.peer.node import format_step
+from hetpeer.peer.pipeline.tally import Tally
 from hetpeer.peer.pipeline.worker import StageWorker, WorkerConfig
 from hetpeer.peer.probe import DeviceLoad, MachineProfile
 from hetpeer.peer.daemon.probing import Probing
@@ -41,7 +42,7 @@ from hetpeer.protocol.addresses import AddressBook
 from hetpeer.protocol.control import ControlPlane
 from hetpeer.protocol.identity import device_id
 from hetpeer.protocol.plan import Dataset, Plan
-from hetpeer.protocol.records import TTL_HEARTBEATS, PeerRecord
+from hetpeer.protocol.records import TEAM_RE, TTL_HEARTBEATS, PeerRecord
 from hetpeer.protocol.modelspec import PRESETS, ModelSpec
 
 log = logging.getLogger("hetpeer.peer")
@@ -80,6 +81,7 @@ class SwarmPeerConfig:
     reach: tuple[str, int] | None = None  # the coordinator's reach service (the join file names it); None: not checked
     clock_skew_s: float = 0.0  # emulated: this machine's clock reads this far off (tests and demos of the correction)
     memory_cap_bytes: int | None = None  # emulated: an accelerator with this much memory (the most it announces free)
+    team: str | None = None  # the volunteer's team on the credit leaderboard
 
     def __post_init__(self) -> None:
         if len(self.coordinator_key) != 64 or not all(c in "0123456789abcdef" for c in self.coordinator_key):
@@ -88,6 +90,8 @@ class SwarmPeerConfig:
             raise ValueError(f"heartbeat must be positive and probing every >= 1 heartbeats: {self.heartbeat_s}, {self.probe_every}")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"steps must be at least 1, got {self.steps}")
+        if self.team is not None and not TEAM_RE.match(self.team):
+            raise ValueError(f"team must be 1-32 of A-Z, a-z, 0-9, _, . and - starting with a letter or digit, got {self.team!r}")
 
 
 class SwarmPeer(Following, Handover, Announcing, Probing, Reaching):
@@ -128,6 +132,7 @@ class SwarmPeer(Following, Handover, Announcing, Probing, Reaching):
         self._rng = numpy.random.default_rng()
         self.suspicion = Suspicion()
         self.suspects: tuple[str, ...] = ()  # what this peer reports, as of its last record
+        self.tally = Tally()  # the work it did and took of others, under every plan it ran (its workers count into it)
 
     # -- life cycle ---------------------------------------------------------------------------------
     def start(self) -> "SwarmPeer":

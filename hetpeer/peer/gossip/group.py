@@ -106,6 +106,7 @@ class SyncReport:
     left_out: tuple[str, ...]  # neighbours that were late or unusable this step
     clipped: int
     wait_s: float
+    contributors: tuple[str, ...] = ()  # the neighbours whose parameters (or gradient shares) this step used
 
 
 class GroupSync:
@@ -215,8 +216,9 @@ class GroupSync:
         if left_out:
             log.info("%s left %s out of step %d", self.device_id, ", ".join(left_out), step)
         exchanged = self.mode == "allreduce" or self.warming(step) or self.outer_step_due(step)
-        mixed = len(self.members) - 1 if exchanged else len(received)
-        return SyncReport(self.mode, mixed, tuple(left_out), clipped, wait_s)
+        contributors = tuple(m for m in self.members if m != self.device_id) if exchanged \
+            else tuple(self.members[j] for j in sorted(received))
+        return SyncReport(self.mode, len(contributors), tuple(left_out), clipped, wait_s, contributors)
 
     # -- gossip -----------------------------------------------------------------------------------
     def _send_params(self, step: int) -> None:

@@ -37,6 +37,7 @@ from hetpeer.peer.probe import Slowdown
 from hetpeer.peer.model import build_stage
 from hetpeer.peer.model.folder import ModelFolder
 from hetpeer.peer.pipeline.schedule import FORWARD, one_f_one_b
+from hetpeer.peer.pipeline.tally import Tally
 from hetpeer.peer.transport.base import Transport
 from hetpeer.peer.transport.inbox import Late, TransportTimeout
 from hetpeer.peer.transport.codec import TORCH_DTYPES
@@ -143,6 +144,7 @@ class StageWorker:
         self.sizes = plan.micro_batch_sizes(self.lane)
         self.schedule = one_f_one_b(self.stage, len(plan.stages), len(self.sizes))
         self.step = plan.start_step
+        self.tally = Tally()  # what it did and took of others' work, for the credit ledger (a swarm peer passes its own)
         self._dtype = TORCH_DTYPES[plan.dtype]
         transport.set_policy(self.accept)
 
@@ -200,6 +202,7 @@ class StageWorker:
                     # the residual stream stays fp32 on every stage, as on the first: only the wire is 16-bit
                     x = self._recv("activation", self.previous, step, micro).float().requires_grad_()
                     labels = self._recv("labels", self.previous, step, micro)
+                    self.tally.received(self.previous, self.plan.epoch, "activations", step, self.sizes[micro])
                     inputs = x
                 wait_s += time.perf_counter() - tick
                 with self._autocast(), self.slowdown.of(("forward", self.sizes[micro])):
@@ -219,6 +222,7 @@ class StageWorker:
                 else:
                     tick = time.perf_counter()
                     grad = self._recv("gradient", self.next, step, micro)
+                    self.tally.received(self.next, self.plan.epoch, "gradients", step, self.sizes[micro])
                     wait_s += time.perf_counter() - tick
                     with self.slowdown.of(("backward", self.sizes[micro])):
                         y.backward(grad.to(y.dtype))
@@ -229,6 +233,7 @@ class StageWorker:
         self._tie_gradients(step)
         wait_s += time.perf_counter() - tick
         sequences = self.plan.lane_sequences(self.lane)
+        self.tally.trained(self.plan.epoch, step, len(self.sizes), sequences)
         return StepResult(
             step=step,
             loss=float(loss_sum) if self.next is None else None,
@@ -250,6 +255,11 @@ class StageWorker:
         """Average with the group and take the optimizer step that closes the current step; unless this is
         the `last` step, the new parameters start travelling for the next one."""
         report = self.sync.finish(self.step)
+        if len(self.plan.stages) == 1:  # no lane neighbours to confirm the work: the group members it mixed in do
+            for member in report.contributors:
+                lane = self.plan.position(member)[1]
+                self.tally.received(member, self.plan.epoch, "params", self.step, self.plan.lane_sequences(lane),
+                                    micro=len(self.plan.micro_batch_sizes(lane)))
         self.step += 1
         if self.sync.ahead is not None and self.sync.ahead > self.step and len(self.plan.stages) == 1:
             # the group is further on (this peer was slow, or just joined): skip to where it is, with its state
