@@ -1,10 +1,11 @@
-"""A small swarm as the dashboard sees it (`coordinator.board.Board`), for the dashboard's tests."""
+"""A small swarm as the dashboard sees it (`coordinator.board.Board`), and a credit leaderboard, for the dashboard's tests."""
 
 from __future__ import annotations
 
 from hetpeer.coordinator.board import Board
 from hetpeer.coordinator.gate import Ban
 from hetpeer.coordinator.history import History
+from hetpeer.coordinator.ledger import Credit, CreditBoard, TeamCredit
 from hetpeer.coordinator.view import SwarmView
 from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan, StagePlan
@@ -45,3 +46,16 @@ def board(**changes) -> Board:
     fields = dict(view=view, history=history.snapshot(), refused={"x": "not on the allow-list"},
                   bans={"d": Ban(NOW + 100, 1, "reported by 2 of 2"), "old": Ban(NOW - 1, 1, "over")}, admission="open")
     return Board(**(fields | changes))
+
+
+def credit_board() -> CreditBoard:
+    """Three volunteers, most tokens first (as the ledger orders them); the last hour ranks them the other way
+    round; eve has no team and is a suspect."""
+    def credit(device, team, tokens, hour_tokens, suspect=False):
+        return Credit(device, team, micro_batches=tokens // 64, sequences=tokens // 16, tokens=tokens, flops=tokens * 6e9,
+                      online_s=7200.0, training_s=tokens * 0.5, last_hour_tokens=hour_tokens, last_hour_flops=hour_tokens * 6e9,
+                      claimed_sequences=tokens // 8 if suspect else tokens // 16, suspect=suspect, last_seen=NOW - 2.0)
+    volunteers = (credit("ann-1a2b3c4d", "red", 9000, 100), credit("bob-5e6f7a8b", "red", 5000, 1000),
+                  credit("eve-9c0d1e2f", None, 1000, 3000, suspect=True))
+    teams = (TeamCredit("red", 2, 14000, 14000 * 6e9, 14400.0, 7000.0, 1100, 1100 * 6e9),)
+    return CreditBoard(NOW - 1.0, volunteers, teams)

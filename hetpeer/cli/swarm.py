@@ -105,15 +105,22 @@ def add_commands(commands) -> None:
     coordinator.set_defaults(run=run_coordinator)
 
     status = commands.add_parser(
-        "status", help="show a swarm's plan, peers and progress",
+        "status", help="show a swarm's plan, peers and progress, or its volunteers' credit",
         description="Ask a coordinator's gRPC API for the running plan, the peers with what they measured, and the "
-        "swarm's progress, and show them as a table (--watch: redrawn until Ctrl+C) or JSON.",
+        "swarm's progress, and show them as a table (--watch: redrawn until Ctrl+C) or JSON. With --credit: the "
+        "leaderboard of the work each volunteer's neighbours confirm, and its teams'.",
     )
     status.add_argument("--api", required=True, metavar="HOST:PORT", help="the coordinator's API address (it prints it)")
     status.add_argument("--tls-ca", type=Path, metavar="FILE",
                         help="connect with TLS, trusting the PEM certificate(s) in FILE: the coordinator's own "
                         "(self-signed) certificate, or the CA that signed it")
     status.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    status.add_argument("--credit", action="store_true",
+                        help="show the credit leaderboard instead: each volunteer's confirmed tokens, TFLOP, last hour's "
+                        "tokens, hours training and online, suspects marked; and the teams'")
+    # console.CREDIT_SORTS, spelled out: the console (rich) loads only when status runs
+    status.add_argument("--sort", choices=("tokens", "flops", "last_hour_tokens", "training_s"), default="tokens",
+                        help="rank the --credit leaderboard by this, most first (default tokens)")
     status.add_argument("--watch", type=positive_float, nargs="?", const=2.0, metavar="SECONDS",
                         help="redraw the table every SECONDS (default 2) until Ctrl+C; a coordinator that stops "
                         "answering is waited for")
@@ -368,13 +375,25 @@ def run_status(args: argparse.Namespace) -> int:
     from hetpeer.coordinator.api_client import ApiClient
     from hetpeer.coordinator.api_errors import ApiError, ApiTlsError
     from hetpeer.coordinator.tls import ClientTls
-    from hetpeer.coordinator.console import status_json, status_view
+    from hetpeer.coordinator.console import credit_view, status_json, status_view
 
     if args.watch is not None and args.json:
         raise UserError("--watch redraws the table: leave out --json (or --watch, for one JSON document)")
+    if args.watch is not None and args.credit:
+        raise UserError("--watch redraws the swarm's table, not the credit: leave out --watch (or --credit)")
+    if args.sort != "tokens" and not args.credit:
+        raise UserError("--sort ranks the --credit leaderboard: give --credit too")
     try:
         tls = ClientTls.load(args.tls_ca) if args.tls_ca is not None else None
         with ApiClient(args.api, timeout_s=args.timeout, tls=tls) as client:
+            if args.credit:
+                board = client.call_get_credit()
+                if args.json:
+                    print(json.dumps(board.to_wire(), indent=1))
+                else:
+                    _console().print(credit_view(board, args.sort))
+                return 0
+
             def read():  # in `status_view`'s order
                 plan, plan_time = client.call_get_plan()
                 return plan, client.call_list_peers(), client.call_get_progress(), plan_time

@@ -1,7 +1,8 @@
-"""The coordinator's gRPC API for organizers' tools: the plan, the peers and the swarm's progress.
+"""The coordinator's gRPC API for organizers' tools: the plan, the peers, the swarm's progress and the
+volunteers' credit.
 
-`ApiServer` serves whatever `get_view()` returns (the coordinator's latest read of the DHT, `view.py`);
-it holds no state of its own. Its client, what `hetpeer status --api HOST:PORT` uses, is
+`ApiServer` serves whatever `get_view()` returns (the coordinator's latest read of the DHT, `view.py`)
+and `get_credit()` (its credit ledger's board, `ledger.py`); it holds no state of its own. Its client, what `hetpeer status --api HOST:PORT` uses, is
 `api_client.ApiClient`.
 
 The API is read-only and binds 127.0.0.1 unless told otherwise. Given a certificate and its key
@@ -46,6 +47,7 @@ def _handlers(api: "ApiServer") -> grpc.GenericRpcHandler:
         "GetPlan": method(api.rpc_get_plan, swarm_pb2.GetPlanRequest, swarm_pb2.GetPlanReply),
         "ListPeers": method(api.rpc_list_peers, swarm_pb2.ListPeersRequest, swarm_pb2.ListPeersReply),
         "GetProgress": method(api.rpc_get_progress, swarm_pb2.GetProgressRequest, swarm_pb2.GetProgressReply),
+        "GetCredit": method(api.rpc_get_credit, swarm_pb2.GetCreditRequest, swarm_pb2.GetCreditReply),
     })
 
 
@@ -132,6 +134,24 @@ class ApiServer:
             val_loss=p.val_loss,
             step_overhead_s=p.step_overhead_s,
             noise_scale=p.noise_scale,
+        )
+
+    def rpc_get_credit(self, request: swarm_pb2.GetCreditRequest, context: Any) -> swarm_pb2.GetCreditReply:
+        """The ledger's board; an empty one at time 0 while the coordinator keeps none yet."""
+        board = self.get_credit()
+        if board is None:
+            return swarm_pb2.GetCreditReply(time=0.0)
+        return swarm_pb2.GetCreditReply(
+            time=board.time,
+            volunteers=[swarm_pb2.VolunteerCredit(
+                device_id=c.device_id, team=c.team, micro_batches=c.micro_batches, sequences=c.sequences, tokens=c.tokens,
+                flops=c.flops, online_s=c.online_s, training_s=c.training_s, last_hour_tokens=c.last_hour_tokens,
+                last_hour_flops=c.last_hour_flops, claimed_sequences=c.claimed_sequences, suspect=c.suspect,
+                last_seen=c.last_seen) for c in board.volunteers],
+            teams=[swarm_pb2.TeamCredit(
+                team=t.team, volunteers=t.volunteers, tokens=t.tokens, flops=t.flops, online_s=t.online_s,
+                training_s=t.training_s, last_hour_tokens=t.last_hour_tokens, last_hour_flops=t.last_hour_flops)
+                for t in board.teams],
         )
 
 

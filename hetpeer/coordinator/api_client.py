@@ -1,5 +1,6 @@
 """The client of the coordinator's gRPC API (`api.py`): what `hetpeer status --api HOST:PORT`, the swarm
-demo and the testbed read the plan, the peers and the progress with (`console.py` draws what it reads).
+demo and the testbed read the plan, the peers, the progress and the credit with (`console.py` draws what it
+reads).
 
 It parses every reply as strictly as a peer parses a DHT record, and turns every failure into one
 `ApiError` line; over TLS (`tls.ClientTls`), a client and server that do not agree are one
@@ -15,12 +16,14 @@ from typing import Any, Callable
 import grpc
 
 from hetpeer.coordinator.api_errors import ApiError, ApiTlsError
+from hetpeer.coordinator.ledger import Credit, CreditBoard, TeamCredit
 from hetpeer.coordinator.tls import ClientTls
 from hetpeer.coordinator.view import PeerStatus, Progress
 from hetpeer.protocol import swarm_pb2, swarm_pb2_grpc
 from hetpeer.protocol.addresses import PeerAddress
+from hetpeer.protocol.identity import DEVICE_RE
 from hetpeer.protocol.plan import Plan
-from hetpeer.protocol.records import MAX_PLAN_BYTES, STATES, LinkMeasurement, PeerRecord, planning_fields
+from hetpeer.protocol.records import MAX_PLAN_BYTES, STATES, TEAM_RE, LinkMeasurement, PeerRecord, planning_fields
 from hetpeer.protocol.stepcosts import StepCosts
 from hetpeer.protocol.wire import SchemaError
 
@@ -85,6 +88,54 @@ def _peer_from_pb(pb: swarm_pb2.Peer) -> PeerStatus:
         version=pb.version,
     )
     return PeerStatus(record=record, age_s=pb.age_s)
+
+
+_CREDIT_COUNTS = ("micro_batches", "sequences", "tokens", "last_hour_tokens", "claimed_sequences")
+_CREDIT_AMOUNTS = ("flops", "online_s", "training_s", "last_hour_flops", "last_seen")
+_TEAM_COUNTS = ("volunteers", "tokens", "last_hour_tokens")
+_TEAM_AMOUNTS = ("flops", "online_s", "training_s", "last_hour_flops")
+
+
+def _amounts(path: str, pb: Any, names: tuple[str, ...]) -> dict[str, float]:
+    """The named fields of `pb`, each a finite number not below 0; SchemaError names the first that is not."""
+    for name in names:
+        value = getattr(pb, name)
+        if not (math.isfinite(value) and value >= 0):
+            raise SchemaError(f"{path}.{name}", f"must be a finite number not below 0, got {value!r}")
+    return {name: getattr(pb, name) for name in names}
+
+
+def _team(path: str, team: str) -> str:
+    if not TEAM_RE.match(team):
+        raise SchemaError(f"{path}.team", f"must match {TEAM_RE.pattern}, got {team[:64]!r}")
+    return team
+
+
+def _credit_from_pb(reply: swarm_pb2.GetCreditReply) -> CreditBoard:
+    """The board as the server describes it; SchemaError for what no ledger would hold. O(volunteers + teams)."""
+    if not (math.isfinite(reply.time) and reply.time >= 0):
+        raise SchemaError("credit.time", f"must be a finite number not below 0, got {reply.time!r}")
+    volunteers, seen = [], set()
+    for i, pb in enumerate(reply.volunteers):
+        path = f"credit.volunteers[{i}]"
+        if not DEVICE_RE.match(pb.device_id):
+            raise SchemaError(f"{path}.device_id", f"must be NAME-<12 hex digits>, got {pb.device_id[:64]!r}")
+        if pb.device_id in seen:
+            raise SchemaError(f"{path}.device_id", f"{pb.device_id} is listed twice")
+        seen.add(pb.device_id)
+        path = f"credit.volunteers[{pb.device_id!r}]"
+        volunteers.append(Credit(
+            device_id=pb.device_id, team=_team(path, pb.team) if pb.HasField("team") else None, suspect=pb.suspect,
+            **_amounts(path, pb, _CREDIT_COUNTS), **_amounts(path, pb, _CREDIT_AMOUNTS)))
+    teams, named = [], set()
+    for i, pb in enumerate(reply.teams):
+        path = f"credit.teams[{i}]"
+        team = _team(path, pb.team)
+        if team in named:
+            raise SchemaError(f"{path}.team", f"{team} is listed twice")
+        named.add(team)
+        teams.append(TeamCredit(team=team, **_amounts(path, pb, _TEAM_COUNTS), **_amounts(path, pb, _TEAM_AMOUNTS)))
+    return CreditBoard(reply.time, tuple(volunteers), tuple(teams))
 
 
 class ApiClient:
@@ -198,3 +249,12 @@ class ApiClient:
             step_overhead_s=reply.step_overhead_s,  # 0 from an older coordinator: its predictions are the model's own
             noise_scale=reply.noise_scale if reply.HasField("noise_scale") else None,
         )
+
+    def call_get_credit(self) -> CreditBoard:
+        """The volunteers' and teams' credit, most tokens first; an empty board at time 0 while the coordinator keeps
+        no ledger yet."""
+        reply = self._call(self._stub.GetCredit, swarm_pb2.GetCreditRequest())
+        try:
+            return _credit_from_pb(reply)
+        except SchemaError as error:
+            raise self._refuse("credit", error) from None

@@ -2,8 +2,8 @@
 Prometheus series (`SwarmCollector`). Pure: the coordinator's view and history in, data out; O(peers +
 plan links + history).
 
-The document's parts are also served alone (`/api/plan`, `/api/peers`, ...). Peer-supplied text (device
-names, software) is passed on as data; the page writes it as text, never as markup.
+The document's parts are also served alone (`/api/plan`, `/api/peers`, `/api/credit`, ...). Peer-supplied text
+(device names, software, team names) is passed on as data; the page writes it as text, never as markup.
 """
 
 from __future__ import annotations
@@ -57,7 +57,16 @@ def state(board: Board) -> dict[str, Any]:
         "plan": plan_document(view.plan, view.plan_time, view.peers, board.history),
         "peers": peer_rows(board),
         "history": board.history.to_wire(),
+        "credit": credit_document(board),
     }
+
+
+def credit_document(board: Board) -> dict[str, Any]:
+    """The credit leaderboard as `/api/credit` serves it (`CreditBoard.to_wire`); an empty one before the ledger's
+    first round."""
+    if board.credit is None:
+        return {"time": board.view.now, "volunteers": [], "teams": []}
+    return board.credit.to_wire()
 
 
 def plan_document(plan: Plan | None, published: float | None, peers: Mapping[str, PeerRecord],

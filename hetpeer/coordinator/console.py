@@ -1,5 +1,5 @@
 """`hetpeer status` on a terminal: the swarm's figures, a table of its peers and the plan, drawn with rich;
-and the same data as JSON. Pure: what `ApiClient` read in, a renderable, text or a dict out.
+and the same data as JSON. `hetpeer status --credit`: the volunteers' leaderboard and the teams'. Pure: what `ApiClient` read in, a renderable, text or a dict out.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from hetpeer import logline
+from hetpeer.coordinator.ledger import CreditBoard
 from hetpeer.coordinator.view import PeerStatus, Progress
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.records import PeerRecord
@@ -114,3 +115,55 @@ def status_json(plan: Plan | None, peers: Sequence[PeerStatus], progress: Progre
         "plan": plan.to_wire() if plan is not None else None,
         "plan_time": plan_time,
     }
+
+
+CREDIT_SORTS = ("tokens", "flops", "last_hour_tokens", "training_s")  # what the leaderboard can be ranked by
+SUSPECT_MARK = "!"
+
+
+def credit_view(board: CreditBoard, sort: str = "tokens") -> Group:
+    """The volunteers ranked by `sort` (most first, ties by device id), suspects marked; the teams ranked the same
+    way, where any volunteer has a team. O(volunteers log volunteers)."""
+    if sort not in CREDIT_SORTS:
+        raise ValueError(f"credit can be ranked by {', '.join(CREDIT_SORTS)}, not {sort!r}")
+    if not board.volunteers:
+        return Group(Text("no credit yet" + ("" if board.time else ": the coordinator keeps no ledger yet")))
+    volunteers = sorted(board.volunteers, key=lambda c: (-getattr(c, sort), c.device_id))
+    head = Text(f"credit at {logline.at(board.time)}: {len(volunteers)} volunteer(s), {len(board.teams)} team(s), "
+                f"ranked by {sort}")
+    table = _credit_table("volunteer", "device", "team", mark=True)
+    for rank, c in enumerate(volunteers, 1):
+        table.add_row(str(rank), Text(c.name), Text(c.device_id), Text(c.team or "-"), *_credit_figures(c),
+                      Text(SUSPECT_MARK, style="bold red") if c.suspect else "")
+    parts = [head, Text(""), table]
+    if any(c.suspect for c in volunteers):
+        parts.append(Text(f"{SUSPECT_MARK}: claimed work its neighbours did not confirm, round after round "
+                          "(credited only what they confirm)"))
+    if board.teams:
+        teams = _credit_table("team", "volunteers")
+        for rank, t in enumerate(sorted(board.teams, key=lambda t: (-getattr(t, sort), t.team)), 1):
+            teams.add_row(str(rank), Text(t.team), str(t.volunteers), *_credit_figures(t))
+        parts += [Text(""), teams]
+    return Group(*parts)
+
+
+def _credit_table(*names: str, mark: bool = False) -> Table:
+    table = Table(box=None, header_style="bold", pad_edge=False)
+    table.add_column("rank", justify="right", no_wrap=True)
+    for name in names:
+        table.add_column(name, justify="right" if name == "volunteers" else "left", no_wrap=True)
+    for name in ("tokens", "TFLOP", "last hour tokens", "training h", "online h") + (("",) if mark else ()):
+        table.add_column(name, justify="right", no_wrap=True)
+    return table
+
+
+def _credit_figures(row) -> tuple[str, ...]:
+    return (f"{row.tokens:,}", f"{row.flops / 1e12:.3g}", f"{row.last_hour_tokens:,}", f"{row.training_s / 3600:.2f}",
+            f"{row.online_s / 3600:.2f}")
+
+
+def render_credit(board: CreditBoard, sort: str = "tokens", width: int = 200) -> str:
+    """`credit_view` as plain text, `width` columns wide (for pipes, logs and tests)."""
+    console = Console(file=io.StringIO(), width=width, color_system=None, force_terminal=False)
+    console.print(credit_view(board, sort))
+    return "\n".join(line.rstrip() for line in console.file.getvalue().rstrip().splitlines()) + "\n"

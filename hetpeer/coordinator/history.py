@@ -19,7 +19,7 @@ from typing import Iterable, Mapping, Reversible
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.records import PeerRecord
 
-EVENT_KINDS = ("join", "leave", "plan", "ban", "refused", "coordinator")
+EVENT_KINDS = ("join", "leave", "plan", "ban", "refused", "coordinator", "credit")
 WINDOW_STEPS = 10  # a plan's measured step is taken over windows of at least this many steps
 STALLED_WINDOW = 1.5  # a window slower than this times the median one held a stall (or the plan's start)
 MAX_WINDOWS = 256  # windows a plan keeps, newest last

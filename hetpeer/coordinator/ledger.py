@@ -123,7 +123,7 @@ class _Place:
 
     previous: str | None
     next: str | None
-    group: tuple[str, ...]
+    stage: int  # its group is the stage's devices (`_Epoch.groups`)
     lane_sequences: int  # a step's
     micro_per_step: int
     flops_per_sequence: float
@@ -133,6 +133,7 @@ class _Place:
 class _Epoch:
     start_step: int
     places: dict[str, _Place]
+    groups: tuple[tuple[str, ...], ...]  # each stage's devices
     clip: int | None = None  # a later plan started at this step: work on steps from it on was rolled back
     claims: dict[str, Claim] = field(default_factory=dict)
     receipts: dict[tuple[str, str, str], Receipt] = field(default_factory=dict)  # (witness, sender, kind)
@@ -194,9 +195,23 @@ class Ledger:
                 if _newer(receipt, book.receipts.get(key)):
                     book.receipts[key] = receipt
                     touched.setdefault(receipt.epoch, set()).add(receipt.sender)
-        said = []
         for epoch, devices in touched.items():
-            said += self._credit(epoch, self.epochs[epoch], devices, now)
+            self._credit(epoch, self.epochs[epoch], devices, now)
+        return self._suspects()
+
+    def _suspects(self) -> list[str]:
+        """Count another round for each claim that runs past its witnesses; one that has for `SUSPECT_ROUNDS` rounds
+        makes its peer a suspect (said once an epoch)."""
+        said = []
+        for epoch, book in self.epochs.items():
+            for device in book.over:
+                book.over[device] += 1
+                if book.over[device] >= SUSPECT_ROUNDS and device not in book.flagged:
+                    book.flagged.add(device)
+                    self.volunteers.setdefault(device, _Volunteer()).suspect = True
+                    claim, (_, sequences) = book.claims[device], book.credited[device]
+                    said.append(f"credit: {device} claims {claim.sequences} sequences in epoch {epoch}; its neighbours "
+                                f"confirm {sequences}, which is all it is credited")
         return said
 
     def _book(self, plan: Plan, workload: Workload) -> None:
@@ -207,22 +222,19 @@ class Ledger:
             if epoch < plan.epoch:
                 book.clip = plan.start_step if book.clip is None else min(book.clip, plan.start_step)
         places = {}
-        last = len(plan.stages) - 1
+        last, lanes = len(plan.stages) - 1, plan.lanes
         for s, stage in enumerate(plan.stages):
             flops = Workload(workload.model, batch=plan.batch, micro_batch=plan.micro_batch, dtype=plan.dtype) \
                 .stage_flops(stage.layers, last=s == last, sequences=1, recompute=stage.recompute)
             for lane, device in enumerate(stage.devices):
-                places[device] = _Place(
-                    plan.lanes[lane][s - 1] if s > 0 else None, plan.lanes[lane][s + 1] if s < last else None,
-                    stage.devices, plan.lane_sequences(lane), len(plan.micro_batch_sizes(lane)), flops)
-        self.epochs[plan.epoch] = _Epoch(plan.start_step, places)
+                places[device] = _Place(lanes[lane][s - 1] if s > 0 else None, lanes[lane][s + 1] if s < last else None,
+                                        s, plan.lane_sequences(lane), len(plan.micro_batch_sizes(lane)), flops)
+        self.epochs[plan.epoch] = _Epoch(plan.start_step, places, tuple(stage.devices for stage in plan.stages))
         for epoch in sorted(self.epochs)[:-OPEN_EPOCHS]:
             self._settle(epoch)
-        if plan.epoch in self.epochs:
-            # devices whose credit the clip may change
-            for epoch, book in self.epochs.items():
-                if epoch < plan.epoch:
-                    self._credit(epoch, book, set(book.claims), self.last_round or 0.0)
+        for epoch, book in self.epochs.items():  # their clip may have moved
+            if epoch < plan.epoch:
+                self._credit(epoch, book, set(book.claims), self.last_round or 0.0)
 
     def _settle(self, epoch: int) -> None:
         book = self.epochs.pop(epoch)
@@ -233,8 +245,7 @@ class Ledger:
             volunteer.tokens += sequences * self.seq_len
             volunteer.flops += sequences * book.places[device].flops_per_sequence
 
-    def _credit(self, epoch: int, book: _Epoch, devices: set[str], now: float) -> list[str]:
-        said = []
+    def _credit(self, epoch: int, book: _Epoch, devices: set[str], now: float) -> None:
         claimed_last = [c.last for c in book.claims.values()]
         median_last = statistics.median_low(claimed_last) if claimed_last else -1
         for device in devices:
@@ -253,15 +264,9 @@ class Ledger:
             self._gained(device, (sequences - before) * self.seq_len, (sequences - before) * place.flops_per_sequence, now)
             ahead = max(0, claim.last - last)
             if claim.sequences > sequences + (ahead + 1) * place.lane_sequences and book.clip is None:
-                book.over[device] = book.over.get(device, 0) + 1
+                book.over.setdefault(device, 0)  # counted each round it stays so (`_suspects`)
             else:
                 book.over.pop(device, None)
-            if book.over.get(device, 0) >= SUSPECT_ROUNDS and device not in book.flagged:
-                book.flagged.add(device)
-                self.volunteers.setdefault(device, _Volunteer()).suspect = True
-                said.append(f"credit: {device} claims {claim.sequences} sequences in epoch {epoch}; its neighbours "
-                            f"confirm {sequences}, which is all it is credited")
-        return said
 
     def _gained(self, device: str, tokens: int, flops: float, now: float) -> None:
         if not tokens:
@@ -313,8 +318,8 @@ class Ledger:
     def to_wire(self) -> dict[str, Any]:
         return {
             "version": LEDGER_VERSION, "seq_len": self.seq_len, "last_round": self.last_round,
-            "volunteers": {d: [v.team, v.micro_batches, v.sequences, v.tokens, _short(v.flops), round(v.online_s, 1),
-                               round(v.training_s, 1), round(v.last_seen, 1), [[int(b), t, _short(f)] for b, t, f in v.buckets],
+            "volunteers": {d: [v.team, v.micro_batches, v.sequences, v.tokens, v.flops, round(v.online_s, 1),
+                               round(v.training_s, 1), round(v.last_seen, 1), [[int(b), t, f] for b, t, f in v.buckets],
                                int(v.suspect)]
                            for d, v in self.volunteers.items()},
             "epochs": {str(e): _epoch_to_wire(book) for e, book in self.epochs.items()},
@@ -359,7 +364,7 @@ def _confirmed(book: _Epoch, device: str, claim: Claim, place: _Place) -> tuple[
     """(sequences, last step) of `device`'s claim its witnesses confirm, before the epoch's window."""
     if place.previous is None and place.next is None:  # a one-stage lane: the group members that mixed it in
         best = (0, -1)
-        for member in place.group:
+        for member in book.groups[place.stage]:
             receipt = book.receipts.get((member, device, "params"))
             if receipt is not None:
                 spanned = (receipt.last - max(receipt.first, claim.first) + 1) * place.lane_sequences
@@ -382,7 +387,8 @@ def _witness(book: _Epoch, witness: str, receipt: Receipt) -> bool:
     if place is None:
         return False
     if receipt.kind == "params":
-        return place.previous is None and place.next is None and witness in place.group and witness != receipt.sender
+        return (place.previous is None and place.next is None and witness != receipt.sender
+                and book.places.get(witness, place).stage == place.stage)
     return (receipt.kind, witness) in (("gradients", place.previous), ("activations", place.next))
 
 
@@ -391,15 +397,12 @@ def _newer(new: Claim | Receipt, old: Claim | Receipt | None) -> bool:
     return old is None or (new.sequences, new.last) > (old.sequences, old.last)
 
 
-def _short(value: float) -> float:
-    return float(f"{value:.6g}")
-
-
 def _epoch_to_wire(book: _Epoch) -> dict[str, Any]:
     return {
         "start": book.start_step, "clip": book.clip,
-        "places": {d: [p.previous, p.next, list(p.group), p.lane_sequences, p.micro_per_step, p.flops_per_sequence]
+        "places": {d: [p.previous, p.next, p.stage, p.lane_sequences, p.micro_per_step, p.flops_per_sequence]
                    for d, p in book.places.items()},
+        "groups": [list(g) for g in book.groups],
         "claims": {d: [c.epoch, c.first, c.last, c.micro, c.sequences] for d, c in book.claims.items()},
         "receipts": [[w, r.sender, r.epoch, r.kind, r.first, r.last, r.micro, r.sequences] for (w, _, _), r in book.receipts.items()],
         "credited": {d: list(c) for d, c in book.credited.items()},
@@ -408,8 +411,9 @@ def _epoch_to_wire(book: _Epoch) -> dict[str, Any]:
 
 
 def _epoch_from_wire(raw: Mapping[str, Any]) -> _Epoch:
-    places = {d: _Place(p, n, tuple(g), int(s), int(m), float(f)) for d, (p, n, g, s, m, f) in raw["places"].items()}
-    book = _Epoch(int(raw["start"]), places, None if raw["clip"] is None else int(raw["clip"]))
+    places = {d: _Place(p, n, int(g), int(s), int(m), float(f)) for d, (p, n, g, s, m, f) in raw["places"].items()}
+    book = _Epoch(int(raw["start"]), places, tuple(tuple(g) for g in raw["groups"]),
+                  None if raw["clip"] is None else int(raw["clip"]))
     book.claims = {d: Claim(*map(int, c)) for d, c in raw["claims"].items()}
     for w, sender, epoch, kind, *counts in raw["receipts"]:
         book.receipts[(w, sender, kind)] = Receipt(sender, int(epoch), kind, *map(int, counts))

@@ -29,6 +29,7 @@ from hetpeer.coordinator.board import Board
 from hetpeer.coordinator.config import CoordinatorConfig
 from hetpeer.coordinator.gatekeeper import Gatekeeper
 from hetpeer.coordinator.history import History, Pace
+from hetpeer.coordinator.ledger import CreditBoard, Ledger
 from hetpeer.coordinator.planner import Memory, PlannerConfig
 from hetpeer.coordinator.planner.islands import Archipelago, Islands
 from hetpeer.coordinator.publishing import RECENT_PLANS, Publisher
@@ -44,6 +45,7 @@ from hetpeer.protocol.records import TTL_HEARTBEATS, PeerRecord
 from hetpeer.protocol.wire import SchemaError
 
 log = logging.getLogger("hetpeer.coordinator")
+LEDGER_SAVE_S = 30.0  # the credit ledger is written this often (and when the coordinator stops)
 
 
 class Coordinator(Gatekeeper, Publisher):
@@ -90,6 +92,11 @@ class Coordinator(Gatekeeper, Publisher):
         self.bans: dict[str, gate.Ban] = {}  # kept while the coordinator runs; a restart forgives
         self.refused: dict[str, str] = {}  # peers left out of plans this round, and why
         self._kept: set[int] = set()  # epochs a re-solve kept, as events (once each: a re-solve comes every interval)
+        # the volunteers' confirmed work: kept in the home (records expire, credit must not), loaded at start
+        self.ledger_path = config.home / "credit.json"
+        self.ledger = Ledger(config.model.seq_len)  # `start` reads the one the home keeps
+        self.credit: CreditBoard | None = None
+        self._saved_round = 0.0
 
     @property
     def key(self) -> str:
@@ -98,12 +105,13 @@ class Coordinator(Gatekeeper, Publisher):
     # -- life cycle ---------------------------------------------------------------------------------
     def start(self) -> "Coordinator":
         self._read_allowlist()  # before anything starts: a bad file is an error naming its line
+        self.ledger = Ledger.load(self.ledger_path, self.config.model.seq_len)  # a LedgerError names a bad file
         self.control.start()
         if self.config.admission == "token":
             self.admission = gate.Admission("token", coordinator_key=self.control.public_key, swarm=self.config.swarm)
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="planner")
         if self.config.api_listen is not None:
-            self.api = ApiServer(lambda: self.view, self.config.api_listen, tls=self.config.api_tls)
+            self.api = ApiServer(lambda: self.view, self.config.api_listen, tls=self.config.api_tls, get_credit=lambda: self.credit)
             self.api.start()
         if self.config.http_listen is not None:
             self.dashboard = DashboardServer(lambda: self.board, self.config.http_listen, tls=self.config.api_tls,
@@ -137,6 +145,8 @@ class Coordinator(Gatekeeper, Publisher):
 
     def shutdown(self) -> None:
         self.stopping.set()
+        if self.control.dht is not None:  # it started: its ledger is the home's
+            self._save_ledger()
         if self.api is not None:
             self.api.shutdown()
         if self.dashboard is not None:
@@ -174,7 +184,7 @@ class Coordinator(Gatekeeper, Publisher):
         figures = progress(view)
         self.history.observe(view.now, view.peers, view.plan, view.plan_time, figures.step, figures.loss,
                              figures.val_loss, figures.tokens_per_s, figures.noise_scale)
-        self.board = Board(view, self.history.snapshot(), dict(self.refused), dict(self.bans), self._admission_words())
+        self.board = Board(view, self.history.snapshot(), dict(self.refused), dict(self.bans), self._admission_words(), self.credit)
         if self.dashboard is not None:
             self.dashboard.prepare(self.board)
 
@@ -206,6 +216,7 @@ class Coordinator(Gatekeeper, Publisher):
         self.view = SwarmView(config.swarm, self.key, self.plan, self.plan_time, ours, len(dropped), now, self.calibration.overhead_s)
         if self.plan is not None:
             self.reached = max(self.reached, policy.furthest_step(self.plan, ours))
+        self._credit(ours, now)
         if self.finished or (config.steps is not None and self.reached >= config.steps):
             self.finished = True  # for good: the peers leave now, and those left on standby are not a swarm to train
             self._log_once("done", f"the swarm reached step {config.steps}: no more plans", kind="coordinator")
@@ -242,6 +253,23 @@ class Coordinator(Gatekeeper, Publisher):
             self._solve_and_publish(decision, live, ours)
         elif self.plan is not None and now - self.last_publish > config.plan_ttl_s / 3:
             self._publish(self.plan, "kept alive")
+
+    def _credit(self, ours: dict[str, PeerRecord], now: float) -> None:
+        """Fold the round's records (leaving peers' last ones too) into the credit ledger; save it every
+        `LEDGER_SAVE_S` and at shutdown."""
+        plans = [*self.recent_plans, *([self.plan] if self.plan is not None else [])]
+        for line in self.ledger.fold(plans, ours, now, self.config.workload):
+            self._event("credit", line)
+        self.credit = self.ledger.board(now)
+        if now - self._saved_round >= LEDGER_SAVE_S:
+            self._save_ledger()
+
+    def _save_ledger(self) -> None:
+        try:
+            self.ledger.save(self.ledger_path)
+            self._saved_round = self.control.now()
+        except OSError as error:  # a full disk must not stop the swarm: say so, and try again later
+            self._log_once(f"ledger {error}", f"could not save the credit ledger to {self.ledger_path}: {error}")
 
     def _running_pace(self) -> Pace | None:
         """The running plan's pace so far (None: no plan, or no step of it seen yet)."""

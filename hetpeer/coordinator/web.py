@@ -4,7 +4,8 @@ Routes (GET or HEAD only):
   /                 the page: plan picture, charts, plan history, events, peers (static/dashboard.*)
   /static/NAME      the page's script and style, and plotly.js from the plotly package
   /api/state        everything the page shows, as one document (`board.state`)
-  /api/progress, /api/plan, /api/peers, /api/history   its parts
+  /api/progress, /api/plan, /api/peers, /api/history, /api/credit   its parts (credit: the ledger's leaderboard)
+  /api/credit.csv   the volunteers' credit as CSV (`ledger.csv_text`), an attachment named credit.csv
   /api/stream       server-sent events: `{"version": N}` each time the coordinator has a new round
   /metrics          Prometheus text format (`board.SwarmCollector`)
   /data/FILE        with `data`: the prepared corpus the plans name (its manifest, tokenizer and shards; no other file)
@@ -41,6 +42,7 @@ from urllib.parse import urlsplit
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from hetpeer.coordinator import board as boards
+from hetpeer.coordinator.ledger import CreditBoard, csv_text
 from hetpeer.coordinator.tls import ServerTls
 
 ASSETS = {  # name -> content type
@@ -49,7 +51,8 @@ ASSETS = {  # name -> content type
     "dashboard.css": "text/css; charset=utf-8",
     "plotly.min.js": "text/javascript; charset=utf-8",
 }
-PARTS = {"progress", "plan", "peers", "history"}
+PARTS = {"progress", "plan", "peers", "history", "credit"}
+CSV_TYPE = "text/csv; charset=utf-8"
 log = logging.getLogger("hetpeer.coordinator")
 STREAM_POLL_S = 0.5
 STREAM_KEEPALIVE_S = 15.0
@@ -116,6 +119,7 @@ class DashboardServer:
         self._encoded: tuple[object, dict[str, Any], bytes] | None = None  # (board, document, its JSON)
         self._metrics: tuple[object, bytes] | None = None  # (board, its Prometheus text)
         self._metrics_lock = threading.Lock()
+        self._csv: tuple[object, bytes] | None = None  # (board, its credit as CSV)
         self._scraped = -math.inf  # when /metrics was last asked for
         self._httpd: http.server.ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -178,6 +182,17 @@ class DashboardServer:
             if self._metrics is None or self._metrics[0] is not board:
                 self._metrics = (board, generate_latest(self.registry))
             return self._metrics[1]
+
+    def credit_csv(self) -> bytes | None:
+        """The latest board's credit as CSV, made once per board (a header only before the ledger's first round)."""
+        board = self.get_board()
+        if board is None:
+            return None
+        with self._lock:
+            if self._csv is None or self._csv[0] is not board:
+                credit = board.credit if board.credit is not None else CreditBoard(board.view.now, (), ())
+                self._csv = (board, csv_text(credit).encode())
+            return self._csv[1]
 
     def prepare(self, board: boards.Board) -> None:
         """Called by the coordinator with each new board: while a scraper comes by (one did within
@@ -286,6 +301,12 @@ def _handler(server: DashboardServer) -> type[http.server.BaseHTTPRequestHandler
                 self._send(200, server.metrics(), CONTENT_TYPE_LATEST, head)
             elif path.startswith("/data/") and server.data is not None and path[len("/data/"):] in server.data[1]:
                 self._send_file(server.data[0] / path[len("/data/"):], head)
+            elif path == "/api/credit.csv":
+                found = server.credit_csv()
+                if found is None:
+                    self._error(503, "the coordinator has not finished its first round")
+                    return
+                self._send(200, found, CSV_TYPE, head, extra=(("Content-Disposition", 'attachment; filename="credit.csv"'),))
             elif path == "/api/stream":
                 self._stream(head)
             elif path == "/api/state" or (path.startswith("/api/") and path[len("/api/"):] in PARTS):

@@ -49,6 +49,11 @@ class CoordinatorStub:
                 request_serializer=hetpeer_dot_protocol_dot_swarm__pb2.GetProgressRequest.SerializeToString,
                 response_deserializer=hetpeer_dot_protocol_dot_swarm__pb2.GetProgressReply.FromString,
                 _registered_method=True)
+        self.GetCredit = channel.unary_unary(
+                '/hetpeer.Coordinator/GetCredit',
+                request_serializer=hetpeer_dot_protocol_dot_swarm__pb2.GetCreditRequest.SerializeToString,
+                response_deserializer=hetpeer_dot_protocol_dot_swarm__pb2.GetCreditReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -72,6 +77,12 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetCredit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +100,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.GetProgress,
                     request_deserializer=hetpeer_dot_protocol_dot_swarm__pb2.GetProgressRequest.FromString,
                     response_serializer=hetpeer_dot_protocol_dot_swarm__pb2.GetProgressReply.SerializeToString,
+            ),
+            'GetCredit': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCredit,
+                    request_deserializer=hetpeer_dot_protocol_dot_swarm__pb2.GetCreditRequest.FromString,
+                    response_serializer=hetpeer_dot_protocol_dot_swarm__pb2.GetCreditReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +188,33 @@ class Coordinator:
             '/hetpeer.Coordinator/GetProgress',
             hetpeer_dot_protocol_dot_swarm__pb2.GetProgressRequest.SerializeToString,
             hetpeer_dot_protocol_dot_swarm__pb2.GetProgressReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCredit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetpeer.Coordinator/GetCredit',
+            hetpeer_dot_protocol_dot_swarm__pb2.GetCreditRequest.SerializeToString,
+            hetpeer_dot_protocol_dot_swarm__pb2.GetCreditReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -278,3 +278,80 @@ def test_server_error_becomes_api_error(serve):
     server = serve(broken)
     with ApiClient(server.address) as client, pytest.raises(ApiError, match=server.address):
         client.call_get_plan()
+
+
+# --- credit -------------------------------------------------------------------------------------------
+
+
+def make_board():
+    from hetpeer.coordinator.ledger import Credit, CreditBoard, TeamCredit
+
+    alice = Credit("alice-0123456789ab", "red", 40, 160, 20480, 3.5e13, 7200.0, 5400.0, 2048, 4e12, 16, False, NOW - 1)
+    bob = Credit("bob-abcdef012345", None, 10, 40, 5120, 8.75e12, 3600.0, 3600.0, 4096, 6e12, 90, True, NOW - 3)
+    carol = Credit("carol-00112233aabb", "red", 0, 0, 0, 0.0, 60.0, 0.0, 0, 0.0, 0, False, NOW - 30)
+    team = TeamCredit("red", 2, 20480, 3.5e13, 7260.0, 5400.0, 2048, 4e12)
+    return CreditBoard(NOW, (alice, bob, carol), (team,))
+
+
+def test_credit_round_trips(serve):
+    board = make_board()
+    server = serve(lambda: view(None), get_credit=lambda: board)
+    with ApiClient(server.address) as client:
+        got = client.call_get_credit()
+    assert got == board and got.to_wire() == board.to_wire()
+    assert got.of("bob-abcdef012345").team is None and got.of("bob-abcdef012345").suspect
+
+
+def test_no_credit_yet(serve):
+    server = serve(lambda: view(None))  # the coordinator keeps no ledger (yet)
+    with ApiClient(server.address) as client:
+        got = client.call_get_credit()
+    assert (got.time, got.volunteers, got.teams) == (0.0, (), ())
+
+
+def test_credit_of_a_ledger_round_trips(serve):
+    from hetpeer.coordinator.ledger import Ledger
+
+    board = Ledger(seq_len=128).board(NOW)
+    server = serve(lambda: view(None), get_credit=lambda: board)
+    with ApiClient(server.address) as client:
+        assert client.call_get_credit() == board
+
+
+def test_status_credit_prints_the_leaderboard(serve):
+    import subprocess
+    import sys
+
+    server = serve(lambda: view(None), get_credit=make_board)
+
+    def status(*args):
+        return subprocess.run([sys.executable, "-m", "hetpeer", "status", "--api", server.address, "--credit", *args],
+                              capture_output=True, text=True, timeout=60)
+
+    done = status()
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    lines = done.stdout.splitlines()
+    rows = [line.split() for line in lines if line.split()[:1] in (["1"], ["2"], ["3"])]
+    assert rows[0][:7] == ["1", "alice", "alice-0123456789ab", "red", "20,480", "35", "2,048"]
+    assert rows[1][:4] == ["2", "bob", "bob-abcdef012345", "-"] and rows[1][-1] == "!"
+    assert rows[2][:4] == ["3", "carol", "carol-00112233aabb", "red"]
+    assert rows[3][:3] == ["1", "red", "2"]  # the teams' table
+    done = status("--sort", "last_hour_tokens")
+    assert [line.split()[1] for line in done.stdout.splitlines() if line.split()[:1] in (["1"], ["2"])][:2] == ["bob", "alice"]
+    done = status("--json")
+    assert json.loads(done.stdout) == json.loads(json.dumps(make_board().to_wire()))
+    done = subprocess.run([sys.executable, "-m", "hetpeer", "status", "--api", server.address, "--sort", "flops"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--sort ranks the --credit leaderboard" in done.stderr
+
+
+class _NegativeCredit(ApiServer):
+    def rpc_get_credit(self, request, context):
+        return swarm_pb2.GetCreditReply(time=NOW, volunteers=[swarm_pb2.VolunteerCredit(device_id="eve-0123456789ab", tokens=-5)])
+
+
+def test_client_refuses_negative_credit(serve):
+    server = serve(lambda: view(None), _NegativeCredit)
+    with ApiClient(server.address) as client, pytest.raises(ApiError, match="does not parse") as error:
+        client.call_get_credit()
+    assert server.address in str(error.value) and "tokens" in str(error.value) and "-5" in str(error.value)

@@ -22,9 +22,10 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, strategies as st
 
-from dashboard_boards import board
+from dashboard_boards import board, credit_board
 from fuzz_targets import fuzz_settings
 from hetpeer.coordinator.history import Past
+from hetpeer.coordinator.ledger import CSV_COLUMNS
 from hetpeer.coordinator.tls import ServerTls
 from hetpeer.coordinator.web import DashboardError, DashboardServer, page
 from test_api_tls import make_cert
@@ -81,8 +82,38 @@ def test_the_page_its_files_and_every_json_part(served):
     doc = json.loads(body)
     assert status == 200 and headers["Cache-Control"] == "no-store"
     assert doc["swarm"] == "demo" and {p["device_id"] for p in doc["peers"]} >= {"a", "f", "s"}
-    for part in ("progress", "plan", "peers", "history"):
+    for part in ("progress", "plan", "peers", "history", "credit"):
         assert json.loads(get(server.url + f"api/{part}")[2]) == doc[part]
+
+
+def test_the_credit_leaderboard_as_json_and_as_csv(served):
+    holder = Holder(board(credit=credit_board()))
+    server = served(holder)
+    status, headers, body = get(server.url + "api/credit")
+    credit = json.loads(body)
+    assert status == 200 and headers["Cache-Control"] == "no-store" and headers["Content-Type"] == "application/json"
+    assert [(v["device_id"], v["name"], v["team"], v["tokens"], v["suspect"]) for v in credit["volunteers"]] == [
+        ("ann-1a2b3c4d", "ann", "red", 9000, False), ("bob-5e6f7a8b", "bob", "red", 5000, False),
+        ("eve-9c0d1e2f", "eve", None, 1000, True)]
+    assert credit["teams"] == [{"team": "red", "volunteers": 2, "tokens": 14000, "flops": 14000 * 6e9, "online_s": 14400.0,
+                                "training_s": 7000.0, "last_hour_tokens": 1100, "last_hour_flops": 1100 * 6e9}]
+    assert credit == json.loads(get(server.url + "api/state")[2])["credit"]
+    status, headers, body = get(server.url + "api/credit.csv")
+    lines = body.decode().splitlines()
+    assert status == 200 and headers["Content-Type"].startswith("text/csv") and headers["Cache-Control"] == "no-store"
+    assert headers["Content-Disposition"] == 'attachment; filename="credit.csv"'
+    assert lines[0] == ",".join(CSV_COLUMNS) and len(lines) == 1 + 3
+    assert lines[1].startswith("ann-1a2b3c4d,ann,red,") and lines[3].startswith("eve-9c0d1e2f,eve,,")  # no team: blank
+    for path in ("api/credit", "api/credit.csv"):
+        status, headers, head = get(server.url + path, method="HEAD")
+        assert status == 200 and head == b"" and int(headers["Content-Length"]) == len(get(server.url + path)[2])
+    holder.board = board()  # before the ledger's first round: an empty board, a header alone
+    assert json.loads(get(server.url + "api/credit")[2]) == {"time": holder.board.view.now, "volunteers": [], "teams": []}
+    assert get(server.url + "api/credit.csv")[2].decode().splitlines() == [",".join(CSV_COLUMNS)]
+    early = served(Holder(None))
+    for path in ("api/credit", "api/credit.csv"):
+        status, _, body = get(early.url + path)
+        assert status == 503 and "first round" in json.loads(body)["error"]
 
 
 def test_large_replies_are_gzipped_for_clients_that_take_it(served):
@@ -226,7 +257,7 @@ def test_raw_requests_are_answered_or_refused_and_the_server_keeps_serving(serve
     server = served(Holder(board()))
     seen = set()
     methods = st.sampled_from([b"GET", b"HEAD", b"POST", b"BREW", b"G\x00T", b""])
-    paths = st.one_of(st.sampled_from([b"/", b"/api/state", b"/metrics", b"/static/x", b"/api/../metrics"]),
+    paths = st.one_of(st.sampled_from([b"/", b"/api/state", b"/api/credit.csv", b"/metrics", b"/static/x", b"/api/../metrics"]),
                       st.binary(max_size=300))
     headers = st.tuples(st.sampled_from([[b"Host: 127.0.0.1"], [b"Host: elsewhere"], []]),
                         st.lists(st.binary(max_size=80), max_size=5)).map(lambda parts: parts[0] + parts[1])

@@ -1,6 +1,7 @@
 """The dashboard in a real browser: headless Chromium (Debian's chromium and chromium-driver, driven by
 selenium, with no network of its own) on a live local swarm's page shows the plan, the peers and the
-charts, and they update without a reload; the peers table sorts; a peer's text that looks like markup is
+charts, and they update without a reload; the peers table sorts; the credit leaderboard ranks, sorts and
+toggles; a peer's text that looks like markup is
 shown as text and never runs; the run report's HTML draws the same page from a file, with no server.
 
 Skipped where no Chromium is installed, unless HETPEER_REQUIRE_BROWSER is set (.ci/run sets it).
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dashboard_boards import board
+from dashboard_boards import board, credit_board
 from hetpeer.coordinator.web import DashboardServer
 from hetpeer.peer.reach import free_port
 from hetpeer.swarm import browser
@@ -119,6 +120,34 @@ def test_a_peers_text_that_looks_like_markup_is_shown_as_text(chrome):
         server.shutdown()
 
 
+def credit_rows(chrome, click: str | None = None) -> list[list[str]]:
+    """Click a header (`th[data-key=...]`) or a toggle (`[data-credit-...]`) of the leaderboard, then read its rows."""
+    return chrome.execute_script("""
+        if (arguments[0]) document.querySelector('#credit-panel ' + arguments[0]).click();
+        return [...document.querySelectorAll('#credit tbody tr')].map((tr) => [...tr.cells].map((td) => td.textContent));""", click)
+
+
+def test_the_credit_leaderboard_ranks_sorts_and_toggles(chrome):
+    server = DashboardServer(lambda: board(credit=credit_board())).start()
+    try:
+        chrome.get(server.url + "?once")
+        wait_for(lambda: chrome.execute_script("return document.body.dataset.rendered"), "the first render")
+        rows = credit_rows(chrome)
+        assert [(r[0], r[1], r[2], r[3]) for r in rows] == [("1", "ann", "red", "9,000"), ("2", "bob", "red", "5,000"),
+                                                            ("3", "evesuspect", "-", "1,000")]  # the suspect is marked
+        assert chrome.execute_script("return document.querySelectorAll('#credit tr[data-suspect]').length") == 1
+        assert [r[1] for r in credit_rows(chrome, 'th[data-key="name"]')] == ["ann", "bob", "evesuspect"]
+        assert [r[1] for r in credit_rows(chrome, 'th[data-key="name"]')] == ["evesuspect", "bob", "ann"]  # the other way
+        assert [r[0] for r in credit_rows(chrome, 'th[data-key="rank"]')] == ["1", "2", "3"]
+        hour = credit_rows(chrome, '[data-credit-span="hour"]')  # the last hour ranks them the other way round
+        assert [(r[0], r[1], r[3]) for r in hour] == [("1", "evesuspect", "3,000"), ("2", "bob", "1,000"), ("3", "ann", "100")]
+        teams = credit_rows(chrome, '[data-credit-rows="teams"]')
+        assert [(r[1], r[2], r[3]) for r in teams] == [("red", "2", "1,100")]
+        assert chrome.execute_script("return document.getElementById('credit-csv').getAttribute('href')") == "api/credit.csv"
+    finally:
+        server.shutdown()
+
+
 def test_the_run_reports_html_draws_the_page_from_a_file(chrome, tmp_path):
     samples = [Sample(1.0 + i, i, 5.0 - i / 10, 100.0 + i, 1 if i < 5 else 2, 4.8 if i == 4 else None) for i in range(10)]
     plans = [PlanUse(1, 0, 0.5, [(0, 2, ["p0"]), (2, 4, ["p1"])], ["p2"], predicted_step_s=0.8),
@@ -133,3 +162,4 @@ def test_the_run_reports_html_draws_the_page_from_a_file(chrome, tmp_path):
     assert [device for device, _ in figures["boxes"]] == ["p0", "p1", "p2"] and figures["plans"] == 2
     assert chrome.execute_script("return document.querySelectorAll('#chart-loss .shapelayer path').length") == 1  # one switch
     assert figures["live"] == "run report"
+    assert chrome.execute_script("return document.getElementById('credit-panel').hidden")  # a run has no ledger

@@ -9,7 +9,7 @@ from dataclasses import replace
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dashboard_boards import NOW, board, make_plan
+from dashboard_boards import NOW, board, credit_board, make_plan
 from hetpeer.coordinator.board import Board, SwarmCollector, plan_links, state
 from hetpeer.coordinator.view import SwarmView
 
@@ -39,6 +39,13 @@ def test_the_state_document_has_every_peer_and_why_some_are_left_out():
     assert doc["plan"]["predicted_step_s"] == 0.25 and doc["plan"]["standby"] == ["s"]
     assert doc["plan"]["standby_reasons"] == [[make_plan().standby_reasons[0][0], 1]]
     assert doc["history"]["events"][0]["kind"] == "join" and doc["history"]["plans"][0]["epoch"] == 1
+
+
+def test_the_state_document_has_the_credit_leaderboard_and_an_empty_one_before_the_ledgers_first_round():
+    doc = json.loads(json.dumps(state(board(credit=credit_board())), allow_nan=False))
+    assert doc["credit"] == json.loads(json.dumps(credit_board().to_wire()))
+    assert [v["name"] for v in doc["credit"]["volunteers"]] == ["ann", "bob", "eve"]
+    assert state(board())["credit"] == {"time": NOW, "volunteers": [], "teams": []}
 
 
 def test_sums_past_the_largest_float_leave_gaps_not_a_broken_document():

@@ -8,7 +8,9 @@
   const BOX_W = 180, BOX_H = 56, GAP_X = 124, GAP_Y = 48, LEFT = 64, TOP = 44;
   const COLOURS = { training: "#2e7d32", standby: "#7b8590", leaving: "#e07000", missing: "#c62828" };
   const $ = (id) => document.getElementById(id);
-  let current = null, showAllLanes = false, sortKey = "device_id", sortDown = false;
+  let current = null, showAllLanes = false;
+  const peerSort = { key: "device_id", down: false }, creditSort = { key: "rank", down: false };
+  const creditView = { rows: "volunteers", span: "all" };  // the leaderboard's toggles
 
   // -- small helpers ------------------------------------------------------------------------------
   function el(tag, attrs, ...children) {
@@ -159,15 +161,27 @@
   }
 
   // -- tables ---------------------------------------------------------------------------------------
-  function table(node, columns, rows, sortable) {
+  // `sort` ({key, down}) makes the headers sort: a click on one sorts by it, again the other way, then `redraw()`
+  function table(node, columns, rows, sort, redraw) {
     const head = el("tr", {}, ...columns.map((c) => {
-      const th = el("th", { class: (c.num ? "num " : "") + (sortable && c.key === sortKey ? `sorted${sortDown ? " down" : ""}` : ""), "data-key": c.key }, c.label);
-      if (sortable) th.addEventListener("click", () => { sortDown = sortKey === c.key ? !sortDown : false; sortKey = c.key; peersTable(current); });
+      const th = el("th", { class: (c.num ? "num " : "") + (sort && c.key === sort.key ? `sorted${sort.down ? " down" : ""}` : ""), "data-key": c.key }, c.label);
+      if (sort) th.addEventListener("click", () => { sort.down = sort.key === c.key ? !sort.down : false; sort.key = c.key; redraw(); });
       return th;
     }));
     const body = document.createDocumentFragment();
-    for (const row of rows) body.append(el("tr", {}, ...columns.map((c) => el("td", c.num ? { class: "num" } : {}, c.show(row)))));
+    for (const row of rows) body.append(el("tr", row.attrs || {}, ...columns.map((c) => el("td", c.num ? { class: "num" } : {}, c.show(row)))));
     node.replaceChildren(el("thead", {}, head), el("tbody", {}, body));
+  }
+
+  function sortRows(rows, columns, sort) {
+    const column = columns.find((c) => c.key === sort.key) || columns[0];
+    const value = column.value || ((r) => r[column.key]);
+    return rows.sort((a, b) => {
+      const x = value(a), y = value(b);
+      if (missing(x) !== missing(y)) return missing(x) ? 1 : -1;  // blanks last either way
+      const order = typeof x === "number" && typeof y === "number" ? x - y : String(x).localeCompare(String(y));
+      return sort.down ? -order : order;
+    });
   }
 
   function plansTable(state) {
@@ -183,7 +197,7 @@
       { key: "ratio", label: "ratio", num: true, show: (p) => fixed(ratio(p), 2) },
       { key: "steps", label: "steps", num: true, show: (p) => p.steps },
       { key: "reason", label: "why", show: (p) => p.reason },
-    ], state.history.plans.slice().reverse(), false);
+    ], state.history.plans.slice().reverse(), null);
   }
 
   function events(state) {
@@ -216,19 +230,58 @@
   ];
 
   function peersTable(state) {
-    const column = PEER_COLUMNS.find((c) => c.key === sortKey) || PEER_COLUMNS[0];
-    const value = column.value || ((p) => p[column.key]);
     const filter = $("peer-filter").value.trim().toLowerCase();
     const rows = state.peers.filter((p) => !filter || [p.device_id, p.state, p.device_name || "", p.admission].some((t) => t.toLowerCase().includes(filter)));
-    rows.sort((a, b) => {
-      const x = value(a), y = value(b);
-      if (missing(x) !== missing(y)) return missing(x) ? 1 : -1;  // blanks last either way
-      const order = typeof x === "number" && typeof y === "number" ? x - y : String(x).localeCompare(String(y));
-      return sortDown ? -order : order;
-    });
+    sortRows(rows, PEER_COLUMNS, peerSort);
     // a run report knows less of its peers than a coordinator: leave out what it has for none
     const columns = state.clock === "run" ? PEER_COLUMNS.filter((c) => state.peers.some((p) => !missing((c.value || ((q) => q[c.key]))(p)))) : PEER_COLUMNS;
-    table($("peers"), columns, rows, true);
+    table($("peers"), columns, rows, peerSort, () => peersTable(current));
+  }
+
+  // -- the credit leaderboard: work confirmed by neighbours (coordinator/ledger.py) ------------------
+  const hours = (s) => fixed(missing(s) ? s : s / 3600, 2);
+  const CREDIT_SHARED = [
+    { key: "tokens", label: "tokens", num: true, show: (r) => grouped(r.tokens) },
+    { key: "tflop", label: "TFLOP", num: true, value: (r) => r.flops, show: (r) => num(missing(r.flops) ? r.flops : r.flops / 1e12) },
+    { key: "training_s", label: "hours training", num: true, show: (r) => hours(r.training_s) },
+    { key: "online_s", label: "hours online", num: true, show: (r) => hours(r.online_s) },
+  ];
+  const CREDIT_COLUMNS = {
+    volunteers: [
+      { key: "rank", label: "#", num: true, show: (r) => r.rank },
+      { key: "name", label: "volunteer", show: (r) => el("span", { title: r.device_id }, r.name,
+        ...(r.suspect ? [el("span", { class: "badge suspect", title: "claimed work its neighbours did not confirm, round after round: " +
+          `it is credited only what they confirm (${grouped(r.claimed_sequences)} sequences claimed in the open epochs)` }, "suspect")] : [])) },
+      { key: "team", label: "team", show: (r) => r.team || "-" },
+      ...CREDIT_SHARED,
+    ],
+    teams: [
+      { key: "rank", label: "#", num: true, show: (r) => r.rank },
+      { key: "team", label: "team", show: (r) => r.team },
+      { key: "volunteers", label: "volunteers", num: true, show: (r) => r.volunteers },
+      ...CREDIT_SHARED,
+    ],
+  };
+
+  function creditTable(state) {
+    const panel = $("credit-panel"), credit = state.credit;
+    panel.hidden = !credit;  // a run report has no ledger
+    if (!credit) return;
+    const hour = creditView.span === "hour";
+    // the chosen span's work, ranked by tokens (then FLOPs), before the table sorts by whatever column
+    const rows = credit[creditView.rows].map((r) => ({ ...r, tokens: hour ? r.last_hour_tokens : r.tokens, flops: hour ? r.last_hour_flops : r.flops,
+                                                      attrs: r.suspect ? { "data-suspect": "" } : {} }));
+    rows.sort((a, b) => b.tokens - a.tokens || b.flops - a.flops).forEach((r, i) => { r.rank = i + 1; });
+    const columns = CREDIT_COLUMNS[creditView.rows];
+    sortRows(rows, columns, creditSort);
+    table($("credit"), columns, rows, creditSort, () => creditTable(current));
+    for (const button of panel.querySelectorAll("[data-credit-rows]")) button.setAttribute("aria-pressed", String(button.dataset.creditRows === creditView.rows));
+    for (const button of panel.querySelectorAll("[data-credit-span]")) button.setAttribute("aria-pressed", String(button.dataset.creditSpan === creditView.span));
+    const total = rows.reduce((sum, r) => sum + (r.tokens || 0), 0), suspects = credit.volunteers.filter((r) => r.suspect).length;
+    $("credit-summary").textContent = credit.volunteers.length
+      ? `${credit.volunteers.length} volunteer(s), ${credit.teams.length} team(s); ${grouped(total)} tokens confirmed by neighbours ` +
+        `${hour ? "in the last hour" : "in all"}${suspects ? `; ${suspects} suspect(s)` : ""} · as of ${when(credit.time, state.clock)}`
+      : "no credit yet: no neighbour has confirmed any peer's work";
   }
 
   // -- drawing it all, and keeping it live ----------------------------------------------------------
@@ -241,6 +294,7 @@
     plansTable(state);
     events(state);
     peersTable(state);
+    creditTable(state);
     document.body.dataset.version = state.version;
     document.body.dataset.points = drawn.points;
     if (!document.body.dataset.rendered) {
@@ -295,7 +349,15 @@
 
   document.addEventListener("DOMContentLoaded", () => {
     $("peer-filter").addEventListener("input", () => current && peersTable(current));
+    for (const button of document.querySelectorAll("[data-credit-rows], [data-credit-span]")) {
+      button.addEventListener("click", () => {
+        if (button.dataset.creditRows) creditView.rows = button.dataset.creditRows;
+        else creditView.span = button.dataset.creditSpan;
+        if (current) creditTable(current);
+      });
+    }
     const inline = document.getElementById("state");
+    if (inline) $("credit-csv").hidden = true;  // a file has no server to export from
     if (inline) {
       render(JSON.parse(inline.textContent));
       setLive("run report", true);
