@@ -24,6 +24,7 @@ from hetpeer.protocol.modelspec import PRESETS, ModelSpec
 from hetpeer.protocol.workload import Workload
 
 JOIN_FILE_WAIT_S = 120.0
+CREDIT_WAIT_HEARTBEATS = 5  # a leaving peer waits at most this long for its last steps to be confirmed
 TENSOR_PORT, DHT_PORT = 7000, 7001  # a swarm peer's default ports off this machine: the ones to forward on a home router
 DEFAULT_LINK_KEY_SHOWN = "~/.hetpeer/link.key"  # a fixed plan peer's, as `hetpeer key` and `join --plan` take it
 DEFAULT_LINK_KEY = str(Path(DEFAULT_LINK_KEY_SHOWN).expanduser())
@@ -129,6 +130,12 @@ def _add_swarm_options(join: argparse.ArgumentParser) -> None:
                        "--admission token")
     swarm.add_argument("--name", default="peer", metavar="NAME",
                        help="readable part of this peer's id, NAME-<key fingerprint> (a-z, 0-9, _; default peer)")
+    swarm.add_argument("--team", metavar="TEAM",
+                       help="the team this volunteer's credit counts for on the leaderboard (1-32 of A-Z, a-z, 0-9, _, . "
+                       "and -; default none)")
+    swarm.add_argument("--coordinator-api", metavar="HOST:PORT",
+                       help="the coordinator's gRPC API, asked for this peer's confirmed credit as it leaves (default: the "
+                       "join file's; none: no credit is said)")
     swarm.add_argument("--home", type=Path, metavar="DIR",
                        help="keeps this peer's key: restarting with the same DIR rejoins as the same peer "
                        "(default ~/.hetpeer/NAME)")
@@ -320,6 +327,7 @@ def run_swarm_join(args: argparse.Namespace) -> int:
             emulation=_emulation(args), save=args.save, save_every=args.save_every, token=args.token,
             clock_skew_s=args.emulate_clock_skew,
             memory_cap_bytes=round(args.emulate_memory * 2**20) if args.emulate_memory is not None else None,
+            team=args.team,
         )
         from hetpeer.protocol.identity import NAME_RE
 
@@ -338,7 +346,35 @@ def run_swarm_join(args: argparse.Namespace) -> int:
         say("interrupted: leaving the swarm")
     finally:
         peer.shutdown()
+    if args.coordinator_api and peer.device_id:
+        _say_credit(args.coordinator_api, peer, args.heartbeat)
     return 0
+
+
+def _say_credit(address: str, peer, heartbeat_s: float) -> None:
+    """Ask the coordinator what this peer is credited, once its ledger has this peer's last record and the
+    neighbours' receipts stop moving (a few heartbeats at most), and say it."""
+    from hetpeer.coordinator.api_client import ApiClient
+    from hetpeer.coordinator.api_errors import ApiError
+    from hetpeer.coordinator.ledger import describe
+
+    claimed = sum(c.sequences for c in peer.tally.claims())
+    if not claimed:
+        say("credit: none earned in this session: it trained no step")
+        return
+    deadline, last = time.monotonic() + CREDIT_WAIT_HEARTBEATS * heartbeat_s, None
+    try:
+        with ApiClient(address, timeout_s=5.0) as client:
+            while True:
+                credit = client.call_get_credit().of(peer.device_id)
+                if credit is not None and credit.claimed_sequences >= claimed and credit == last or time.monotonic() > deadline:
+                    break
+                last = credit
+                time.sleep(heartbeat_s)
+    except (ApiError, KeyboardInterrupt) as error:
+        say(f"credit: could not ask the coordinator at {address} ({error or 'interrupted'}); `hetpeer status --credit` shows it")
+        return
+    say(f"credit: {describe(credit)}")
 
 
 def _take_join_file(args: argparse.Namespace) -> None:
@@ -372,6 +408,8 @@ def _take_join_file(args: argparse.Namespace) -> None:
     args.initial_peers = list(dict.fromkeys([*args.initial_peers, *info.initial_peers]))
     if args.reach is None and info.reach is not None:
         args.reach = f"{info.reach[0]}:{info.reach[1]}"
+    if args.coordinator_api is None and info.api is not None:
+        args.coordinator_api = f"{info.api[0]}:{info.api[1]}"
 
 
 def on_this_machine(maddrs: list[str]) -> bool:

@@ -220,6 +220,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
     from hetpeer.coordinator.service import Coordinator
     from hetpeer.coordinator.web import DashboardError
     from hetpeer.protocol.admission import AdmissionError
+    from hetpeer.coordinator.ledger import LedgerError
     from hetpeer.protocol.control import ControlError
 
     recipe = recipe_from(args)
@@ -250,7 +251,7 @@ def run_coordinator(args: argparse.Namespace) -> int:
     try:
         coordinator.start()
         coordinator.run()
-    except (ControlError, ApiError, AdmissionError, DashboardError) as error:
+    except (ControlError, ApiError, AdmissionError, DashboardError, LedgerError) as error:
         raise UserError(str(error)) from None
     except KeyboardInterrupt:
         say("interrupted: the peers go on with the plan they have")

@@ -35,6 +35,7 @@ import json
 import math
 import os
 import statistics
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -48,7 +49,8 @@ OPEN_EPOCHS = 4  # epochs kept whole: a later plan's rollback takes their credit
 BUCKET_S = 600.0  # the last hour's credit, in buckets of this many seconds
 BUCKETS = 6
 SUSPECT_ROUNDS = 5  # rounds in a row a claim runs past its witnesses before its peer is a suspect
-MAX_GAP_S = 60.0  # a peer unseen longer than this between rounds was not online meanwhile
+MAX_GAP_S = 60.0  # a peer unseen longer than this between its records (times the fold's share) was not online meanwhile
+FOLD_PER_ROUND = 250  # records a round folds, about: a larger swarm's are folded in turns
 VOLUNTEER_BYTES = 400  # the most a volunteer's totals take in the ledger's file (tested with 10,000)
 
 
@@ -140,6 +142,7 @@ class _Epoch:
     credited: dict[str, tuple[int, int]] = field(default_factory=dict)  # device -> (micro-batches, sequences)
     over: dict[str, int] = field(default_factory=dict)  # device -> rounds in a row its claim ran past its witnesses
     flagged: set[str] = field(default_factory=set)
+    capped: set[str] = field(default_factory=set)  # devices whose credit the epoch's window holds back (not saved)
 
 
 @dataclass(slots=True)
@@ -162,25 +165,40 @@ class Ledger:
         self.volunteers: dict[str, _Volunteer] = {}
         self.epochs: dict[int, _Epoch] = {}
         self.last_round: float | None = None
+        self.rounds = 0
+        self.board_due = True  # credit moved enough to show afresh (`board`); a caller may show the last board until then
+        self._slots: dict[str, int] = {}
 
     # -- a round ----------------------------------------------------------------------------------------
     def fold(self, plans: Iterable[Plan], records: Mapping[str, PeerRecord], now: float, workload: Workload) -> list[str]:
         """Take this round's plans and records (leaving peers' last ones included); the lines worth saying (a peer
-        that became a suspect). O(records' receipts and claims)."""
+        that became a suspect). A round folds at most about `FOLD_PER_ROUND` records: in a larger swarm each
+        volunteer's records are folded every `share` rounds, by its slot (counts are cumulative, so a record
+        folded later says all the skipped ones did), and a newcomer's or a leaving peer's at once. O(records
+        folded x their receipts and claims)."""
         for plan in sorted(plans, key=lambda p: p.epoch):
             self._book(plan, workload)
-        dt = 0.0 if self.last_round is None else min(max(0.0, now - self.last_round), MAX_GAP_S)
-        self.last_round = now
+        self.rounds += 1
+        share = max(1, -(-len(records) // FOLD_PER_ROUND))
+        self.board_due |= self.rounds % share == 0
+        max_gap_s = MAX_GAP_S * share
         touched: dict[int, set[str]] = {}
+        turn, slots, volunteers = self.rounds % share, self._slots, self.volunteers
         for device, record in records.items():
-            volunteer = self.volunteers.get(device)
+            volunteer = volunteers.get(device)
             if volunteer is None:
-                volunteer = self.volunteers[device] = _Volunteer()
+                volunteer = volunteers[device] = _Volunteer()
+                self.board_due = True
+            elif record.state == "leaving":
+                self.board_due |= record.time > volunteer.last_seen
+            elif share > 1 and (slots.get(device) or slots.setdefault(device, zlib.crc32(device.encode()))) % share != turn:
+                continue
             if record.team is not None:
                 volunteer.team = record.team
-            if record.state != "leaving" and record.time > volunteer.last_seen:
-                volunteer.online_s += dt
-                volunteer.training_s += dt if record.state == "training" else 0.0
+            gap_s = record.time - volunteer.last_seen
+            if 0 < gap_s <= max_gap_s and record.state != "leaving":  # online since its last record folded
+                volunteer.online_s += gap_s
+                volunteer.training_s += gap_s if record.state == "training" else 0.0
             volunteer.last_seen = max(volunteer.last_seen, record.time)
             for claim in record.trained:
                 book = self.epochs.get(claim.epoch)
@@ -195,8 +213,12 @@ class Ledger:
                 if _newer(receipt, book.receipts.get(key)):
                     book.receipts[key] = receipt
                     touched.setdefault(receipt.epoch, set()).add(receipt.sender)
+        for epoch, book in self.epochs.items():
+            if book.capped:
+                touched.setdefault(epoch, set()).update(book.capped)
         for epoch, devices in touched.items():
             self._credit(epoch, self.epochs[epoch], devices, now)
+        self.last_round = now
         return self._suspects()
 
     def _suspects(self) -> list[str]:
@@ -257,6 +279,10 @@ class Ledger:
                 sequences -= (last - book.clip + 1) * place.lane_sequences
                 last = book.clip - 1
             window = min(last, median_last + 1) - book.start_step + 1  # a colluding pair cannot run ahead of the swarm
+            if sequences > window * place.lane_sequences:  # credited afresh as the swarm's median moves on
+                book.capped.add(device)
+            else:
+                book.capped.discard(device)
             sequences = max(0, min(sequences, window * place.lane_sequences))
             micro = sequences * place.micro_per_step // place.lane_sequences
             before = book.credited.get(device, (0, 0))[1]
@@ -283,6 +309,7 @@ class Ledger:
     # -- what is shown ------------------------------------------------------------------------------------
     def board(self, now: float) -> CreditBoard:
         """Every volunteer's credit (settled epochs and open ones), most tokens first; and the teams'. O(volunteers)."""
+        self.board_due = False
         open_credit: dict[str, list[float]] = {}
         for book in self.epochs.values():
             for device, (micro, sequences) in book.credited.items():
@@ -296,12 +323,15 @@ class Ledger:
         rows = []
         for device, v in self.volunteers.items():
             micro, sequences, flops, claimed = open_credit.get(device, (0, 0, 0.0, 0))
-            recent = [b for b in v.buckets if b[0] > bucket - BUCKETS]
+            hour_tokens, hour_flops = 0, 0.0
+            for b in v.buckets:
+                if b[0] > bucket - BUCKETS:
+                    hour_tokens += b[1]
+                    hour_flops += b[2]
             rows.append(Credit(
                 device, v.team, v.micro_batches + int(micro), v.sequences + int(sequences),
                 (v.sequences + int(sequences)) * self.seq_len, v.flops + flops, v.online_s, v.training_s,
-                max(0, int(sum(b[1] for b in recent))), max(0.0, sum(b[2] for b in recent)), int(claimed), v.suspect,
-                v.last_seen))
+                max(0, int(hour_tokens)), max(0.0, hour_flops), int(claimed), v.suspect, v.last_seen))
         rows.sort(key=lambda c: (-c.tokens, c.device_id))
         teams: dict[str, list[Credit]] = {}
         for row in rows:

@@ -138,8 +138,10 @@ class Coordinator(Gatekeeper, Publisher):
         if self.config.join_file is not None:
             c = self.config
             dialable = self.control.dialable_maddrs()
-            reach = None if self.reach is None else ((maddr_host(dialable[0]) if dialable else None) or "127.0.0.1", self.reach.port)
-            JoinInfo(c.swarm, self.key, self.control.dialable_maddrs(), c.model.name, c.dtype, reach).write(c.join_file)
+            host = (maddr_host(dialable[0]) if dialable else None) or "127.0.0.1"
+            reach = None if self.reach is None else (host, self.reach.port)
+            api = None if self.api is None or c.api_tls is not None else (host, self.api.port)  # a TLS API needs its CA
+            JoinInfo(c.swarm, self.key, self.control.dialable_maddrs(), c.model.name, c.dtype, reach, api).write(c.join_file)
             self.report(f"join file: {c.join_file} (hetpeer join --join-file {c.join_file})")
         return self
 
@@ -260,7 +262,8 @@ class Coordinator(Gatekeeper, Publisher):
         plans = [*self.recent_plans, *([self.plan] if self.plan is not None else [])]
         for line in self.ledger.fold(plans, ours, now, self.config.workload):
             self._event("credit", line)
-        self.credit = self.ledger.board(now)
+        if self.ledger.board_due:  # a large swarm's board is made afresh every few rounds, or when a peer comes or goes
+            self.credit = self.ledger.board(now)
         if now - self._saved_round >= LEDGER_SAVE_S:
             self._save_ledger()
 

@@ -6,10 +6,11 @@ hands it to volunteers; containers of one compose project share it through a vol
 
     {"version": 1, "swarm": "docker", "coordinator_key": "<64 hex digits>",
      "initial_peers": ["/dns4/coordinator/tcp/31337/p2p/12D3KooW..."], "model": "tiny", "dtype": "fp32",
-     "reach": "coordinator:31339"}
+     "reach": "coordinator:31339", "api": "coordinator:31340"}
 
 `reach` (optional) is the coordinator's reach service (`protocol/reach.py`): a peer asks it whether others
-can dial it, the address they see, and the swarm's clock.
+can dial it, the address they see, and the swarm's clock. `api` (optional) is the coordinator's gRPC API, which
+a peer asks for its credit when it leaves (`coordinator/ledger.py`).
 
 The key digest is what a peer trusts plans by, so the file is trusted like the flag it replaces: read it
 from where the organizer put it, never from another peer.
@@ -38,6 +39,7 @@ class JoinInfo:
     model: str
     dtype: str
     reach: tuple[str, int] | None = None  # the coordinator's reach service
+    api: tuple[str, int] | None = None  # the coordinator's gRPC API (without TLS)
 
     def to_wire(self) -> dict[str, Any]:
         wire = {
@@ -46,12 +48,14 @@ class JoinInfo:
         }  # fmt: skip
         if self.reach is not None:
             wire["reach"] = f"{self.reach[0]}:{self.reach[1]}"
+        if self.api is not None:
+            wire["api"] = f"{self.api[0]}:{self.api[1]}"
         return wire
 
     @staticmethod
     def from_wire(raw: Any) -> "JoinInfo":
         root = need_mapping(raw, "join")
-        no_extra_fields(root, {"version", "swarm", "coordinator_key", "initial_peers", "model", "dtype", "reach"}, "join")
+        no_extra_fields(root, {"version", "swarm", "coordinator_key", "initial_peers", "model", "dtype", "reach", "api"}, "join")
         version = need_int(field(root, "version", "join"), "join.version")
         if version != JOIN_VERSION:
             raise SchemaError("join.version", f"must be {JOIN_VERSION}, got {version}")
@@ -65,6 +69,7 @@ class JoinInfo:
             swarm=need_str(field(root, "swarm", "join"), "join.swarm"), coordinator_key=key, initial_peers=peers,
             model=need_str(field(root, "model", "join"), "join.model"), dtype=need_str(field(root, "dtype", "join"), "join.dtype"),
             reach=host_port(root["reach"], "join.reach") if "reach" in root else None,
+            api=host_port(root["api"], "join.api") if "api" in root else None,
         )
 
     @staticmethod

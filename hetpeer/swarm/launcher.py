@@ -32,7 +32,9 @@ from hetpeer.protocol.modelspec import PRESETS
 from hetpeer.protocol.recipe import Recipe
 from hetpeer.protocol.workload import Workload
 from hetpeer.swarm import DEMO_RECIPE
-from hetpeer.swarm.report import Event, LaneStep, PeerInfo, PlanUse, RunReport, StageUse, lane_step, samples_from_lanes, summarize
+from hetpeer.coordinator.ledger import CreditBoard
+from hetpeer.swarm.report import (ANY_STEP_RE, Event, LaneStep, PeerCredit, PeerInfo, PlanUse, RunReport, StageUse, lane_step,
+                                  samples_from_lanes, summarize)
 from hetpeer.swarm.watch import StalledError, describe, follow
 
 KEY_RE = re.compile(r"its key \(give peers --coordinator-key\): ([0-9a-f]{64})")
@@ -41,6 +43,7 @@ PEER_RE = re.compile(r"^peer (\S+) in swarm \S+: tensors on \S+, DHT on (\S+)")
 # a peer that enters a plan: how its stage came to it (kept, restored, downloaded from its group)
 ENTERED_RE = re.compile(r"^plan epoch (\d+) from step (\d+): stage (\d+)/\d+ \(layers [^)]*\), lane \d+/\d+, group with [^;]*; (.*)$")
 START_TIMEOUT_S = 120.0
+CREDIT_WAIT_HEARTBEATS = 8  # after the last step: for the peers to leave and the ledger to take their last receipts
 # emulated devices ask for at most this share of the cores: the rest is left to the coordinator, the DHT daemons
 # and the peers' own threads (receiving, sending, probing, a returning peer's start-up), which would otherwise slow
 # the emulated compute. In the 8-peer demo on 2 cores the DHT processes and p2pd daemons alone take a third of the
@@ -226,6 +229,9 @@ class LocalSwarm:
         self.peer_maddrs: dict[int, str] = {}
         self.events: list[Event] = []
         self.lane_steps: list[LaneStep] = []  # what the lanes' last stages printed, step by step
+        self.steps_done: dict[int, set[tuple[int, int]]] = {}  # peer -> (epoch, step) of the step lines it printed
+        self.lane_sequences: dict[tuple[int, str], int] = {}  # (epoch, device) -> its lane's sequences a step
+        self.credit: CreditBoard | None = None  # the ledger's, once the run is over
         self.plans: dict[int, PlanUse] = {}
         self.measured: dict[str, tuple[str, float]] = {}  # device id -> (device name, TFLOPS) it announced
         self.left: int | None = None  # the peer that left (`SwarmConfig.leave`), once it has
@@ -290,6 +296,7 @@ class LocalSwarm:
             "--home", str(c.out / f"peer{i}"), "--coordinator-key", self.key, "--initial-peers", *self.dht_maddrs[:1],
             "--model", c.model, "--dtype", c.dtype, "--heartbeat", repr(c.heartbeat_s), "--steps", str(c.steps),
             "--threads", str(c.threads), "--timeout", repr(c.timeout_s), "--slowdown", repr(c.slowdown(i)),
+            "--coordinator-api", self.api_address,
         ]
         if c.cap(i) is not None:
             command += ["--bandwidth-cap", repr(c.cap(i))]
@@ -336,6 +343,9 @@ class LocalSwarm:
 
     def _on_line(self, name: str, stamped: str) -> None:
         line = logline.unstamp(stamped)
+        if name.startswith("peer") and (done := ANY_STEP_RE.match(line)) is not None:
+            with self._seen:
+                self.steps_done.setdefault(int(name.removeprefix("peer")), set()).add((int(done.group(1)), int(done.group(4))))
         if name == "coordinator":
             key, dht = KEY_RE.search(line), DHT_RE.match(line)
             with self._seen:
@@ -376,6 +386,9 @@ class LocalSwarm:
         target = until_step if until_step is not None else self.config.steps
 
         def on_plan(plan) -> None:
+            for lane, devices in enumerate(plan.lanes):
+                for device in devices:
+                    self.lane_sequences[(plan.epoch, device)] = plan.lane_sequences(lane)
             self.plans[plan.epoch] = PlanUse(
                 plan.epoch, plan.start_step, self.elapsed(), tuple(StageUse(s.layer_start, s.layer_end, s.devices) for s in plan.stages),
                 plan.standby, predicted_step_s=plan.total_s,
@@ -403,9 +416,26 @@ class LocalSwarm:
                                gone=lambda: not any(p.alive for p in self.peers), gone_grace_s=2 * self.config.heartbeat_s + 1)
             except StalledError as error:
                 raise SwarmError(f"{error}; logs in {self.config.out}") from None
-        if ended == "left":
-            self.event("every peer has left")
+            if ended == "left":
+                self.event("every peer has left")
+            self.credit = self._settled_credit(client)
         return self.report()
+
+    def _settled_credit(self, client: ApiClient) -> CreditBoard | None:
+        """The ledger once the peers have left (they do at the last step) and two rounds in a row credit the same:
+        their last steps' receipts are in. None where the coordinator does not answer."""
+        deadline = time.monotonic() + CREDIT_WAIT_HEARTBEATS * self.config.heartbeat_s
+        last = None
+        while True:
+            try:
+                board = client.call_get_credit()
+            except ApiError:
+                board = None
+            settled = board is not None and last is not None and board.volunteers == last.volunteers
+            if (settled and not any(p.alive for p in self.peers)) or time.monotonic() > deadline or self.interrupted.is_set():
+                return board
+            last = board
+            time.sleep(self.config.heartbeat_s)
 
     def _churn(self, step: int) -> None:
         """`SwarmConfig.leave`: at its first step a peer of a group leaves (stopped as a volunteer stops it); at its
@@ -447,7 +477,23 @@ class LocalSwarm:
         return RunReport(
             swarm=c.swarm, model=c.model, steps=max((s.step + 1 for s in samples), default=0), wall_s=self.elapsed(),
             peers=peers, plans=summarize(samples, list(self.plans.values())), samples=list(samples), events=list(self.events),
+            credit=self._credit_rows(),
         )
+
+    def _credit_rows(self) -> list[PeerCredit]:
+        """Each peer's step lines beside its credit in the ledger (none before the run has one)."""
+        if self.credit is None:
+            return []
+        rows = []
+        with self._seen:
+            done = {i: sorted(steps) for i, steps in self.steps_done.items()}
+        for i, device in sorted(self.device_ids.items()):
+            steps = done.get(i, [])
+            credit = self.credit.of(device)
+            rows.append(PeerCredit(device, len(steps), sum(self.lane_sequences.get((e, device), 0) for e, _ in steps),
+                                   credit.sequences if credit else 0, credit.tokens if credit else 0,
+                                   credit.flops if credit else 0.0))
+        return rows
 
 
 def parse_per_peer(text: str | None, peers: int, what: str, none_value: str | None = None) -> tuple:

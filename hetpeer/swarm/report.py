@@ -130,6 +130,27 @@ def samples_from_lanes(points: Sequence[LaneStep]) -> list[Sample]:
 
 
 @dataclass(frozen=True, slots=True)
+class PeerCredit:
+    """A peer's work as it printed it (its step lines) beside what the coordinator's ledger credits it."""
+
+    device_id: str
+    trained_steps: int  # step lines it printed
+    trained_sequences: int  # those steps' sequences (its lane's share of each step's batch)
+    credited_sequences: int  # confirmed by its neighbours (`coordinator/ledger.py`)
+    credited_tokens: int
+    credited_flops: float
+
+    @property
+    def credited_steps(self) -> float:
+        """Its credit in its own steps: the sequences credited over the sequences a step of its trained."""
+        return self.credited_sequences * self.trained_steps / self.trained_sequences if self.trained_sequences else 0.0
+
+
+# a step line of any stage: epoch, stage (from 1), lane (from 1), step (from 1)
+ANY_STEP_RE = re.compile(r"^e(\d+) stage (\d+) lane (\d+)\s+step (\d+)")
+
+
+@dataclass(frozen=True, slots=True)
 class Event:
     time_s: float
     text: str  # e.g. "peer p3 killed", "plan epoch 2 published"
@@ -145,9 +166,10 @@ class RunReport:
     plans: tuple[PlanUse, ...]
     samples: tuple[Sample, ...]
     events: tuple[Event, ...] = ()
+    credit: tuple[PeerCredit, ...] = ()  # each peer's trained and credited work, once the ledger has its last steps
 
     def __post_init__(self) -> None:
-        for name in ("peers", "plans", "samples", "events"):
+        for name in ("peers", "plans", "samples", "events", "credit"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @property
@@ -172,6 +194,7 @@ class RunReport:
             plans=[PlanUse(**p) for p in data["plans"]],
             samples=[Sample(**{**s, "loss": math.nan if s["loss"] is None else s["loss"]}) for s in data["samples"]],
             events=[Event(**e) for e in data["events"]],
+            credit=[PeerCredit(**c) for c in data.get("credit", [])],
         )  # fmt: skip
 
 
@@ -335,6 +358,15 @@ def format_markdown(report: RunReport, pictures: Sequence[str] = ()) -> str:
             f"| {_num(p.predicted_step_s, '.3f')} | {_num(p.measured_step_s, '.3f')} | {_num(p.ratio, '.2f')} "
             f"| {_num(p.tokens_per_s, '.0f')} |"
         )  # fmt: skip
+    if report.credit:
+        lines += ["", "## Credit", "",
+                  "What each peer trained (its step lines) and what the coordinator's ledger credits it: work its lane "
+                  "neighbours (or, in a one-stage lane, its group) confirm receiving.", "",
+                  "| peer | steps trained | sequences trained | sequences credited | credited (its steps) | tokens | TFLOP |",
+                  "|---|---|---|---|---|---|---|"]
+        for c in report.credit:
+            lines.append(f"| {c.device_id} | {c.trained_steps} | {c.trained_sequences} | {c.credited_sequences} "
+                         f"| {c.credited_steps:.1f} | {c.credited_tokens} | {c.credited_flops / 1e12:.3g} |")
     lines += ["", "## Events", ""]
     lines += [f"- {e.time_s:.1f} s: {e.text}" for e in sorted(report.events, key=lambda e: e.time_s)] or ["- none"]
     lines += ["", "## Charts", "", "report.html has the loss, validation loss and tokens/s charts (open it in a browser).", ""]

@@ -80,6 +80,14 @@ def test_the_swarm_trains_to_its_step_count_and_stops_everything(tmp_path):
     for i, peer in enumerate(report.peers):  # in the order started: peer0, peer1, ...
         if peer.device_id in members:
             assert f"reached step {DEMO_STEPS}: leaving" in (out / f"peer{i}.log").read_text()
+    # credit: what each peer trained by its step lines, confirmed by its neighbours, within a step
+    assert [c.device_id for c in report.credit] == [p.device_id for p in report.peers]
+    for i, credit in enumerate(report.credit):
+        assert abs(credit.credited_steps - credit.trained_steps) <= 1, credit
+        if credit.trained_steps:
+            assert credit.credited_tokens == credit.credited_sequences * 64 and credit.credited_flops > 0
+            assert "credit: credited " in (out / f"peer{i}.log").read_text()
+    assert sum(c.trained_steps for c in report.credit) >= DEMO_STEPS and "## Credit" in (out / "report.md").read_text()
     assert processes_using(out) == []
 
 

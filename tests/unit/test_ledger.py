@@ -214,3 +214,20 @@ def test_ten_thousand_volunteers_fit_the_stated_size():
     assert len(ledger.volunteers) == 10_000 and all(len(v.buckets) == BUCKETS_FILLED for v in ledger.volunteers.values())
     size = len(json.dumps(ledger.to_wire()["volunteers"], separators=(",", ":")))
     assert size < 10_000 * VOLUNTEER_BYTES, size
+
+
+def test_a_large_swarm_is_folded_in_turns_and_a_leaving_peer_at_once(monkeypatch):
+    monkeypatch.setattr("hetpeer.coordinator.ledger.FOLD_PER_ROUND", 2)  # 6 peers: each folded every 3rd round
+    plan = named(make_plan(3, lanes=2, lane_batch=4, micro_batch=2, epoch=1))
+    ledger = Ledger(SPEC.seq_len)
+    ledger.fold([plan], {d: record(d, t) for d, t in honest(plan, 1).items()}, 0.0, WORKLOAD)  # newcomers: all at once
+    assert all(c.sequences == 4 for c in ledger.board(0.0).volunteers)
+    later = {d: record(d, t, time=1.0) for d, t in honest(plan, 5).items()}
+    ledger.fold([plan], later, 1.0, WORKLOAD)
+    assert 4 in [c.sequences for c in ledger.board(1.0).volunteers]  # not every record's turn yet
+    for r in range(2, 8):
+        ledger.fold([plan], later, float(r), WORKLOAD)
+    assert [c.sequences for c in ledger.board(8.0).volunteers] == [20] * 6
+    leaving = {d: record(d, t, time=9.0, state="leaving") for d, t in honest(plan, 6).items()}
+    ledger.fold([plan], leaving, 9.0, WORKLOAD)
+    assert ledger.board_due and [c.sequences for c in ledger.board(9.0).volunteers] == [24] * 6

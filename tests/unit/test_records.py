@@ -15,7 +15,10 @@ from hetpeer.protocol.addresses import PeerAddress
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.identity import device_id, fingerprint
 from hetpeer.protocol.records import (
+    MAX_CLAIMS,
     MAX_LINKS,
+    Claim,
+    Receipt,
     MAX_PLAN_BYTES,
     PROTOCOL_VERSION,
     LinkMeasurement,
@@ -495,3 +498,59 @@ def test_two_peers_punch_to_each_other_only_when_both_are_behind_nat_punch_and_h
     assert not a.punches_with(peer("203.0.113.9", punch=0))  # its NAT changes ports
     assert not a.punches_with(peer("203.0.113.9", reachable="direct"))  # dialled, not punched
     assert not a.punches_with(peer("198.51.100.1"))  # behind one address: their router would have to hairpin
+
+
+# -- credit: receipts, claims, team -----------------------------------------------------------------
+
+NEIGHBOUR = "cpu2-000000000000"
+
+
+def credited(**changes) -> PeerRecord:
+    fields = dict(team="red-team.1", received=(Receipt(NEIGHBOUR, 3, "activations", 100, 120, 42, 84),
+                                               Receipt(NEIGHBOUR, 2, "params", 0, 99, 100, 400)),
+                  trained=(Claim(2, 0, 99, 100, 400), Claim(3, 100, 120, 42, 84)))
+    return record(**{**fields, **changes})
+
+
+def test_receipts_claims_and_team_travel_with_the_record():
+    raw = credited().to_wire()
+    assert parse(json.loads(json.dumps(raw))) == credited()
+
+
+@pytest.mark.parametrize("column, index, value, words", [
+    ("peers", 0, "gpu0-" + "0" * 12, "another peer's device id"),  # the record's own id is set below
+    ("peers", 0, "not a device", "another peer's device id"),
+    ("kinds", 0, "loss", "kind must be one of"),
+    ("epochs", 0, -1, "epoch non-negative"),
+    ("first", 0, 121, "first <= last"),
+    ("micro", 0, 0, "1 <= micro-batches"),
+    ("micro", 0, 85, "1 <= micro-batches <= sequences"),
+])
+def test_a_bad_receipt_is_refused_naming_it(column, index, value, words):
+    raw = credited().to_wire()
+    if column == "peers" and value.startswith("gpu0-"):
+        value = raw["device_id"]
+    raw["received"][column][index] = value
+    assert words in str(refused(raw, "peer.received[0]"))
+
+
+def test_receipts_and_claims_of_unlike_lengths_twice_over_or_too_many_are_refused():
+    raw = credited().to_wire()
+    raw["received"]["last"].append(5)
+    refused(raw, "peer.received")
+    raw = credited().to_wire()
+    raw["received"]["epochs"][1], raw["received"]["kinds"][1] = 3, "activations"
+    assert "twice" in str(refused(raw, "peer.received"))
+    raw = credited().to_wire()
+    raw["trained"]["epochs"][1] = 2
+    assert "twice" in str(refused(raw, "peer.trained"))
+    many = credited(trained=tuple(Claim(e, 0, 1, 2, 4) for e in range(MAX_CLAIMS + 1))).to_wire()
+    assert "at most" in str(refused(many, "peer.trained"))
+    raw = credited().to_wire()
+    raw["trained"]["sequences"][0] = 99  # fewer sequences than micro-batches
+    refused(raw, "peer.trained[0]")
+
+
+@pytest.mark.parametrize("team", ["", "-red", "r" * 33, "red team", "réd"])
+def test_a_bad_team_is_refused(team):
+    refused(wire(team=team), "peer.team")
