@@ -24,7 +24,7 @@ from hetpeer.protocol.modelspec import PRESETS, ModelSpec
 from hetpeer.protocol.workload import Workload
 
 JOIN_FILE_WAIT_S = 120.0
-CREDIT_WAIT_HEARTBEATS = 5  # a leaving peer waits at most this long for its last steps to be confirmed
+CREDIT_WAIT_HEARTBEATS = 3  # a leaving peer waits at most this long for its last steps to be confirmed
 TENSOR_PORT, DHT_PORT = 7000, 7001  # a swarm peer's default ports off this machine: the ones to forward on a home router
 DEFAULT_LINK_KEY_SHOWN = "~/.hetpeer/link.key"  # a fixed plan peer's, as `hetpeer key` and `join --plan` take it
 DEFAULT_LINK_KEY = str(Path(DEFAULT_LINK_KEY_SHOWN).expanduser())
@@ -364,7 +364,7 @@ def _say_credit(address: str, peer, heartbeat_s: float) -> None:
         return
     deadline, last = time.monotonic() + CREDIT_WAIT_HEARTBEATS * heartbeat_s, None
     try:
-        with ApiClient(address, timeout_s=5.0) as client:
+        with ApiClient(address, timeout_s=2.0) as client:
             while True:
                 credit = client.call_get_credit().of(peer.device_id)
                 if credit is not None and credit.claimed_sequences >= claimed and credit == last or time.monotonic() > deadline:

@@ -39,11 +39,20 @@ def refused(raw, where: str) -> None:
         ({"initial_peers": ["/ip4/10.0.0.2/tcp/31337"]}, "join.initial_peers[0]"),
         ({"initial_peers": MADDR}, "join.initial_peers"),
         ({"swarm": 7}, "join.swarm"),
+        ({"api": "coordinator"}, "join.api"),
+        ({"api": "coordinator:99999"}, "join.api"),
         ({"admin": True}, "join.admin"),
     ],
 )
 def test_a_bad_join_file_is_refused_naming_the_field(change, where):
     refused(INFO.to_wire() | change, where)
+
+
+def test_the_coordinators_api_travels_in_the_join_file_when_given(tmp_path):
+    with_api = JoinInfo("docker", KEY, (MADDR,), "tiny", "fp32", ("coordinator", 31339), ("coordinator", 31340))
+    assert with_api.to_wire()["api"] == "coordinator:31340" and "api" not in INFO.to_wire()
+    with_api.write(tmp_path / "join.json")
+    assert JoinInfo.load(tmp_path / "join.json") == with_api
 
 
 def test_a_missing_field_is_refused():
