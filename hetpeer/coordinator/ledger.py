@@ -150,7 +150,6 @@ class _Volunteer:
     team: str | None = None
     micro_batches: int = 0  # of settled epochs (open ones are added when shown)
     sequences: int = 0
-    tokens: int = 0
     flops: float = 0.0
     online_s: float = 0.0
     training_s: float = 0.0
@@ -264,7 +263,6 @@ class Ledger:
             volunteer = self.volunteers.setdefault(device, _Volunteer())
             volunteer.micro_batches += micro
             volunteer.sequences += sequences
-            volunteer.tokens += sequences * self.seq_len
             volunteer.flops += sequences * book.places[device].flops_per_sequence
 
     def _credit(self, epoch: int, book: _Epoch, devices: set[str], now: float) -> None:
@@ -348,7 +346,7 @@ class Ledger:
     def to_wire(self) -> dict[str, Any]:
         return {
             "version": LEDGER_VERSION, "seq_len": self.seq_len, "last_round": self.last_round,
-            "volunteers": {d: [v.team, v.micro_batches, v.sequences, v.tokens, v.flops, round(v.online_s, 1),
+            "volunteers": {d: [v.team, v.micro_batches, v.sequences, v.flops, round(v.online_s, 1),
                                round(v.training_s, 1), round(v.last_seen, 1), [[int(b), t, f] for b, t, f in v.buckets],
                                int(v.suspect)]
                            for d, v in self.volunteers.items()},
@@ -362,10 +360,10 @@ class Ledger:
             raise ValueError(f"not a credit ledger of version {LEDGER_VERSION}")
         ledger = Ledger(seq_len)
         ledger.last_round = None if raw["last_round"] is None else float(raw["last_round"])
-        for device, (team, micro, sequences, tokens, flops, online, training, seen, buckets, suspect) in raw["volunteers"].items():
+        for device, (team, micro, sequences, flops, online, training, seen, buckets, suspect) in raw["volunteers"].items():
             if team is not None and not TEAM_RE.match(team):
                 raise ValueError(f"volunteer {device}: team {team!r}")
-            ledger.volunteers[str(device)] = _Volunteer(team, int(micro), int(sequences), int(tokens), float(flops),
+            ledger.volunteers[str(device)] = _Volunteer(team, int(micro), int(sequences), float(flops),
                                                         float(online), float(training), float(seen),
                                                         [[int(b), int(t), float(f)] for b, t, f in buckets], bool(suspect))
         for epoch, book in raw["epochs"].items():
