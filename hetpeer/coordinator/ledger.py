@@ -41,7 +41,8 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from hetpeer.protocol.plan import Plan
-from hetpeer.protocol.records import TEAM_RE, Claim, PeerRecord, Receipt
+from hetpeer.protocol.credit import Claim, Receipt
+from hetpeer.protocol.records import TEAM_RE, PeerRecord
 from hetpeer.protocol.workload import Workload
 
 LEDGER_VERSION = 1

@@ -26,6 +26,7 @@ from pydantic import v1 as pydantic
 from pydantic.v1.fields import SHAPE_LIST, SHAPE_SINGLETON
 
 from hetpeer.protocol.addresses import PeerAddress, peer_maddrs
+from hetpeer.protocol.credit import MAX_CLAIMS, MAX_RECEIPTS, RECEIPT_KINDS, Claim, Receipt
 from hetpeer.protocol.identity import DEVICE_RE, bound, fingerprint
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.reach import REACHABLE, VIA
@@ -56,10 +57,7 @@ MAX_SUSPECTS = 16  # peers one record may report as misbehaving, and as unreacha
 MAX_CALLING = 16  # peers one record may call to punch a hole to
 MAX_TOKEN_CHARS = 1024
 MAX_TEXT_CHARS = 128  # a device name, a software string: shown to organizers on pages and terminals
-MAX_RECEIPTS = 64  # (sender, epoch, kind) a record confirms: lane neighbours and group members over a few epochs
-MAX_CLAIMS = 8  # epochs a record claims work in
 MAX_MICRO_PER_STEP = 1 << 16  # micro-batches a stage's step may have (a lane's batch over its micro-batch)
-RECEIPT_KINDS = ("activations", "gradients", "params")  # what of a sender's work a receipt counts
 TEAM_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,31}\Z")
 TTL_HEARTBEATS = 5  # a peer record expires after this many heartbeats without a new one (loaded machines miss some)
 
@@ -192,33 +190,6 @@ class SCHEMA(_Strict):
 class LinkMeasurement:
     latency_s: float
     bandwidth_bytes_per_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class Receipt:
-    """What a peer took of `sender`'s work in plan `epoch`: its `kind` of frames (activations it forwarded, gradients
-    it sent back, parameters its group mixed) for steps `first` to `last`, `micro` micro-batches of `sequences`
-    sequences in all. Counts are cumulative over the epoch, so a later record supersedes an earlier one."""
-
-    sender: str
-    epoch: int
-    kind: str
-    first: int
-    last: int
-    micro: int
-    sequences: int
-
-
-@dataclass(frozen=True, slots=True)
-class Claim:
-    """The work a peer says it did in plan `epoch`: steps `first` to `last` trained, `micro` micro-batches of
-    `sequences` sequences in all (cumulative over the epoch, as a `Receipt`)."""
-
-    epoch: int
-    first: int
-    last: int
-    micro: int
-    sequences: int
 
 
 @dataclass(frozen=True, slots=True)

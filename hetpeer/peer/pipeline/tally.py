@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 
-from hetpeer.protocol.records import MAX_CLAIMS, MAX_RECEIPTS, Claim, Receipt
+from hetpeer.protocol.credit import MAX_CLAIMS, MAX_RECEIPTS, Claim, Receipt
 
 EPOCHS = 4  # epochs of receipts and claims a record carries
 
