@@ -1,10 +1,12 @@
-"""A poisoning swarm peer for benchmarks/poison.py: `hetpeer join` whose gossip sends harmful parameters.
+"""A poisoning swarm peer for benchmarks/poison.py: `hetpeer join` that poisons what it sends its group.
 
     python3 benchmarks/poison_peer.py MODE join --swarm ...
 
-MODE: `scale` (its parameters x100), `flip` (sign-flipped) or `random` (Gaussian noise of the parameters'
-RMS). The parameters stay finite and of the right shape, so every frame passes the receivers' checks: only
-what the numbers do gives it away. It trains and mixes honestly otherwise; only what it sends is poisoned.
+MODE: `scale` (x100), `flip` (sign-flipped) or `random` (Gaussian noise of the same RMS), applied to every
+tensor it sends its group, whatever the plan's sync mode: its parameters in gossip, its contributions to the
+all-reduce (its gradient every step, its change at an outer step) and, as the owner of a part, the result it
+hands back. The tensors stay finite and of the right shape, so every frame passes the receivers' checks: only
+what the numbers do gives it away. It trains honestly otherwise: what it keeps for itself is not poisoned.
 """
 
 from __future__ import annotations
@@ -14,28 +16,23 @@ import sys
 import torch
 
 from hetpeer import cli
-from hetpeer.peer.gossip.group import GroupSync
+from hetpeer.peer.transport.base import Transport
 
 POISONS = {
     "scale": lambda x: x * 100.0,
     "flip": lambda x: -x,
     "random": lambda x: torch.randn_like(x) * x.pow(2).mean().sqrt(),
 }
+GROUP_KINDS = ("params", "allreduce")  # what a group member sends its group (frame.KINDS)
 
 
 def poisoned(poison):
-    honest_send = GroupSync._send_params
+    honest_send = Transport.send
 
-    def send(self: GroupSync, step: int) -> None:
-        # the caller's thread owns the parameters between steps: swap the poison in for the send only
-        with self.lock:
-            kept = self.flat.data.detach().clone()
-            self.flat.data.copy_(poison(kept))
-        try:
-            honest_send(self, step)
-        finally:
-            with self.lock:
-                self.flat.data.copy_(kept)
+    def send(self: Transport, to: str, kind: str, tensor: torch.Tensor, **options) -> None:
+        if kind in GROUP_KINDS:
+            tensor, options["copy"] = poison(tensor.detach().float()).to(tensor.dtype), False
+        honest_send(self, to, kind, tensor, **options)
 
     return send
 
@@ -44,5 +41,5 @@ if __name__ == "__main__":
     mode = sys.argv.pop(1)
     if mode not in POISONS:
         raise SystemExit(f"poison must be one of {', '.join(POISONS)}, got {mode!r}")
-    GroupSync._send_params = poisoned(POISONS[mode])
+    Transport.send = poisoned(POISONS[mode])
     sys.exit(cli.main())

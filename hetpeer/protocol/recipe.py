@@ -7,7 +7,7 @@ Its wire form is one flat object (every field written; a reader takes defaults f
     {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "clip_norm": 1.0,
      "warmup_steps": 0, "decay_steps": 0, "min_lr_ratio": 0.1,
      "topology": "one-peer-exp", "accumulate": 1, "second_moment": "lane", "mix_deadline_s": 10.0, "sync_codec": "raw",
-     "outer_lr": 0.7, "outer_momentum": 0.9, "outer_after": 100, "robust": 0.0,
+     "outer_lr": 0.7, "outer_momentum": 0.9, "outer_after": 100, "robust": 2.0,
      "seed": 0, "eval_every": 0, "eval_batch": 8}
 
 A field this peer does not know is an error naming it (`SchemaError`): a peer older than the recipe it is
@@ -31,6 +31,9 @@ TOPOLOGIES = ("one-peer-exp", "alternating-exp-ring", "ring", "complete")  # who
 # mean of its last n gradients (peer/gossip/adam.py)
 SECOND_MOMENTS = ("lane", "group", "window")
 OUTER_AFTER = 100  # steps of every-step all-reduce before outer steps begin: a warm start (docs/gossip.md measures why)
+# on by default: what it costs an honest group is measured in docs/trust.md, and a defence an organizer must know to
+# turn on is none
+ROBUST = 2.0
 MAX_STEPS = 10**9  # any step count a recipe names
 
 
@@ -55,7 +58,9 @@ class Recipe:
     outer_lr: float = 0.7  # DiLoCo's outer Nesterov step, for groups the plan gives outer steps
     outer_momentum: float = 0.9
     outer_after: int = OUTER_AFTER  # groups with outer steps all-reduce every step before this swarm step
-    robust: float = 0.0  # robust mixing: clip a neighbour's difference at this x the typical distance (0: off)
+    # robust averaging in every sync mode (0: off): gossip clips a neighbour's difference at this x the typical
+    # distance; all-reduce and outer steps take each part's CenteredClip at this x the median distance
+    robust: float = ROBUST
     # the run
     seed: int = 0  # the initial weights and the data order
     eval_every: int = 0  # every lane measures its validation loss at the steps divisible by this (0: never)
@@ -138,10 +143,11 @@ class Recipe:
             f", cosine to {self.min_lr_ratio:g}x at {self.decay_steps}" if self.decay_steps else "")
         sync = f"{self.topology}" + (f" A={self.accumulate}" if self.accumulate > 1 else "") + (
             f" v={self.second_moment}" if self.second_moment != "lane" else "") + (
-            f" {self.sync_codec}" if self.sync_codec != "raw" else "") + (f" robust {self.robust:g}" if self.robust else "")
+            f" {self.sync_codec}" if self.sync_codec != "raw" else "")
         clip = f"clip {self.clip_norm:g}" if self.clip_norm else "no clipping"
+        robust = f"robust {self.robust:g}" if self.robust else "not robust"
         return (f"lr {self.lr:g}{schedule}, betas {self.betas[0]:g}/{self.betas[1]:g}, wd {self.weight_decay:g}, {clip}; "
-                f"gossip {sync}, seed {self.seed}")
+                f"gossip {sync}, {robust}, seed {self.seed}")
 
     def to_text(self) -> str:
         """The recipe as the JSON file `load` reads back, a field a line."""

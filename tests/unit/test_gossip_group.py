@@ -134,7 +134,7 @@ class Quadratics:
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_allreduce_gives_every_member_the_adam_step_of_the_mean_gradient(n):
     rng = np.random.default_rng(n)
-    size = 40  # not a multiple of 3: the ring's shares are uneven
+    size = 40  # not a multiple of 3: the parts are uneven
     x0 = rng.normal(size=size).astype(np.float32)
     adam = AdamConfig(lr=1e-2, weight_decay=0.1)
     group = Group(n, sync="allreduce", adam=adam, size=size, x0=np.stack([x0] * n), config=SyncConfig(allreduce_timeout_s=10))
@@ -150,7 +150,7 @@ def test_allreduce_gives_every_member_the_adam_step_of_the_mean_gradient(n):
             torch.testing.assert_close(sync.flat.grad, mean, rtol=1e-5, atol=1e-6)
             assert (reports[device].mode, reports[device].mixed, reports[device].left_out) == ("allreduce", n - 1, ())
         torch.testing.assert_close(first, reference, rtol=1e-5, atol=1e-6, msg=f"step {t}")
-        # a ring: 2 (n - 1) messages per peer and step, each a 1/n share of the gradient
+        # a butterfly: 2 (n - 1) messages to each peer a step, n - 1 contributions to its part and n - 1 owners' results, each 1/n of the gradient
         frames = [(d, h) for d, h, _, accepted in group.frames if h.kind == "allreduce" and h.step == t and accepted]
         assert collections.Counter(d for d, _ in frames) == {d: 2 * (n - 1) for d in group.devices}
         assert all(h.numel in (size // n, size // n + 1) for _, h in frames)
@@ -316,7 +316,7 @@ def test_a_dead_neighbour_in_one_peer_exp_leaves_the_peer_at_its_own_point():
 @pytest.fixture
 def member() -> GroupSync:
     """p1 of a gossip group p0..p3 at step 5 of plan epoch 2: 10 parameters in chunks of 4 (4, 4, 2);
-    ring shares of 3, 3, 2, 2."""
+    all-reduce parts of 3, 3, 2, 2."""
     plan = one_group_plan(("p0", "p1", "p2", "p3"), epoch=2, start_step=5)
     transport = MemoryTransport("p1", MemoryHub())
     sync = GroupSync(plan, "p1", transport, FlatParams(torch.nn.Linear(9, 1)), NO_DECAY, SyncConfig(chunk_bytes=16))
@@ -336,8 +336,9 @@ ACCEPTED = {
     "last, shorter chunk": head(micro=2, shape=(2,)),
     "params in bf16": head(codec="bf16"),
     "params in int8": head(codec="int8"),
-    "allreduce share from the ring's predecessor": head("allreduce", shape=(3,)),
-    "last allreduce share": head("allreduce", shape=(2,), micro=5),
+    "a contribution to this member's part": head("allreduce", shape=(3,)),
+    "a contribution from another member": head("allreduce", sender="p3", shape=(3,)),
+    "an owner's result of its part": head("allreduce", sender="p3", shape=(2,), micro=1),
 }
 
 REFUSED = {
@@ -349,8 +350,8 @@ REFUSED = {
     "two dimensions": (head(shape=(2, 2)), r"fp32\[2, 2\], expected fp32\[4\]"),
     "wrong dtype": (head(dtype="bf16"), r"params chunk 0 is bf16\[4\], expected fp32\[4\]"),
     "integer params": (head(dtype="int64"), r"is int64\[4\]"),
-    "allreduce share from a non-neighbour": (head("allreduce", sender="p2", shape=(3,)), "allreduce chunk 0 does not exist"),
-    "allreduce round past the end": (head("allreduce", shape=(3,), micro=6), "allreduce chunk 6 does not exist"),
+    "a result the size of another part": (head("allreduce", sender="p2", shape=(3,), micro=1), r"expected fp32\[2\]"),
+    "allreduce round past the end": (head("allreduce", shape=(3,), micro=2), "allreduce round 2 does not exist"),
     "allreduce share of the wrong size": (head("allreduce", shape=(2,)), r"expected fp32\[3\]"),
 }
 
@@ -590,10 +591,10 @@ def test_outliers_are_neighbours_clipped_while_another_passes():
         group.syncs["p3"].flat.data.copy_(torch.full((10,), 100.0))  # it keeps sending the poison
         ok(group.step(t))
         if 0 < p0.clip_streaks["p3"] < OUTLIER_ROUNDS:
-            assert p0.outliers(p0.step) == {}, "far a round or two is not yet an outlier"
-    assert p0.outliers(p0.step) == {"p3": p0.clip_streaks["p3"]} and p0.clip_streaks["p3"] >= 3
+            assert p0.outliers() == {}, "far a round or two is not yet an outlier"
+    assert p0.outliers() == {"p3": p0.clip_streaks["p3"]} and p0.clip_streaks["p3"] >= 3
     p2 = group.syncs["p2"]  # one-peer-exp over 4 peers: p2 hears p1 and p0, never p3
-    assert p2.outliers(p2.step) == {}
+    assert p2.outliers() == {}
     t = next(t for t in range(8, 16) if mixing_matrix("one-peer-exp", 4, t)[0, 3] > 0)  # a round p0 hears only p3
     for earlier in range(8, t):
         ok(group.step(earlier))

@@ -107,7 +107,7 @@ class Announcing:
     def _suspect(self) -> None:
         """Update the peers this peer reports (`suspects.py`); say so when one is reported first."""
         worker = self.worker
-        streaks = worker.sync.outliers(worker.sync.step) if worker is not None else {}
+        streaks = worker.sync.outliers() if worker is not None else {}
         misbehaving = {d: n for d, n in self.transport.inbox.misbehaving.items() if DEVICE_RE.match(d) and d != self.device_id}
         suspects = self.suspicion.update(misbehaving, streaks, time.monotonic())
         for device in set(suspects) - set(self.suspects):

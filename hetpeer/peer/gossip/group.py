@@ -11,13 +11,14 @@ Gossip, peer i of the group (members in lane order), step t:
   that is late or sent something unusable is left out and the weights renormalised; mix
   (optionally clipping each neighbour's difference: robust mixing); take the Adam step from the mix.
 
-All-reduce: the gradient is averaged exactly by a ring (reduce-scatter, then all-gather: 2 (n - 1)
-messages of 1/n of it), then every peer takes the same Adam step. It needs every member: a missing one
-raises `TransportTimeout` (gossip is the mode that tolerates faults).
+All-reduce: the gradient is averaged by a butterfly (`butterfly.py`: each member owns 1/n of it, gathers the
+members' contributions to its part and sends back their weighted mean, or with the recipe's `robust` their
+CenteredClip, each member bounding what it takes by its own contribution), then every peer takes the same Adam
+step. It needs every member: a missing one raises `TransportTimeout` (gossip is the mode that tolerates faults).
 
 Outer steps: every peer takes local Adam steps; after step t with (t + 1) divisible by H (the plan's
 `outer_every`, counted on the swarm's step so every member agrees), the parameter changes since the last
-outer step are averaged by the same ring, in `OUTER_CODEC`, and every member takes the same outer step. Like
+outer step are averaged by the same butterfly, in `OUTER_CODEC`, and every member takes the same outer step. Like
 all-reduce it needs every member. With the plan's `outer_delay` D the exchange runs in a thread of its own
 beside the next D steps and lands after step t + D (`outer.Exchange`), its frames labelled with that step.
 Before the plan's `outer_after` step such a group all-reduces every step instead (a warm start).
@@ -41,12 +42,12 @@ import numpy as np
 import torch
 
 from hetpeer.peer.gossip.adam import AdamConfig, AdamState, adam_update
+from hetpeer.peer.gossip.butterfly import Butterfly
 from hetpeer.peer.gossip.noise import NoiseMeter
 from hetpeer.peer.gossip.flat import FlatParams
 from hetpeer.peer.gossip.outer import Exchange, OuterConfig, OuterState, delta, outer_step
 from hetpeer.peer.gossip.topology import TOPOLOGIES, mixing_matrix, neighbours
 from hetpeer.peer.transport.base import Transport
-from hetpeer.peer.transport.codec import as_received
 from hetpeer.peer.transport.inbox import Late, PeerUnreachable, TransportError, TransportTimeout
 from hetpeer.protocol.frame import CODECS, FrameHeader
 from hetpeer.protocol.plan import OUTER_CODEC, Plan
@@ -72,7 +73,9 @@ class SyncConfig:
     topology: str = "one-peer-exp"
     deadline_s: float = 10.0  # once the gradient is ready, how long to wait for neighbours' parameters
     codec: str = "raw"  # how parameters travel: one of frame.CODECS
-    clip: float | None = None  # robust mixing: clip differences at clip x the typical neighbour distance
+    # robust averaging: gossip clips a neighbour's difference at clip x the typical neighbour distance; all-reduce
+    # and outer steps take each part's CenteredClip at clip x the median distance (`butterfly.py`); None: plain means
+    clip: float | None = None
     chunk_bytes: int = 16 << 20  # parameters travel in frames of at most this size
     overlap: bool = True  # send x(t) as soon as it exists; False sends it after the gradient (to measure)
     # all-reduce cannot leave a member out, so it waits for one as long as for any frame (a failure timeout),
@@ -125,7 +128,9 @@ class GroupSync:
         self.typical_distance: float | None = None
         self.left_out = collections.Counter()
         self.clip_streaks: collections.Counter[str] = collections.Counter()  # rounds in a row a neighbour was far past the bound
-        self.unclipped: dict[str, int] = {}  # the last step each neighbour came within OUTLIER_FACTOR x the bound
+        self.unclipped: dict[str, int] = {}  # the last round each neighbour came within OUTLIER_FACTOR x the bound
+        self.rounds = 0  # exchanges with the group so far: gossip mixes and (robust) all-reduces
+        self.clipped = 0  # contributions clipped or left out since the last report
         self.suspects: set[str] = set()
         self.outer: OuterState | None = None  # anchor and outer momentum, in an outer-step group
         self.exchange: Exchange | None = None  # an outer step's exchange still running beside compute
@@ -143,10 +148,11 @@ class GroupSync:
         self.outer_delay = plan.stages[stage].outer_delay if self.mode == "outer" else 0
         if self.mode == "outer" and self.outer is None:
             self.outer = OuterState(self.flat.data)
-        self.ring_sizes = [len(part) for part in torch.empty(self.flat.size, device="meta").tensor_split(len(self.members))]
+        sizes = [len(part) for part in torch.empty(self.flat.size, device="meta").tensor_split(len(self.members))]
+        self.butterfly = Butterfly(self.transport, self.members, self.index, sizes, plan.epoch, self.config.clip)
         # an all-reduce averages the lanes' gradients by their shares of the step's batch: the gradient of the whole
         # batch, however unlike the shares (each lane's gradient is its own batch's mean)
-        self.share = len(self.members) * plan.lane_sequences(self.index) / plan.rows_per_step
+        self.shares = [plan.lane_sequences(k) for k in range(len(self.members))]
         if self.mode == "none" and len(self.members) > 1:
             log.warning("%s: plan says sync none for a group of %d; its lanes will drift apart", self.device_id, len(self.members))
 
@@ -164,9 +170,10 @@ class GroupSync:
         if header.step > self.step + max(AHEAD_STEPS, 2 * self.outer_every):
             self.ahead = max(self.ahead or 0, header.step)
             return Late(f"step {header.step} is far ahead of this peer ({self.step})")
-        expected = self._params_chunk_shape(header.micro) if header.kind == "params" else self._ring_shape(header)
+        expected = self._params_chunk_shape(header.micro) if header.kind == "params" else \
+            self.butterfly.shape(header.sender, header.micro)
         if expected is None:
-            return f"{header.kind} chunk {header.micro} does not exist"
+            return f"{header.kind} {'chunk' if header.kind == 'params' else 'round'} {header.micro} does not exist"
         if header.shape != expected or header.dtype != "fp32":
             return f"{header.kind} chunk {header.micro} is {header.dtype}{list(header.shape)}, expected fp32{list(expected)}"
         self.suspects.discard(header.sender)  # it is sending: alive
@@ -186,9 +193,7 @@ class GroupSync:
         left_out: list[str] = []
         if self.mode == "allreduce" or self.warming(step):
             self.noise.lane(self.flat.grad)
-            if self.share != 1.0:
-                self.flat.grad.mul_(self.share)
-            self._ring_allreduce(self.flat.grad, step)
+            self._allreduce(self.flat.grad, step, self.shares)
             self.noise.mean(self.flat.grad, len(self.members))
         elif self.mode == "gossip":
             if self.sent != step:
@@ -198,7 +203,8 @@ class GroupSync:
             received, left_out = self._receive_params(step, incoming, time.monotonic() + self.config.deadline_s)
         wait_s = time.perf_counter() - started
         with self.lock:
-            clipped = self._mix(w[self.index], received, step) if self.mode == "gossip" else 0
+            if self.mode == "gossip":
+                self.clipped += self._mix(w[self.index], received)
             adam_update(self.flat.data, self.flat.grad, self.state, self.adam, self.flat.decay_ranges, self.flat.clip_apart,
                         peers=len(self.members) if self.mode == "gossip" else 1)
             if self.warming(step):  # the members move together: the anchor is where they are
@@ -218,6 +224,7 @@ class GroupSync:
         exchanged = self.mode == "allreduce" or self.warming(step) or self.outer_step_due(step)
         contributors = tuple(m for m in self.members if m != self.device_id) if exchanged \
             else tuple(self.members[j] for j in sorted(received))
+        clipped, self.clipped = self.clipped, 0
         return SyncReport(self.mode, len(contributors), tuple(left_out), clipped, wait_s, contributors)
 
     # -- gossip -----------------------------------------------------------------------------------
@@ -257,17 +264,26 @@ class GroupSync:
             received[j] = torch.cat(parts).to(device)
         return received, left_out
 
-    def outliers(self, step: int, rounds: int = 8) -> dict[str, int]:
-        """The neighbours robust mixing leaves out (and how many rounds in a row they were far): far past the
-        clipping bound in the last `OUTLIER_ROUNDS` or more rounds they were mixed, while another neighbour came
-        nearer in the last `rounds` steps: far for what they send, not because this peer's scale is off."""
+    def outliers(self, rounds: int = 8) -> dict[str, int]:
+        """The members robust averaging leaves out or clips hard (and how many rounds in a row they were far): far
+        past the bound in the last `OUTLIER_ROUNDS` or more rounds they took part in, while another member came
+        nearer in the last `rounds` exchanges: far for what they send, not because this peer's scale is off."""
         return {
             device: streak for device, streak in list(self.clip_streaks.items())
             if streak >= OUTLIER_ROUNDS
-            and any(other != device and at >= step - rounds for other, at in list(self.unclipped.items()))
+            and any(other != device and at >= self.rounds - rounds for other, at in list(self.unclipped.items()))
         }
 
-    def _mix(self, weights: np.ndarray, received: dict[int, torch.Tensor], step: int = 0) -> int:
+    def _judged(self, far: set[str], near: set[str]) -> None:
+        """One more exchange in which the members `far` were far past the bound and those `near` were not."""
+        self.rounds += 1
+        for member in far:
+            self.clip_streaks[member] += 1
+        for member in near:
+            self.clip_streaks.pop(member, None)
+            self.unclipped[member] = self.rounds
+
+    def _mix(self, weights: np.ndarray, received: dict[int, torch.Tensor]) -> int:
         """x_i <- x_i + sum_j w_ij / (w_ii + sum w_ij) * clip(x_j - x_i), over the neighbours received; with
         clipping, an outlier (`OUTLIER_FACTOR` times past the bound `OUTLIER_ROUNDS` rounds in a row while another
         neighbour came nearer) is left out until it comes nearer. How many neighbours were clipped or left out."""
@@ -284,20 +300,17 @@ class GroupSync:
         # each neighbour's difference in its own received buffer: mixing takes no memory beyond what arrived
         differences = {j: x_j.sub_(x) for j, x_j in received.items()}
         norms = {j: float(d.norm()) for j, d in differences.items()}
-        outliers = self.outliers(step)
+        outliers = self.outliers()
         scales, left_out = {}, set()
         for j in differences:
-            member = self.members[j]
             if limit is None or norms[j] <= OUTLIER_FACTOR * limit:
                 scales[j] = 1.0 if limit is None or norms[j] <= limit else limit / norms[j]
-                self.clip_streaks.pop(member, None)
-                self.unclipped[member] = step
-                continue
-            self.clip_streaks[member] += 1
-            if member in outliers:
+            elif self.members[j] in outliers:
                 left_out.add(j)  # what it sends is not mixed, nor does it feed the scale, until it comes near again
             else:
                 scales[j] = limit / norms[j]
+        far = {self.members[j] for j in differences if limit is not None and norms[j] > OUTLIER_FACTOR * limit}
+        self._judged(far, {self.members[j] for j in differences} - far)
         total = weights[self.index] + sum(weights[j] for j in scales)
         for j, scale in scales.items():  # every difference was taken from x before it moves
             x.add_(differences[j], alpha=float(weights[j] / total) * scale)
@@ -327,13 +340,13 @@ class GroupSync:
             # an fp16 frame cannot carry it, and a peer whose own training diverged must not take the group with it
             raise FloatingPointError(f"{self.device_id}: its parameter change before the outer step of step {step} is not finite")
         if not self.outer_delay:
-            self._ring_allreduce(change, step, OUTER_CODEC)
+            self._allreduce(change, step, None, OUTER_CODEC)
             with self.lock:
                 outer_step(self.flat.data, change, self.outer, self.config.outer)
             return
         # labelled with the step it lands after: frames of steps done are dropped, and this one is not done yet
         at = step + self.outer_delay
-        self.exchange = Exchange(lambda: self._ring_allreduce(change, at, OUTER_CODEC), change.clone(), change, at).start()
+        self.exchange = Exchange(lambda: self._allreduce(change, at, None, OUTER_CODEC), change.clone(), change, at).start()
 
     def _outer_land(self) -> None:
         exchange, self.exchange = self.exchange, None
@@ -378,33 +391,12 @@ class GroupSync:
             self.outer.restart(self.flat.data)
 
     # -- all-reduce -------------------------------------------------------------------------------
-    def _ring_allreduce(self, vector: torch.Tensor, step: int, codec: str = "raw") -> None:
-        """Average `vector` (in place) over the group: a ring reduce-scatter, then an all-gather."""
-        n, i = len(self.members), self.index
-        parts = list(vector.tensor_split(n))
-        after, before = self.members[(i + 1) % n], self.members[(i - 1) % n]
-        timeout = self.config.allreduce_timeout_s
-        for r in range(2 * (n - 1)):
-            reduce = r < n - 1
-            send_index = (i - r) % n if reduce else (i + 1 - (r - n + 1)) % n
-            receive_index = (i - r - 1) % n if reduce else (i - (r - n + 1)) % n
-            if r == n - 1 and codec != "raw":  # the part this peer reduced: keep what the others will receive of it
-                parts[send_index].copy_(as_received(parts[send_index], codec))
-            self.transport.send(after, "allreduce", parts[send_index], step=step, micro=r, epoch=self.plan.epoch, codec=codec)
-            incoming = self.transport.recv("allreduce", before, step, r, timeout).to(parts[0].device)
-            if reduce:
-                parts[receive_index].add_(incoming)
-            else:
-                parts[receive_index].copy_(incoming)
-        vector.div_(n)
-
-    def _ring_shape(self, header: FrameHeader) -> tuple[int, ...] | None:
-        n, i = len(self.members), self.index
-        if header.micro >= 2 * (n - 1) or header.sender != self.members[(i - 1) % n]:
-            return None
-        r = header.micro
-        index = (i - r - 1) % n if r < n - 1 else (i - (r - n + 1)) % n
-        return (self.ring_sizes[index],)
+    def _allreduce(self, vector: torch.Tensor, step: int, weights: list[int] | None, codec: str = "raw") -> None:
+        """Average `vector` (in place) over the group, weighing member k by `weights[k]` (None: alike), robustly
+        where the recipe says (`butterfly.py`); count who was far past the bound for the group's reports."""
+        outcome = self.butterfly.average(vector, step, weights or [1] * len(self.members), self.config.allreduce_timeout_s, codec)
+        self.clipped += outcome.clipped
+        self._judged(set(outcome.far), set(outcome.near))
 
     def _params_chunk_shape(self, micro: int) -> tuple[int, ...] | None:
         start = micro * self.chunk_elems
