@@ -216,6 +216,8 @@ def format_step(result: StepResult, seconds: float, last_step: int) -> str:
         sync = f", sync {result.sync.wait_s:.2f}"
         if result.sync.left_out:
             sync += f" without {', '.join(result.sync.left_out)}"
+        if result.sync.clipped:  # robust averaging clipped or refused what some member sent
+            sync += f", {result.sync.clipped} clipped"
     val = f"  val {result.val_loss:.4f}" if result.val_loss is not None else ""
     windows = f"windows {result.windows[0]}-{result.windows[1] - 1}  " if result.windows is not None else ""
     return (

@@ -204,13 +204,16 @@ class Plan:
 
     @property
     def links(self) -> set[tuple[str, str]]:
-        """The device pairs (each sorted) that the plan's traffic crosses: consecutive stages of a lane, and in each
-        group the pairs of the one-peer exponential graph (lane l with lane l + 2^r, which includes the ring an
-        all-reduce uses). O(stages x lanes x log lanes): what a plan of 10,000 peers can list, where all pairs
-        could not be."""
+        """The device pairs (each sorted) that the plan's traffic crosses: consecutive stages of a lane; in a group
+        that averages exactly (all-reduce, outer steps) every pair, which its butterfly uses; in a gossip group the
+        pairs of the one-peer exponential graph (lane l with lane l + 2^r). O(stages x lanes x log lanes) with
+        gossip, O(stages x lanes^2) with exact averaging, which groups of a few dozen lanes can list."""
         pairs = {tuple(sorted(hop)) for lane in self.lanes for hop in zip(lane, lane[1:])}
         m = self.group_size
         for stage in self.stages:
+            if stage.sync in ("allreduce", "outer"):
+                pairs |= {tuple(sorted((a, b))) for k, a in enumerate(stage.devices) for b in stage.devices[k + 1:]}
+                continue
             shift = 1
             while shift < m:
                 pairs |= {tuple(sorted((stage.devices[l], stage.devices[(l + shift) % m]))) for l in range(m)}

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hetpeer.peer.gossip.butterfly import bounded, centered_clip
+from hetpeer.peer.gossip.butterfly import Verdict, centered_clip, judge
 from hetpeer.peer.gossip.group import OUTLIER_ROUNDS, SyncConfig
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.recipe import Recipe
@@ -81,13 +81,20 @@ def test_in_a_pair_the_other_counts_only_within_clip_times_the_owners_own_norm()
     torch.testing.assert_close(honest.mean, torch.tensor([0.5, 0.5]))  # within the radius: the plain mean
 
 
-def test_bounded_moves_a_far_result_back_to_the_bound_and_says_how_far_it_was():
-    own = torch.tensor([3.0, 4.0])  # norm 5
-    near = torch.tensor([0.0, 0.0])
-    assert bounded(near, own, 2.0) == (near, 0.5)
-    taken, past = bounded(torch.tensor([3.0, 4.0 + 40.0]), own, 2.0)
-    torch.testing.assert_close(taken, torch.tensor([3.0, 14.0]))
-    assert past == 4.0
+def test_a_member_takes_a_result_near_its_own_contribution_that_holds_it_and_nothing_else():
+    rng = np.random.default_rng(4)
+    own, others = torch.from_numpy(rng.normal(size=1000)), torch.from_numpy(rng.normal(size=(3, 1000)))
+    honest = (own + others.sum(dim=0)) / 4
+    assert judge(honest, own, 0.25, 2.0) == Verdict(True, False)
+    aside = others[0] - (others[0] @ own) / (own @ own) * own  # a direction orthogonal to its own contribution
+    # every way of not being the mean of what was sent is refused, and the gross ones are marked far
+    for name, result, far in [("scaled", honest * 100, True), ("flipped", -honest, True),
+                              ("noise of its size", torch.randn(1000, dtype=torch.float64) * honest.norm() / 1000 ** 0.5, True),
+                              ("the others' mean alone", others.mean(dim=0), True),
+                              ("a little past the bound", own + aside * 1.2 * 2.0 * own.norm() / aside.norm(), False)]:
+        verdict = judge(result, own, 0.25, 2.0)
+        assert not verdict.taken and verdict.far == far, name
+    assert judge(torch.zeros(3), torch.zeros(3), 0.5, 1.0).taken  # nothing to compare with
 
 
 # -- in a group ---------------------------------------------------------------------------------------------------
@@ -131,8 +138,118 @@ def test_a_poisoner_of_four_barely_moves_the_others_step_and_all_of_them_report_
             mine = torch.from_numpy(g[int(device[1])]).double().tensor_split(4)
             for j, (part, means, lanes) in enumerate(zip(taken, torch.from_numpy(honest.mean(axis=0)).tensor_split(4),
                                                           torch.from_numpy(honest).tensor_split(4, dim=1))):
-                if j == 3:  # p3's own part: as far as the member's bound lets it, and no further
-                    assert float((part - mine[j]).norm()) <= ROBUST.clip * float(mine[j].norm()) * (1 + 1e-5)
+                if j == 3:  # p3's own part: not taken; each member trains it on its own lane's gradient
+                    assert torch.equal(part, mine[j]), f"{device} step {t} took p3's result"
+                else:  # an honest owner's: within an honest lane's distance of the honest mean
+                    spread = float((lanes - means).norm(dim=1).median())
+                    assert float((part - means).norm()) < spread, f"{device} step {t} part {j}: the poison moved it"
+        members = [group.syncs[d].flat.data for d in ("p0", "p1", "p2")]
+        assert all(torch.equal(x.tensor_split(4)[0], members[0].tensor_split(4)[0]) for x in members)
+    for device in ("p0", "p1", "p2"):
+        assert set(group.syncs[device].outliers()) == {"p3"}, device
+
+
+@pytest.mark.parametrize("lie", ["scaled", "noise of its size", "the others' mean without p0"])
+def test_an_owner_that_hands_back_a_wrong_part_is_not_taken_and_is_reported_by_every_member(lie):
+    """p3 contributes honestly but hands back a wrong result of the part it owns: scaled, noise as large as the
+    true result, or (against p0) the mean of the others' contributions, leaving p0's out."""
+    group, grads = honest_run(4, OUTLIER_ROUNDS, seed=3)
+    transport = group.transports["p3"]
+    honest = transport.send
+
+    def send(to, kind, tensor, *, step, micro=0, **options):
+        if kind == "allreduce" and micro == 1:
+            if lie == "scaled":
+                tensor = tensor * 100.0
+            elif lie == "noise of its size":
+                tensor = torch.randn_like(tensor) * tensor.norm() / tensor.numel() ** 0.5
+            else:
+                tensor = torch.from_numpy(grads[step][1:, :].mean(axis=0)).tensor_split(4)[3]
+        honest(to, kind, tensor, step=step, micro=micro, **options)
+
+    transport.send = send
+    for t, g in enumerate(grads):
+        own = {f"p{k}": torch.from_numpy(g[k]).tensor_split(4)[3] for k in range(3)}
+        reports = ok(group.step(t, g))
+        refused = ("p0", "p1", "p2") if lie != "the others' mean without p0" else ("p0",)
+        for device in refused:
+            assert torch.equal(group.syncs[device].flat.grad.tensor_split(4)[3], own[device]), (device, t)
+            assert reports[device].clipped >= 1
+        for device in set(own) - set(refused):  # it holds theirs: they take it
+            assert not torch.equal(group.syncs[device].flat.grad.tensor_split(4)[3], own[device]), (device, t)
+    if lie != "the others' mean without p0":  # gross lies are reported; that one, holding a third of p0's signal, is not
+        for device in refused:
+            assert set(group.syncs[device].outliers()) == {"p3"}, device
+
+
+def test_in_a_pair_the_other_counts_only_within_clip_times_the_owners_own_norm():
+    own, other = torch.tensor([1.0, 0.0]), torch.tensor([-100.0, 0.0])
+    result = centered_clip(torch.stack([own, other]), torch.ones(2), clip=2.0, own=0)
+    torch.testing.assert_close(result.mean, torch.tensor([0.0, 0.0]))  # own + (2 |own| toward the other) / 2
+    assert result.far == (False, True)
+    honest = centered_clip(torch.stack([own, torch.tensor([0.0, 1.0])]), torch.ones(2), clip=2.0, own=0)
+    torch.testing.assert_close(honest.mean, torch.tensor([0.5, 0.5]))  # within the radius: the plain mean
+
+
+def test_a_member_takes_a_result_near_its_own_contribution_that_holds_it_and_nothing_else():
+    rng = np.random.default_rng(4)
+    own, others = torch.from_numpy(rng.normal(size=1000)), torch.from_numpy(rng.normal(size=(3, 1000)))
+    honest = (own + others.sum(dim=0)) / 4
+    assert judge(honest, own, 0.25, 2.0) == Verdict(True, False)
+    aside = others[0] - (others[0] @ own) / (own @ own) * own  # a direction orthogonal to its own contribution
+    # every way of not being the mean of what was sent is refused, and the gross ones are marked far
+    for name, result, far in [("scaled", honest * 100, True), ("flipped", -honest, True),
+                              ("noise of its size", torch.randn(1000, dtype=torch.float64) * honest.norm() / 1000 ** 0.5, True),
+                              ("the others' mean alone", others.mean(dim=0), True),
+                              ("a little past the bound", own + aside * 1.2 * 2.0 * own.norm() / aside.norm(), False)]:
+        verdict = judge(result, own, 0.25, 2.0)
+        assert not verdict.taken and verdict.far == far, name
+    assert judge(torch.zeros(3), torch.zeros(3), 0.5, 1.0).taken  # nothing to compare with
+
+
+# -- in a group ---------------------------------------------------------------------------------------------------
+
+
+def honest_run(n: int, steps: int, seed: int, config: SyncConfig = ROBUST) -> tuple[Group, list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    signal = rng.normal(size=SIZE) * 0.3
+    x0 = rng.normal(size=SIZE).astype(np.float32)
+    group = Group(n, sync="allreduce", size=SIZE, config=config, x0=np.stack([x0] * n))
+    grads = [noisy_gradients(rng, n, signal) for _ in range(steps)]
+    return group, grads
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_an_honest_robust_group_takes_the_exact_mean_and_nobody_is_clipped(n):
+    group, grads = honest_run(n, 5, seed=n)
+    for t, g in enumerate(grads):
+        reports = ok(group.step(t, g))
+        for device, sync in group.syncs.items():
+            torch.testing.assert_close(sync.flat.grad, torch.from_numpy(g.astype(np.float64).mean(axis=0)).float(),
+                                       rtol=1e-5, atol=1e-6)
+            assert reports[device].clipped == 0
+    first = group.syncs["p0"].flat.data
+    assert all(torch.equal(sync.flat.data, first) for sync in group.syncs.values())
+    assert all(sync.outliers() == {} for sync in group.syncs.values())
+
+
+@pytest.mark.parametrize("poison", POISONS)
+def test_a_poisoner_of_four_barely_moves_the_others_step_and_all_of_them_report_it(poison):
+    """p3 poisons its contributions (the owners' CenteredClip bounds them) and the result of the part it owns (each
+    member's bound on it holds): the honest members' step stays near the honest mean, and all three report p3."""
+    group, grads = honest_run(4, OUTLIER_ROUNDS + 1, seed=7)
+    poison_sends(group, "p3", POISONS[poison])
+    for t, g in enumerate(grads):
+        reports = group.step(t, g)
+        honest = g[:3].astype(np.float64)
+        for device in ("p0", "p1", "p2"):
+            assert reports[device].clipped >= 1
+            taken = group.syncs[device].flat.grad.double().tensor_split(4)
+            mine = torch.from_numpy(g[int(device[1])]).double().tensor_split(4)
+            for j, (part, means, lanes) in enumerate(zip(taken, torch.from_numpy(honest.mean(axis=0)).tensor_split(4),
+                                                          torch.from_numpy(honest).tensor_split(4, dim=1))):
+                if j == 3:  # p3's own part: not taken; each member trains it on its own lane's gradient
+                    assert torch.equal(part, mine[j]), f"{device} step {t} took p3's result"
                 else:  # an honest owner's: within an honest lane's distance of the honest mean
                     spread = float((lanes - means).norm(dim=1).median())
                     assert float((part - means).norm()) < spread, f"{device} step {t} part {j}: the poison moved it"

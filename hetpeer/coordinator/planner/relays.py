@@ -12,7 +12,7 @@ seconds per byte are
 with the capacity what r's measured links carry (their median: `coordinator/policy.py`). The model assumes the k
 pairs send at once, as a lane's hops do (a bound on the safe side, as `sharing.py` takes compute), and leaves
 out the relay's own traffic when it trains too. A grid uses a pair for each hop between consecutive stages of a
-lane and for each pair of ring neighbours in a group (gossip's first round, all-reduce's ring).
+lane and for each pair of members in a group (all-reduce's butterfly uses every pair; gossip, some of them).
 
 `route` makes the links and the `Relays` of a problem from who is behind NAT and who relays for whom;
 `Relays.load` counts, for batches of grids, the relayed pairs through each relay. A problem with no relayed
@@ -51,10 +51,9 @@ class Relays:
         K, S, m = grids.shape
         n, R = len(self.via), len(self.names)
         pairs = [(grids[:, :-1, :], grids[:, 1:, :])]  # each lane's hops
-        if m > 2:
-            pairs.append((grids, np.roll(grids, -1, axis=2)))  # each group's ring
-        elif m == 2:
-            pairs.append((grids[:, :, :1], grids[:, :, 1:]))  # a group of two is one pair
+        first, second = np.triu_indices(m, 1)
+        if m > 1:
+            pairs.append((grids[:, :, first], grids[:, :, second]))  # each group's pairs: an all-reduce uses them all
         counts = np.zeros(K * R)
         for a, b in pairs:
             label = self.via.ravel().take(a * n + b).reshape(K, -1)

@@ -248,7 +248,7 @@ class Screens:
         first = hit.argmin(axis=-1)
         kept_max = base.top_value[rows].reshape(first.size, -1)[np.arange(first.size), first.ravel()]
         channel = np.maximum(values.max(axis=0), kept_max.reshape(first.shape))
-        allreduce = 2 * (m - 1) * (channel[..., 0] + stage_bytes / m * channel[..., 1])
+        allreduce = 2 * (channel[..., 0] + (m - 1) * stage_bytes / m * channel[..., 1])  # as `_groups`
         return allreduce, channel[..., 2:]
 
 

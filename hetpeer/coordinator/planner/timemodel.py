@@ -25,14 +25,19 @@ For a grid (rows = stages in order, columns = lanes), with M micro-batches per l
   once, after the backward pass) when they are different devices;
 - a pair of peers behind NAT that talk through a relay has its relay's two hops as its link, and the k relayed
   pairs a grid routes through one relay share its link: at most its capacity / k each (`relays.py`);
-- a group syncs its stage's parameters either by ring all-reduce after the step,
-      2 (m - 1) (max ring latency + stage bytes / (m min ring bandwidth)),
+- a group syncs its stage's parameters either by all-reduce after the step, a butterfly in which every pair of
+  the group carries a part each way (the robust averaging of `peer/gossip/butterfly.py`),
+      2 (max ring latency + (m - 1) stage bytes / (m min ring bandwidth)),
+  where the ring's pairs (lane l with lane l + 1) stand for all the group's, as screening a swap against every
+  pair would cost O(m) instead of O(1) (`screens.py`): exact for bandwidth where a pair's is the lesser of its
+  two devices' (the ring passes through the slowest), and for latency within two regions (the ring crosses
+  between them); across three or more it may miss the farthest pair;
   or by gossip (decentralized Adam, one-peer exponential graph: round r pairs lane l with lane
   l + 2^r mod m, one round a step, in turn), whose exchange overlaps the step's compute, so a round
   shows only where it outlasts the step: the mean over rounds of max(0, round - T), where a round
   takes its slowest pair (the mean of the rounds first would hide a slow round behind fast ones);
-  or, unless the organizer forbids them (`outer_every` None), by outer steps: the ring once every H steps
-  with the parameter change in fp16, overlapping the next D steps, so max(0, ring - D T) / H a step
+  or, unless the organizer forbids them (`outer_every` None), by outer steps: the butterfly once every H steps
+  with the parameter change in fp16, overlapping the next D steps, so max(0, butterfly - D T) / H a step
   (`outer.py`), where the group's devices hold the outer state too;
 - a step of gossip or outer steps is worth less than an all-reduce step: the steps factor (`quality.py`, by
   group size and tokens a lane-step) is how many of them make one; `auto` takes, for every set of modes, each
@@ -299,8 +304,10 @@ class TimeCost(Screens):
         if rows.shape[-1] == 1:
             return np.zeros(rows.shape[:-1]), np.zeros(rows.shape[:-1] + (1,))
         m = rows.shape[-1]
+        # a butterfly (peer/gossip/butterfly.py): two rounds in which each member sends m - 1 parts of 1/m of the stage,
+        # one to every other member; the ring's pairs stand for all (see the module's docstring)
         latency, per_byte = self._pairs(rows, np.roll(rows, -1, axis=-1), load)
-        allreduce = 2 * (m - 1) * (latency.max(-1) + stage_bytes / m * per_byte.max(-1))
+        allreduce = 2 * (latency.max(-1) + (m - 1) * stage_bytes / m * per_byte.max(-1))
         latency, per_byte = self._pairs(rows[..., None, :], rows[..., self.partners], load)  # (..., rounds, m)
         return allreduce, (latency + stage_bytes[..., None, None] * per_byte).max(-1)
 

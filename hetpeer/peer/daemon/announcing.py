@@ -108,10 +108,12 @@ class Announcing:
         """Update the peers this peer reports (`suspects.py`); say so when one is reported first."""
         worker = self.worker
         streaks = worker.sync.outliers() if worker is not None else {}
+        sent = "its parameters" if worker is not None and worker.sync.mode == "gossip" else \
+            "its gradient or change, or the part of the average it owns"
         misbehaving = {d: n for d, n in self.transport.inbox.misbehaving.items() if DEVICE_RE.match(d) and d != self.device_id}
         suspects = self.suspicion.update(misbehaving, streaks, time.monotonic())
         for device in set(suspects) - set(self.suspects):
             clipped = streaks.get(device, 0)
-            self.report(f"reports {device} as misbehaving: " + (f"its parameters far past the clipping bound {clipped} rounds in a row"
+            self.report(f"reports {device} as misbehaving: " + (f"what it sent its group far off {clipped} rounds in a row ({sent})"
                         if clipped else f"{self.transport.inbox.misbehaving[device]} frame(s) refused so far"))
         self.suspects = suspects

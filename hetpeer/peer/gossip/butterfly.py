@@ -12,20 +12,23 @@ What a minority cannot do (after BTARD-SGD, Gorbunov et al., ICML 2022, arXiv 21
   CenteredClip of the contributions: the fixed point x of x = x + sum_k w_k clip(c_k - x, tau) / sum_k w_k,
   with tau = clip x the median distance of the others to their medoid over sqrt(2) (two honest contributions lie
   sqrt(2) times further apart than each from their centre). While fewer than half the members lie, the medoid
-  is an honest contribution and tau an honest distance, so one far contribution moves x by at most
-  tau w_k / sum w. Honest contributions lie within tau of their mean (their distances concentrate), so an
-  honest group's result is its exact weighted mean, found in one pass.
-- **Steer a part as its owner.** Each member takes an owner's result only as far as `guard` x the norm of its
-  own contribution to that part from that contribution, and clips it back to there otherwise. An honest
-  result lies within about the contribution's norm of it: the members' differences are mostly noise, so
-  |mean - c_i| is about |c_i| sqrt((n - 1) / n).
-- **In a pair** there is no majority to find: each owner takes the other's contribution only as far as
-  `guard` x its own from its own, and each member bounds the other owner's result at half that, so no part a
-  member takes is further than its own norm from its own contribution: its step never points against its own
-  gradient, whatever the other sends.
+  is an honest contribution and tau an honest distance, so the liars move x at most their weight over the
+  honest members' times tau from the honest members' mean. Honest contributions lie within tau of their mean
+  (their distances concentrate), so an honest group's result is its exact weighted mean, found in one pass.
+- **Replace a part as its owner.** Each member takes an owner's result only where it lies within `clip` x the
+  norm of its own contribution to that part from that contribution, and holds that contribution at half its
+  weight or more (`judge`); otherwise it takes its own contribution for that part, a noisier but honest one.
+  An honest result passes both by a wide margin: the members' differences are mostly noise, so |mean - c_i| is
+  about |c_i| sqrt((n - 1) / n), and the others' noise is nearly orthogonal to c_i. A result scaled, flipped,
+  replaced by noise or by anything that leaves a member's contribution out fails for every member. What an
+  owner can still add unseen is a vector orthogonal to every contribution and shorter than the bound.
+- **In a pair** there is no majority to find: each owner takes the other's contribution only as far as `clip` x
+  its own from its own, and each member takes the other owner's result only within half that (the norm of its
+  own), so no part a member takes is further than its own contribution's norm from it: its step never points
+  against its own gradient, whatever the other sends.
 
-Who is far (an owner's contributor past `OUTLIER_FACTOR` x tau, or an owner whose result is past that many
-times a member's bound) is returned, for the group's reports (`GroupSync.outliers`). Complexity per member
+Who is far (a contributor past `OUTLIER_FACTOR` x tau at its owner; an owner whose result is that many times past
+a member's bound, or leaves its contribution out) is returned, for the group's reports (`GroupSync.outliers`). Complexity per member
 and exchange: O(n x part) memory at an owner (one vector in all) and three passes over it (`centered_clip`).
 """
 
@@ -109,22 +112,30 @@ def centered_clip(contributions: torch.Tensor, weights: torch.Tensor, clip: floa
                      tuple((final > OUTLIER_FACTOR * radius).tolist()))
 
 
-def bounded(result: torch.Tensor, own: torch.Tensor, factor: float) -> tuple[torch.Tensor, float]:
-    """`result` moved back to within `factor` x |own| of `own` where it lies further; and how far it lay, in units
-    of that bound (<= 1: taken as it is)."""
-    bound = factor * float(own.norm())
-    distance = float((result - own).norm())
-    if distance <= bound:
-        return result, distance / bound if bound > 0 else (0.0 if distance == 0 else float("inf"))
-    scale = bound / distance
-    return own + (result - own) * scale, distance / bound if bound > 0 else float("inf")
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    taken: bool  # within the bound and holding the member's own contribution: taken as it is
+    far: bool  # past OUTLIER_FACTOR x the bound, or not holding the member's contribution at all: a sign of a liar
+
+
+def judge(result: torch.Tensor, own: torch.Tensor, weight: float, factor: float) -> Verdict:
+    """Whether a member takes an owner's `result` for a part to which it contributed `own` with `weight` (its share
+    of the group's weights): within `factor` x |own| of `own`, and holding `own` at half its weight or more
+    (<result, own> >= weight |own|^2 / 2). An honest result holds it at its weight or more: the others'
+    contributions add their noise, nearly orthogonal to it, and the shared signal, which only adds."""
+    norm2 = float(own.pow(2).sum())
+    if norm2 == 0.0:
+        return Verdict(True, False)  # nothing of its own to compare with
+    distance = float((result - own).norm()) / (factor * math.sqrt(norm2))
+    presence = float(result.flatten() @ own.flatten()) / (weight * norm2)
+    return Verdict(distance <= 1.0 and presence >= 0.5, distance > OUTLIER_FACTOR or presence < 0.25)
 
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    clipped: int  # contributions this peer clipped as an owner, and results it bounded as a member
-    far: tuple[str, ...]  # members far past a bound this exchange (a contributor, or an owner's result)
-    near: tuple[str, ...]  # members within it
+    clipped: int  # contributions this peer clipped as an owner, and owners' results it did not take as a member
+    far: tuple[str, ...]  # members far off this exchange (a contributor, or an owner's result: `Verdict.far`)
+    near: tuple[str, ...]  # members within their bound
 
 
 class Butterfly:
@@ -165,12 +176,17 @@ class Butterfly:
             self.transport.send(self.members[j], "allreduce", parts[i], step=step, micro=RESULT, epoch=self.epoch, codec=codec)
         clipped = sum(scale < 1.0 for scale in aggregate.scales)
         far = {self.members[j] for j in others if aggregate.far[j]}
+        near = {self.members[j] for j in others if aggregate.scales[j] == 1.0}
+        share = weights[i] / sum(weights)
         for j in others:
             result = self.transport.recv("allreduce", self.members[j], step, RESULT, timeout_s).to(vector.device)
             if self.clip is not None:
-                result, past = bounded(result, own[j], self.clip / 2 if n == 2 else self.clip)
-                clipped += past > 1.0
-                if past > OUTLIER_FACTOR:
+                verdict = judge(result, own[j], share, self.clip / 2 if n == 2 else self.clip)
+                if not verdict.taken:  # its own contribution instead: its lane's gradient (or change), a noisier one
+                    result = own[j]
+                    clipped += 1
+                    near.discard(self.members[j])
+                if verdict.far:
                     far.add(self.members[j])
             parts[j].copy_(result)
-        return Outcome(clipped, tuple(sorted(far)), tuple(self.members[j] for j in others if self.members[j] not in far))
+        return Outcome(clipped, tuple(sorted(far)), tuple(sorted(near - far)))
