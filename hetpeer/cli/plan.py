@@ -136,6 +136,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         recompute=args.recompute,
         compress=args.compress,
         outer_every=args.outer_every,
+        robust=recipe.robust > 0,
         time_budget_s=args.time_budget,
         workers=args.workers,
     )

@@ -58,6 +58,7 @@ class Coordinator(Gatekeeper, Publisher):
         self.planner = PlannerConfig(
             cost_model="time", stages=config.stages, group_size=config.group_size, time_budget_s=config.time_budget_s,
             workers=config.workers, compress=config.compress, sync=config.sync, outer_every=config.outer_every,
+            robust=config.recipe.robust > 0,
         )
         self.api: ApiServer | None = None
         self.dashboard: DashboardServer | None = None

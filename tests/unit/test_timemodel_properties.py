@@ -73,13 +73,13 @@ def docstring_step(
         params += model.head_params if s == S - 1 else 0
         stage_bytes = params * w.dtype_bytes
         ring = [(grid[s, l], grid[s, (l + 1) % m]) for l in range(m)]
-        allreduce = 2 * (max(lat[a, b] for a, b in ring) + (m - 1) * stage_bytes / (m * min(bw[a, b] for a, b in ring)))
+        allreduce = max(lat[a, b] for a, b in ring) + (m - 1) * stage_bytes / min(bw[a, b] for a, b in ring)  # robust
         rounds = []
         for r in range(int(np.ceil(np.log2(m)))):
             pairs = [(grid[s, l], grid[s, (l + 2**r) % m]) for l in range(m)]
             rounds.append(max(lat[a, b] + stage_bytes / bw[a, b] for a, b in pairs))
         gossip = float(np.mean([max(0.0, r - lane_s) for r in rounds]))
-        change = allreduce * 2 / w.dtype_bytes  # outer steps: the butterfly with the change in fp16
+        change = allreduce * 2 / w.dtype_bytes  # outer steps: the all-reduce with the change in fp16
         h = min(50, max(10, math.ceil(change / (0.02 * lane_s))))
         d = min(max(1, h // 10), math.ceil(change / lane_s))
         options.append({"allreduce": (allreduce, 1.0), "gossip": (gossip, TABLE.factor("gossip", m, lane_tokens)),

@@ -248,7 +248,7 @@ class Screens:
         first = hit.argmin(axis=-1)
         kept_max = base.top_value[rows].reshape(first.size, -1)[np.arange(first.size), first.ravel()]
         channel = np.maximum(values.max(axis=0), kept_max.reshape(first.shape))
-        allreduce = 2 * (channel[..., 0] + (m - 1) * stage_bytes / m * channel[..., 1])  # as `_groups`
+        allreduce = self._exact_s(channel[..., 0], channel[..., 1], stage_bytes, m)
         return allreduce, channel[..., 2:]
 
 

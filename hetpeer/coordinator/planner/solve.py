@@ -40,6 +40,9 @@ class PlannerConfig:
     # outer steps: OUTER_AUTO = allowed with H chosen per group, N = allowed every N steps (`outer.py`), None =
     # forbidden (only where `sync` is "outer", H chosen per group)
     outer_every: int | None = OUTER_AUTO
+    # groups that average exactly do it robustly (the recipe's `robust`, on by default): m / 2 times the bytes of a
+    # plain all-reduce (`peer/gossip/exact.py`)
+    robust: bool = True
     time_budget_s: float = 2.0
     workers: int = 1  # searches at once, one process each beyond the first (`islands.py`)
     memory_reserve: float = 0.1
@@ -90,6 +93,7 @@ def make_model(problem: Problem, config: PlannerConfig, shape: Shape,
     return timemodel.TimeCost(
         problem, shape, sync=config.sync, memory_reserve=config.memory_reserve, horizon_steps=config.horizon_steps,
         recompute=config.recompute, compress=config.compress, outer_every=config.outer_every, hop_codecs=hop_codecs,
+        robust=config.robust,
     )
 
 

@@ -25,8 +25,10 @@ For a grid (rows = stages in order, columns = lanes), with M micro-batches per l
   once, after the backward pass) when they are different devices;
 - a pair of peers behind NAT that talk through a relay has its relay's two hops as its link, and the k relayed
   pairs a grid routes through one relay share its link: at most its capacity / k each (`relays.py`);
-- a group syncs its stage's parameters either by all-reduce after the step, a butterfly in which every pair of
-  the group carries a part each way (the robust averaging of `peer/gossip/butterfly.py`),
+- a group syncs its stage's parameters either by all-reduce after the step (`peer/gossip/exact.py`): robust (the
+  recipe's default, `robust`), every member sends its stage to every other in one round,
+      max ring latency + (m - 1) stage bytes / min ring bandwidth,
+  or plain, a butterfly in which each member sends 1/m of its stage to every other and gets back their mean,
       2 (max ring latency + (m - 1) stage bytes / (m min ring bandwidth)),
   where the ring's pairs (lane l with lane l + 1) stand for all the group's, as screening a swap against every
   pair would cost O(m) instead of O(1) (`screens.py`): exact for bandwidth where a pair's is the lesser of its
@@ -36,8 +38,8 @@ For a grid (rows = stages in order, columns = lanes), with M micro-batches per l
   l + 2^r mod m, one round a step, in turn), whose exchange overlaps the step's compute, so a round
   shows only where it outlasts the step: the mean over rounds of max(0, round - T), where a round
   takes its slowest pair (the mean of the rounds first would hide a slow round behind fast ones);
-  or, unless the organizer forbids them (`outer_every` None), by outer steps: the butterfly once every H steps
-  with the parameter change in fp16, overlapping the next D steps, so max(0, butterfly - D T) / H a step
+  or, unless the organizer forbids them (`outer_every` None), by outer steps: that all-reduce once every H steps
+  with the parameter change in fp16, overlapping the next D steps, so max(0, all-reduce - D T) / H a step
   (`outer.py`), where the group's devices hold the outer state too;
 - a step of gossip or outer steps is worth less than an all-reduce step: the steps factor (`quality.py`, by
   group size and tokens a lane-step) is how many of them make one; `auto` takes, for every set of modes, each
@@ -112,6 +114,7 @@ class TimeCost(Screens):
         compress: tuple[str, str] = ("raw", "raw"),
         outer_every: int | None = None,
         hop_codecs: dict[tuple[int, int], tuple[str, str]] | None = None,
+        robust: bool = True,
     ) -> None:
         """`hop_codecs`: for hops given as (sender, receiver) device indices, the (forward, backward) pair each must
         take, as a running plan has them (`policy.running_report`); every other hop the best of `compress`'s."""
@@ -125,7 +128,7 @@ class TimeCost(Screens):
         if recompute not in RECOMPUTE_CHOICES:
             raise PlanningError(f"recompute must be one of {', '.join(RECOMPUTE_CHOICES)}, got {recompute!r}")
         self.problem, self.shape, self.sync, self.horizon_steps = problem, shape, sync, horizon_steps
-        self.recompute, self.compress, self.outer_every = recompute, compress, outer_every
+        self.recompute, self.compress, self.outer_every, self.robust = recompute, compress, outer_every, robust
         self.ring_share = outer.ring_share(problem.workload.dtype)
         w, model = problem.workload, problem.workload.model
         stages, m = shape.stages, shape.group_size
@@ -304,10 +307,9 @@ class TimeCost(Screens):
         if rows.shape[-1] == 1:
             return np.zeros(rows.shape[:-1]), np.zeros(rows.shape[:-1] + (1,))
         m = rows.shape[-1]
-        # a butterfly (peer/gossip/butterfly.py): two rounds in which each member sends m - 1 parts of 1/m of the stage,
-        # one to every other member; the ring's pairs stand for all (see the module's docstring)
+        # the ring's pairs stand for all of the group's (see the module's docstring)
         latency, per_byte = self._pairs(rows, np.roll(rows, -1, axis=-1), load)
-        allreduce = 2 * (latency.max(-1) + (m - 1) * stage_bytes / m * per_byte.max(-1))
+        allreduce = self._exact_s(latency.max(-1), per_byte.max(-1), stage_bytes, m)
         latency, per_byte = self._pairs(rows[..., None, :], rows[..., self.partners], load)  # (..., rounds, m)
         return allreduce, (latency + stage_bytes[..., None, None] * per_byte).max(-1)
 
@@ -326,6 +328,13 @@ class TimeCost(Screens):
         members = np.zeros((1, self.problem.n), dtype=bool)
         members[0, grid.ravel()] = True
         return sharing.device_slowdowns(members)[0]
+
+    def _exact_s(self, latency: np.ndarray, per_byte: np.ndarray, stage_bytes: np.ndarray, m: int) -> np.ndarray:
+        """Seconds of a group's all-reduce from its largest pair latency and seconds per byte: robust, each member's
+        stage to every other in one round; plain, a butterfly's two rounds of 1/m of it to every other."""
+        if self.robust:
+            return latency + (m - 1) * stage_bytes * per_byte
+        return 2 * (latency + (m - 1) * stage_bytes / m * per_byte)
 
     def _pairs(self, a: np.ndarray, b: np.ndarray, load: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(latency seconds, seconds per byte) from devices a to devices b, elementwise; with `load` ((K, R): the

@@ -11,14 +11,13 @@ Gossip, peer i of the group (members in lane order), step t:
   that is late or sent something unusable is left out and the weights renormalised; mix
   (optionally clipping each neighbour's difference: robust mixing); take the Adam step from the mix.
 
-All-reduce: the gradient is averaged by a butterfly (`butterfly.py`: each member owns 1/n of it, gathers the
-members' contributions to its part and sends back their weighted mean, or with the recipe's `robust` their
-CenteredClip, each member bounding what it takes by its own contribution), then every peer takes the same Adam
-step. It needs every member: a missing one raises `TransportTimeout` (gossip is the mode that tolerates faults).
+All-reduce: the gradient is averaged exactly (`exact.py`: with the recipe's `robust`, every member sends its
+gradient to every other and takes the same CenteredClip of all of them; without, by a butterfly's plain weighted
+mean), then every peer takes the same Adam step. It needs every member: a missing one raises `TransportTimeout` (gossip is the mode that tolerates faults).
 
 Outer steps: every peer takes local Adam steps; after step t with (t + 1) divisible by H (the plan's
 `outer_every`, counted on the swarm's step so every member agrees), the parameter changes since the last
-outer step are averaged by the same butterfly, in `OUTER_CODEC`, and every member takes the same outer step. Like
+outer step are averaged the same way, in `OUTER_CODEC`, and every member takes the same outer step. Like
 all-reduce it needs every member. With the plan's `outer_delay` D the exchange runs in a thread of its own
 beside the next D steps and lands after step t + D (`outer.Exchange`), its frames labelled with that step.
 Before the plan's `outer_after` step such a group all-reduces every step instead (a warm start).
@@ -42,7 +41,7 @@ import numpy as np
 import torch
 
 from hetpeer.peer.gossip.adam import AdamConfig, AdamState, adam_update
-from hetpeer.peer.gossip.butterfly import Butterfly
+from hetpeer.peer.gossip import exact
 from hetpeer.peer.gossip.noise import NoiseMeter
 from hetpeer.peer.gossip.flat import FlatParams
 from hetpeer.peer.gossip.outer import Exchange, OuterConfig, OuterState, delta, outer_step
@@ -74,7 +73,7 @@ class SyncConfig:
     deadline_s: float = 10.0  # once the gradient is ready, how long to wait for neighbours' parameters
     codec: str = "raw"  # how parameters travel: one of frame.CODECS
     # robust averaging: gossip clips a neighbour's difference at clip x the typical neighbour distance; all-reduce
-    # and outer steps take each part's CenteredClip at clip x the median distance (`butterfly.py`); None: plain means
+    # and outer steps take the CenteredClip of every member's contribution (`exact.py`); None: plain means
     clip: float | None = None
     chunk_bytes: int = 16 << 20  # parameters travel in frames of at most this size
     overlap: bool = True  # send x(t) as soon as it exists; False sends it after the gradient (to measure)
@@ -148,8 +147,14 @@ class GroupSync:
         self.outer_delay = plan.stages[stage].outer_delay if self.mode == "outer" else 0
         if self.mode == "outer" and self.outer is None:
             self.outer = OuterState(self.flat.data)
-        sizes = [len(part) for part in torch.empty(self.flat.size, device="meta").tensor_split(len(self.members))]
-        self.butterfly = Butterfly(self.transport, self.members, self.index, sizes, plan.epoch, self.config.clip)
+        if self.config.clip is not None:
+            self.averager = exact.Everyone(self.transport, self.members, self.index, self.flat.size, self.chunk_elems,
+                                           plan.epoch, self.config.clip)
+        else:
+            sizes = [len(part) for part in torch.empty(self.flat.size, device="meta").tensor_split(len(self.members))]
+            self.averager = exact.Butterfly(self.transport, self.members, self.index, sizes, plan.epoch)
+        # an honest lane's gradient is far from the others' now and then, a neighbour's parameters in gossip rarely
+        self.outlier_rounds = OUTLIER_ROUNDS if self.mode == "gossip" else exact.OUTLIER_ROUNDS
         # an all-reduce averages the lanes' gradients by their shares of the step's batch: the gradient of the whole
         # batch, however unlike the shares (each lane's gradient is its own batch's mean)
         self.shares = [plan.lane_sequences(k) for k in range(len(self.members))]
@@ -171,7 +176,7 @@ class GroupSync:
             self.ahead = max(self.ahead or 0, header.step)
             return Late(f"step {header.step} is far ahead of this peer ({self.step})")
         expected = self._params_chunk_shape(header.micro) if header.kind == "params" else \
-            self.butterfly.shape(header.sender, header.micro)
+            self.averager.shape(header.sender, header.micro)
         if expected is None:
             return f"{header.kind} {'chunk' if header.kind == 'params' else 'round'} {header.micro} does not exist"
         if header.shape != expected or header.dtype != "fp32":
@@ -266,11 +271,11 @@ class GroupSync:
 
     def outliers(self, rounds: int = 8) -> dict[str, int]:
         """The members robust averaging leaves out or clips hard (and how many rounds in a row they were far): far
-        past the bound in the last `OUTLIER_ROUNDS` or more rounds they took part in, while another member came
+        past the bound in the last `outlier_rounds` or more rounds they took part in, while another member came
         nearer in the last `rounds` exchanges: far for what they send, not because this peer's scale is off."""
         return {
             device: streak for device, streak in list(self.clip_streaks.items())
-            if streak >= OUTLIER_ROUNDS
+            if streak >= self.outlier_rounds
             and any(other != device and at >= self.rounds - rounds for other, at in list(self.unclipped.items()))
         }
 
@@ -393,8 +398,8 @@ class GroupSync:
     # -- all-reduce -------------------------------------------------------------------------------
     def _allreduce(self, vector: torch.Tensor, step: int, weights: list[int] | None, codec: str = "raw") -> None:
         """Average `vector` (in place) over the group, weighing member k by `weights[k]` (None: alike), robustly
-        where the recipe says (`butterfly.py`); count who was far past the bound for the group's reports."""
-        outcome = self.butterfly.average(vector, step, weights or [1] * len(self.members), self.config.allreduce_timeout_s, codec)
+        where the recipe says (`exact.py`); count who was far past the bound for the group's reports."""
+        outcome = self.averager.average(vector, step, weights or [1] * len(self.members), self.config.allreduce_timeout_s, codec)
         self.clipped += outcome.clipped
         self._judged(set(outcome.far), set(outcome.near))
 
