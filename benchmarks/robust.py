@@ -9,8 +9,8 @@ the same data, the same steps. The pair steps in lockstep (a step of one, then t
 the machine's load falls on both alike. Per mode and seed: each run's validation loss on the same held-out
 sequences after the last step, and their ratio; per mode: the mean ratio with its range over seeds, the time a step
 of each (all lanes, averaging included) and its ratio, and how many contributions or owners' results robust
-averaging clipped or refused over the honest run (`SyncReport.clipped`: each one a member whose step was not the
-group's plain mean).
+averaging clipped over the honest run (`SyncReport.clipped`, summed over the members: a step not the group's plain
+mean), and who reported whom (an honest run's false accusations: goal none).
 
 Modes: `allreduce` (the butterfly every step), `outer` (outer steps every 10 steps after a warm start of 20 steps of
 all-reduce), `gossip` (robust mixing, the one-peer exponential graph).
@@ -57,6 +57,7 @@ class Run:
         self.pool = ThreadPoolExecutor(lanes)
         self.seconds = 0.0
         self.clipped = 0
+        self.reported: set[tuple[str, str]] = set()  # (reporter, reported): false accusations, in an honest run
         self.val_loss: float | None = None
 
     def step(self, last: bool) -> None:
@@ -64,6 +65,7 @@ class Run:
         results = list(self.pool.map(lambda w: w.train_step(last), self.workers))
         self.seconds += time.perf_counter() - started
         self.clipped += sum(r.sync.clipped for r in results)
+        self.reported |= {(w.device_id, d) for w in self.workers for d in w.sync.outliers()}
         losses = [r.val_loss for r in results if r.val_loss is not None]
         if losses:
             self.val_loss = statistics.fmean(losses)
@@ -88,7 +90,8 @@ def pair(mode: str, seed: int, args: argparse.Namespace, corpus: Corpus) -> dict
     robust, plain = runs["robust"], runs["plain"]
     return {"mode": mode, "seed": seed, "robust_val": robust.val_loss, "plain_val": plain.val_loss,
             "ratio": robust.val_loss / plain.val_loss, "robust_s": robust.seconds / (args.steps + 1),
-            "plain_s": plain.seconds / (args.steps + 1), "clipped": robust.clipped}
+            "plain_s": plain.seconds / (args.steps + 1), "clipped": robust.clipped,
+            "reported": sorted(f"{a} reported {b}" for a, b in robust.reported)}
 
 
 def main() -> int:
@@ -111,10 +114,12 @@ def main() -> int:
             rows.append(pair(mode, seed, args, corpus))
             r = rows[-1]
             print(f"  validation loss {r['robust_val']:.4f} robust, {r['plain_val']:.4f} plain ({r['ratio']:.4f}x); "
-                  f"{r['robust_s'] * 1e3:.1f} against {r['plain_s'] * 1e3:.1f} ms a step; {r['clipped']} clipped", flush=True)
+                  f"{r['robust_s'] * 1e3:.1f} against {r['plain_s'] * 1e3:.1f} ms a step; {r['clipped']} clipped; "
+                  f"reported: {', '.join(r['reported']) or 'nobody'}", flush=True)
     print(f"\n{args.lanes} lanes of the tiny model, batch {args.batch}, {args.steps} steps, {args.seeds} seed(s); "
           f"robust {ROBUST:g} against 0, paired by seed")
-    print(f"{'mode':10s} {'val loss ratio':>15s} {'range':>17s} {'ms a step':>16s} {'time ratio':>11s} {'clipped':>8s}")
+    print(f"{'mode':10s} {'val loss ratio':>15s} {'range':>17s} {'ms a step':>16s} {'time ratio':>11s} {'clipped':>8s} "
+          f"{'reported':>9s}")
     summary = {}
     for mode in modes:
         of = [r for r in rows if r["mode"] == mode]
@@ -122,10 +127,10 @@ def main() -> int:
         robust_s, plain_s = sum(r["robust_s"] for r in of) / len(of), sum(r["plain_s"] for r in of) / len(of)
         summary[mode] = {"ratio": statistics.fmean(ratios), "min": min(ratios), "max": max(ratios),
                          "robust_s": robust_s, "plain_s": plain_s, "time_ratio": robust_s / plain_s,
-                         "clipped": sum(r["clipped"] for r in of)}
+                         "clipped": sum(r["clipped"] for r in of), "reported": sum(len(r["reported"]) for r in of)}
         s = summary[mode]
         print(f"{mode:10s} {s['ratio']:14.4f}x {s['min']:8.4f}-{s['max']:.4f}x {robust_s * 1e3:6.1f} / {plain_s * 1e3:5.1f} "
-              f"{s['time_ratio']:10.3f}x {s['clipped']:8d}")
+              f"{s['time_ratio']:10.3f}x {s['clipped']:8d} {s['reported']:9d}")
     if args.json:
         print(json.dumps({"runs": rows, "summary": summary}))
     return 0

@@ -109,7 +109,7 @@ class Announcing:
         worker = self.worker
         streaks = worker.sync.outliers() if worker is not None else {}
         sent = "its parameters" if worker is not None and worker.sync.mode == "gossip" else \
-            "its gradient or change, or the part of the average it owns"
+            "its gradient, or its change at outer steps"
         misbehaving = {d: n for d, n in self.transport.inbox.misbehaving.items() if DEVICE_RE.match(d) and d != self.device_id}
         suspects = self.suspicion.update(misbehaving, streaks, time.monotonic())
         for device in set(suspects) - set(self.suspects):
