@@ -12,6 +12,7 @@ import torch
 
 from hetpeer.peer.gossip.exact import AGAINST_AFTER, OUTLIER_ROUNDS, centered_clip
 from hetpeer.peer.gossip.group import SyncConfig
+from hetpeer.protocol.frame import FrameHeader
 from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.recipe import Recipe
 from test_gossip_group import Group, ok
@@ -236,3 +237,16 @@ def test_outer_steps_average_the_changes_robustly_and_report_the_poisoner():
     # noise this strong (3x the signal, H = 1) makes as large as the mean change itself; undefended, 50x
     assert off["undefended"] > 50 * travelled, off
     assert off["defended"] < 0.03 * off["undefended"], off
+
+
+def test_a_robust_member_takes_each_members_chunks_of_the_whole_vector_and_refuses_the_rest():
+    group = Group(3, sync="allreduce", size=SIZE, config=ROBUST)  # chunks of 1,500, 1,500 and 1,001
+    p1 = group.syncs["p1"]
+
+    def frame(sender: str, micro: int, numel: int) -> FrameHeader:
+        return FrameHeader(kind="allreduce", dtype="fp32", shape=(numel,), sender=sender, step=0, micro=micro, epoch=0)
+
+    assert p1.accept(frame("p0", 0, 1500)) is None and p1.accept(frame("p2", 2, 1001)) is None
+    assert p1.accept(frame("p2", 3, 1001)) == "allreduce chunk 3 does not exist"
+    assert "expected fp32[1001]" in p1.accept(frame("p0", 2, 1500))
+    assert "not another member" in p1.accept(frame("p1", 0, 1500))

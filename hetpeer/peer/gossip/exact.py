@@ -134,6 +134,8 @@ class Butterfly:
     """One member's side of a group's plain average (no `robust`): each part's owner sends back the weighted mean of
     the contributions to it. `sizes`: the parts' lengths, member order."""
 
+    unit = "round"  # what a frame's micro counts
+
     def __init__(self, transport: Transport, members: tuple[str, ...], index: int, sizes: list[int], epoch: int) -> None:
         self.transport, self.members, self.index, self.sizes, self.epoch = transport, members, index, sizes, epoch
 
@@ -168,6 +170,8 @@ class Butterfly:
 class Everyone:
     """One member's side of a group's robust average: its whole contribution to every other member, in chunks of
     `chunk_elems`, and the CenteredClip of every chunk from all of them."""
+
+    unit = "chunk"  # what a frame's micro counts
 
     def __init__(self, transport: Transport, members: tuple[str, ...], index: int, size: int, chunk_elems: int,
                  epoch: int, clip: float) -> None:

@@ -13,7 +13,8 @@ Gossip, peer i of the group (members in lane order), step t:
 
 All-reduce: the gradient is averaged exactly (`exact.py`: with the recipe's `robust`, every member sends its
 gradient to every other and takes the same CenteredClip of all of them; without, by a butterfly's plain weighted
-mean), then every peer takes the same Adam step. It needs every member: a missing one raises `TransportTimeout` (gossip is the mode that tolerates faults).
+mean), then every peer takes the same Adam step. It needs every member: a missing one raises `TransportTimeout`
+(gossip is the mode that tolerates faults).
 
 Outer steps: every peer takes local Adam steps; after step t with (t + 1) divisible by H (the plan's
 `outer_every`, counted on the swarm's step so every member agrees), the parameter changes since the last
@@ -178,7 +179,7 @@ class GroupSync:
         expected = self._params_chunk_shape(header.micro) if header.kind == "params" else \
             self.averager.shape(header.sender, header.micro)
         if expected is None:
-            return f"{header.kind} {'chunk' if header.kind == 'params' else 'round'} {header.micro} does not exist"
+            return f"{header.kind} {'chunk' if header.kind == 'params' else self.averager.unit} {header.micro} does not exist"
         if header.shape != expected or header.dtype != "fp32":
             return f"{header.kind} chunk {header.micro} is {header.dtype}{list(header.shape)}, expected fp32{list(expected)}"
         self.suspects.discard(header.sender)  # it is sending: alive
