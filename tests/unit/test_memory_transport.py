@@ -50,3 +50,16 @@ def test_a_frame_of_a_newer_plan_takes_the_place_of_the_older_plans_frame_for_th
     assert inbox.offer(*_frame(3.0, epoch=2, step=121)) and not inbox.offer(*_frame(4.0, epoch=2, step=121))
     assert inbox.misbehaving["a"] == 1 and "duplicate activation for step 121 micro 0" in inbox.rejections[-1][1]
     assert inbox.recv("activation", "a", 121, 0, timeout_s=1.0).tolist() == [3.0, 3.0]
+
+
+def test_a_newer_plans_frames_outlive_the_running_plans_steps_past_them():
+    """A repair plan that starts at step 109 reaches a peer still at step 113 under the old plan: a member that
+    switched first sends step 110 of the new plan, which the old plan's end-of-step cleanup must not drop (an
+    outer-step group's exchange waited on it until the lanes stalled)."""
+    from hetpeer.peer.transport.inbox import Inbox
+
+    inbox = Inbox("b", max_frame_bytes=1 << 20)
+    assert inbox.offer(*_frame(1.0, epoch=1, step=112)) and inbox.offer(*_frame(2.0, epoch=2, step=110))
+    assert inbox.discard_before(113, running=1) == 1  # the old plan's step 112, not the new plan's step 110
+    assert inbox.recv("activation", "a", 110, 0, timeout_s=1.0).tolist() == [2.0, 2.0]
+    assert inbox.offer(*_frame(3.0, epoch=2, step=111)) and inbox.discard_before(113) == 1  # without it: any epoch

@@ -274,7 +274,7 @@ class StageWorker:
                     how = f"skipping with its own state ({error})"
             log.info("%s: group is %d step(s) ahead, at step %d: %s", self.device_id, behind, self.step, how)
         self.sync.ahead = None
-        self.transport.inbox.discard_before(self.step)
+        self.transport.inbox.discard_before(self.step, running=self.plan.epoch)
         if not last:
             self.sync.begin(self.step)
         return report

@@ -175,13 +175,16 @@ class Inbox:
         with self._arrived:
             self._interrupt = None
 
-    def discard_before(self, step: int, epoch: int | None = None) -> int:
+    def discard_before(self, step: int, epoch: int | None = None, running: int | None = None) -> int:
         """Drop frames of steps before `step` (left by a lane that timed out) and, given `epoch`, frames sent
-        under an earlier plan epoch (left by a plan this peer no longer runs); how many were dropped."""
+        under an earlier plan epoch (left by a plan this peer no longer runs); how many were dropped. Given the
+        `running` plan epoch, frames of newer plans are kept whatever step they name: a plan that starts below
+        the step this peer has reached under the running one is read from its own start, after the switch."""
         with self._arrived:
             stale = [
                 key for key in self._frames
-                if key[2] < step or (epoch is not None and self._headers[key].epoch < epoch)
+                if (key[2] < step and (running is None or self._headers[key].epoch <= running))
+                or (epoch is not None and self._headers[key].epoch < epoch)
             ]
             for key in stale:
                 del self._frames[key]
