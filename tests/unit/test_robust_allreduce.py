@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from hetpeer.peer.gossip.exact import AGAINST_AFTER, OUTLIER_ROUNDS, centered_clip
+from hetpeer.peer.gossip.exact import APART_AFTER, OUTLIER_ROUNDS, centered_clip
 from hetpeer.peer.gossip.group import SyncConfig
 from hetpeer.protocol.frame import FrameHeader
 from hetpeer.protocol.plan import Plan, StagePlan
@@ -151,19 +151,23 @@ def test_a_poisoner_of_four_barely_moves_the_others_step_and_all_of_them_report_
         assert set(group.syncs[device].outliers()) == {"p3"}, device
 
 
-def test_a_member_whose_gradient_points_away_from_the_others_is_reported_though_never_far():
-    """p3 sends its honest gradient sign-flipped, no larger: within the radius, so clipping never sees it, but its
-    running cosine with the others' mean is the honest lanes' negated; after AGAINST_AFTER exchanges it is against
-    the group, and OUTLIER_ROUNDS later reported. The honest run beside it: nobody, over as many exchanges."""
-    rounds = AGAINST_AFTER + OUTLIER_ROUNDS
+@pytest.mark.parametrize("lie", ["sign-flipped", "random"])
+def test_a_member_whose_gradient_stands_apart_from_the_others_is_reported_though_never_far(lie):
+    """p3 sends its honest gradient sign-flipped, or a random vector as large: within the radius, so clipping never
+    sees it, but its running cosine with the others' mean is the honest lanes' negated, or about 0; after APART_AFTER
+    exchanges it stands apart from the group, and OUTLIER_ROUNDS later is reported. The honest run beside it: nobody,
+    over as many exchanges."""
+    rounds = APART_AFTER + OUTLIER_ROUNDS
     flipped, grads = honest_run(4, rounds, seed=4)
     honest, _ = honest_run(4, rounds, seed=4)
-    poison_sends(flipped, "p3", lambda x: -x)
+    poison_sends(flipped, "p3", (lambda x: -x) if lie == "sign-flipped" else
+                 (lambda x: torch.randn(x.shape, generator=torch.Generator().manual_seed(int(x.sum() * 1e3) % 2**31),
+                                        dtype=x.dtype) * x.norm() / x.numel() ** 0.5))
     for t, g in enumerate(grads):
         ok(flipped.step(t, g))
         ok(honest.step(t, g))
-        if t == rounds - 3:  # against from exchange AGAINST_AFTER on (t = AGAINST_AFTER - 1), far OUTLIER_ROUNDS in a row
-            assert flipped.syncs["p0"].outliers() == {}, "reported before it was against the group long enough"
+        if t == rounds - 3:  # apart from exchange APART_AFTER on (t = APART_AFTER - 1), far OUTLIER_ROUNDS in a row
+            assert flipped.syncs["p0"].outliers() == {}, "reported before it stood apart long enough"
     for device in ("p0", "p1", "p2"):
         assert set(flipped.syncs[device].outliers()) == {"p3"}, device
     assert all(sync.outliers() == {} for sync in honest.syncs.values())

@@ -25,12 +25,11 @@ whose aggregation rule this is, without its butterfly and the checks that butter
   other counts only within `clip` x its norm, so both members take the same step, at most (1 + clip / 2) times
   the smaller contribution, and a member whose own contribution is the smaller never steps against it.
 
-Who is far (past `OUTLIER_FACTOR` x tau in most chunks, or against the group: its contributions pointing away from
-the others' round after round, as a sign-flipped gradient of honest size does) is returned, for the group's
-reports (`GroupSync.outliers`). What the robust average does not see: a member that sends different
-contributions to different members (each honest member still bounds it, but their results then differ by up to
-that bound), and one no further from the others than an honest one and not against them (a random vector of
-an honest gradient's size: it weighs as one noisy lane). Complexity per member and exchange: O(n x chunk) memory beyond its own copy
+Who is far (past `OUTLIER_FACTOR` x tau in most chunks, or apart from the group: its contributions pointing away
+from the others', or nowhere near their direction, round after round, as a sign-flipped or random gradient of
+honest size does) is returned, for the group's reports (`GroupSync.outliers`). What the robust average does not
+see: a member that sends different contributions to different members (each honest member still bounds it, but
+their results then differ by up to that bound). Complexity per member and exchange: O(n x chunk) memory beyond its own copy
 of the vector, and O(n x vector) arithmetic (`centered_clip`).
 """
 
@@ -47,10 +46,12 @@ from hetpeer.peer.transport.codec import as_received
 PASSES = 16  # CenteredClip's iterations at most, from the medoid, when someone is clipped
 OUTLIER_FACTOR = 2.0  # "far": this many times the radius; an honest member a little past it is only clipped
 OUTLIER_ROUNDS = 8  # exchanges in a row a member is far before it is reported: an honest lane's gradient is far now and then
-# A member is "against" its group where the running cosine of its contribution with the others' mean is below
-# AGAINST x the median of the others' (their median positive), after AGAINST_AFTER exchanges: honest lanes share
-# the signal (the tiny model's lanes: median 0.27, below 0 in 12% of single steps, never in the running mean)
-AGAINST, AGAINST_AFTER, COSINE_MEMORY = -0.5, 10, 0.9
+# A member stands apart from its group where the running cosine of its contribution with the others' mean, over
+# the square root of its share (a lane of fewer sequences is noisier), is below APART x the median of the others'
+# (their median positive), after APART_AFTER exchanges. Honest lanes share the signal: on the tiny model their
+# cosine has a median of 0.27 (below 0 in 12% of single steps), and over 400 steps no lane's running cosine fell
+# below 0.36 x the others' median; a sign-flipped gradient's is negative, a random vector's about 0.
+APART, APART_AFTER, COSINE_MEMORY = 0.2, 10, 0.9
 CONTRIBUTION, RESULT = 0, 1  # the butterfly's two rounds, as a frame's micro
 
 
@@ -208,14 +209,14 @@ class Everyone:
             gram += (stack @ stack.T).double().cpu()
             clipped |= torch.tensor(aggregate.scales) < 1.0
         self.transport.flush(timeout_s, to=others)  # `own` is read until its frames have left
-        against = self._against(gram, w.cpu())
-        far = tuple(self.members[j] for j in range(n) if j != i and (far_chunks[j] * 2 > self.chunks or against[j]))
+        apart = self._apart(gram, w.cpu())
+        far = tuple(self.members[j] for j in range(n) if j != i and (far_chunks[j] * 2 > self.chunks or apart[j]))
         near = tuple(self.members[j] for j in range(n) if j != i and not clipped[j] and self.members[j] not in far)
         return Outcome(int(clipped.sum()), far, near)
 
-    def _against(self, gram: torch.Tensor, w: torch.Tensor) -> list[bool]:
+    def _apart(self, gram: torch.Tensor, w: torch.Tensor) -> list[bool]:
         """Update each member's running cosine with the weighted mean of the others (from the contributions' Gram
-        matrix); who is against the group now (`AGAINST`)."""
+        matrix); who stands apart from the group now (`APART`)."""
         n = len(gram)
         cosines = torch.zeros(n, dtype=torch.float64)
         for k in range(n):
@@ -225,10 +226,11 @@ class Everyone:
             cosines[k] = float(gram[k] @ others) / math.sqrt(norm2) if norm2 > 0 else 0.0
         self.leaning = cosines if self.exchanges == 0 else COSINE_MEMORY * self.leaning + (1 - COSINE_MEMORY) * cosines
         self.exchanges += 1
-        if self.exchanges < AGAINST_AFTER or n < 3:
+        if self.exchanges < APART_AFTER or n < 3:
             return [False] * n
-        against = []
+        scaled = self.leaning / (w / w.mean()).sqrt()
+        apart = []
         for k in range(n):
-            typical = float(torch.cat([self.leaning[:k], self.leaning[k + 1:]]).median())
-            against.append(typical > 0 and float(self.leaning[k]) < AGAINST * typical)
-        return against
+            typical = float(torch.cat([scaled[:k], scaled[k + 1:]]).median())
+            apart.append(typical > 0 and float(scaled[k]) < APART * typical)
+        return apart
