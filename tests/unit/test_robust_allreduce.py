@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from hetpeer.peer.gossip.exact import APART_AFTER, OUTLIER_ROUNDS, centered_clip
+from hetpeer.peer.gossip.exact import APART_AFTER, CHANGE_ROUNDS, OUTLIER_ROUNDS, centered_clip
 from hetpeer.peer.gossip.group import SyncConfig
 from hetpeer.protocol.frame import FrameHeader
 from hetpeer.protocol.plan import Plan, StagePlan
@@ -225,7 +225,7 @@ def test_outer_steps_average_the_changes_robustly_and_report_the_poisoner():
     defence, and without it. Defended, the honest members stay equal, near the honest run, and report p3."""
     rng = np.random.default_rng(2)
     signal = rng.normal(size=SIZE) * 0.3
-    grads = [noisy_gradients(rng, 4, signal) for _ in range(OUTLIER_ROUNDS)]
+    grads = [noisy_gradients(rng, 4, signal) for _ in range(CHANGE_ROUNDS)]  # reported after as many outer steps
     runs = {"honest": outer_group(), "defended": outer_group(POISONS["flip"]),
             "undefended": outer_group(POISONS["flip"], SyncConfig(allreduce_timeout_s=10))}
     for group in runs.values():

@@ -52,6 +52,9 @@ OUTLIER_ROUNDS = 8  # exchanges in a row a member is far before it is reported: 
 # cosine has a median of 0.27 (below 0 in 12% of single steps), and over 400 steps no lane's running cosine fell
 # below 0.36 x the others' median; a sign-flipped gradient's is negative, a random vector's about 0.
 APART, APART_AFTER, COSINE_MEMORY = 0.2, 10, 0.9
+# Outer steps' changes are sums of H Adam steps, whose sizes do not spike as one step's gradient does, and whose
+# directions the members share far more: a member is judged apart after, and reported for, this many of them
+CHANGE_ROUNDS = 3
 CONTRIBUTION, RESULT = 0, 1  # the butterfly's two rounds, as a frame's micro
 
 
@@ -175,8 +178,9 @@ class Everyone:
     unit = "chunk"  # what a frame's micro counts
 
     def __init__(self, transport: Transport, members: tuple[str, ...], index: int, size: int, chunk_elems: int,
-                 epoch: int, clip: float) -> None:
+                 epoch: int, clip: float, apart_after: int = APART_AFTER) -> None:
         self.transport, self.members, self.index, self.epoch, self.clip = transport, members, index, epoch, clip
+        self.apart_after = apart_after
         self.size, self.chunk_elems = size, chunk_elems
         self.chunks = -(-size // chunk_elems)
         self.leaning = torch.zeros(len(members), dtype=torch.float64)  # each member's running cosine with the others
@@ -226,7 +230,7 @@ class Everyone:
             cosines[k] = float(gram[k] @ others) / math.sqrt(norm2) if norm2 > 0 else 0.0
         self.leaning = cosines if self.exchanges == 0 else COSINE_MEMORY * self.leaning + (1 - COSINE_MEMORY) * cosines
         self.exchanges += 1
-        if self.exchanges < APART_AFTER or n < 3:
+        if self.exchanges < self.apart_after or n < 3:
             return [False] * n
         scaled = self.leaning / (w / w.mean()).sqrt()
         apart = []

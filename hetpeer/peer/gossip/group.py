@@ -151,11 +151,12 @@ class GroupSync:
         if self.config.clip is not None:
             self.averager = exact.Everyone(self.transport, self.members, self.index, self.flat.size, self.chunk_elems,
                                            plan.epoch, self.config.clip)
+            # outer steps' changes are judged apart from the warm start's gradients, and sooner (`exact.CHANGE_ROUNDS`)
+            self.changes = exact.Everyone(self.transport, self.members, self.index, self.flat.size, self.chunk_elems,
+                                          plan.epoch, self.config.clip, apart_after=exact.CHANGE_ROUNDS)
         else:
             sizes = [len(part) for part in torch.empty(self.flat.size, device="meta").tensor_split(len(self.members))]
-            self.averager = exact.Butterfly(self.transport, self.members, self.index, sizes, plan.epoch)
-        # an honest lane's gradient is far from the others' now and then, a neighbour's parameters in gossip rarely
-        self.outlier_rounds = OUTLIER_ROUNDS if self.mode == "gossip" else exact.OUTLIER_ROUNDS
+            self.averager = self.changes = exact.Butterfly(self.transport, self.members, self.index, sizes, plan.epoch)
         # an all-reduce averages the lanes' gradients by their shares of the step's batch: the gradient of the whole
         # batch, however unlike the shares (each lane's gradient is its own batch's mean)
         self.shares = [plan.lane_sequences(k) for k in range(len(self.members))]
@@ -270,6 +271,14 @@ class GroupSync:
             received[j] = torch.cat(parts).to(device)
         return received, left_out
 
+    @property
+    def outlier_rounds(self) -> int:
+        """Rounds in a row a member must be far before it is an outlier: a gossip neighbour's parameters, or outer
+        steps' changes, are rarely far; one step's gradient of an honest lane now and then (`exact.py`)."""
+        if self.mode == "gossip":
+            return OUTLIER_ROUNDS
+        return exact.CHANGE_ROUNDS if self.mode == "outer" and not self.warming(self.step) else exact.OUTLIER_ROUNDS
+
     def outliers(self, rounds: int = 8) -> dict[str, int]:
         """The members robust averaging leaves out or clips hard (and how many rounds in a row they were far): far
         past the bound in the last `outlier_rounds` or more rounds they took part in, while another member came
@@ -346,13 +355,14 @@ class GroupSync:
             # an fp16 frame cannot carry it, and a peer whose own training diverged must not take the group with it
             raise FloatingPointError(f"{self.device_id}: its parameter change before the outer step of step {step} is not finite")
         if not self.outer_delay:
-            self._allreduce(change, step, None, OUTER_CODEC)
+            self._allreduce(change, step, None, OUTER_CODEC, self.changes)
             with self.lock:
                 outer_step(self.flat.data, change, self.outer, self.config.outer)
             return
         # labelled with the step it lands after: frames of steps done are dropped, and this one is not done yet
         at = step + self.outer_delay
-        self.exchange = Exchange(lambda: self._allreduce(change, at, None, OUTER_CODEC), change.clone(), change, at).start()
+        self.exchange = Exchange(lambda: self._allreduce(change, at, None, OUTER_CODEC, self.changes), change.clone(), change,
+                                 at).start()
 
     def _outer_land(self) -> None:
         exchange, self.exchange = self.exchange, None
@@ -397,10 +407,12 @@ class GroupSync:
             self.outer.restart(self.flat.data)
 
     # -- all-reduce -------------------------------------------------------------------------------
-    def _allreduce(self, vector: torch.Tensor, step: int, weights: list[int] | None, codec: str = "raw") -> None:
+    def _allreduce(self, vector: torch.Tensor, step: int, weights: list[int] | None, codec: str = "raw",
+                   averager: exact.Everyone | exact.Butterfly | None = None) -> None:
         """Average `vector` (in place) over the group, weighing member k by `weights[k]` (None: alike), robustly
         where the recipe says (`exact.py`); count who was far past the bound for the group's reports."""
-        outcome = self.averager.average(vector, step, weights or [1] * len(self.members), self.config.allreduce_timeout_s, codec)
+        outcome = (averager or self.averager).average(vector, step, weights or [1] * len(self.members),
+                                                      self.config.allreduce_timeout_s, codec)
         self.clipped += outcome.clipped
         self._judged(set(outcome.far), set(outcome.near))
 
