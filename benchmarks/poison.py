@@ -47,9 +47,10 @@ POISONER = 3
 HONEST = ("peer0", "peer1", "peer2")
 LAST_STEPS = 10
 BATCH = 64  # sequences a step: enough that every peer is worth a lane, so the poisoner is in the group
-# one stage, and the first plan only once all four announce, so the poisoner is in the group; the group's size is
-# the planner's, so that a plan can be found without the poisoner once it is banned
-GROUP = ("--stages", "1", "--min-peers", "4")
+# one stage and a group of four, so the poisoner is in it whatever the planner would choose (it plans outer steps
+# in a pair of lanes, and on a busy machine one lane alone); once it is banned only a repair plan (its lane
+# dropped) follows, since no new plan of four exists
+GROUP = ("--stages", "1", "--group-size", "4", "--min-peers", "4")
 MODES = {
     "auto": (),
     "gossip": ("--sync", "gossip"),
