@@ -219,6 +219,9 @@ def format_step(result: StepResult, seconds: float, last_step: int) -> str:
         if result.sync.clipped:  # robust averaging clipped or refused what some member sent
             sync += f", {result.sync.clipped} clipped"
     val = f"  val {result.val_loss:.4f}" if result.val_loss is not None else ""
+    judged, failed = result.checks
+    if judged:  # outputs of another lane's holder of this stage it recomputed (`pipeline/checks.py`)
+        val += f"  checked {judged}" + (f", {failed} FAILED" if failed else " ok")
     windows = f"windows {result.windows[0]}-{result.windows[1] - 1}  " if result.windows is not None else ""
     return (
         f"step {result.step + 1}/{last_step}  {loss}  {result.tokens / seconds:,.0f} tok/s  {windows}"

@@ -8,7 +8,7 @@ Its wire form is one flat object (every field written; a reader takes defaults f
      "warmup_steps": 0, "decay_steps": 0, "min_lr_ratio": 0.1,
      "topology": "one-peer-exp", "accumulate": 1, "second_moment": "lane", "mix_deadline_s": 10.0, "sync_codec": "raw",
      "outer_lr": 0.7, "outer_momentum": 0.9, "outer_after": 100, "robust": 2.0,
-     "seed": 0, "eval_every": 0, "eval_batch": 8}
+     "check": 0.02, "seed": 0, "eval_every": 0, "eval_batch": 8}
 
 A field this peer does not know is an error naming it (`SchemaError`): a peer older than the recipe it is
 given refuses the plan instead of training by rules it does not follow. Organizers write the same object
@@ -34,6 +34,7 @@ OUTER_AFTER = 100  # steps of every-step all-reduce before outer steps begin: a 
 # on by default: what it costs an honest group is measured in docs/trust.md, and a defence an organizer must know to
 # turn on is none
 ROBUST = 2.0
+CHECK = 0.02
 MAX_STEPS = 10**9  # any step count a recipe names
 
 
@@ -61,6 +62,9 @@ class Recipe:
     # robust averaging in every sync mode (0: off): gossip clips a neighbour's difference at this x the typical
     # distance; all-reduce and outer steps take each part's CenteredClip at this x the median distance
     robust: float = ROBUST
+    # stage checks (0: off): the share of each lane's micro-batches a member of the stage's group recomputes, at random
+    # steps its lane neighbours do not learn of (peer/pipeline/checks.py); about the share of a peer's compute it costs
+    check: float = CHECK
     # the run
     seed: int = 0  # the initial weights and the data order
     eval_every: int = 0  # every lane measures its validation loss at the steps divisible by this (0: never)
@@ -78,8 +82,9 @@ class Recipe:
                 raise bad(name, "a number >= 0")
         if len(self.betas) != 2 or not all(_finite(b) and 0 <= b < 1 for b in self.betas):
             raise bad("betas", "two numbers in [0, 1)")
-        if not _finite(self.min_lr_ratio) or not 0 <= self.min_lr_ratio <= 1:
-            raise bad("min_lr_ratio", "in [0, 1]")
+        for name in ("min_lr_ratio", "check"):
+            if not _finite(getattr(self, name)) or not 0 <= getattr(self, name) <= 1:
+                raise bad(name, "in [0, 1]")
         if not _finite(self.outer_momentum) or not 0 <= self.outer_momentum < 1:
             raise bad("outer_momentum", "in [0, 1)")
         for name, least in (("warmup_steps", 0), ("decay_steps", 0), ("accumulate", 1), ("outer_after", 0), ("seed", 0),
@@ -146,8 +151,9 @@ class Recipe:
             f" {self.sync_codec}" if self.sync_codec != "raw" else "")
         clip = f"clip {self.clip_norm:g}" if self.clip_norm else "no clipping"
         robust = f"robust {self.robust:g}" if self.robust else "not robust"
+        check = f"checks {self.check:.0%}" if self.check else "no checks"
         return (f"lr {self.lr:g}{schedule}, betas {self.betas[0]:g}/{self.betas[1]:g}, wd {self.weight_decay:g}, {clip}; "
-                f"gossip {sync}, {robust}, seed {self.seed}")
+                f"gossip {sync}, {robust}, {check}, seed {self.seed}")
 
     def to_text(self) -> str:
         """The recipe as the JSON file `load` reads back, a field a line."""

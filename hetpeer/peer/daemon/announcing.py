@@ -108,12 +108,15 @@ class Announcing:
         """Update the peers this peer reports (`suspects.py`); say so when one is reported first."""
         worker = self.worker
         streaks = worker.sync.outliers() if worker is not None else {}
+        caught = worker.checks.caught() if worker is not None else {}
         sent = "its parameters" if worker is not None and worker.sync.mode == "gossip" else \
             "its gradient, or its change at outer steps"
         misbehaving = {d: n for d, n in self.transport.inbox.misbehaving.items() if DEVICE_RE.match(d) and d != self.device_id}
-        suspects = self.suspicion.update(misbehaving, streaks, time.monotonic())
+        suspects = self.suspicion.update(misbehaving, {**streaks, **{d: 1 for d in caught}}, time.monotonic())
         for device in set(suspects) - set(self.suspects):
             clipped = streaks.get(device, 0)
-            self.report(f"reports {device} as misbehaving: " + (f"what it sent its group far off {clipped} rounds in a row ({sent})"
-                        if clipped else f"{self.transport.inbox.misbehaving[device]} frame(s) refused so far"))
+            self.report(f"reports {device} as misbehaving: " + (
+                f"a check caught it: {caught[device].words}" if device in caught
+                else f"what it sent its group far off {clipped} rounds in a row ({sent})" if clipped
+                else f"{self.transport.inbox.misbehaving[device]} frame(s) refused so far"))
         self.suspects = suspects

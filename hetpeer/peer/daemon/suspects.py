@@ -1,9 +1,9 @@
 """Which peers this peer reports as misbehaving (`PeerRecord.suspects`), from what it saw itself.
 
-Two signs, both of a peer whose link proved who it is: frames refused (wrong shape, step, epoch, checksum,
-not finite: `Inbox.misbehaving`), at least `REFUSALS` within `WINDOW_S`; and being a neighbour robust mixing
-leaves out (`GroupSync.outliers`: far past the clipping bound round after round, while another neighbour came
-nearer). A plan switch can make an honest peer's frames refused a few times, and an honest neighbour can
+Three signs, all of a peer whose link proved who it is: frames refused (wrong shape, step, epoch, checksum,
+not finite: `Inbox.misbehaving`), at least `REFUSALS` within `WINDOW_S`; being a neighbour robust averaging
+leaves out (`GroupSync.outliers`: far past the clipping bound round after round); and a stage check that caught
+it (`Checks.caught`: its output far from this peer's recomputation, in the group's tolerance). A plan switch can make an honest peer's frames refused a few times, and an honest neighbour can
 drift past the bound once in a while; a poisoner is far past it every round. A peer stays reported for
 `WINDOW_S` after its last sign, so the reports of a group meet in the coordinator's reading of the records.
 """
@@ -27,7 +27,7 @@ class Suspicion:
 
     def update(self, misbehaving: Mapping[str, int], outliers: Mapping[str, int], now: float) -> tuple[str, ...]:
         """The peers to report at `now` (seconds, any monotonic clock), given the refusals counted so far per peer
-        and the neighbours robust mixing leaves out now (`GroupSync.outliers`); the most offending first, at
+        and the neighbours robust averaging leaves out or a check caught (`outliers`); the most offending first, at
         most MAX_SUSPECTS."""
         for device, count in misbehaving.items():
             new = count - self._counted.get(device, 0)

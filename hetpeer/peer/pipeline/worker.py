@@ -36,11 +36,12 @@ from hetpeer.peer.gossip.state import Download, StateDownloadError, StateServer,
 from hetpeer.peer.probe import Slowdown
 from hetpeer.peer.model import build_stage
 from hetpeer.peer.model.folder import ModelFolder
+from hetpeer.peer.pipeline.checks import ATTESTED, Check, Checks, Declined, Disputed
 from hetpeer.peer.pipeline.schedule import FORWARD, one_f_one_b
 from hetpeer.peer.pipeline.tally import Tally
 from hetpeer.peer.transport.base import Transport
 from hetpeer.peer.transport.inbox import Late, TransportTimeout
-from hetpeer.peer.transport.codec import TORCH_DTYPES
+from hetpeer.peer.transport.codec import TORCH_DTYPES, as_received
 from hetpeer.protocol.frame import FrameHeader
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.modelspec import PRESETS, ModelSpec, preset
@@ -49,6 +50,7 @@ COMPUTE_DTYPES = ("fp32", "bf16")
 # A peer this many steps behind its group (stopped, cut off) downloads the group's state rather than mix in
 # parameters that old: robust mixing would take them for poison, and plain mixing would drag the group back.
 STALE_STEPS = 16
+CHECK_KINDS = ("check", "check_input", "check_labels", "check_grad", "sketch", "attest")
 log = logging.getLogger("hetpeer.peer")
 
 
@@ -83,6 +85,7 @@ class StepResult:
     sync: SyncReport | None = None  # the group's averaging, once the step is applied
     val_loss: float | None = None  # the lane's loss on its held-out batch, at the plan's validation steps (last stage)
     windows: tuple[int, int] | None = None  # [first, end) of the positions in the swarm's data order it read (first stage)
+    checks: tuple[int, int] = (0, 0)  # outputs of other lanes it recomputed and judged at this step, and how many failed
 
 
 class StageWorker:
@@ -146,6 +149,9 @@ class StageWorker:
         self.step = plan.start_step
         self.tally = Tally()  # what it did and took of others' work, for the credit ledger (a swarm peer passes its own)
         self._dtype = TORCH_DTYPES[plan.dtype]
+        # this stage's checks of its group's other lanes, and this peer's part in its lane neighbours' (`checks.py`)
+        self.checks = Checks(plan, device_id, transport, (self.spec.seq_len, self.spec.hidden), config.timeout_s,
+                             lambda: self.step)
         transport.set_policy(self.accept)
 
     # -- what this peer takes from the network --------------------------------------------------
@@ -157,6 +163,8 @@ class StageWorker:
             return self.server.accept(header)
         if header.kind == "tied":
             return self._accept_tied(header)
+        if header.kind in CHECK_KINDS:
+            return self.checks.accept(header)
         if header.sender == self.previous:
             allowed = ("activation", "labels")
         elif header.sender == self.next:
@@ -185,6 +193,7 @@ class StageWorker:
     def compute(self) -> StepResult:
         """Forward and backward over the lane's micro-batches; gradients are left in `.grad`."""
         self.sync.begin(self.step)  # x(step) starts travelling to the group while the gradient is computed
+        self.checks.begin(self.step)
         self.flat.zero_grad()
         step, timeout = self.step, self.config.timeout_s
         started = time.perf_counter()
@@ -203,6 +212,7 @@ class StageWorker:
                     x = self._recv("activation", self.previous, step, micro).float().requires_grad_()
                     labels = self._recv("labels", self.previous, step, micro)
                     self.tally.received(self.previous, self.plan.epoch, "activations", step, self.sizes[micro])
+                    self.checks.received("activation", step, micro, x)
                     inputs = x
                 wait_s += time.perf_counter() - tick
                 with self._autocast(), self.slowdown.of(("forward", self.sizes[micro])):
@@ -211,8 +221,10 @@ class StageWorker:
                         y = self.model.loss(y, labels) * (self.sizes[micro] / self.plan.lane_sequences(self.lane))
                         loss_sum += y.detach()
                 if self.next is not None:
-                    self._send("activation", self.next, y.detach().to(self._dtype), micro)
+                    sent = y.detach().to(self._dtype)
+                    self._send("activation", self.next, sent, micro)
                     self._send("labels", self.next, labels, micro)
+                    self.checks.sent("activation", step, micro, sent, self.codecs["activation"], labels)
                 held[micro] = (inputs, y)
             else:
                 inputs, y = held.pop(micro)
@@ -223,15 +235,21 @@ class StageWorker:
                     tick = time.perf_counter()
                     grad = self._recv("gradient", self.next, step, micro)
                     self.tally.received(self.next, self.plan.epoch, "gradients", step, self.sizes[micro])
+                    self.checks.received("gradient", step, micro, grad)
                     wait_s += time.perf_counter() - tick
                     with self.slowdown.of(("backward", self.sizes[micro])):
                         y.backward(grad.to(y.dtype))
                 if inputs is not None:
-                    self._send("gradient", self.previous, inputs.grad.to(self._dtype), micro)
+                    sent = inputs.grad.to(self._dtype)
+                    self._send("gradient", self.previous, sent, micro)
+                    self.checks.sent("gradient", step, micro, sent, self.codecs["gradient"])
         tick = time.perf_counter()
         self.transport.flush(timeout, to=[p for p in (self.previous, self.next) if p is not None])
         self._tie_gradients(step)
         wait_s += time.perf_counter() - tick
+        check, judged, failed = self.checks.due(step), self.checks.judged, self.checks.failed
+        if check is not None:
+            wait_s += self._check(check)
         sequences = self.plan.lane_sequences(self.lane)
         self.tally.trained(self.plan.epoch, step, len(self.sizes), sequences)
         return StepResult(
@@ -243,6 +261,7 @@ class StageWorker:
             wait_s=wait_s,
             val_loss=val_loss,
             windows=(self._position(step), self._position(step) + sequences) if self.previous is None else None,
+            checks=(self.checks.judged - judged, self.checks.failed - failed),
         )
 
     def noise_scale(self) -> float | None:
@@ -275,6 +294,7 @@ class StageWorker:
             log.info("%s: group is %d step(s) ahead, at step %d: %s", self.device_id, behind, self.step, how)
         self.sync.ahead = None
         self.transport.inbox.discard_before(self.step, running=self.plan.epoch)
+        self.checks.forget_before(self.step)
         if not last:
             self.sync.begin(self.step)
         return report
@@ -297,6 +317,50 @@ class StageWorker:
         self.step = self.sync.step = download.step if enter_at is None else enter_at
         self.sync.sent = None
         return download
+
+    def _check(self, check: Check) -> float:
+        """Recompute a micro-batch another lane's holder of this stage worked on, and judge its outputs against what its
+        lane neighbours received (`checks.py`); seconds spent waiting on the helpers. A helper that declines or does not
+        answer drops the check, blaming no one."""
+        started = time.perf_counter()
+        deadline = time.monotonic() + self.config.timeout_s
+        size = self.plan.micro_batch_sizes(check.lane)[check.micro]
+        sums, grad = [-1, -1, -1], None
+        try:
+            if check.previous is None:
+                x, labels = self._lane_data(check.step, check.lane)[check.micro]
+            else:
+                (head, x), (tail, labels) = (self.checks.receive(kind, check.previous, check, deadline)
+                                             for kind in ("check_input", "check_labels"))
+                sums[:2] = head.checksum, tail.checksum
+                x, labels = x.to(self.config.device).float().requires_grad_(), labels.to(self.config.device)
+            if check.next is not None and check.previous is not None:  # a middle stage's backward starts from its next's
+                head, grad = self.checks.receive("check_grad", check.next, check, deadline)
+                sums[2] = head.checksum
+            seen = {what: self.checks.receive("sketch", sender, check, deadline)[1]
+                    for what, sender in (("activations", check.next), ("gradients", check.previous)) if sender is not None}
+            if check.previous is not None:  # its output is out: now it may learn of the check, and say what it got
+                self.checks.attest(check, tuple(sums), deadline)
+        except (Declined, Disputed, TransportTimeout) as error:
+            self.checks.dropped += 1
+            self.checks.done(check)
+            log.info("%s: dropped its check of %s at step %d: %s", self.device_id, check.checked, check.step, error)
+            return time.perf_counter() - started
+        waited = time.perf_counter() - started
+        with self._autocast(), self.slowdown.of(("forward", size)):
+            y = self.model(x)
+            if check.next is None:
+                y = self.model.loss(y, labels) * (size / self.plan.lane_sequences(check.lane))
+        if "activations" in seen:
+            codec = self.plan.stages[self.stage].codecs(check.lane)[0]
+            self.checks.judge(check, "activations", seen["activations"], as_received(y.detach().to(self._dtype), codec))
+        if "gradients" in seen:
+            with self.slowdown.of(("backward", size)):
+                (recomputed,) = torch.autograd.grad(y, x, None if grad is None else grad.to(y.device, y.dtype))
+            codec = self.plan.stages[self.stage - 1].codecs(check.lane)[1]
+            self.checks.judge(check, "gradients", seen["gradients"], as_received(recomputed.to(self._dtype), codec))
+        self.checks.done(check)
+        return waited
 
     def _validate(self, step: int) -> tuple[float | None, float]:
         """Forward the lane's held-out batch through the pipeline, no gradients (micro-batch numbers after the
@@ -398,24 +462,28 @@ class StageWorker:
         mine.grad.add_(self._recv("tied", other, step, 0).to(mine.grad.dtype))
 
     # -- helpers ----------------------------------------------------------------------------------
-    def _lane_data(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    def _lane_data(self, step: int, lane: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """A lane's micro-batches of `step` (this peer's lane by default), on a first stage; None on the others."""
         if self.previous is not None:
             return None
-        batch = self.corpus.batch(self._position(step), self.plan.lane_sequences(self.lane), self.spec.seq_len, seed=self.seed)
+        lane = self.lane if lane is None else lane
+        batch = self.corpus.batch(self._position(step, lane), self.plan.lane_sequences(lane), self.spec.seq_len, seed=self.seed)
         device = self.config.device
         return [
             (torch.from_numpy(part.tokens).to(device), torch.from_numpy(part.labels).to(device))
-            for part in batch.split(self.sizes)
+            for part in batch.split(self.plan.micro_batch_sizes(lane))
         ]
 
-    def _position(self, step: int) -> int:
-        """The first of the lane's windows at `step`: its slice of the step's in the swarm's order."""
-        return self.plan.data_position_at(step) + self.plan.lane_offset(self.lane)
+    def _position(self, step: int, lane: int | None = None) -> int:
+        """The first of a lane's windows at `step`: its slice of the step's in the swarm's order."""
+        return self.plan.data_position_at(step) + self.plan.lane_offset(self.lane if lane is None else lane)
 
     def _recv(self, kind: str, sender: str, step: int, micro: int) -> torch.Tensor:
         while True:
             try:
-                tensor = self.transport.recv(kind, sender, step, micro, self.config.timeout_s)
+                header, tensor = self.transport.inbox.take(kind, sender, step, micro, self.config.timeout_s)
+                if kind in ATTESTED and micro < len(self.sizes):  # what came, for the checkers of this stage
+                    self.checks.got(kind, step, micro, header.checksum)
                 return tensor.to(self.config.device)
             except TransportTimeout:
                 if not self.patience(sender):

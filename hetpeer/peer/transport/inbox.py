@@ -149,6 +149,10 @@ class Inbox:
         log.warning("%s rejected a frame from %s: %s", self.device, sender, reason)
 
     def recv(self, kind: str, sender: str, step: int, micro: int, timeout_s: float) -> torch.Tensor:
+        return self.take(kind, sender, step, micro, timeout_s)[1]
+
+    def take(self, kind: str, sender: str, step: int, micro: int, timeout_s: float) -> tuple[FrameHeader, torch.Tensor]:
+        """`recv`, with the frame's header (its checksum says which bytes came)."""
         key = (kind, sender, step, micro)
         deadline = time.monotonic() + timeout_s
         with self._arrived:
@@ -162,8 +166,7 @@ class Inbox:
                         f"from {sender} within {timeout_s:g} s"
                     )
                 self._arrived.wait(left)
-            self._headers.pop(key, None)
-            return self._frames.pop(key)
+            return self._headers.pop(key), self._frames.pop(key)
 
     def interrupt(self, reason: str) -> None:
         """Make every wait, now and until `resume`, raise `Interrupted` (frames already here stay)."""
