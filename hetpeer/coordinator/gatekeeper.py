@@ -14,14 +14,19 @@ from hetpeer.protocol.records import PeerRecord
 
 class Gatekeeper:
     """Mixed into `service.Coordinator`, which sets up the state it keeps (`admission`, `_allowlist_mtime`,
-    `bans`, `refused`) and whose `config`, `plan`, `report`, `_event` and `_log_once` it uses."""
+    `bans`, `refused`) and whose `config`, `plan`, `ledger`, `report`, `_event` and `_log_once` it uses."""
 
     def _gate(self, live: dict[str, PeerRecord], now: float) -> dict[str, PeerRecord]:
         """The live peers the planner may use: admitted and not banned (bans judged from the records first)."""
         self._read_allowlist()
+        before = self.bans
         self.bans, news = gate.judge(self.plan, live, self.bans, now, self.config.ban_period_s)
         for line in news:
             self._event("ban", line)
+        for device, ban in self.bans.items():  # banned now: its work under the running plan is taken back
+            if ban.until > now and (device not in before or before[device].until <= now) and self.plan is not None \
+                    and self.ledger.void(device, self.plan.epoch, now):
+                self._event("credit", f"voided {device}'s credit for plan epoch {self.plan.epoch}, where it was banned")
         kept, self.refused = gate.plannable(live, self.admission, self.bans, now)
         for device, why in self.refused.items():
             if device not in self.bans or self.bans[device].until <= now:  # a ban was said when it began

@@ -144,6 +144,7 @@ class _Epoch:
     over: dict[str, int] = field(default_factory=dict)  # device -> rounds in a row its claim ran past its witnesses
     flagged: set[str] = field(default_factory=set)
     capped: set[str] = field(default_factory=set)  # devices whose credit the epoch's window holds back (not saved)
+    voided: set[str] = field(default_factory=set)  # devices banned while this epoch ran: none of its work is credited
 
 
 @dataclass(slots=True)
@@ -258,6 +259,18 @@ class Ledger:
             if epoch < plan.epoch:
                 self._credit(epoch, book, set(book.claims), self.last_round or 0.0)
 
+    def void(self, device: str, epoch: int, now: float) -> bool:
+        """Take back `device`'s credit for plan `epoch` and credit it nothing more there (it was banned while that plan
+        ran: its work there cannot be told from its poison); False if the ledger holds no such epoch (settled, or never
+        seen)."""
+        book = self.epochs.get(epoch)
+        if book is None:
+            return False
+        book.voided.add(device)
+        self._credit(epoch, book, {device}, now)
+        self.board_due = True
+        return True
+
     def _settle(self, epoch: int) -> None:
         book = self.epochs.pop(epoch)
         for device, (micro, sequences) in book.credited.items():
@@ -282,7 +295,7 @@ class Ledger:
                 book.capped.add(device)
             else:
                 book.capped.discard(device)
-            sequences = max(0, min(sequences, window * place.lane_sequences))
+            sequences = 0 if device in book.voided else max(0, min(sequences, window * place.lane_sequences))
             micro = sequences * place.micro_per_step // place.lane_sequences
             before = book.credited.get(device, (0, 0))[1]
             book.credited[device] = (micro, sequences)
@@ -435,7 +448,7 @@ def _epoch_to_wire(book: _Epoch) -> dict[str, Any]:
         "claims": {d: [c.epoch, c.first, c.last, c.micro, c.sequences] for d, c in book.claims.items()},
         "receipts": [[w, r.sender, r.epoch, r.kind, r.first, r.last, r.micro, r.sequences] for (w, _, _), r in book.receipts.items()],
         "credited": {d: list(c) for d, c in book.credited.items()},
-        "over": book.over, "flagged": sorted(book.flagged),
+        "over": book.over, "flagged": sorted(book.flagged), "voided": sorted(book.voided),
     }
 
 
@@ -449,6 +462,7 @@ def _epoch_from_wire(raw: Mapping[str, Any]) -> _Epoch:
     book.credited = {d: (int(m), int(s)) for d, (m, s) in raw["credited"].items()}
     book.over = {d: int(n) for d, n in raw["over"].items()}
     book.flagged = set(raw["flagged"])
+    book.voided = set(raw.get("voided", ()))  # a ledger written before bans voided credit has none
     return book
 
 

@@ -204,6 +204,8 @@ def test_a_banned_member_is_planned_around_until_its_ban_ends(tmp_path):
     rounds(coordinator, 3)
     assert suspect not in control.plans[-1].plan.devices, "the standby peer took its place"
     assert any(line.startswith(f"banned {suspect} for 30 s (ban 1)") for line in coordinator.lines)
+    banned_in = control.plans[-2].plan.epoch  # the plan it was banned under: its credit there is taken back
+    assert f"voided {suspect}'s credit for plan epoch {banned_in}, where it was banned" in coordinator.lines
     for device in honest:
         control.announce(device, suspects=())  # it is gone: nothing more to report
     rounds(coordinator, 40)

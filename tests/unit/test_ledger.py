@@ -231,3 +231,23 @@ def test_a_large_swarm_is_folded_in_turns_and_a_leaving_peer_at_once(monkeypatch
     leaving = {d: record(d, t, time=9.0, state="leaving") for d, t in honest(plan, 6).items()}
     ledger.fold([plan], leaving, 9.0, WORKLOAD)
     assert ledger.board_due and [c.sequences for c in ledger.board(9.0).volunteers] == [24] * 6
+
+
+def test_a_banned_peers_credit_for_the_epoch_is_voided_and_stays_voided_across_a_restart(tmp_path):
+    plan = named(make_plan(2, lanes=2, lane_batch=4, micro_batch=2, epoch=1))
+    tallies = honest(plan, 10)
+    records = {d: record(d, t) for d, t in tallies.items()}
+    ledger, _ = folded([plan], records)
+    banned, kept = plan.devices[0], plan.devices[1]
+    before = ledger.board(0.0).of(kept).sequences
+    assert ledger.board(0.0).of(banned).sequences > 0
+    assert ledger.void(banned, plan.epoch, 1.0)
+    assert ledger.board(1.0).of(banned).sequences == 0
+    assert ledger.board(1.0).of(kept).sequences == before
+    folded([plan], records, ledger=ledger)  # its records say the same work again: still nothing
+    assert ledger.board(2.0).of(banned).sequences == 0
+    ledger.save(tmp_path / "credit.json")
+    again = Ledger.load(tmp_path / "credit.json", ledger.seq_len)
+    folded([plan], records, ledger=again)
+    assert again.board(3.0).of(banned).sequences == 0 and again.board(3.0).of(kept).sequences == before
+    assert not ledger.void(banned, 7, 4.0)  # an epoch the ledger never saw
