@@ -84,7 +84,7 @@ def plan_document(plan: Plan | None, published: float | None, peers: Mapping[str
         "steps_factor": plan.steps_factor,  # all-reduce's steps to a loss over this plan's (planner/quality.py)
         "measured_step_s": entry.measured_step_s if entry is not None else None,
         "stages": [{"index": s.index, "layers": [s.layer_start, s.layer_end], "sync": s.sync_words, "devices": list(s.devices),
-                    "hop": s.hop_codecs} for s in plan.stages],
+                    "hop": s.hop_codecs, "checked": plan.checked(s.index)} for s in plan.stages],
         "standby": list(plan.standby),
         "standby_reasons": [[reason, count] for reason, count in plan.standby_reasons],
         "links": plan_links(plan, peers),

@@ -82,6 +82,7 @@ def _plan_text(plan: Plan | None, plan_time: float | None) -> Text:
     ]
     lines += [f"  stage {s.index} layers [{s.layer_start},{s.layer_end}) {s.sync_words}"
               f"{f', to the next in {s.hop_codecs}' if s.hop_codecs else ''}: {' '.join(s.devices)}" for s in plan.stages]
+    lines += [f"  checks: {line}" for line in plan.check_lines()]
     lines += [f"  recipe: {plan.recipe.words}"]
     lines += [f"  lane {i}: {' -> '.join(lane)}" + (f" ({plan.lane_sequences(i)} sequences a step)" if plan.lane_batches else "")
               for i, lane in enumerate(plan.lanes)]

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from hetpeer.protocol.plan import Plan
+from hetpeer.protocol.plan import Plan, StagePlan
 from hetpeer.protocol.recipe import Recipe
 from hetpeer.protocol.wire import SchemaError
 
@@ -222,3 +222,19 @@ def test_broken_plans_are_refused_with_their_path(edit, path):
         Plan.from_wire(_with(edit))
     assert caught.value.path == path
     assert str(caught.value).startswith(f"{path}: ")
+
+
+def test_a_plan_says_which_stages_work_is_unchecked():
+    recipe_plan = lambda holders, check=0.02: Plan(
+        cost_model="time", model="tiny", layers=4, batch=4, micro_batch=1, micro_batches=4 // len(holders[0]),
+        dtype="fp32", recipe=Recipe(check=check),
+        stages=tuple(StagePlan(s, 2 * s, 2 * s + 2, devices, "allreduce") for s, devices in enumerate(holders)))
+    three = recipe_plan((("a", "b", "c", "d"), ("e", "f", "g", "h")))
+    assert [three.checked(s) for s in (0, 1)] == ["checked", "checked"] and three.check_lines() == []
+    assert recipe_plan((("a", "b"), ("c", "d"))).check_lines() == [
+        f"stage {s}: checked in a pair: a failed check is reported, but no third member holds it to decide" for s in (0, 1)]
+    alone = recipe_plan((("a",), ("b",)))
+    assert alone.checked(0) == "unchecked" and alone.check_lines()[0] == "stage 0: unchecked: its one holder's work is believed"
+    assert recipe_plan((("a", "b", "c", "d"), ("e", "f", "g", "h")), check=0).check_lines() == [
+        "no stage's work is checked: the recipe's check is 0"]
+    assert recipe_plan((("a", "b", "c", "d"),)).checked(0) == ""  # one stage hands nothing along a lane

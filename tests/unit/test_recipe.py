@@ -61,7 +61,7 @@ def test_settings_from_the_command_line_and_what_changed():
 
 
 def test_the_recipe_in_words_says_what_an_organizer_set():
-    assert Recipe().words == "lr 0.0003, betas 0.9/0.95, wd 0.1, clip 1; gossip one-peer-exp, robust 2, seed 0"
-    words = Recipe(lr=1e-3, warmup_steps=10, decay_steps=100, clip_norm=0, accumulate=8, robust=0).words
-    assert words == "lr 0.001, warmup 10, cosine to 0.1x at 100, betas 0.9/0.95, wd 0.1, no clipping; gossip one-peer-exp A=8, not robust, seed 0"
-    assert Recipe(second_moment="group").words.endswith("gossip one-peer-exp v=group, robust 2, seed 0")
+    assert Recipe().words == "lr 0.0003, betas 0.9/0.95, wd 0.1, clip 1; gossip one-peer-exp, robust 2, checks 2%, seed 0"
+    words = Recipe(lr=1e-3, warmup_steps=10, decay_steps=100, clip_norm=0, accumulate=8, robust=0, check=0).words
+    assert words == "lr 0.001, warmup 10, cosine to 0.1x at 100, betas 0.9/0.95, wd 0.1, no clipping; gossip one-peer-exp A=8, not robust, no checks, seed 0"
+    assert Recipe(second_moment="group").words.endswith("gossip one-peer-exp v=group, robust 2, checks 2%, seed 0")

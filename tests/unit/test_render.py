@@ -29,7 +29,10 @@ def test_stages_that_recompute_are_named_with_how_many_layers():
     recomputing = replace(plan(2.0), stages=(StagePlan(0, 0, 2, ("a", "b"), "allreduce", recompute=1),
                                              StagePlan(1, 2, 4, ("c", "d"), "allreduce")))
     text = format_plan(recomputing, {"blocks": 4.0, "random": None}, 7)
-    assert "recomputed in the backward pass" in text and "stage 0: 1 of its 2 layers" in text and "stage 1:" not in text
+    recomputed = text.split("recomputed in the backward pass")[1]
+    assert "stage 0: 1 of its 2 layers" in recomputed and "stage 1:" not in recomputed
+    # two holders a stage: a check that fails is reported, and nobody can decide it
+    assert "stage 0: checked in a pair" in text and "stage 1: checked in a pair" in text
     assert "recomputed" not in format_plan(plan(2.0), {"blocks": 4.0, "random": None}, 7)
 
 

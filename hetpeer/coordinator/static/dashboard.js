@@ -97,7 +97,9 @@
 
     plan.stages.forEach((stage, s) => {
       const [x] = at(s, 0);
-      root.append(svg("text", { x, y: 16, class: "head" }, `stage ${s}`));
+      // a stage whose work no group member can judge says so (docs/trust.md)
+      const checked = { unchecked: " · unchecked", pair: " · checked in a pair" }[stage.checked] || "";
+      root.append(svg("text", { x, y: 16, class: "head" }, `stage ${s}${checked}`));
       root.append(svg("text", { x, y: 32, class: "small" }, `layers ${stage.layers[0]}-${stage.layers[1] - 1} · ${stage.sync}${stage.hop ? ` · → ${stage.hop}` : ""}`));
     });
     // lanes of unlike speed take unlike shares of the batch: each lane's sequences a step under its name
