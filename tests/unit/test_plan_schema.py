@@ -226,7 +226,7 @@ def test_broken_plans_are_refused_with_their_path(edit, path):
 
 def test_a_plan_says_which_stages_work_is_unchecked():
     recipe_plan = lambda holders, check=0.02: Plan(
-        cost_model="time", model="tiny", layers=4, batch=4, micro_batch=1, micro_batches=4 // len(holders[0]),
+        cost_model="time", model="tiny", layers=2 * len(holders), batch=4, micro_batch=1, micro_batches=4 // len(holders[0]),
         dtype="fp32", recipe=Recipe(check=check),
         stages=tuple(StagePlan(s, 2 * s, 2 * s + 2, devices, "allreduce") for s, devices in enumerate(holders)))
     three = recipe_plan((("a", "b", "c", "d"), ("e", "f", "g", "h")))

@@ -25,7 +25,7 @@ def format_plan(plan: Plan, baselines: dict[str, float | None], random_samples: 
         lines += ["", "between stages (activations forward / their gradients back):"]
         lines += [f"  stage {stage.index} -> {stage.index + 1}: {stage.hop_codecs}" for stage in hops]
     if plan.check_lines():
-        lines += ["", f"stage checks ({plan.recipe.check:.0%} of micro-batches recomputed by the stage's group):"]
+        lines += ["", f"stage checks ({plan.recipe.check:.0%} of micro-batches run again by another member of the stage's group):"]
         lines += [f"  {line}" for line in plan.check_lines()]
     recomputing = [stage for stage in plan.stages if stage.recompute]
     if recomputing:
