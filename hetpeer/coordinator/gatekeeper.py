@@ -14,19 +14,27 @@ from hetpeer.protocol.records import PeerRecord
 
 class Gatekeeper:
     """Mixed into `service.Coordinator`, which sets up the state it keeps (`admission`, `_allowlist_mtime`,
-    `bans`, `refused`) and whose `config`, `plan`, `ledger`, `report`, `_event` and `_log_once` it uses."""
+    `bans`, `refused`, `disputed`, `apart`) and whose `config`, `plan`, `ledger`, `report`, `_event` and `_log_once` it
+    uses."""
 
     def _gate(self, live: dict[str, PeerRecord], now: float) -> dict[str, PeerRecord]:
         """The live peers the planner may use: admitted and not banned (bans judged from the records first)."""
         self._read_allowlist()
         before = self.bans
-        self.bans, news = gate.judge(self.plan, live, self.bans, now, self.config.ban_period_s)
+        if self.config.ban_period_s > 0:
+            self.disputed, lines = gate.disputes(self.plan, live, self.disputed, now)
+            for line in lines:
+                self.report(line)
+        self.bans, news = gate.judge(self.plan, live, self.bans, now, self.config.ban_period_s, self.disputed)
         for line in news:
             self._event("ban", line)
         for device, ban in self.bans.items():  # banned now: its work under the running plan is taken back
-            if ban.until > now and (device not in before or before[device].until <= now) and self.plan is not None \
-                    and self.ledger.void(device, self.plan.epoch, now):
-                self._event("credit", f"voided {device}'s credit for plan epoch {self.plan.epoch}, where it was banned")
+            if ban.until > now and (device not in before or before[device].until <= now):
+                # its disputes are settled, as accused or accuser: its word against a partner's counts no more
+                self.disputed = {key: at for key, at in self.disputed.items() if device not in key}
+                if self.plan is not None and self.ledger.void(device, self.plan.epoch, now):
+                    self._event("credit", f"voided {device}'s credit for plan epoch {self.plan.epoch}, where it was banned")
+        self.apart = gate.apart(self.disputed)
         kept, self.refused = gate.plannable(live, self.admission, self.bans, now)
         for device, why in self.refused.items():
             if device not in self.bans or self.bans[device].until <= now:  # a ban was said when it began

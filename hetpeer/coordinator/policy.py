@@ -69,11 +69,12 @@ class Decision:
 
 def build_problem(
     records: Mapping[str, PeerRecord], workload: Workload, current: Plan | None, step_overhead_s: float = 0.0,
-    departure_stall: float = 0.0,
+    departure_stall: float = 0.0, apart: Collection[tuple[str, str]] = (),
 ) -> tuple[Problem, np.ndarray]:
     """(problem over the announcing peers in id order, (n, n) mask of the pairs whose link figures are estimates).
     `step_overhead_s`: what every step takes beyond the time model's terms (`calibration.py`); `departure_stall`: the
-    departures a peer and second the coordinator saw x how long one stalls a plan (`Problem.departure_stall`).
+    departures a peer and second the coordinator saw x how long one stalls a plan (`Problem.departure_stall`);
+    `apart`: pairs (sorted) in dispute (`gate.disputes`), given no path, so that no plan makes them neighbours.
     O(n^2) in numpy for the matrices, O(measurements) in Python: 10,000 peers take about a second."""
     ids = tuple(sorted(records))
     n = len(ids)
@@ -114,7 +115,7 @@ def build_problem(
     latency.flat[flat], bandwidth.flat[flat] = measured_latency, slowest
     estimated = np.ones((n, n), dtype=bool)
     estimated.flat[flat] = False
-    relays = _relayed(records, ids, latency, bandwidth, estimated, typical_bandwidth)
+    relays = _relayed(records, ids, latency, bandwidth, estimated, typical_bandwidth, apart)
     np.fill_diagonal(estimated, False)
     np.fill_diagonal(latency, 0.0)
     np.fill_diagonal(bandwidth, np.inf)
@@ -139,7 +140,7 @@ def build_problem(
 
 
 def _relayed(records: Mapping[str, PeerRecord], ids: Sequence[str], latency: np.ndarray, bandwidth: np.ndarray,
-             estimated: np.ndarray, typical_bandwidth: np.ndarray) -> Relays | None:
+             estimated: np.ndarray, typical_bandwidth: np.ndarray, apart: Collection[tuple[str, str]] = ()) -> Relays | None:
     """Pairs of peers that nobody can dial, in place: punched where both punch holes (left as measured or
     estimated: a direct link), else through the relay of either (`relays.route`: its two hops, the better relay
     where both have one; a relay's capacity its typical link, `typical_bandwidth`), else `ABSENT_LINK` (no path,
@@ -149,7 +150,8 @@ def _relayed(records: Mapping[str, PeerRecord], ids: Sequence[str], latency: np.
     hidden = np.array([records[d].reachable == "none" for d in ids], dtype=bool)
     punched = _punched(records, ids)
     absent = np.outer(hidden, hidden) & ~punched  # neither can dial the other, punch, nor has a relay: no path
-    for a, b in _reported(records):  # pairs whose ends each failed to reach the other: no path either (punched or not)
+    # pairs whose ends each failed to reach the other: no path either (punched or not); and pairs kept apart
+    for a, b in _reported(records) | {pair for pair in apart if pair[0] in index and pair[1] in index}:
         i, j = index[a], index[b]
         absent[i, j] = absent[j, i] = True
         punched[i, j] = punched[j, i] = False
@@ -178,11 +180,12 @@ def _punched(records: Mapping[str, PeerRecord], ids: Sequence[str]) -> np.ndarra
     return np.outer(punching, punching) & (hosts[:, None] != hosts[None, :])  # one public address: no hairpinning
 
 
-def without_path(plan: Plan, records: Mapping[str, PeerRecord]) -> list[tuple[str, str]]:
+def without_path(plan: Plan, records: Mapping[str, PeerRecord], apart: Collection[tuple[str, str]] = ()) -> list[tuple[str, str]]:
     """The pairs the plan's traffic crosses (`Plan.links`) that have no path: both peers announce that nobody can
-    dial them and cannot punch a hole to each other, or each reports it could not reach the other."""
+    dial them and cannot punch a hole to each other, or each reports it could not reach the other; or that are
+    kept `apart` (sorted pairs in dispute)."""
     hidden = {d for d, r in records.items() if r.reachable == "none"}
-    reported = _reported(records)
+    reported = _reported(records) | set(apart)
     return sorted(pair for pair in plan.links if pair in reported or (
         pair[0] in hidden and pair[1] in hidden and not records[pair[0]].punches_with(records[pair[1]])))
 
@@ -248,6 +251,7 @@ def decide(
     estimates_rechecked: bool = False,
     measure_wait_s: float = 0.0,
     plan_measured: bool = True,
+    parted: str | None = None,
 ) -> Decision:
     """Whether to solve now. `first_seen` holds when each announcing peer was first read; peers that
     appeared less than `settle_s` ago are waited for (a swarm starting up arrives in a burst).
@@ -262,7 +266,7 @@ def decide(
     may not be worth replacing by the time they are right. `plan_measured`: whether the running plan has run
     long enough for the peers' figures to be its own (`calibration.measured`); until then a periodic re-solve
     waits, up to one more interval: figures from the steps around a peer leaving or a repair read the
-    transition, not the plan."""
+    transition, not the plan. `parted`: why the running plan pairs peers in dispute (`gate.parted`): it is broken."""
     settled = [d for d in records if now - first_seen.get(d, now) >= settle_s]
     if current is None:
         if len(records) < min_peers:
@@ -277,7 +281,7 @@ def decide(
             what += [f"{untimed} peer(s) not timed twice"] if untimed else []
             return Decision(False, f"{' and '.join(what)} yet (waiting up to {measure_wait_s - waited:.0f} s more)")
         return Decision(True, f"first plan for {len(records)} peers")
-    why = broken(current, records)
+    why = broken(current, records) or parted
     if why is not None:
         return Decision(True, why, broken=True)
     known = set(current.devices) | set(current.standby) | set(considered)

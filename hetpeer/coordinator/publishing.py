@@ -48,17 +48,18 @@ class Publisher:
         while True:
             planned = {d: r for d, r in live.items() if d not in left_out}
             problem, estimated = policy.build_problem(planned, config.workload, current, self.calibration.overhead_s,
-                                                      self._departure_stall())
+                                                      self._departure_stall(), self.apart)
             solution = self._search(problem)
             if solution is None:
                 return
-            crossing = policy.without_path(solution.plan, planned)
+            crossing = policy.without_path(solution.plan, planned, self.apart)
             if not crossing:
                 break
             out = policy.least_served(crossing)
             left_out.append(out)
             others = sorted({d for pair in crossing if out in pair for d in pair} - {out})
-            why = ("nobody can dial it, nor " if planned[out].reachable == "none" else "it and these failed to reach each other: ")
+            why = ("nobody can dial it, nor " if planned[out].reachable == "none" else
+                   "it and these are in dispute or failed to reach each other: ")
             self._log_once(f"no-path {out}", f"{out} stays on standby: {why}{', '.join(others)}, whom the plan needed as its "
                            "neighbours (a forwarded port on either side would give them a path)", "coordinator")
         if left_out:
@@ -141,9 +142,9 @@ class Publisher:
         if not live or any(r.checkpoint for r in live.values()) and not any(r.layers for r in live.values()):
             return False
         problem, estimated = policy.build_problem(live, config.workload, current, self.calibration.overhead_s,
-                                                  self._departure_stall())
+                                                  self._departure_stall(), self.apart)
         repaired = repair(current, problem, self.planner)
-        if repaired is None or policy.without_path(repaired, live):
+        if repaired is None or policy.without_path(repaired, live, self.apart):
             return False
         step = policy.start_step(current, ours, True, config.heartbeat_s, config.workload.model.seq_len, self.reached)
         plan = replace(repaired, start_step=step, estimated_links=policy.estimated_links(repaired, problem.device_ids, estimated))

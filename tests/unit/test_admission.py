@@ -108,6 +108,27 @@ def test_a_minority_report_a_pair_or_bans_off_ban_no_one():
     assert gate.judge(plan_of((A, B, C, D)), records(control, {A: (D,), B: (D,)}), {}, 0.0, 0.0)[0] == {}
 
 
+def test_in_a_pair_an_accusation_is_a_dispute_that_parts_the_pair_and_a_second_partners_bans():
+    control = Control()
+    first = plan_of((A, B), (C, D))  # stage 0: A and B; stage 1: C and D (lanes A-C, B-D)
+    found = records(control, {A: (B,)})
+    disputed, news = gate.disputes(first, found, {}, 10.0)
+    assert disputed == {(B, A): 10.0} and f"{A} reports {B}, its only partner at stage 0" in news[0]
+    assert gate.apart(disputed) == {tuple(sorted((A, B)))}
+    assert "parting" in gate.parted(first, disputed) and f"{min(A, B)} and {max(A, B)}" in gate.parted(first, disputed)
+    assert gate.judge(first, found, {}, 10.0, 300.0, disputed)[0] == {}  # one accuser: no verdict
+    assert gate.disputes(first, found, disputed, 20.0) == (disputed, [])  # said once
+    # the next plan gives B another partner, C, who also reports it: two partners in turn ban it
+    second = plan_of((B, C), (D, A))  # lanes B-D and C-A: A and B are no neighbours
+    assert gate.parted(second, disputed) is None
+    disputed, _ = gate.disputes(second, records(control, {C: (B,)}), disputed, 30.0)
+    bans, news = gate.judge(second, records(control, {C: (B,)}), {}, 30.0, 300.0, disputed)
+    assert set(bans) == {B} and f"reported by 2 partners in turn ({A}, {C})" in news[0]
+    # a dispute is forgotten after DISPUTE_S: a partner accused long ago and once more is not banned
+    stale, _ = gate.disputes(second, records(control, {}), {(B, A): 0.0}, gate.DISPUTE_S + 1.0)
+    assert stale == {}
+
+
 def test_plannable_says_why_each_peer_is_left_out():
     control = Control()
     found = records(control, {})
@@ -132,8 +153,9 @@ class StartableControl(Control):
 
 
 def coordinator_with(tmp_path: Path, **config) -> Coordinator:
-    made = Coordinator(CoordinatorConfig(swarm="t", home=tmp_path, heartbeat_s=1.0, min_peers=2, time_budget_s=0.2,
-                                         stages=1, replan_interval_s=3600, api_listen=None, **config), lambda line: None)
+    config = {"min_peers": 2, "stages": 1, **config}
+    made = Coordinator(CoordinatorConfig(swarm="t", home=tmp_path, heartbeat_s=1.0, time_budget_s=0.2,
+                                         replan_interval_s=3600, api_listen=None, **config), lambda line: None)
     made.control = StartableControl()
     made.control.clock = time.time()  # tokens expire in Unix time, as the DHT's clock runs
     made.lines = []
@@ -210,3 +232,34 @@ def test_a_banned_member_is_planned_around_until_its_ban_ends(tmp_path):
         control.announce(device, suspects=())  # it is gone: nothing more to report
     rounds(coordinator, 40)
     assert suspect not in coordinator.refused and f"left {suspect} out of plans" not in "".join(coordinator.lines[-40:])
+
+
+def test_a_pair_in_dispute_is_parted_by_the_next_plan_and_the_liar_banned_by_its_next_partner(tmp_path):
+    coordinator = coordinator_with(tmp_path, ban_period_s=30.0, group_size=2, stages=2, min_peers=4)
+    control = coordinator.control
+    for device in (A, B, C, D):
+        control.announce(device)
+    rounds(coordinator, FIRST_PLAN_ROUNDS)
+    first = control.plans[-1].plan
+    liar, accuser = first.stages[0].devices
+    control.announce(accuser, suspects=(liar,))
+    control.announce = reporting(control.announce, {accuser: (liar,)})
+    rounds(coordinator, 3)
+    second = control.plans[-1].plan
+    assert second.epoch > first.epoch and any(f"{accuser} reports {liar}" in line for line in coordinator.lines)
+    assert tuple(sorted((liar, accuser))) not in set(second.links), "the next plan parts them"
+    assert liar in second.devices and not coordinator.bans
+    partner = next(d for d in second.stages[second.position(liar)[0]].devices if d != liar)
+    control.announce = reporting(control.announce, {accuser: (), partner: (liar,)})
+    rounds(coordinator, 3)
+    assert liar in coordinator.bans and f"reported by 2 partners in turn ({accuser}, {partner})" in coordinator.bans[liar].reason
+    assert liar not in control.plans[-1].plan.devices
+
+
+def reporting(announce, suspects: dict[str, tuple[str, ...]]):
+    """`announce`, with these peers reporting these suspects in every record from now on."""
+    def announced(device, **fields):
+        if device in suspects:
+            fields["suspects"] = suspects[device]
+        return announce(device, **fields)
+    return announced
