@@ -1,17 +1,18 @@
 """Poisoning benchmark: one peer of a 4-peer group poisons what it sends; how much do the honest peers lose, in
 every sync mode the planner may pick?
 
-    python3 benchmarks/poison.py [--steps 200] [--modes auto,gossip,allreduce,outer] [--attacks scale,flip,random]
+    python3 benchmarks/poison.py [--steps 200] [--modes auto,gossip,allreduce,outer,pipeline,...] [--attacks scale,flip,random]
                                  [--undefended] [--out DIR] [--json]
 
 Local swarms (`hetpeer swarm`'s launcher: a coordinator and four `hetpeer join` processes, one stage, so the four
-peers form one group). Per sync mode (`auto`: the coordinator's own choice, as a user gets it; `gossip`,
+peers form one group; in `pipeline`, two stages of two lanes, where the poisoner lies about the activations or
+gradients it hands its lane and stage checks are the defence). Per sync mode (`auto`: the coordinator's own choice, as a user gets it; `gossip`,
 `allreduce`, `outer`: forced with `--sync`; `outer` from the first step, every 10 steps, so that the outer steps
 and not the warm start's all-reduce meet the poison), these runs:
 
 - `honest`: the defaults (the recipe's `robust` and the coordinator's bans on);
-- `honest-off`: no defence (`robust=0`, `--ban-period 0`), the same seed: what the defences cost an honest group,
-  in loss and in tokens/s, side by side;
+- `honest-off`: no defence (`robust=0`, `check=0`, `--ban-period 0`), the same seed: what the defences cost an
+  honest group, in loss and in tokens/s, side by side;
 - one per attack, on defaults: peer3 is `benchmarks/poison_peer.py`, which trains like the others but sends its
   group everything x100 (`scale`), sign-flipped (`flip`) or as noise of its RMS (`random`): its parameters in
   gossip, its gradient in all-reduce, its change at outer steps, and the results of the part it owns; all
@@ -51,12 +52,20 @@ BATCH = 64  # sequences a step: enough that every peer is worth a lane, so the p
 # in a pair of lanes, and on a busy machine one lane alone); once it is banned only a repair plan (its lane
 # dropped) follows, since no new plan of four exists
 GROUP = ("--stages", "1", "--group-size", "4", "--min-peers", "4")
+PIPELINE = ("--stages", "2", "--group-size", "2", "--min-peers", "4")
 MODES = {
-    "auto": (),
-    "gossip": ("--sync", "gossip"),
-    "allreduce": ("--sync", "allreduce"),
-    "outer": ("--sync", "outer", "--outer-every", "10"),
+    "auto": GROUP,
+    "gossip": GROUP + ("--sync", "gossip"),
+    "allreduce": GROUP + ("--sync", "allreduce"),
+    "outer": GROUP + ("--sync", "outer", "--outer-every", "10"),
+    # two stages of two lanes (sync the coordinator's choice, or forced): the poisoner lies about its stage's work
+    # instead, what it hands its lane (activations forward, gradients back); each group is a pair, so stage checks
+    # decide by disputes
+    "pipeline": PIPELINE,
+    "pipeline-gossip": PIPELINE + ("--sync", "gossip"),
+    "pipeline-outer": PIPELINE + ("--sync", "outer", "--outer-every", "10"),
 }
+LANE_POISON = "stage-"  # poison_peer.py's prefix for a poison of the lane's tensors
 BANNED_RE = re.compile(r"banned (peer\d+-\S+) for")
 SYNC_RE = re.compile(r"^\s+stage 1 layers \S+ \((\w+)")
 
@@ -92,13 +101,15 @@ class PoisonedSwarm(LocalSwarm):
 
 
 def run(out: Path, steps: int, mode: str, poison: str | None, defended: bool) -> dict:
-    recipe = DEMO_RECIPE if defended else replace(DEMO_RECIPE, robust=0.0)
-    if mode == "outer":
+    recipe = DEMO_RECIPE if defended else replace(DEMO_RECIPE, robust=0.0, check=0.0)
+    if mode.endswith("outer"):
         recipe = replace(recipe, outer_after=0)
     config = SwarmConfig(
         out=out, peers=4, steps=steps, swarm="poison", replan_interval_s=600.0, stall_s=180.0, batch=BATCH,
-        coordinator_args=GROUP + MODES[mode] + (() if defended else ("--ban-period", "0")), recipe=recipe,
+        coordinator_args=MODES[mode] + (() if defended else ("--ban-period", "0")), recipe=recipe,
     )
+    if poison is not None and mode.startswith("pipeline"):
+        poison = LANE_POISON + poison
     swarm = PoisonedSwarm(config, poison)
     try:
         swarm.start()

@@ -216,7 +216,7 @@ class Publisher:
                 hop = f"; to stage {s + 2} in {stage.hop_codecs}" if stage.hop_codecs else ""
                 self.report(f"  stage {s + 1} layers {stage.layer_start}-{stage.layer_end - 1} ({stage.sync_words}{hop}): "
                             f"{', '.join(stage.devices)}")
-            for line in plan.check_lines():
+            for line in plan.check_lines(first=1):
                 self.report(f"  checks: {line}")
             if plan.estimated_links:
                 self.report(f"  {len(plan.estimated_links)} link(s) not yet measured were estimated")

@@ -197,21 +197,22 @@ class Plan:
 
     def checked(self, stage: int) -> str:
         """How the work stage `stage` hands its lane is checked (peer/pipeline/checks.py, docs/trust.md): "checked" (a
-        majority of its other group members can convict), "pair" (a failed check is reported, and no third member
-        decides it), "unchecked" (its only holder's work is believed, or the recipe turned checks off), or "" (one
+        majority of its other group members can convict), "pair" (a failed check is a dispute: the coordinator parts the pair
+        and their next partners decide, `coordinator/gate.py`), "unchecked" (its only holder's work is believed, or the recipe turned checks off), or "" (one
         stage: nothing is handed along a lane)."""
         if len(self.stages) == 1:
             return ""
         holders = len(self.stages[stage].devices)
         return "unchecked" if holders == 1 or not self.recipe.check else "pair" if holders == 2 else "checked"
 
-    def check_lines(self) -> list[str]:
-        """The stages whose work is not fully checked, in words, a line each (none when all are)."""
+    def check_lines(self, first: int = 0) -> list[str]:
+        """The stages whose work is not fully checked, in words, a line each (none when all are); stages numbered from
+        `first`."""
         if len(self.stages) > 1 and not self.recipe.check:
             return ["no stage's work is checked: the recipe's check is 0"]
         words = {"unchecked": "unchecked: its one holder's work is believed",
-                 "pair": "checked in a pair: a failed check is reported, but no third member holds it to decide"}
-        return [f"stage {s}: {words[self.checked(s)]}" for s in range(len(self.stages)) if self.checked(s) in words]
+                 "pair": "checked in a pair: a failed check is a dispute, which the next plan's partners decide"}
+        return [f"stage {s + first}: {words[self.checked(s)]}" for s in range(len(self.stages)) if self.checked(s) in words]
 
     def standby_lines(self, names_shown: int = 8) -> list[str]:
         """The standby devices in words, one line per reason (devices named while few): what organizers read,

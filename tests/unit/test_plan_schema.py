@@ -232,7 +232,7 @@ def test_a_plan_says_which_stages_work_is_unchecked():
     three = recipe_plan((("a", "b", "c", "d"), ("e", "f", "g", "h")))
     assert [three.checked(s) for s in (0, 1)] == ["checked", "checked"] and three.check_lines() == []
     assert recipe_plan((("a", "b"), ("c", "d"))).check_lines() == [
-        f"stage {s}: checked in a pair: a failed check is reported, but no third member holds it to decide" for s in (0, 1)]
+        f"stage {s}: checked in a pair: a failed check is a dispute, which the next plan's partners decide" for s in (0, 1)]
     alone = recipe_plan((("a",), ("b",)))
     assert alone.checked(0) == "unchecked" and alone.check_lines()[0] == "stage 0: unchecked: its one holder's work is believed"
     assert recipe_plan((("a", "b", "c", "d"), ("e", "f", "g", "h")), check=0).check_lines() == [
