@@ -1,7 +1,8 @@
-"""A poisoning peer in a real swarm (a coordinator and four `hetpeer join` processes on 127.0.0.1, one
-stage, the recipe's defaults), in gossip and in all-reduce (what `auto` picks here): its group clips it or
-leaves it out and reports it, the coordinator bans it (its dashboard says so), and the others train on
-without it."""
+"""A poisoning peer in a real swarm (a coordinator and four `hetpeer join` processes on 127.0.0.1, the recipe's
+defaults). In one stage, in gossip and in all-reduce (what `auto` picks here): its group clips it or leaves it out
+and reports it, the coordinator bans it (its dashboard says so), and the others train on without it. In two stages
+of two lanes, lying about the activations it hands its lane: its partner's stage check catches it, the pair is
+parted, its next partner catches it too, and it is banned with its credit for that plan voided."""
 
 from __future__ import annotations
 
@@ -26,11 +27,17 @@ TIMEOUT_S = 180.0
 
 
 class PoisonedSwarm(LocalSwarm):
+    poison = "scale"
+
     def peer_command(self, i: int) -> list[str]:
         command = super().peer_command(i)
         if i == 3:  # `python -m hetpeer join ...` becomes `python poison_peer.py scale join ...`
-            command[1:3] = [str(POISON_PEER), "scale"]
+            command[1:3] = [str(POISON_PEER), self.poison]
         return command
+
+
+class LyingStageSwarm(PoisonedSwarm):
+    poison = "stage-scale"  # what it hands its lane: activations forward, gradients back
 
 
 def log(swarm: LocalSwarm, name: str) -> str:
@@ -85,5 +92,44 @@ def test_a_poisoner_is_left_out_reported_banned_and_the_group_trains_on(tmp_path
         wait_for(lambda: len(trained_after_ban()) >= 10, "the honest peers to train ten lane-steps without it", swarm)
         losses = trained_after_ban()
         assert all(math.isfinite(loss) and loss < 6.0 for loss in losses), losses  # 5.5 is a uniform guess
+    finally:
+        swarm.shutdown()
+
+
+def test_a_stage_that_lies_to_its_lane_is_caught_parted_from_its_accuser_and_banned_by_its_next_partner(tmp_path):
+    config = SwarmConfig(
+        out=tmp_path, peers=4, steps=100_000, batch=64, heartbeat_s=1.0, replan_interval_s=3600, time_budget_s=1.0,
+        coordinator_args=("--stages", "2", "--group-size", "2", "--min-peers", "4"),
+    )
+    swarm = LyingStageSwarm(config, lambda line: None, free_port())
+    try:
+        swarm.start()
+        wait_for(lambda: "banned peer3-" in log(swarm, "coordinator"), "the coordinator to ban the lying stage", swarm)
+        coordinator = log(swarm, "coordinator")
+        assert "2 stage(s) x 2 lane(s)" in re.search(r"published plan epoch 1 .*", coordinator).group(0)
+        assert "checks: stage 1: checked in a pair" in coordinator  # the plan says how its stages are checked
+        dispute = re.search(r"(peer\d-\S+) reports (peer3-\S+), its only partner at stage \d: a dispute", coordinator)
+        assert dispute, "the first accusation is a dispute, not a verdict"
+        accuser, liar = dispute.groups()
+        assert f"solving: parting {min(accuser, liar)} and {max(accuser, liar)}" in coordinator
+        ban = re.search(rf"banned {liar} for 300 s \(ban 1\): reported by 2 partners in turn \({accuser}, (peer\d-\S+)\)",
+                        coordinator)
+        assert ban and ban.group(1) != accuser
+        assert re.search(rf"voided {liar}'s credit for plan epoch \d+, where it was banned", coordinator)
+        caught = [i for i in range(3) if f"reports {liar} as misbehaving: a check caught it: its " in log(swarm, f"peer{i}")]
+        assert len(caught) >= 2
+        assert not re.search(r"banned peer[012]-", coordinator), "no honest peer is banned"
+        wait_for(lambda: "published plan epoch" in log(swarm, "coordinator").split(f"banned {liar}")[1], "a plan after the ban", swarm)
+        after = log(swarm, "coordinator").split(f"banned {liar}")[1]
+        epoch = int(re.search(r"published plan epoch (\d+)", after).group(1))
+        assert liar not in re.search(r"published plan epoch \d+ .*\n((?:  stage .*\n?)+)", after).group(1)
+
+        def trained_after_ban() -> list[float]:
+            return [float(loss) for i in range(3) for e, loss in
+                    re.findall(r"^e(\d+) stage \d+ lane \d+ +step \S+ +loss (\S+)", log(swarm, f"peer{i}"), re.M)
+                    if int(e) >= epoch and loss != "-"]
+
+        wait_for(lambda: len(trained_after_ban()) >= 10, "the honest peers to train ten lane-steps without it", swarm)
+        assert all(math.isfinite(loss) and loss < 6.0 for loss in trained_after_ban())
     finally:
         swarm.shutdown()

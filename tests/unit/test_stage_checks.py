@@ -13,7 +13,7 @@ import torch
 
 from test_worker import Pipeline, make_plan
 from hetpeer.peer.data.corpus import Corpus
-from hetpeer.peer.pipeline.checks import DECLINE, EXACT, LEAD, SKETCH, Check, Declined, distance, sketch
+from hetpeer.peer.pipeline.checks import DECLINE, DRIFTING, EXACT, LEAD, SKETCH, Check, Declined, distance, sketch
 from hetpeer.peer.pipeline.worker import WorkerConfig
 from hetpeer.protocol.frame import FrameHeader
 from hetpeer.protocol.recipe import Recipe
@@ -102,6 +102,22 @@ def test_a_stage_that_scales_what_it_hands_its_lane_is_caught_by_its_group_only(
         # neighbour as disputed rather than blame it
         downstream = [pipeline.workers[d].checks for d in pipeline.plan.stages[stage + 1].devices if d[-1] != liar[-1]]
         assert sum(checks.dropped for checks in downstream) > 0
+
+
+def test_a_member_whose_weights_differ_is_judged_by_the_drifting_tolerance(corpus):
+    # as a member that entered the plan steps apart from its partner holds them
+    pipeline = seeded(Pipeline(grouped(2, 3), corpus, WorkerConfig(timeout_s=30)))
+    torch.manual_seed(0)
+    drifted = pipeline.workers["s1l1"].flat.data
+    drifted.add_(torch.randn_like(drifted) * 1e-3)
+    train(pipeline)
+    # (checker, verdict): those that involve s1l1, as checker or checked, are judged as drifting
+    verdicts = [(device, v) for device, worker in pipeline.workers.items() for v in worker.checks.verdicts]
+    apart = [v for device, v in verdicts if "s1l1" in (device, v.checked)]
+    assert apart and all(v.allowed == DRIFTING and not v.caught for v in apart)
+    assert any(v.error > EXACT for v in apart), "the drift is more than rounding: it needs the looser tolerance"
+    assert all(v.allowed == EXACT and v.error <= 1e-6 for device, v in verdicts if "s1l1" not in (device, v.checked))
+    assert all(worker.checks.caught() == {} for worker in pipeline.workers.values())
 
 
 def test_drifting_groups_allow_what_gossip_drifts_and_catch_a_flip(corpus):

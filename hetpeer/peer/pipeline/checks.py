@@ -11,14 +11,18 @@ Roles, for a check of stage s in lane L at (step, micro):
   (`sketch`) and, for a middle stage, copies to C the gradient it sent back (`check_grad`); U sketches the gradient it
   received. A sketch is 64 numbers (a count sketch under C's seed), whatever the tensor's size.
 C runs the stage forward on the input (and backward, from W's gradient or the loss), puts its output through the hop's
-codec as the witnesses received it, and compares sketches. In a group that all-reduces, its members hold the same
-weights, so an honest output is matched to rounding (`EXACT`); in gossip and between outer steps they hold weights a
-few steps apart (`DRIFTING`). An output further off is *caught*: C reports the checked peer (`caught`), and the
-coordinator bans a peer a majority of the other members of its group report (`coordinator/gate.py`).
+codec as the witnesses received it, and compares sketches. Once the checked peer's output is out, C asks it which input
+frames it got (their checksums: an input provider that copied C another input than it sent is found out, and the check
+dropped) and for a fingerprint of its weights at that step. Where the fingerprints are equal (an all-reduce group, or
+right after an outer step), an honest output is matched to rounding (`EXACT`); where they differ (gossip, between
+outer steps, members that entered a plan at different steps), by `DRIFTING`. An output further off is *caught*: C
+reports the checked peer (`caught`), and the coordinator bans it on a majority of its group, or on two partners in
+turn where its group is a pair (`coordinator/gate.py`).
 
 What a check cannot tell. A witness or an input provider that lies to C frames the checked peer; each is a lane
 neighbour in another group, itself checked only for what it hands its lane. A stale output or a small perturbation
-within the tolerance passes. A helper asked too late (its lane already at the step) declines, and the check is
+within the tolerance passes, and a checked peer that claims weights other than its partner's is judged by the looser
+one. A helper asked too late (its lane already at the step) declines, and the check is
 dropped, not counted against anyone.
 """
 
@@ -41,9 +45,9 @@ from hetpeer.protocol.plan import Plan
 
 LEAD = 2  # steps ahead a check is asked for: its helpers have the request before their lane reaches the step
 SKETCH = 64  # numbers in a sketch
-# how far a recomputed output may be from what the witness received (relative, in sketch norm): members that hold the
-# same weights (all-reduce every step) differ by rounding and the hop's codec; members that hold weights some steps
-# apart (gossip, outer steps) by more, measured in docs/trust.md
+# how far a recomputed output may be from what the witness received (relative, in sketch norm): members whose weights
+# have one fingerprint differ by rounding and the hop's codec; members that hold weights some steps apart (gossip, outer
+# steps, entering a plan at different steps) by more, measured in docs/trust.md
 EXACT, DRIFTING = 0.05, 0.5
 POLL_S = 0.2  # how often a checker waiting on a helper looks for its decline
 WINDOW_S = 30.0  # a caught peer stays reported this long after the check that caught it
@@ -108,6 +112,7 @@ class Declined(Exception):
 
 DECLINE = -1  # a `check` frame's value from a helper asked too late (a request's is the seed, >= 0)
 ATTESTED = ("activation", "labels", "gradient")  # the lane frames a checked peer gives the checksums of
+ANSWER = len(ATTESTED) + 2  # and the fingerprint of its weights: their sum and sum of squares, as float64 bits
 
 
 class Disputed(Exception):
@@ -127,12 +132,12 @@ class Checks:
         self.last = len(plan.stages) - 1
         self.others = [l for l in range(len(plan.lanes)) if l != self.lane]  # the lanes this peer may check
         self.most_micro = max(len(plan.micro_batch_sizes(l)) for l in range(len(plan.lanes)))
-        self.allowed = EXACT if plan.stages[self.stage].sync in ("allreduce", "none") else DRIFTING
         self.rng = rng or random.Random()  # private: the checked peers must not guess the checks
         self.mine: dict[int, Check] = {}  # step -> the check this peer runs then
         self.asked: dict[tuple[int, int], list[tuple[str, int]]] = {}  # (step, micro) -> [(checker, seed)], as helper
         self.declined: set[tuple[str, int, int]] = set()  # (helper, step, micro) of this peer's checks
         self.sums: dict[tuple[int, int], list[int]] = {}  # (step, micro) -> checksums of the lane frames got (`ATTESTED`)
+        self.prints: dict[int, tuple[int, int]] = {}  # step -> the fingerprint of this peer's weights through it
         self.attested: dict[tuple[str, int, int], tuple[int, ...]] = {}  # (checked, step, micro) -> what it said
         self.verdicts: collections.deque[Verdict] = collections.deque(maxlen=256)  # the latest
         self.judged = self.failed = self.dropped = 0
@@ -187,11 +192,12 @@ class Checks:
             except TransportTimeout:
                 continue
 
-    def attest(self, check: Check, sums: tuple[int, int, int], deadline: float) -> None:
+    def attest(self, check: Check, sums: tuple[int, int, int], deadline: float) -> float:
         """Ask the checked peer, now that its output is out, which input frames it got (their checksums: activations,
-        labels, gradient; -1 where none); `Disputed` unless they are the ones its lane neighbours copied to this
-        peer (`sums`). Either that neighbour or the checked peer lies about the input then, and the check says
-        nothing about the checked peer's work."""
+        labels, gradient; -1 where none) and its weights' fingerprint; `Disputed` unless the frames are the ones its
+        lane neighbours copied to this peer (`sums`): either that neighbour or the checked peer lies about the input
+        then, and the check says nothing about the checked peer's work. The tolerance its outputs are judged by:
+        EXACT where the fingerprints are this peer's at that step, else DRIFTING."""
         self.transport.send(check.checked, "attest", torch.tensor([0]), step=check.step, micro=check.micro,
                             epoch=self.plan.epoch)
         key = (check.checked, check.step, check.micro)
@@ -202,9 +208,21 @@ class Checks:
         with self._lock:
             said = self.attested.pop(key)
         sums = tuple(-1 if c == -1 else signed(c) for c in sums)
-        if any(mine != -1 and mine != theirs for mine, theirs in zip(sums, said)):
+        frames = said[:len(ATTESTED)]
+        if any(mine != -1 and mine != theirs for mine, theirs in zip(sums, frames)):
             raise Disputed(f"{check.checked} says it got other input frames than its lane neighbours copied to this peer "
-                           f"(checksums {list(said)} against {list(sums)}): one of them lies, the check says nothing")
+                           f"(checksums {list(frames)} against {list(sums)}): one of them lies, the check says nothing")
+        return EXACT if tuple(said[len(ATTESTED):]) == self.prints.get(check.step) else DRIFTING
+
+    def note(self, step: int, weights: torch.Tensor) -> None:
+        """The fingerprint of this peer's weights at the start of `step` (its sum and sum of squares), for its checkers
+        and its own checks; only while a check can ask for it."""
+        if not self.plan.recipe.check or not self.others or not self.last:
+            return
+        flat = weights.detach().double()
+        pair = torch.stack((flat.sum(), flat.square().sum())).cpu().view(torch.int64)
+        with self._lock:
+            self.prints[step] = (int(pair[0]), int(pair[1]))
 
     def got(self, kind: str, step: int, micro: int, checksum: int) -> None:
         """This peer received a lane frame (`ATTESTED` kinds): keep its checksum for the checkers of its group."""
@@ -212,9 +230,9 @@ class Checks:
             sums = self.sums.setdefault((step, micro), [-1, -1, -1])
             sums[ATTESTED.index(kind)] = signed(checksum)
 
-    def judge(self, check: Check, what: str, seen: torch.Tensor, recomputed: torch.Tensor) -> Verdict:
+    def judge(self, check: Check, what: str, seen: torch.Tensor, recomputed: torch.Tensor, allowed: float) -> Verdict:
         verdict = Verdict(check.checked, check.step, check.micro, what, distance(seen, sketch(recomputed, check.seed)),
-                          self.allowed)
+                          allowed)
         self.verdicts.append(verdict)
         self.judged += 1
         if verdict.caught:
@@ -273,7 +291,7 @@ class Checks:
         if header.sender not in self.plan.devices or header.sender == self.device_id or \
                 self.plan.position(header.sender)[0] != self.stage:
             return f"{header.sender} is not in this peer's group: it checks nothing of it"
-        if header.dtype != "int64" or header.shape not in ((1,), (len(ATTESTED),)):
+        if header.dtype != "int64" or header.shape not in ((1,), (ANSWER,)):
             return f"attest frame {header.dtype}{list(header.shape)}"
         if not self.step() - LEAD - 1 <= header.step <= self.step() + 1:
             return Late(f"attest of step {header.step} at step {self.step()}")
@@ -287,6 +305,7 @@ class Checks:
         if header.shape == (1,):  # asked: answer with what came (-1s for frames it does not have)
             with self._lock:
                 sums = list(self.sums.get((header.step, header.micro), (-1,) * len(ATTESTED)))
+                sums += self.prints.get(header.step, (0, 0))
             self.transport.send(header.sender, "attest", torch.tensor(sums, dtype=torch.int64), step=header.step,
                                 micro=header.micro, epoch=self.plan.epoch)
             return
@@ -345,5 +364,7 @@ class Checks:
             self.declined = {d for d in self.declined if d[1] >= step}
             for key in [k for k in self.sums if k[0] < step - LEAD - 1]:  # its checkers ask a little after the step
                 del self.sums[key]
+            for key in [k for k in self.prints if k < step - LEAD - 1]:
+                del self.prints[key]
             for key in [k for k in self.attested if k[1] < step]:
                 del self.attested[key]

@@ -194,6 +194,7 @@ class StageWorker:
         """Forward and backward over the lane's micro-batches; gradients are left in `.grad`."""
         self.sync.begin(self.step)  # x(step) starts travelling to the group while the gradient is computed
         self.checks.begin(self.step)
+        self.checks.note(self.step, self.flat.data)
         self.flat.zero_grad()
         step, timeout = self.step, self.config.timeout_s
         started = time.perf_counter()
@@ -339,8 +340,8 @@ class StageWorker:
                 sums[2] = head.checksum
             seen = {what: self.checks.receive("sketch", sender, check, deadline)[1]
                     for what, sender in (("activations", check.next), ("gradients", check.previous)) if sender is not None}
-            if check.previous is not None:  # its output is out: now it may learn of the check, and say what it got
-                self.checks.attest(check, tuple(sums), deadline)
+            # its output is out: now it may learn of the check, and say what it got and which weights it holds
+            allowed = self.checks.attest(check, tuple(sums), deadline)
         except (Declined, Disputed, TransportTimeout) as error:
             self.checks.dropped += 1
             self.checks.done(check)
@@ -353,12 +354,13 @@ class StageWorker:
                 y = self.model.loss(y, labels) * (size / self.plan.lane_sequences(check.lane))
         if "activations" in seen:
             codec = self.plan.stages[self.stage].codecs(check.lane)[0]
-            self.checks.judge(check, "activations", seen["activations"], as_received(y.detach().to(self._dtype), codec))
+            self.checks.judge(check, "activations", seen["activations"], as_received(y.detach().to(self._dtype), codec),
+                              allowed)
         if "gradients" in seen:
             with self.slowdown.of(("backward", size)):
                 (recomputed,) = torch.autograd.grad(y, x, None if grad is None else grad.to(y.device, y.dtype))
             codec = self.plan.stages[self.stage - 1].codecs(check.lane)[1]
-            self.checks.judge(check, "gradients", seen["gradients"], as_received(recomputed.to(self._dtype), codec))
+            self.checks.judge(check, "gradients", seen["gradients"], as_received(recomputed.to(self._dtype), codec), allowed)
         self.checks.done(check)
         return waited
 
