@@ -42,7 +42,7 @@ ALIGN = 64  # prefix and header together are padded to a multiple of this
 
 # New kinds go at the end: a kind's code is its index here.
 KINDS = ("activation", "gradient", "labels", "params", "probe", "allreduce", "state_request", "state", "tied",
-         "shard_request", "shard", "check", "check_input", "check_labels", "check_grad", "sketch", "attest")
+         "shard_request", "shard", "check", "check_input", "check_labels", "check_grad", "sketch", "attest", "attested")
 DTYPES = {"fp32": 4, "fp16": 2, "bf16": 2, "int64": 8, "int32": 4, "uint8": 1}
 FLOAT_DTYPES = ("fp32", "fp16", "bf16")
 CODECS = ("raw", "fp16", "bf16", "int8", "int4", "int6")  # new codecs go at the end: a codec's code is its index

@@ -160,6 +160,12 @@ def test_check_frames_that_belong_to_no_check_are_refused_with_a_reason(corpus):
     assert "expected fp32[64]" in middle.accept(header("sketch", "s0l1", 2, shape=(32,), dtype="fp32"))
     assert "for no check" in middle.accept(header("sketch", "s2l1", 3, shape=(SKETCH,), dtype="fp32"))
     assert "for no check" in middle.accept(header("sketch", "s2l1", 2, micro=1, shape=(SKETCH,), dtype="fp32"))
+    # the checked peer's answer, from it only; a question, from its group only
+    assert middle.accept(header("attested", "s1l1", 2, shape=(5,))) is None
+    assert "not expected from s0l1" in middle.accept(header("attested", "s0l1", 2, shape=(5,)))
+    assert "expected int64[5]" in middle.accept(header("attested", "s1l1", 2, shape=(3,)))
+    assert middle.accept(header("attest", "s1l2", 1)) is None
+    assert "not in this peer's group" in middle.accept(header("attest", "s0l1", 1))
     assert check.checked == "s1l1"
 
 

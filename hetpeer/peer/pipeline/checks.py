@@ -138,7 +138,6 @@ class Checks:
         self.declined: set[tuple[str, int, int]] = set()  # (helper, step, micro) of this peer's checks
         self.sums: dict[tuple[int, int], list[int]] = {}  # (step, micro) -> checksums of the lane frames got (`ATTESTED`)
         self.prints: dict[int, tuple[int, int]] = {}  # step -> the fingerprint of this peer's weights through it
-        self.attested: dict[tuple[str, int, int], tuple[int, ...]] = {}  # (checked, step, micro) -> what it said
         self.verdicts: collections.deque[Verdict] = collections.deque(maxlen=256)  # the latest
         self.judged = self.failed = self.dropped = 0
         self._lock = threading.Lock()
@@ -179,8 +178,8 @@ class Checks:
             self.mine.pop(check.step, None)
 
     def receive(self, kind: str, sender: str, check: Check, deadline: float) -> tuple[FrameHeader, torch.Tensor]:
-        """A helper's frame for `check`, waiting until `deadline` (monotonic); `Declined` if the helper said it was
-        asked too late (or, asked for its word, `checked` did not say), `TransportTimeout` if nothing came."""
+        """A helper's frame for `check` (or the checked peer's answer), waiting until `deadline` (monotonic); `Declined`
+        if the helper said it was asked too late, `TransportTimeout` if nothing came."""
         while True:
             left = deadline - time.monotonic()
             if (sender, check.step, check.micro) in self.declined:
@@ -200,13 +199,7 @@ class Checks:
         EXACT where the fingerprints are this peer's at that step, else DRIFTING."""
         self.transport.send(check.checked, "attest", torch.tensor([0]), step=check.step, micro=check.micro,
                             epoch=self.plan.epoch)
-        key = (check.checked, check.step, check.micro)
-        while key not in self.attested:
-            if time.monotonic() >= deadline:
-                raise TransportTimeout(f"{check.checked} did not say which input it got at step {check.step}")
-            time.sleep(POLL_S / 10)
-        with self._lock:
-            said = self.attested.pop(key)
+        said = [int(v) for v in self.receive("attested", check.checked, check, deadline)[1]]
         sums = tuple(-1 if c == -1 else signed(c) for c in sums)
         frames = said[:len(ATTESTED)]
         if any(mine != -1 and mine != theirs for mine, theirs in zip(sums, frames)):
@@ -262,12 +255,12 @@ class Checks:
         if check is None or header.micro != check.micro:  # dropped, or judged already
             return Late(f"{header.kind} of step {header.step} micro-batch {header.micro} is for no check this peer runs")
         wanted = {"check_input": check.previous, "check_labels": check.previous,
-                  "check_grad": check.next if self.stage < self.last else None,
+                  "check_grad": check.next if self.stage < self.last else None, "attested": check.checked,
                   "sketch": header.sender if header.sender in (check.previous, check.next) else None}[header.kind]
         if wanted is None or header.sender != wanted:
             return f"{header.kind} is not expected from {header.sender} for the check of {check.checked}"
         rows = (self.plan.micro_batch_sizes(check.lane)[check.micro], self.seq_len)
-        shape, dtype = {"check_labels": (rows, "int64"), "sketch": ((SKETCH,), "fp32")}.get(
+        shape, dtype = {"check_labels": (rows, "int64"), "sketch": ((SKETCH,), "fp32"), "attested": ((ANSWER,), "int64")}.get(
             header.kind, ((*rows, self.hidden), self.plan.dtype))
         if header.shape != shape or header.dtype != dtype:
             return f"{header.kind} is {header.dtype}{list(header.shape)}, expected {dtype}{list(shape)}"
@@ -287,30 +280,24 @@ class Checks:
         return None
 
     def _accept_attest(self, header: FrameHeader) -> str | None:
-        """A checker of this peer asking which input it got, or the checked peer of this peer's check answering."""
+        """A checker of this peer asking which input it got."""
         if header.sender not in self.plan.devices or header.sender == self.device_id or \
                 self.plan.position(header.sender)[0] != self.stage:
             return f"{header.sender} is not in this peer's group: it checks nothing of it"
-        if header.dtype != "int64" or header.shape not in ((1,), (ANSWER,)):
+        if header.dtype != "int64" or header.shape != (1,):
             return f"attest frame {header.dtype}{list(header.shape)}"
         if not self.step() - LEAD - 1 <= header.step <= self.step() + 1:
             return Late(f"attest of step {header.step} at step {self.step()}")
-        if header.shape != (1,):
-            check = self.mine.get(header.step)
-            if check is None or (check.checked, check.micro) != (header.sender, header.micro):
-                return Late(f"attest of step {header.step} is for no check this peer runs")
         return None
 
     def _on_attest(self, header: FrameHeader, value: torch.Tensor) -> None:
-        if header.shape == (1,):  # asked: answer with what came (-1s for frames it does not have)
-            with self._lock:
-                sums = list(self.sums.get((header.step, header.micro), (-1,) * len(ATTESTED)))
-                sums += self.prints.get(header.step, (0, 0))
-            self.transport.send(header.sender, "attest", torch.tensor(sums, dtype=torch.int64), step=header.step,
-                                micro=header.micro, epoch=self.plan.epoch)
-            return
+        """Answer with the checksums of the input frames that came (-1 for those it does not have) and the weights'
+        fingerprint (0s if it has none for that step)."""
         with self._lock:
-            self.attested[(header.sender, header.step, header.micro)] = tuple(int(v) for v in value)
+            sums = list(self.sums.get((header.step, header.micro), (-1,) * len(ATTESTED)))
+            sums += self.prints.get(header.step, (0, 0))
+        self.transport.send(header.sender, "attested", torch.tensor(sums, dtype=torch.int64), step=header.step,
+                            micro=header.micro, epoch=self.plan.epoch)
 
     def _on_check(self, header: FrameHeader, value: torch.Tensor) -> None:
         """A request (its seed), taken unless this peer's lane is already at its step (then declined); or a decline."""
@@ -366,5 +353,3 @@ class Checks:
                 del self.sums[key]
             for key in [k for k in self.prints if k < step - LEAD - 1]:
                 del self.prints[key]
-            for key in [k for k in self.attested if k[1] < step]:
-                del self.attested[key]

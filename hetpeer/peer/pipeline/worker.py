@@ -50,7 +50,7 @@ COMPUTE_DTYPES = ("fp32", "bf16")
 # A peer this many steps behind its group (stopped, cut off) downloads the group's state rather than mix in
 # parameters that old: robust mixing would take them for poison, and plain mixing would drag the group back.
 STALE_STEPS = 16
-CHECK_KINDS = ("check", "check_input", "check_labels", "check_grad", "sketch", "attest")
+CHECK_KINDS = ("check", "check_input", "check_labels", "check_grad", "sketch", "attest", "attested")
 log = logging.getLogger("hetpeer.peer")
 
 
