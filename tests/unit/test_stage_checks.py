@@ -13,7 +13,7 @@ import torch
 
 from test_worker import Pipeline, make_plan
 from hetpeer.peer.data.corpus import Corpus
-from hetpeer.peer.pipeline.checks import DECLINE, DRIFTING, EXACT, LEAD, SKETCH, Check, Declined, distance, sketch
+from hetpeer.peer.pipeline.checks import DECLINE, EXACT, LEAD, MAX_SIZE, MIN_COSINE, SKETCH, Check, Declined, Verdict, cosine, distance, size, sketch
 from hetpeer.peer.pipeline.worker import WorkerConfig
 from hetpeer.protocol.frame import FrameHeader
 from hetpeer.protocol.recipe import Recipe
@@ -65,8 +65,24 @@ def test_a_sketch_is_the_seeds_and_measures_relative_distance():
     assert distance(sketch(x, 7), sketch(x, 7)) == 0.0
     assert distance(sketch(x * 1.3, 7), sketch(x, 7)) == pytest.approx(0.3, rel=1e-4)  # linear
     assert distance(sketch(-x, 7), sketch(x, 7)) == pytest.approx(2.0, rel=1e-4)
-    # noise of the same size is about sqrt(2) off (within the sketch's spread)
-    assert 1.0 < distance(sketch(torch.randn_like(x), 7), sketch(x, 7)) < 2.0
+    # noise of the same size is about sqrt(2) off, and points nowhere in particular (within the sketch's spread)
+    noise = sketch(torch.randn_like(x), 7)
+    assert 1.0 < distance(noise, sketch(x, 7)) < 2.0 and abs(cosine(noise, sketch(x, 7))) < MIN_COSINE
+    assert cosine(sketch(-x, 7), sketch(x, 7)) == pytest.approx(-1.0) and size(sketch(x * 3, 7), sketch(x, 7)) == pytest.approx(3.0)
+
+
+def test_a_verdict_is_exact_where_the_weights_match_and_by_direction_and_size_where_they_drift():
+    def verdict(error, cos, scale, exact):
+        return Verdict("p", 3, 1, "activations", error, cos, scale, exact)
+
+    assert not verdict(EXACT, 1.0, 1.0, True).caught and verdict(EXACT * 1.1, 1.0, 1.05, True).caught
+    assert not verdict(1.2, 0.65, 1.9, False).caught  # as honest drift reaches in gossip and outer steps
+    assert verdict(2.0, -1.0, 1.0, False).caught  # flipped
+    assert verdict(1.4, 0.0, 1.0, False).caught  # noise
+    assert verdict(99.0, 1.0, 100.0, False).caught and verdict(0.99, 1.0, 0.01, False).caught  # scaled
+    assert not verdict(3.0, 1.0, MAX_SIZE, False).caught
+    assert "5% off what this peer recomputed with the same weights" in verdict(0.05, 1.0, 1.0, True).words
+    assert "cosine -1.00 and 1x the size" in verdict(2.0, -1.0, 1.0, False).words
 
 
 def test_honest_stages_pass_every_check_exactly_under_allreduce(corpus):
@@ -76,7 +92,7 @@ def test_honest_stages_pass_every_check_exactly_under_allreduce(corpus):
     for device, worker in pipeline.workers.items():
         checks = worker.checks
         assert checks.judged > 0 and checks.failed == 0 and checks.dropped == 0, device
-        assert all(v.error <= 1e-6 and v.allowed == EXACT for v in checks.verdicts)
+        assert all(v.error <= 1e-6 and v.exact for v in checks.verdicts)
         assert all(v.checked != device and v.checked in pipeline.plan.stages[checks.stage].devices for v in checks.verdicts)
         whats |= {(checks.stage, v.what) for v in checks.verdicts}
         assert checks.caught() == {}
@@ -104,7 +120,7 @@ def test_a_stage_that_scales_what_it_hands_its_lane_is_caught_by_its_group_only(
         assert sum(checks.dropped for checks in downstream) > 0
 
 
-def test_a_member_whose_weights_differ_is_judged_by_the_drifting_tolerance(corpus):
+def test_a_member_whose_weights_differ_is_judged_by_direction_and_size(corpus):
     # as a member that entered the plan steps apart from its partner holds them
     pipeline = seeded(Pipeline(grouped(2, 3), corpus, WorkerConfig(timeout_s=30)))
     torch.manual_seed(0)
@@ -114,9 +130,9 @@ def test_a_member_whose_weights_differ_is_judged_by_the_drifting_tolerance(corpu
     # (checker, verdict): those that involve s1l1, as checker or checked, are judged as drifting
     verdicts = [(device, v) for device, worker in pipeline.workers.items() for v in worker.checks.verdicts]
     apart = [v for device, v in verdicts if "s1l1" in (device, v.checked)]
-    assert apart and all(v.allowed == DRIFTING and not v.caught for v in apart)
+    assert apart and all(not v.exact and not v.caught for v in apart)
     assert any(v.error > EXACT for v in apart), "the drift is more than rounding: it needs the looser tolerance"
-    assert all(v.allowed == EXACT and v.error <= 1e-6 for device, v in verdicts if "s1l1" not in (device, v.checked))
+    assert all(v.exact and v.error <= 1e-6 for device, v in verdicts if "s1l1" not in (device, v.checked))
     assert all(worker.checks.caught() == {} for worker in pipeline.workers.values())
 
 
@@ -157,7 +173,7 @@ def test_check_frames_that_belong_to_no_check_are_refused_with_a_reason(corpus):
     assert middle.accept(header("check_input", "s0l1", 2, shape=(*rows, 64), dtype="fp32")) is None
     assert middle.accept(header("sketch", "s2l1", 2, shape=(SKETCH,), dtype="fp32")) is None
     assert "not expected from s2l1" in middle.accept(header("check_input", "s2l1", 2, shape=(*rows, 64), dtype="fp32"))
-    assert "expected fp32[64]" in middle.accept(header("sketch", "s0l1", 2, shape=(32,), dtype="fp32"))
+    assert f"expected fp32[{SKETCH}]" in middle.accept(header("sketch", "s0l1", 2, shape=(32,), dtype="fp32"))
     assert "for no check" in middle.accept(header("sketch", "s2l1", 3, shape=(SKETCH,), dtype="fp32"))
     assert "for no check" in middle.accept(header("sketch", "s2l1", 2, micro=1, shape=(SKETCH,), dtype="fp32"))
     # the checked peer's answer, from it only; a question, from its group only

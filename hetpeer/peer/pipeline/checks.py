@@ -15,7 +15,8 @@ codec as the witnesses received it, and compares sketches. Once the checked peer
 frames it got (their checksums: an input provider that copied C another input than it sent is found out, and the check
 dropped) and for a fingerprint of its weights at that step. Where the fingerprints are equal (an all-reduce group, or
 right after an outer step), an honest output is matched to rounding (`EXACT`); where they differ (gossip, between
-outer steps, members that entered a plan at different steps), by `DRIFTING`. An output further off is *caught*: C
+outer steps, members that entered a plan at different steps), only its direction and size are judged
+(`MIN_COSINE`, `MAX_SIZE`). An output further off is *caught*: C
 reports the checked peer (`caught`), and the coordinator bans it on a majority of its group, or on two partners in
 turn where its group is a pair (`coordinator/gate.py`).
 
@@ -44,11 +45,14 @@ from hetpeer.protocol.frame import FrameHeader
 from hetpeer.protocol.plan import Plan
 
 LEAD = 2  # steps ahead a check is asked for: its helpers have the request before their lane reaches the step
-SKETCH = 64  # numbers in a sketch
-# how far a recomputed output may be from what the witness received (relative, in sketch norm): members whose weights
-# have one fingerprint differ by rounding and the hop's codec; members that hold weights some steps apart (gossip, outer
-# steps, entering a plan at different steps) by more, measured in docs/trust.md
-EXACT, DRIFTING = 0.05, 0.5
+SKETCH = 256  # numbers in a sketch: its cosine estimates the tensors' within about 1 / sqrt(SKETCH)
+# how far a recomputed output may be from what the witness received. Members whose weights have one fingerprint differ
+# by rounding and the hop's codec: at most EXACT (relative, in sketch norm). Members that hold weights some steps apart
+# (gossip, outer steps, entering a plan at different steps) differ by up to the output's own size early in training
+# (docs/trust.md measures it), so there only the direction and the size are judged: an honest output points the same
+# way at a similar size; a noise, sign-flipped or scaled one does not.
+EXACT = 0.05
+MIN_COSINE, MAX_SIZE = 0.25, 4.0
 POLL_S = 0.2  # how often a checker waiting on a helper looks for its decline
 WINDOW_S = 30.0  # a caught peer stays reported this long after the check that caught it
 log = logging.getLogger("hetpeer.peer")
@@ -67,6 +71,15 @@ def sketch(tensor: torch.Tensor, seed: int) -> torch.Tensor:
 def distance(seen: torch.Tensor, recomputed: torch.Tensor) -> float:
     """How far the witness's sketch is from the checker's, relative to the checker's."""
     return float((seen - recomputed).norm() / recomputed.norm().clamp_min(1e-12))
+
+
+def cosine(seen: torch.Tensor, recomputed: torch.Tensor) -> float:
+    return float(seen @ recomputed / (seen.norm() * recomputed.norm()).clamp_min(1e-24))
+
+
+def size(seen: torch.Tensor, recomputed: torch.Tensor) -> float:
+    """The witness's sketch's norm over the checker's."""
+    return float(seen.norm() / recomputed.norm().clamp_min(1e-12))
 
 
 def signed(checksum: int) -> int:
@@ -93,17 +106,24 @@ class Verdict:
     step: int
     micro: int
     what: str  # "activations" or "gradients"
-    error: float
-    allowed: float
+    error: float  # relative to what the checker recomputed
+    cosine: float  # with it
+    size: float  # over it
+    exact: bool  # checker and checked hold weights of one fingerprint
 
     @property
     def caught(self) -> bool:
-        return not self.error <= self.allowed
+        if self.exact:
+            return not self.error <= EXACT
+        return not (self.cosine >= MIN_COSINE and 1 / MAX_SIZE <= self.size <= MAX_SIZE)
 
     @property
     def words(self) -> str:
-        return (f"its {self.what} of step {self.step} micro-batch {self.micro} were {self.error:.0%} off what this peer "
-                f"recomputed (allowed {self.allowed:.0%})")
+        what = f"its {self.what} of step {self.step} micro-batch {self.micro}"
+        if self.exact:
+            return f"{what} were {self.error:.0%} off what this peer recomputed with the same weights (allowed {EXACT:.0%})"
+        return (f"{what} were at cosine {self.cosine:.2f} and {self.size:.3g}x the size of what this peer recomputed with "
+                f"its own weights (wanted: cosine at least {MIN_COSINE:g}, size within {MAX_SIZE:g}x)")
 
 
 class Declined(Exception):
@@ -191,12 +211,12 @@ class Checks:
             except TransportTimeout:
                 continue
 
-    def attest(self, check: Check, sums: tuple[int, int, int], deadline: float) -> float:
+    def attest(self, check: Check, sums: tuple[int, int, int], deadline: float) -> bool:
         """Ask the checked peer, now that its output is out, which input frames it got (their checksums: activations,
         labels, gradient; -1 where none) and its weights' fingerprint; `Disputed` unless the frames are the ones its
         lane neighbours copied to this peer (`sums`): either that neighbour or the checked peer lies about the input
-        then, and the check says nothing about the checked peer's work. The tolerance its outputs are judged by:
-        EXACT where the fingerprints are this peer's at that step, else DRIFTING."""
+        then, and the check says nothing about the checked peer's work. Whether its weights' fingerprint is this peer's at
+        that step (its outputs are then judged exactly)."""
         self.transport.send(check.checked, "attest", torch.tensor([0]), step=check.step, micro=check.micro,
                             epoch=self.plan.epoch)
         said = [int(v) for v in self.receive("attested", check.checked, check, deadline)[1]]
@@ -205,7 +225,7 @@ class Checks:
         if any(mine != -1 and mine != theirs for mine, theirs in zip(sums, frames)):
             raise Disputed(f"{check.checked} says it got other input frames than its lane neighbours copied to this peer "
                            f"(checksums {list(frames)} against {list(sums)}): one of them lies, the check says nothing")
-        return EXACT if tuple(said[len(ATTESTED):]) == self.prints.get(check.step) else DRIFTING
+        return tuple(said[len(ATTESTED):]) == self.prints.get(check.step)
 
     def note(self, step: int, weights: torch.Tensor) -> None:
         """The fingerprint of this peer's weights at the start of `step` (its sum and sum of squares), for its checkers
@@ -223,9 +243,10 @@ class Checks:
             sums = self.sums.setdefault((step, micro), [-1, -1, -1])
             sums[ATTESTED.index(kind)] = signed(checksum)
 
-    def judge(self, check: Check, what: str, seen: torch.Tensor, recomputed: torch.Tensor, allowed: float) -> Verdict:
-        verdict = Verdict(check.checked, check.step, check.micro, what, distance(seen, sketch(recomputed, check.seed)),
-                          allowed)
+    def judge(self, check: Check, what: str, seen: torch.Tensor, recomputed: torch.Tensor, exact: bool) -> Verdict:
+        mine = sketch(recomputed, check.seed)
+        verdict = Verdict(check.checked, check.step, check.micro, what, distance(seen, mine), cosine(seen, mine),
+                          size(seen, mine), exact)
         self.verdicts.append(verdict)
         self.judged += 1
         if verdict.caught:

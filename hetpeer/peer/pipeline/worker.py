@@ -341,7 +341,7 @@ class StageWorker:
             seen = {what: self.checks.receive("sketch", sender, check, deadline)[1]
                     for what, sender in (("activations", check.next), ("gradients", check.previous)) if sender is not None}
             # its output is out: now it may learn of the check, and say what it got and which weights it holds
-            allowed = self.checks.attest(check, tuple(sums), deadline)
+            exact = self.checks.attest(check, tuple(sums), deadline)
         except (Declined, Disputed, TransportTimeout) as error:
             self.checks.dropped += 1
             self.checks.done(check)
@@ -355,12 +355,12 @@ class StageWorker:
         if "activations" in seen:
             codec = self.plan.stages[self.stage].codecs(check.lane)[0]
             self.checks.judge(check, "activations", seen["activations"], as_received(y.detach().to(self._dtype), codec),
-                              allowed)
+                              exact)
         if "gradients" in seen:
             with self.slowdown.of(("backward", size)):
                 (recomputed,) = torch.autograd.grad(y, x, None if grad is None else grad.to(y.device, y.dtype))
             codec = self.plan.stages[self.stage - 1].codecs(check.lane)[1]
-            self.checks.judge(check, "gradients", seen["gradients"], as_received(recomputed.to(self._dtype), codec), allowed)
+            self.checks.judge(check, "gradients", seen["gradients"], as_received(recomputed.to(self._dtype), codec), exact)
         self.checks.done(check)
         return waited
 
