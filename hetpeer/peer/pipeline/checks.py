@@ -15,8 +15,8 @@ codec as the witnesses received it, and compares sketches. Once the checked peer
 frames it got (their checksums: an input provider that copied C another input than it sent is found out, and the check
 dropped) and for a fingerprint of its weights at that step. Where the fingerprints are equal (an all-reduce group, or
 right after an outer step), an honest output is matched to rounding (`EXACT`); where they differ (gossip, between
-outer steps, members that entered a plan at different steps), only its direction and size are judged
-(`MIN_COSINE`, `MAX_SIZE`). An output further off is *caught*: C
+outer steps, members that entered a plan at different steps), only the direction and size of activations are judged
+(`MIN_COSINE`, `MAX_SIZE`), and gradients not at all. An output further off is *caught*: C
 reports the checked peer (`caught`), and the coordinator bans it on a majority of its group, or on two partners in
 turn where its group is a pair (`coordinator/gate.py`).
 
@@ -49,11 +49,15 @@ SKETCH = 256  # numbers in a sketch: its cosine estimates the tensors' within ab
 # how far a recomputed output may be from what the witness received. Members whose weights have one fingerprint differ
 # by rounding and the hop's codec: at most EXACT (relative, in sketch norm). Members that hold weights some steps apart
 # (gossip, outer steps, entering a plan at different steps) differ by up to the output's own size early in training
-# (docs/trust.md measures it), so there only the direction and the size are judged: an honest output points the same
-# way at a similar size; a noise, sign-flipped or scaled one does not.
+# (docs/trust.md measures it), so there only the direction and the size of activations are judged: an honest output
+# points the same way at a similar size; a noise, sign-flipped or scaled one does not. Gradients are judged only where
+# the weights match: the loss's gradient with respect to a stage's input turns and grows with small changes of the
+# weights (honest ones were seen at a cosine of -0.47, and at 5.2x the size, of the recomputed one).
 EXACT = 0.05
 MIN_COSINE, MAX_SIZE = 0.25, 4.0
 POLL_S = 0.2  # how often a checker waiting on a helper looks for its decline
+KEEP_STEPS = 256  # a checked peer keeps its input checksums and weights' fingerprints this many steps for its checkers
+KINDS = ("check_input", "check_labels", "check_grad", "sketch", "attested")  # frames a checker gathers
 WINDOW_S = 30.0  # a caught peer stays reported this long after the check that caught it
 log = logging.getLogger("hetpeer.peer")
 
@@ -98,6 +102,16 @@ class Check:
     checked: str
     previous: str | None  # the input provider and witness of gradients (None at stage 0)
     next: str | None  # the witness of activations (None at the last stage)
+
+
+def needed(check: Check) -> list[tuple[str, str]]:
+    """The helpers' frames a check takes, as (kind, sender)."""
+    frames = []
+    if check.previous is not None:
+        frames += [("check_input", check.previous), ("check_labels", check.previous)]
+        if check.next is not None:  # a middle stage's backward starts from its next's gradient
+            frames.append(("check_grad", check.next))
+    return frames + [("sketch", helper) for helper in (check.next, check.previous) if helper is not None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +170,8 @@ class Checks:
         self.mine: dict[int, Check] = {}  # step -> the check this peer runs then
         self.asked: dict[tuple[int, int], list[tuple[str, int]]] = {}  # (step, micro) -> [(checker, seed)], as helper
         self.declined: set[tuple[str, int, int]] = set()  # (helper, step, micro) of this peer's checks
+        self.pieces: dict[int, dict[tuple[str, str], tuple[FrameHeader, torch.Tensor]]] = {}  # check step -> frames so far
+        self.since: dict[int, float] = {}  # check step -> when this peer first looked for its frames
         self.sums: dict[tuple[int, int], list[int]] = {}  # (step, micro) -> checksums of the lane frames got (`ATTESTED`)
         self.prints: dict[int, tuple[int, int]] = {}  # step -> the fingerprint of this peer's weights through it
         self.verdicts: collections.deque[Verdict] = collections.deque(maxlen=256)  # the latest
@@ -190,42 +206,76 @@ class Checks:
             if helper is not None:
                 self.transport.send(helper, "check", seed, step=target, micro=check.micro, epoch=self.plan.epoch)
 
-    def due(self, step: int) -> Check | None:
-        return self.mine.get(step)
+    def due(self, step: int) -> list[Check]:
+        """This peer's checks of `step` and of earlier steps whose helpers' frames were not all here yet."""
+        with self._lock:
+            return [self.mine[k] for k in sorted(self.mine) if k <= step]
+
+    def gather(self, check: Check, wait: bool) -> dict[tuple[str, str], tuple[FrameHeader, torch.Tensor]] | None:
+        """The helpers' frames for `check`, by (kind, sender); None while some have not come and the check may wait for
+        them across steps (a lane of a drifting group runs steps apart from this one): `wait` blocks for them instead.
+        `Declined` if a helper was asked too late, `TransportTimeout` once `timeout_s` passed since the first try."""
+        deadline = self.since.setdefault(check.step, time.monotonic()) + self.timeout_s
+        pieces = self.pieces.setdefault(check.step, {})
+        for key in needed(check):
+            if key not in pieces:
+                try:
+                    pieces[key] = self.receive(*key, check, deadline if wait else min(deadline, time.monotonic()))
+                except TransportTimeout:
+                    if wait or time.monotonic() >= deadline:
+                        raise TransportTimeout(f"no {key[0]} of step {check.step} from {key[1]} for a check within "
+                                               f"{self.timeout_s:g} s") from None
+                    return None
+        return pieces
+
+    def keeps(self, key: tuple[str, str, int, int]) -> bool:
+        """Whether the inbox keeps a frame (kind, sender, step, micro) past its step: one for a check still gathering."""
+        check = self.mine.get(key[2])
+        return key[0] in KINDS and check is not None and key[3] == check.micro
 
     def done(self, check: Check) -> None:
+        """Forget `check`, and whatever frames for it came but were not used."""
         with self._lock:
             self.mine.pop(check.step, None)
+            self.pieces.pop(check.step, None)
+            self.since.pop(check.step, None)
+        for kind, sender in needed(check):
+            try:
+                self.transport.inbox.take(kind, sender, check.step, check.micro, 0.0)
+            except TransportTimeout:
+                pass
 
     def receive(self, kind: str, sender: str, check: Check, deadline: float) -> tuple[FrameHeader, torch.Tensor]:
-        """A helper's frame for `check` (or the checked peer's answer), waiting until `deadline` (monotonic); `Declined`
-        if the helper said it was asked too late, `TransportTimeout` if nothing came."""
+        """A helper's frame for `check` (or the checked peer's answer), waiting until `deadline` (monotonic; one look
+        when it has passed); `Declined` if the helper said it was asked too late, `TransportTimeout` if nothing came."""
         while True:
             left = deadline - time.monotonic()
             if (sender, check.step, check.micro) in self.declined:
                 raise Declined(f"{sender} was asked after its lane reached step {check.step}")
-            if left <= 0:
-                raise TransportTimeout(f"no {kind} of step {check.step} from {sender} for a check within {self.timeout_s:g} s")
             try:
-                return self.transport.inbox.take(kind, sender, check.step, check.micro, min(POLL_S, left))
+                return self.transport.inbox.take(kind, sender, check.step, check.micro, max(0.0, min(POLL_S, left)))
             except TransportTimeout:
-                continue
+                if left <= 0:
+                    raise TransportTimeout(f"no {kind} of step {check.step} from {sender} for a check within "
+                                           f"{self.timeout_s:g} s") from None
 
-    def attest(self, check: Check, sums: tuple[int, int, int], deadline: float) -> bool:
+    def attest(self, check: Check, sums: tuple[int, int, int], step: int, deadline: float) -> bool:
         """Ask the checked peer, now that its output is out, which input frames it got (their checksums: activations,
         labels, gradient; -1 where none) and its weights' fingerprint; `Disputed` unless the frames are the ones its
         lane neighbours copied to this peer (`sums`): either that neighbour or the checked peer lies about the input
-        then, and the check says nothing about the checked peer's work. Whether its weights' fingerprint is this peer's at
-        that step (its outputs are then judged exactly)."""
+        then, and the check says nothing about the checked peer's work. Whether its weights' fingerprint at the check's
+        step is this peer's at `step`, the one it recomputes at (its outputs are then judged exactly)."""
         self.transport.send(check.checked, "attest", torch.tensor([0]), step=check.step, micro=check.micro,
                             epoch=self.plan.epoch)
         said = [int(v) for v in self.receive("attested", check.checked, check, deadline)[1]]
         sums = tuple(-1 if c == -1 else signed(c) for c in sums)
         frames = said[:len(ATTESTED)]
+        if any(c != -1 for c in sums) and all(c == -1 for c in frames):
+            raise Declined(f"{check.checked} no longer keeps what it got at step {check.step}")
         if any(mine != -1 and mine != theirs for mine, theirs in zip(sums, frames)):
             raise Disputed(f"{check.checked} says it got other input frames than its lane neighbours copied to this peer "
                            f"(checksums {list(frames)} against {list(sums)}): one of them lies, the check says nothing")
-        return tuple(said[len(ATTESTED):]) == self.prints.get(check.step)
+        return tuple(said[len(ATTESTED):]) == self.prints.get(step)
 
     def note(self, step: int, weights: torch.Tensor) -> None:
         """The fingerprint of this peer's weights at the start of `step` (its sum and sum of squares), for its checkers
@@ -307,7 +357,7 @@ class Checks:
             return f"{header.sender} is not in this peer's group: it checks nothing of it"
         if header.dtype != "int64" or header.shape != (1,):
             return f"attest frame {header.dtype}{list(header.shape)}"
-        if not self.step() - LEAD - 1 <= header.step <= self.step() + 1:
+        if not self.step() - KEEP_STEPS <= header.step <= self.step() + 1:
             return Late(f"attest of step {header.step} at step {self.step()}")
         return None
 
@@ -367,10 +417,7 @@ class Checks:
         with self._lock:
             for key in [k for k in self.asked if k[0] < step]:
                 del self.asked[key]
-            for key in [k for k in self.mine if k < step]:
-                del self.mine[key]
-            self.declined = {d for d in self.declined if d[1] >= step}
-            for key in [k for k in self.sums if k[0] < step - LEAD - 1]:  # its checkers ask a little after the step
+            for key in [k for k in self.sums if k[0] < step - KEEP_STEPS]:  # its checkers may ask steps later
                 del self.sums[key]
-            for key in [k for k in self.prints if k < step - LEAD - 1]:
+            for key in [k for k in self.prints if k < step - KEEP_STEPS]:
                 del self.prints[key]

@@ -248,9 +248,9 @@ class StageWorker:
         self.transport.flush(timeout, to=[p for p in (self.previous, self.next) if p is not None])
         self._tie_gradients(step)
         wait_s += time.perf_counter() - tick
-        check, judged, failed = self.checks.due(step), self.checks.judged, self.checks.failed
-        if check is not None:
-            wait_s += self._check(check)
+        judged, failed = self.checks.judged, self.checks.failed
+        for check in self.checks.due(step):
+            wait_s += self._check(check, step)
         sequences = self.plan.lane_sequences(self.lane)
         self.tally.trained(self.plan.epoch, step, len(self.sizes), sequences)
         return StepResult(
@@ -294,7 +294,7 @@ class StageWorker:
                     how = f"skipping with its own state ({error})"
             log.info("%s: group is %d step(s) ahead, at step %d: %s", self.device_id, behind, self.step, how)
         self.sync.ahead = None
-        self.transport.inbox.discard_before(self.step, running=self.plan.epoch)
+        self.transport.inbox.discard_before(self.step, running=self.plan.epoch, keep=self.checks.keeps)
         self.checks.forget_before(self.step)
         if not last:
             self.sync.begin(self.step)
@@ -319,29 +319,30 @@ class StageWorker:
         self.sync.sent = None
         return download
 
-    def _check(self, check: Check) -> float:
+    def _check(self, check: Check, step: int) -> float:
         """Recompute a micro-batch another lane's holder of this stage worked on, and judge its outputs against what its
-        lane neighbours received (`checks.py`); seconds spent waiting on the helpers. A helper that declines or does not
-        answer drops the check, blaming no one."""
+        lane neighbours received (`checks.py`), at `step`, once the helpers' frames are here; seconds spent waiting on
+        them. A group that all-reduces waits for them (its lanes are in step); others look again at later steps. A
+        helper that declines or does not answer in time drops the check, blaming no one."""
         started = time.perf_counter()
-        deadline = time.monotonic() + self.config.timeout_s
+        wait = self.sync.mode == "allreduce" and check.step == step
         size = self.plan.micro_batch_sizes(check.lane)[check.micro]
-        sums, grad = [-1, -1, -1], None
         try:
+            pieces = self.checks.gather(check, wait)
+            if pieces is None:
+                return time.perf_counter() - started
             if check.previous is None:
                 x, labels = self._lane_data(check.step, check.lane)[check.micro]
             else:
-                (head, x), (tail, labels) = (self.checks.receive(kind, check.previous, check, deadline)
-                                             for kind in ("check_input", "check_labels"))
-                sums[:2] = head.checksum, tail.checksum
+                (head, x), (tail, labels) = pieces[("check_input", check.previous)], pieces[("check_labels", check.previous)]
                 x, labels = x.to(self.config.device).float().requires_grad_(), labels.to(self.config.device)
-            if check.next is not None and check.previous is not None:  # a middle stage's backward starts from its next's
-                head, grad = self.checks.receive("check_grad", check.next, check, deadline)
-                sums[2] = head.checksum
-            seen = {what: self.checks.receive("sketch", sender, check, deadline)[1]
+            grad = pieces.get(("check_grad", check.next))
+            sums = [pieces[key][0].checksum if key in pieces else -1 for key in (
+                ("check_input", check.previous), ("check_labels", check.previous), ("check_grad", check.next))]
+            seen = {what: pieces[("sketch", sender)][1]
                     for what, sender in (("activations", check.next), ("gradients", check.previous)) if sender is not None}
             # its output is out: now it may learn of the check, and say what it got and which weights it holds
-            exact = self.checks.attest(check, tuple(sums), deadline)
+            exact = self.checks.attest(check, tuple(sums), step, time.monotonic() + self.config.timeout_s)
         except (Declined, Disputed, TransportTimeout) as error:
             self.checks.dropped += 1
             self.checks.done(check)
@@ -356,9 +357,9 @@ class StageWorker:
             codec = self.plan.stages[self.stage].codecs(check.lane)[0]
             self.checks.judge(check, "activations", seen["activations"], as_received(y.detach().to(self._dtype), codec),
                               exact)
-        if "gradients" in seen:
+        if "gradients" in seen and exact:  # judged only where the weights match (`checks.py`)
             with self.slowdown.of(("backward", size)):
-                (recomputed,) = torch.autograd.grad(y, x, None if grad is None else grad.to(y.device, y.dtype))
+                (recomputed,) = torch.autograd.grad(y, x, None if grad is None else grad[1].to(y.device, y.dtype))
             codec = self.plan.stages[self.stage - 1].codecs(check.lane)[1]
             self.checks.judge(check, "gradients", seen["gradients"], as_received(recomputed.to(self._dtype), codec), exact)
         self.checks.done(check)

@@ -178,15 +178,18 @@ class Inbox:
         with self._arrived:
             self._interrupt = None
 
-    def discard_before(self, step: int, epoch: int | None = None, running: int | None = None) -> int:
+    def discard_before(self, step: int, epoch: int | None = None, running: int | None = None,
+                       keep: Callable[[Key], bool] | None = None) -> int:
         """Drop frames of steps before `step` (left by a lane that timed out) and, given `epoch`, frames sent
         under an earlier plan epoch (left by a plan this peer no longer runs); how many were dropped. Given the
         `running` plan epoch, frames of newer plans are kept whatever step they name: a plan that starts below
-        the step this peer has reached under the running one is read from its own start, after the switch."""
+        the step this peer has reached under the running one is read from its own start, after the switch. Frames
+        that `keep` says are still wanted (a check gathering its frames across steps) stay whatever their step."""
         with self._arrived:
             stale = [
                 key for key in self._frames
-                if (key[2] < step and (running is None or self._headers[key].epoch <= running))
+                if (key[2] < step and (running is None or self._headers[key].epoch <= running)
+                    and not (keep is not None and keep(key)))
                 or (epoch is not None and self._headers[key].epoch < epoch)
             ]
             for key in stale:
