@@ -202,8 +202,13 @@ class Plan:
         stage: nothing is handed along a lane)."""
         if len(self.stages) == 1:
             return ""
-        holders = len(self.stages[stage].devices)
-        return "unchecked" if holders == 1 or not self.recipe.check else "pair" if holders == 2 else "checked"
+        holders, gossip_last = len(self.stages[stage].devices), self._gossip_last(stage)
+        return "unchecked" if holders == 1 or gossip_last or not self.recipe.check else "pair" if holders == 2 else "checked"
+
+    def _gossip_last(self, stage: int) -> bool:
+        """The last stage of a gossip group hands its lane only gradients, which checks judge only where the members'
+        weights match, and a gossip group's never do."""
+        return stage == len(self.stages) - 1 and self.stages[stage].sync == "gossip"
 
     def check_lines(self, first: int = 0) -> list[str]:
         """The stages whose work is not fully checked, in words, a line each (none when all are); stages numbered from
@@ -212,7 +217,9 @@ class Plan:
             return ["no stage's work is checked: the recipe's check is 0"]
         words = {"unchecked": "unchecked: its one holder's work is believed",
                  "pair": "checked in a pair: a failed check is a dispute, which the next plan's partners decide"}
-        return [f"stage {s + first}: {words[self.checked(s)]}" for s in range(len(self.stages)) if self.checked(s) in words]
+        gossip = "unchecked: it hands its lane only gradients, and its gossip group's members hold weights too far apart to judge them"
+        return [f"stage {s + first}: {gossip if self._gossip_last(s) and len(self.stages[s].devices) > 1 else words[self.checked(s)]}"
+                for s in range(len(self.stages)) if self.checked(s) in words]
 
     def standby_lines(self, names_shown: int = 8) -> list[str]:
         """The standby devices in words, one line per reason (devices named while few): what organizers read,

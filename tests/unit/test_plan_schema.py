@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 import math
 
 import pytest
@@ -238,3 +239,7 @@ def test_a_plan_says_which_stages_work_is_unchecked():
     assert recipe_plan((("a", "b", "c", "d"), ("e", "f", "g", "h")), check=0).check_lines() == [
         "no stage's work is checked: the recipe's check is 0"]
     assert recipe_plan((("a", "b", "c", "d"),)).checked(0) == ""  # one stage hands nothing along a lane
+    gossip = replace(three, stages=tuple(replace(stage, sync="gossip") for stage in three.stages))
+    assert [gossip.checked(s) for s in (0, 1)] == ["checked", "unchecked"]
+    assert gossip.check_lines() == ["stage 1: unchecked: it hands its lane only gradients, and its gossip group's members hold "
+                                    "weights too far apart to judge them"]
