@@ -3,8 +3,8 @@
 Three signs, all of a peer whose link proved who it is: frames refused (wrong shape, step, epoch, checksum,
 not finite: `Inbox.misbehaving`), at least `REFUSALS` within `WINDOW_S`; being a neighbour robust averaging
 leaves out (`GroupSync.outliers`: far past the clipping bound round after round); and a stage check that caught
-it (`Checks.caught`: its output far from this peer's recomputation, in the group's tolerance). A plan switch can make an honest peer's frames refused a few times, and an honest neighbour can
-drift past the bound once in a while; a poisoner is far past it every round. A peer stays reported for
+it (`Checks.caught`: its output far from this peer's recomputation, in the group's tolerance). A plan switch can
+make an honest peer's frames refused a few times, and an honest neighbour can drift past the bound once in a while; a poisoner is far past it every round. A peer stays reported for
 `WINDOW_S` after its last sign, so the reports of a group meet in the coordinator's reading of the records.
 """
 
