@@ -13,7 +13,7 @@ import torch
 
 from test_worker import Pipeline, make_plan
 from hetpeer.peer.data.corpus import Corpus
-from hetpeer.peer.pipeline.checks import DECLINE, EXACT, LEAD, MAX_SIZE, MIN_COSINE, SKETCH, Check, Declined, Verdict, cosine, distance, size, sketch
+from hetpeer.peer.pipeline.checks import AHEAD, DECLINE, EXACT, LEAD, MAX_SIZE, MIN_COSINE, SKETCH, Check, Declined, Verdict, cosine, distance, size, sketch
 from hetpeer.peer.pipeline.worker import WorkerConfig
 from hetpeer.protocol.frame import FrameHeader
 from hetpeer.protocol.recipe import Recipe
@@ -80,6 +80,7 @@ def test_a_verdict_is_exact_where_the_weights_match_and_by_direction_and_size_wh
     assert verdict(2.0, -1.0, 1.0, False).caught  # flipped
     assert verdict(1.4, 0.0, 1.0, False).caught  # noise
     assert verdict(99.0, 1.0, 100.0, False).caught and verdict(0.99, 1.0, 0.01, False).caught  # scaled
+    assert not verdict(0.9, 0.8, 0.13, False).caught  # as an honest output early in training, its scale still settling
     assert not verdict(3.0, 1.0, MAX_SIZE, False).caught
     assert "5% off what this peer recomputed with the same weights" in verdict(0.05, 1.0, 1.0, True).words
     assert "cosine -1.00 and 1x the size" in verdict(2.0, -1.0, 1.0, False).words
@@ -166,7 +167,7 @@ def test_check_frames_that_belong_to_no_check_are_refused_with_a_reason(corpus):
     assert "not in plan" in middle.accept(header("check", "stranger", 1))
     assert "micro-batch 9" in middle.accept(header("check", "s2l1", 1, micro=9))
     assert "check frame fp32" in middle.accept(header("check", "s2l1", 1, dtype="fp32"))
-    assert middle.accept(header("check", "s2l1", LEAD + 5)) == f"check of step {LEAD + 5} at step 0"  # late, not blamed
+    assert middle.accept(header("check", "s2l1", AHEAD + 1)) == f"check of step {AHEAD + 1} at step 0"  # not blamed
     # what helpers send: only for a check this peer runs, from its helpers, of the right form
     middle.checks.mine[2] = check = Check(2, 1, 0, 5, "s1l1", "s0l1", "s2l1")
     rows = (2, 64)

@@ -54,8 +54,10 @@ SKETCH = 256  # numbers in a sketch: its cosine estimates the tensors' within ab
 # the weights match: the loss's gradient with respect to a stage's input turns and grows with small changes of the
 # weights (honest ones were seen at a cosine of -0.47, and at 5.2x the size, of the recomputed one).
 EXACT = 0.05
-MIN_COSINE, MAX_SIZE = 0.25, 4.0
+MIN_COSINE, MAX_SIZE = 0.25, 10.0
+MAX_LAG = 2  # a drifting group's check is judged at most this many steps after its own (the weights move on)
 POLL_S = 0.2  # how often a checker waiting on a helper looks for its decline
+AHEAD = 64  # a helper takes a request for a step at most this far ahead of its own
 KEEP_STEPS = 256  # a checked peer keeps its input checksums and weights' fingerprints this many steps for its checkers
 KINDS = ("check_input", "check_labels", "check_grad", "sketch", "attested")  # frames a checker gathers
 WINDOW_S = 30.0  # a caught peer stays reported this long after the check that caught it
@@ -346,7 +348,7 @@ class Checks:
             return f"{header.sender} holds no stage next to this peer's in another lane: it checks nothing here"
         if header.shape != (1,) or header.dtype != "int64" or not 0 <= header.micro < self.most_micro:
             return f"check frame {header.dtype}{list(header.shape)} for micro-batch {header.micro}"
-        if not self.step() <= header.step <= self.step() + LEAD + 1:
+        if not self.step() <= header.step <= self.step() + AHEAD:  # a drifting group's lanes run steps apart
             return Late(f"check of step {header.step} at step {self.step()}")
         return None
 

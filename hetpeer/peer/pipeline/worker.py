@@ -36,7 +36,7 @@ from hetpeer.peer.gossip.state import Download, StateDownloadError, StateServer,
 from hetpeer.peer.probe import Slowdown
 from hetpeer.peer.model import build_stage
 from hetpeer.peer.model.folder import ModelFolder
-from hetpeer.peer.pipeline.checks import ATTESTED, Check, Checks, Declined, Disputed
+from hetpeer.peer.pipeline.checks import ATTESTED, MAX_LAG, Check, Checks, Declined, Disputed
 from hetpeer.peer.pipeline.schedule import FORWARD, one_f_one_b
 from hetpeer.peer.pipeline.tally import Tally
 from hetpeer.peer.transport.base import Transport
@@ -343,6 +343,8 @@ class StageWorker:
                     for what, sender in (("activations", check.next), ("gradients", check.previous)) if sender is not None}
             # its output is out: now it may learn of the check, and say what it got and which weights it holds
             exact = self.checks.attest(check, tuple(sums), step, time.monotonic() + self.config.timeout_s)
+            if not exact and step - check.step > MAX_LAG:
+                raise Declined(f"its frames came {step - check.step} steps late, and this peer's weights moved on")
         except (Declined, Disputed, TransportTimeout) as error:
             self.checks.dropped += 1
             self.checks.done(check)
