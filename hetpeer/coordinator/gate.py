@@ -85,9 +85,12 @@ def apart(disputed: Disputes) -> set[tuple[str, str]]:
     return {tuple(sorted(key)) for key in disputed}
 
 
-def parted(plan: Plan, disputed: Disputes) -> str | None:
-    """Why the running plan must be replaced because it pairs two peers in dispute (one group or one lane), or None."""
-    pairs = apart(disputed) & set(plan.links)
+def parted(plan: Plan, disputed: Disputes, tried: set[tuple[str, str]]) -> str | None:
+    """Why the running plan must be replaced because it pairs two peers in dispute (one group or one lane), or None.
+    Pairs in `tried` are not asked again (a swarm too small to part them keeps its plan); the pairs asked now are
+    added to it."""
+    pairs = (apart(disputed) & set(plan.links)) - tried
+    tried |= pairs
     if not pairs:
         return None
     return "parting " + ", ".join(f"{a} and {b}" for a, b in sorted(pairs)) + " (one reported the other's work)"

@@ -93,6 +93,7 @@ class Coordinator(Gatekeeper, Publisher):
         self.bans: dict[str, gate.Ban] = {}  # kept while the coordinator runs; a restart forgives
         self.disputed: gate.Disputes = {}  # accusations within pairs (`gate.disputes`), likewise
         self.apart: set[tuple[str, str]] = set()  # the pairs they keep apart in plans
+        self.parting: set[tuple[str, str]] = set()  # the pairs a re-plan was asked to part (once each)
         self.refused: dict[str, str] = {}  # peers left out of plans this round, and why
         self._kept: set[int] = set()  # epochs a re-solve kept, as events (once each: a re-solve comes every interval)
         # the volunteers' confirmed work: kept in the home (records expire, credit must not), loaded at start
@@ -232,7 +233,7 @@ class Coordinator(Gatekeeper, Publisher):
             replan_interval_s=config.replan_interval_s, considered=self.considered,
             estimates_rechecked=self.plan is not None and self.rechecked_epoch == self.plan.epoch,
             measure_wait_s=policy.MEASURE_WAIT_HEARTBEATS * config.heartbeat_s, plan_measured=calibration.measured(self._running_pace()),
-            parted=gate.parted(self.plan, self.disputed) if self.plan is not None else None,
+            parted=gate.parted(self.plan, self.disputed, self.parting) if self.plan is not None else None,
         )
         if self.plan is None and not decision.solve:
             self._say_waiting(decision.reason)

@@ -198,17 +198,13 @@ class Plan:
     def checked(self, stage: int) -> str:
         """How the work stage `stage` hands its lane is checked (peer/pipeline/checks.py, docs/trust.md): "checked" (a
         majority of its other group members can convict), "pair" (a failed check is a dispute: the coordinator parts the pair
-        and their next partners decide, `coordinator/gate.py`), "unchecked" (its only holder's work is believed, or the recipe turned checks off), or "" (one
+        and their next partners decide, `coordinator/gate.py`), "unchecked" (its only holder's work is believed, its
+        gossip group's members never hold one set of weights, or the recipe turned checks off), or "" (one
         stage: nothing is handed along a lane)."""
         if len(self.stages) == 1:
             return ""
-        holders, gossip_last = len(self.stages[stage].devices), self._gossip_last(stage)
-        return "unchecked" if holders == 1 or gossip_last or not self.recipe.check else "pair" if holders == 2 else "checked"
-
-    def _gossip_last(self, stage: int) -> bool:
-        """The last stage of a gossip group hands its lane only gradients, which checks judge only where the members'
-        weights match, and a gossip group's never do."""
-        return stage == len(self.stages) - 1 and self.stages[stage].sync == "gossip"
+        holders, gossip = len(self.stages[stage].devices), self.stages[stage].sync == "gossip"
+        return "unchecked" if holders == 1 or gossip or not self.recipe.check else "pair" if holders == 2 else "checked"
 
     def check_lines(self, first: int = 0) -> list[str]:
         """The stages whose work is not fully checked, in words, a line each (none when all are); stages numbered from
@@ -217,8 +213,8 @@ class Plan:
             return ["no stage's work is checked: the recipe's check is 0"]
         words = {"unchecked": "unchecked: its one holder's work is believed",
                  "pair": "checked in a pair: a failed check is a dispute, which the next plan's partners decide"}
-        gossip = "unchecked: it hands its lane only gradients, and its gossip group's members hold weights too far apart to judge them"
-        return [f"stage {s + first}: {gossip if self._gossip_last(s) and len(self.stages[s].devices) > 1 else words[self.checked(s)]}"
+        gossip = "unchecked: its gossip group's members hold weights too far apart to judge each other's work"
+        return [f"stage {s + first}: {gossip if self.stages[s].sync == 'gossip' and len(self.stages[s].devices) > 1 else words[self.checked(s)]}"
                 for s in range(len(self.stages)) if self.checked(s) in words]
 
     def standby_lines(self, names_shown: int = 8) -> list[str]:

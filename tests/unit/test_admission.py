@@ -115,12 +115,14 @@ def test_in_a_pair_an_accusation_is_a_dispute_that_parts_the_pair_and_a_second_p
     disputed, news = gate.disputes(first, found, {}, 10.0)
     assert disputed == {(B, A): 10.0} and f"{A} reports {B}, its only partner at stage 0" in news[0]
     assert gate.apart(disputed) == {tuple(sorted((A, B)))}
-    assert "parting" in gate.parted(first, disputed) and f"{min(A, B)} and {max(A, B)}" in gate.parted(first, disputed)
+    tried = set()
+    assert f"parting {min(A, B)} and {max(A, B)}" in gate.parted(first, disputed, tried)
+    assert gate.parted(first, disputed, tried) is None  # asked once: a swarm too small to part them keeps its plan
     assert gate.judge(first, found, {}, 10.0, 300.0, disputed)[0] == {}  # one accuser: no verdict
     assert gate.disputes(first, found, disputed, 20.0) == (disputed, [])  # said once
     # the next plan gives B another partner, C, who also reports it: two partners in turn ban it
     second = plan_of((B, C), (D, A))  # lanes B-D and C-A: A and B are no neighbours
-    assert gate.parted(second, disputed) is None
+    assert gate.parted(second, disputed, set()) is None
     disputed, _ = gate.disputes(second, records(control, {C: (B,)}), disputed, 30.0)
     bans, news = gate.judge(second, records(control, {C: (B,)}), {}, 30.0, 300.0, disputed)
     assert set(bans) == {B} and f"reported by 2 partners in turn ({A}, {C})" in news[0]

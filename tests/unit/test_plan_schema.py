@@ -240,6 +240,6 @@ def test_a_plan_says_which_stages_work_is_unchecked():
         "no stage's work is checked: the recipe's check is 0"]
     assert recipe_plan((("a", "b", "c", "d"),)).checked(0) == ""  # one stage hands nothing along a lane
     gossip = replace(three, stages=tuple(replace(stage, sync="gossip") for stage in three.stages))
-    assert [gossip.checked(s) for s in (0, 1)] == ["checked", "unchecked"]
-    assert gossip.check_lines() == ["stage 1: unchecked: it hands its lane only gradients, and its gossip group's members hold "
-                                    "weights too far apart to judge them"]
+    assert [gossip.checked(s) for s in (0, 1)] == ["unchecked", "unchecked"]
+    assert gossip.check_lines() == [f"stage {s}: unchecked: its gossip group's members hold weights too far apart to judge "
+                                    "each other's work" for s in (0, 1)]

@@ -13,7 +13,7 @@ import torch
 
 from test_worker import Pipeline, make_plan
 from hetpeer.peer.data.corpus import Corpus
-from hetpeer.peer.pipeline.checks import AHEAD, DECLINE, EXACT, LEAD, MAX_SIZE, MIN_COSINE, SKETCH, Check, Declined, Verdict, cosine, distance, size, sketch
+from hetpeer.peer.pipeline.checks import AHEAD, DECLINE, EXACT, SKETCH, Check, Declined, distance, sketch
 from hetpeer.peer.pipeline.worker import WorkerConfig
 from hetpeer.protocol.frame import FrameHeader
 from hetpeer.protocol.recipe import Recipe
@@ -65,25 +65,8 @@ def test_a_sketch_is_the_seeds_and_measures_relative_distance():
     assert distance(sketch(x, 7), sketch(x, 7)) == 0.0
     assert distance(sketch(x * 1.3, 7), sketch(x, 7)) == pytest.approx(0.3, rel=1e-4)  # linear
     assert distance(sketch(-x, 7), sketch(x, 7)) == pytest.approx(2.0, rel=1e-4)
-    # noise of the same size is about sqrt(2) off, and points nowhere in particular (within the sketch's spread)
-    noise = sketch(torch.randn_like(x), 7)
-    assert 1.0 < distance(noise, sketch(x, 7)) < 2.0 and abs(cosine(noise, sketch(x, 7))) < MIN_COSINE
-    assert cosine(sketch(-x, 7), sketch(x, 7)) == pytest.approx(-1.0) and size(sketch(x * 3, 7), sketch(x, 7)) == pytest.approx(3.0)
-
-
-def test_a_verdict_is_exact_where_the_weights_match_and_by_direction_and_size_where_they_drift():
-    def verdict(error, cos, scale, exact):
-        return Verdict("p", 3, 1, "activations", error, cos, scale, exact)
-
-    assert not verdict(EXACT, 1.0, 1.0, True).caught and verdict(EXACT * 1.1, 1.0, 1.05, True).caught
-    assert not verdict(1.2, 0.65, 1.9, False).caught  # as honest drift reaches in gossip and outer steps
-    assert verdict(2.0, -1.0, 1.0, False).caught  # flipped
-    assert verdict(1.4, 0.0, 1.0, False).caught  # noise
-    assert verdict(99.0, 1.0, 100.0, False).caught and verdict(0.99, 1.0, 0.01, False).caught  # scaled
-    assert not verdict(0.9, 0.8, 0.13, False).caught  # as an honest output early in training, its scale still settling
-    assert not verdict(3.0, 1.0, MAX_SIZE, False).caught
-    assert "5% off what this peer recomputed with the same weights" in verdict(0.05, 1.0, 1.0, True).words
-    assert "cosine -1.00 and 1x the size" in verdict(2.0, -1.0, 1.0, False).words
+    # noise of the same size is about sqrt(2) off (within the sketch's spread)
+    assert 1.0 < distance(sketch(torch.randn_like(x), 7), sketch(x, 7)) < 2.0
 
 
 def test_honest_stages_pass_every_check_exactly_under_allreduce(corpus):
@@ -93,7 +76,7 @@ def test_honest_stages_pass_every_check_exactly_under_allreduce(corpus):
     for device, worker in pipeline.workers.items():
         checks = worker.checks
         assert checks.judged > 0 and checks.failed == 0 and checks.dropped == 0, device
-        assert all(v.error <= 1e-6 and v.exact for v in checks.verdicts)
+        assert all(v.error <= 1e-6 for v in checks.verdicts)
         assert all(v.checked != device and v.checked in pipeline.plan.stages[checks.stage].devices for v in checks.verdicts)
         whats |= {(checks.stage, v.what) for v in checks.verdicts}
         assert checks.caught() == {}
@@ -121,28 +104,21 @@ def test_a_stage_that_scales_what_it_hands_its_lane_is_caught_by_its_group_only(
         assert sum(checks.dropped for checks in downstream) > 0
 
 
-def test_a_member_whose_weights_differ_is_judged_by_direction_and_size(corpus):
-    # as a member that entered the plan steps apart from its partner holds them
+def test_checks_of_a_member_whose_weights_differ_are_dropped_and_a_gossip_group_checks_nothing(corpus):
+    # as a member that entered the plan steps apart from its partner holds them: drift as large as a lie
     pipeline = seeded(Pipeline(grouped(2, 3), corpus, WorkerConfig(timeout_s=30)))
     torch.manual_seed(0)
     drifted = pipeline.workers["s0l1"].flat.data
     drifted.add_(torch.randn_like(drifted) * 1e-3)
     train(pipeline)
-    # (checker, verdict): those that involve s1l1, as checker or checked, are judged as drifting
     verdicts = [(device, v) for device, worker in pipeline.workers.items() for v in worker.checks.verdicts]
-    apart = [v for device, v in verdicts if "s0l1" in (device, v.checked)]
-    assert apart and all(not v.exact and not v.caught and v.what == "activations" for v in apart)  # gradients: not judged
-    assert any(v.error > EXACT for v in apart), "the drift is more than rounding: it needs the looser tolerance"
-    assert all(v.exact and v.error <= 1e-6 for device, v in verdicts if "s0l1" not in (device, v.checked))
-    assert all(worker.checks.caught() == {} for worker in pipeline.workers.values())
-
-
-def test_drifting_groups_allow_what_gossip_drifts_and_catch_a_flip(corpus):
-    pipeline = seeded(Pipeline(grouped(2, 3, sync="gossip"), corpus, WorkerConfig(timeout_s=30)))
-    lying(pipeline, "s0l2", -1.0)  # the first stage: its activations are judged by their direction too
-    train(pipeline)
-    for device, worker in pipeline.workers.items():
-        assert set(worker.checks.caught()) == ({"s0l2"} if device in ("s0l0", "s0l1") else set()), device
+    assert not [v for device, v in verdicts if "s0l1" in (device, v.checked)]
+    assert pipeline.workers["s0l1"].checks.dropped > 0
+    assert verdicts and all(v.error <= 1e-6 and not v.caught for _, v in verdicts)
+    gossip = seeded(Pipeline(grouped(2, 3, sync="gossip"), corpus, WorkerConfig(timeout_s=30)))
+    lying(gossip, "s0l2", -1.0)
+    train(gossip, 4)
+    assert not {header.kind for _, header, _ in gossip.frames} & {"check", "sketch"}  # the plan says it is unchecked
 
 
 def test_no_checks_when_the_recipe_turns_them_off(corpus):

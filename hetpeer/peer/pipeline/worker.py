@@ -36,7 +36,7 @@ from hetpeer.peer.gossip.state import Download, StateDownloadError, StateServer,
 from hetpeer.peer.probe import Slowdown
 from hetpeer.peer.model import build_stage
 from hetpeer.peer.model.folder import ModelFolder
-from hetpeer.peer.pipeline.checks import ATTESTED, MAX_LAG, Check, Checks, Declined, Disputed
+from hetpeer.peer.pipeline.checks import ATTESTED, Check, Checks, Declined, Disputed
 from hetpeer.peer.pipeline.schedule import FORWARD, one_f_one_b
 from hetpeer.peer.pipeline.tally import Tally
 from hetpeer.peer.transport.base import Transport
@@ -342,9 +342,8 @@ class StageWorker:
             seen = {what: pieces[("sketch", sender)][1]
                     for what, sender in (("activations", check.next), ("gradients", check.previous)) if sender is not None}
             # its output is out: now it may learn of the check, and say what it got and which weights it holds
-            exact = self.checks.attest(check, tuple(sums), step, time.monotonic() + self.config.timeout_s)
-            if not exact and step - check.step > MAX_LAG:
-                raise Declined(f"its frames came {step - check.step} steps late, and this peer's weights moved on")
+            if not self.checks.attest(check, tuple(sums), step, time.monotonic() + self.config.timeout_s):
+                raise Declined("its weights at that step are not this peer's now: nothing to judge it by")
         except (Declined, Disputed, TransportTimeout) as error:
             self.checks.dropped += 1
             self.checks.done(check)
@@ -357,13 +356,12 @@ class StageWorker:
                 y = self.model.loss(y, labels) * (size / self.plan.lane_sequences(check.lane))
         if "activations" in seen:
             codec = self.plan.stages[self.stage].codecs(check.lane)[0]
-            self.checks.judge(check, "activations", seen["activations"], as_received(y.detach().to(self._dtype), codec),
-                              exact)
-        if "gradients" in seen and exact:  # judged only where the weights match (`checks.py`)
+            self.checks.judge(check, "activations", seen["activations"], as_received(y.detach().to(self._dtype), codec))
+        if "gradients" in seen:
             with self.slowdown.of(("backward", size)):
                 (recomputed,) = torch.autograd.grad(y, x, None if grad is None else grad[1].to(y.device, y.dtype))
             codec = self.plan.stages[self.stage - 1].codecs(check.lane)[1]
-            self.checks.judge(check, "gradients", seen["gradients"], as_received(recomputed.to(self._dtype), codec), exact)
+            self.checks.judge(check, "gradients", seen["gradients"], as_received(recomputed.to(self._dtype), codec))
         self.checks.done(check)
         return waited
 
