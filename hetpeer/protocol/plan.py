@@ -206,6 +206,20 @@ class Plan:
         holders, gossip = len(self.stages[stage].devices), self.stages[stage].sync == "gossip"
         return "unchecked" if holders == 1 or gossip or not self.recipe.check else "pair" if holders == 2 else "checked"
 
+    @property
+    def check_links(self) -> tuple[tuple[str, str], ...]:
+        """The pairs (sorted) stage checks send over beyond `links`: a checker, holding a checked stage in one lane, and
+        the checked peer's lane neighbours in every other lane, which copy it inputs and sketches."""
+        pairs = set()
+        for s, stage in enumerate(self.stages):
+            if self.checked(s) not in ("checked", "pair"):
+                continue
+            for lane in self.lanes:
+                for checker in stage.devices:
+                    pairs.update(tuple(sorted((checker, lane[t]))) for t in (s - 1, s + 1)
+                                 if 0 <= t < len(lane) and checker != lane[s])
+        return tuple(sorted(pairs - set(self.links)))
+
     def check_lines(self, first: int = 0) -> list[str]:
         """The stages whose work is not fully checked, in words, a line each (none when all are); stages numbered from
         `first`."""

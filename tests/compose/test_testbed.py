@@ -53,13 +53,13 @@ def test_a_shaped_testbed_is_measured_as_shaped_and_trains(image, tmp_path):
                 """The records once every link has read as shaped. A reading is the median of a peer's last three
                 rounds, taken while the swarm trains: a link the plan does not use must read within the tolerance
                 of its shaping (each counts once a reading agrees, rather than all at one instant); a link the plan
-                keeps busy (a lane or a group across it) is shared with the training traffic, and must read no
+                keeps busy (a lane, a group or a stage check across it) is shared with the training traffic, and must read no
                 faster and no nearer than its shaping allows."""
                 records = measured()
                 plan = client.call_get_plan()[0]
                 if records is None or plan is None:
                     return None
-                busy = plan.links
+                busy = set(plan.links) | set(plan.check_links)  # stage checks copy inputs across lanes
                 off.clear()
                 for sender, record in records.items():
                     for receiver, link in record.links.items():

@@ -239,6 +239,8 @@ def test_a_plan_says_which_stages_work_is_unchecked():
     assert recipe_plan((("a", "b", "c", "d"), ("e", "f", "g", "h")), check=0).check_lines() == [
         "no stage's work is checked: the recipe's check is 0"]
     assert recipe_plan((("a", "b", "c", "d"),)).checked(0) == ""  # one stage hands nothing along a lane
+    pair = recipe_plan((("a", "b"), ("c", "d")))  # lanes a-c, b-d: a checks b with d's help, and so on
+    assert pair.check_links == (("a", "d"), ("b", "c"))
     gossip = replace(three, stages=tuple(replace(stage, sync="gossip") for stage in three.stages))
     assert [gossip.checked(s) for s in (0, 1)] == ["unchecked", "unchecked"]
     assert gossip.check_lines() == [f"stage {s}: unchecked: its gossip group's members hold weights too far apart to judge "
