@@ -108,15 +108,15 @@ def _linger(out: Path, neighbours: list[str], timeout_s: float) -> None:
 
 
 def _die_after_first_activation(transport) -> None:
-    recv = transport.recv
+    take = transport.take
 
-    def recv_then_die(kind, sender, step, micro, timeout_s):
-        tensor = recv(kind, sender, step, micro, timeout_s)
+    def take_then_die(kind, sender, step, micro, timeout_s):
+        frame = take(kind, sender, step, micro, timeout_s)
         if kind == "activation":
             os.kill(os.getpid(), signal.SIGKILL)
-        return tensor
+        return frame
 
-    transport.recv = recv_then_die
+    transport.take = take_then_die
 
 
 if __name__ == "__main__":

@@ -196,18 +196,19 @@ class Checks:
         with self._lock:
             return [self.mine[k] for k in sorted(self.mine) if k <= step]
 
-    def gather(self, check: Check, wait: bool) -> dict[tuple[str, str], tuple[FrameHeader, torch.Tensor]] | None:
-        """The helpers' frames for `check`, by (kind, sender); None while some have not come and the check may wait for
-        them across steps (a lane of a drifting group runs steps apart from this one): `wait` blocks for them instead.
-        `Declined` if a helper was asked too late, `TransportTimeout` once `timeout_s` passed since the first try."""
+    def gather(self, check: Check, wait_s: float) -> dict[tuple[str, str], tuple[FrameHeader, torch.Tensor]] | None:
+        """The helpers' frames for `check`, by (kind, sender), waiting up to `wait_s` for them; None while some have not
+        come (they may come by a later step: a lane of a drifting group runs steps apart from this one). `Declined` if a
+        helper was asked too late, `TransportTimeout` once `timeout_s` passed since the first try."""
         deadline = self.since.setdefault(check.step, time.monotonic()) + self.timeout_s
+        now_deadline = min(deadline, time.monotonic() + wait_s)
         pieces = self.pieces.setdefault(check.step, {})
         for key in needed(check):
             if key not in pieces:
                 try:
-                    pieces[key] = self.receive(*key, check, deadline if wait else min(deadline, time.monotonic()))
+                    pieces[key] = self.receive(*key, check, now_deadline)
                 except TransportTimeout:
-                    if wait or time.monotonic() >= deadline:
+                    if time.monotonic() >= deadline:
                         raise TransportTimeout(f"no {key[0]} of step {check.step} from {key[1]} for a check within "
                                                f"{self.timeout_s:g} s") from None
                     return None

@@ -250,7 +250,7 @@ class StageWorker:
         wait_s += time.perf_counter() - tick
         judged, failed = self.checks.judged, self.checks.failed
         for check in self.checks.due(step):
-            wait_s += self._check(check, step)
+            wait_s += self._check(check, step, time.perf_counter() - started)
         sequences = self.plan.lane_sequences(self.lane)
         self.tally.trained(self.plan.epoch, step, len(self.sizes), sequences)
         return StepResult(
@@ -319,16 +319,17 @@ class StageWorker:
         self.sync.sent = None
         return download
 
-    def _check(self, check: Check, step: int) -> float:
+    def _check(self, check: Check, step: int, step_s: float) -> float:
         """Recompute a micro-batch another lane's holder of this stage worked on, and judge its outputs against what its
         lane neighbours received (`checks.py`), at `step`, once the helpers' frames are here; seconds spent waiting on
-        them. A group that all-reduces waits for them (its lanes are in step); others look again at later steps. A
-        helper that declines or does not answer in time drops the check, blaming no one."""
+        them. A
+        helper that declines or does not answer in time drops the check, blaming no one. An all-reduce group waits up to
+        twice this step's time so far (its lanes meet at the all-reduce anyway); others look again at later steps."""
         started = time.perf_counter()
-        wait = self.sync.mode == "allreduce" and check.step == step
+        wait_s = max(1.0, 2 * step_s) if self.sync.mode == "allreduce" and check.step == step else 0.0
         size = self.plan.micro_batch_sizes(check.lane)[check.micro]
         try:
-            pieces = self.checks.gather(check, wait)
+            pieces = self.checks.gather(check, wait_s)
             if pieces is None:
                 return time.perf_counter() - started
             if check.previous is None:
@@ -484,7 +485,7 @@ class StageWorker:
     def _recv(self, kind: str, sender: str, step: int, micro: int) -> torch.Tensor:
         while True:
             try:
-                header, tensor = self.transport.inbox.take(kind, sender, step, micro, self.config.timeout_s)
+                header, tensor = self.transport.take(kind, sender, step, micro, self.config.timeout_s)
                 if kind in ATTESTED and micro < len(self.sizes):  # what came, for the checkers of this stage
                     self.checks.got(kind, step, micro, header.checksum)
                 return tensor.to(self.config.device)

@@ -69,6 +69,10 @@ class Transport(ABC):
     def recv(self, kind: str, sender: str, step: int, micro: int, timeout_s: float) -> torch.Tensor:
         return self.inbox.recv(kind, sender, step, micro, timeout_s)
 
+    def take(self, kind: str, sender: str, step: int, micro: int, timeout_s: float) -> tuple[FrameHeader, torch.Tensor]:
+        """`recv`, with the frame's header (its checksum says which bytes came)."""
+        return self.inbox.take(kind, sender, step, micro, timeout_s)
+
     @abstractmethod
     def _send(self, to: str, header: FrameHeader, payload: memoryview) -> None: ...
 
