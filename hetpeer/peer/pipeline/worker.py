@@ -322,8 +322,7 @@ class StageWorker:
     def _check(self, check: Check, step: int, step_s: float) -> float:
         """Recompute a micro-batch another lane's holder of this stage worked on, and judge its outputs against what its
         lane neighbours received (`checks.py`), at `step`, once the helpers' frames are here; seconds spent waiting on
-        them. A
-        helper that declines or does not answer in time drops the check, blaming no one. An all-reduce group waits up to
+        them. A helper that declines or does not answer in time drops the check, blaming no one. An all-reduce group waits up to
         twice this step's time so far (its lanes meet at the all-reduce anyway); others look again at later steps."""
         started = time.perf_counter()
         wait_s = max(1.0, 2 * step_s) if self.sync.mode == "allreduce" and check.step == step else 0.0
