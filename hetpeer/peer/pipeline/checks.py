@@ -268,8 +268,8 @@ class Checks:
         and its own checks; only while a check can ask for it."""
         if not self.plan.recipe.check or not self.others or not self.last:
             return
-        flat = weights.detach().double()
-        pair = torch.stack((flat.sum(), flat.square().sum())).cpu().view(torch.int64)
+        flat = weights.detach()  # no copy: a stage's weights can be most of its device's memory
+        pair = torch.stack((flat.sum(dtype=torch.float64), torch.dot(flat, flat).double())).cpu().view(torch.int64)
         with self._lock:
             self.prints[step] = (int(pair[0]), int(pair[1]))
 
