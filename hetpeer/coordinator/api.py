@@ -192,6 +192,7 @@ def _peer_to_pb(record: PeerRecord, age_s: float) -> swarm_pb2.Peer:
         timings=record.timings,
         step_costs=record.step_costs.to_wire(),
         unreachable=list(record.unreachable),
+        unreachable_how=list(record.unreachable_how),
         noise_scale=record.noise_scale,
         punch=record.punch,
         punched=list(record.punched),

@@ -81,6 +81,7 @@ def _peer_from_pb(pb: swarm_pb2.Peer) -> PeerStatus:
         timings=pb.timings,
         step_costs=costs,
         unreachable=tuple(pb.unreachable),
+        unreachable_how=tuple(pb.unreachable_how),
         punch=pb.punch,
         punched=tuple(pb.punched),
         relayed=tuple(pb.relayed),

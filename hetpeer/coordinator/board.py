@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 from hetpeer.coordinator.gate import Ban
 from hetpeer.coordinator.history import Past
 from hetpeer.coordinator.ledger import CreditBoard
-from hetpeer.coordinator.view import SwarmView, progress
+from hetpeer.coordinator.view import SwarmView, progress, route
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.records import PeerRecord
 
@@ -95,7 +95,7 @@ def plan_document(plan: Plan | None, published: float | None, peers: Mapping[str
 def plan_links(plan: Plan, peers: Mapping[str, PeerRecord]) -> list[dict[str, Any]]:
     """Lane edges (each stage to the next, per lane) and group edges (each lane to the next, per stage, in a
     ring), with the bandwidth and latency either end measured (the sender's figure first); `measured` is
-    False where neither did (the planner estimated it)."""
+    False where neither did (the planner estimated it); how the pair talks now (`view.route`), and how it failed."""
     estimated = {frozenset(pair) for pair in plan.estimated_links}
     pairs: list[tuple[str, str, str]] = []
     for lane in plan.lanes:
@@ -113,6 +113,7 @@ def plan_links(plan: Plan, peers: Mapping[str, PeerRecord]) -> list[dict[str, An
             "bandwidth_bytes_per_s": found.bandwidth_bytes_per_s if found else None,
             "latency_s": found.latency_s if found else None,
             "measured": found is not None, "estimated": found is None and frozenset((a, b)) in estimated,
+            "route": (path := route(peers, a, b))[0], "failed": path[1] or None,
         })
     return links
 

@@ -13,7 +13,7 @@ from rich.text import Text
 
 from hetpeer import logline
 from hetpeer.coordinator.ledger import CreditBoard
-from hetpeer.coordinator.view import PeerStatus, Progress
+from hetpeer.coordinator.view import PeerStatus, Progress, route_lines
 from hetpeer.protocol.plan import Plan
 from hetpeer.protocol.records import PeerRecord
 
@@ -63,7 +63,8 @@ def status_view(plan: Plan | None, peers: Sequence[PeerStatus], progress: Progre
             Text(r.device_name), Text(r.reach_words()), f"{p.age_s:.0f}",
         )
     parts = ([Text(problem, style="bold red")] if problem else []) + [head, Text(""), table, Text("")]
-    return Group(*parts, _plan_text(plan, plan_time))
+    routes = route_lines(plan, {p.record.device_id: p.record for p in peers}) if plan is not None else []
+    return Group(*parts, _plan_text(plan, plan_time), *(Text(f"  routes: {line}") for line in routes))
 
 
 def codec_rate(s_per_value: float) -> str:

@@ -42,6 +42,7 @@ from hetpeer.coordinator.planner.relays import ABSENT_LINK, Relays, route
 from hetpeer.coordinator.planner.sharing import Sharing
 from hetpeer.coordinator.view import noise_scale
 from hetpeer.protocol.plan import Plan
+from hetpeer.protocol.reach import FAILURES
 from hetpeer.protocol.stepcosts import FIELDS as STEP_COSTS
 from hetpeer.protocol.records import TTL_HEARTBEATS, PeerRecord
 from hetpeer.protocol.workload import Workload
@@ -188,6 +189,13 @@ def without_path(plan: Plan, records: Mapping[str, PeerRecord], apart: Collectio
     reported = _reported(records) | set(apart)
     return sorted(pair for pair in plan.links if pair in reported or (
         pair[0] in hidden and pair[1] in hidden and not records[pair[0]].punches_with(records[pair[1]])))
+
+
+def failure_words(records: Mapping[str, PeerRecord], a: str, b: str) -> str:
+    """How `a` and `b` failed to reach each other, as their records say (`FAILURES`' words, each side's), or ""."""
+    hows = [FAILURES.get(how, how) for record, other in ((records.get(a), b), (records.get(b), a))
+            if record is not None and (how := record.failed().get(other)) is not None]
+    return " / ".join(dict.fromkeys(hows))
 
 
 def _reported(records: Mapping[str, PeerRecord]) -> set[tuple[str, str]]:

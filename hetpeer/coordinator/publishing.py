@@ -58,9 +58,11 @@ class Publisher:
             out = policy.least_served(crossing)
             left_out.append(out)
             others = sorted({d for pair in crossing if out in pair for d in pair} - {out})
-            why = ("nobody can dial it, nor " if planned[out].reachable == "none" else
+            failed = {d: policy.failure_words(planned, out, d) for d in others}
+            why = ("it and these failed to reach each other: " if any(failed.values()) else
+                   "nobody can dial it, nor " if planned[out].reachable == "none" else
                    "it and these are in dispute or failed to reach each other: ")
-            self._log_once(f"no-path {out}", f"{out} stays on standby: {why}{', '.join(others)}, whom the plan needed as its "
+            self._log_once(f"no-path {out}", f"{out} stays on standby: {why}{', '.join(f'{d} ({how})' if how else d for d, how in failed.items())}, whom the plan needed as its "
                            "neighbours (a forwarded port on either side would give them a path)", "coordinator")
         if left_out:
             solution = replace(solution, plan=replace(solution.plan, standby=(*solution.plan.standby, *left_out)))

@@ -12,7 +12,10 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping
 
 from hetpeer.protocol.plan import Plan
+from hetpeer.protocol.reach import FAILURES
 from hetpeer.protocol.records import PeerRecord
+
+ROUTES = ("direct", "punched", "relayed", "failed", "not yet")  # how a planned pair talks, in `route`'s words
 
 
 @dataclass(frozen=True)
@@ -86,3 +89,30 @@ def noise_scale(records: Iterable[PeerRecord]) -> float | None:
     own stage's, `peer/gossip/noise.py`); None where none measures one."""
     found = [r.noise_scale for r in records if r.noise_scale is not None]
     return statistics.median(found) if found else None
+
+
+def route(peers: Mapping[str, PeerRecord], a: str, b: str) -> tuple[str, str]:
+    """How the pair (a, b) talks now, as its two records say, and why where it fails: ("failed", how) where either
+    could not reach the other lately (`PeerRecord.failed`, in `FAILURES`' words), else "punched" or "relayed"
+    where either reaches the other so, "direct" where either measured the other, else "not yet"."""
+    ends = [(peers.get(a), b), (peers.get(b), a)]
+    for record, other in ends:
+        if record is not None and (how := record.failed().get(other)) is not None:
+            return "failed", FAILURES.get(how, how)
+    for path in ("punched", "relayed"):
+        if any(record is not None and other in getattr(record, path) for record, other in ends):
+            return path, ""
+    if any(record is not None and other in record.links for record, other in ends):
+        return "direct", ""
+    return "not yet", ""
+
+
+def route_lines(plan: Plan, peers: Mapping[str, PeerRecord]) -> list[str]:
+    """The plan's pairs (`Plan.links`) by route, one line, then one line per failed pair with how; [] without pairs."""
+    routes = {pair: route(peers, *pair) for pair in sorted(plan.links)}
+    if not routes:
+        return []
+    counts = Counter(path for path, _ in routes.values())
+    lines = [", ".join(f"{counts[path]} {path}" for path in ROUTES if counts[path])]
+    lines += [f"{a} - {b} failed: {how}" for (a, b), (path, how) in routes.items() if path == "failed"]
+    return lines

@@ -39,6 +39,15 @@ TURN_WAIT_S = 60.0
 MAX_HELD_S = 600.0  # a reply that says it held the request longer is nonsense
 REACHABLE = ("direct", "none", "unknown")  # what a peer's record says of it: others can dial it, cannot, not checked,
 VIA = "via:"  # or "via:<device>": others reach it through that peer's relay
+# how a peer failed to reach another (`PeerRecord.unreachable_how`), in the words the organizer reads
+FAILURES = {
+    "refused": "refused (a reset)",  # a dial answered with a reset: a closed port, a router that answers for itself
+    "timeout": "no answer",  # a dial nobody answered: a firewall, a router that drops, a host gone
+    "punch": "no hole punched",  # both punch, and no attempt joined within the window
+    "handshake": "link handshake failed",  # a connection, but not to the peer it should be, or cut during it
+    "lost": "connection lost",  # frames stopped leaving on a connection that carried them
+    "no-path": "no path",  # nobody can dial it, and it has no connection to this peer nor a relay
+}
 
 
 @dataclass(frozen=True, slots=True)

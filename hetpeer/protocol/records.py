@@ -29,7 +29,7 @@ from hetpeer.protocol.addresses import PeerAddress, peer_maddrs
 from hetpeer.protocol.credit import MAX_CLAIMS, MAX_RECEIPTS, RECEIPT_KINDS, Claim, Receipt
 from hetpeer.protocol.identity import DEVICE_RE, bound, fingerprint
 from hetpeer.protocol.plan import Plan
-from hetpeer.protocol.reach import REACHABLE, VIA
+from hetpeer.protocol.reach import FAILURES, REACHABLE, VIA
 from hetpeer.protocol.stepcosts import FIELDS as FIELDS_OF_STEP_COSTS, OLDER_FIELDS as OLDER_STEP_COSTS, StepCosts
 from hetpeer.protocol.wire import SchemaError
 
@@ -44,7 +44,8 @@ from hetpeer.protocol.wire import SchemaError
 #     (`calling`), and which peers it reaches through a punched hole or a relay (`punched`, `relayed`)
 # 13: records' step costs say what each codec's encoding and decoding costs the peer's device
 # 14: records carry the peer's team, the work it claims (`trained`) and its receipts for its neighbours' work (`received`)
-PROTOCOL_VERSION = 14
+# 15: records say how each peer they could not reach failed (`unreachable_how`: refused, no answer, no hole punched...)
+PROTOCOL_VERSION = 15
 COMPUTE_KEY_RE = re.compile(r"[0-9a-f]{16}\Z")
 OWNER_RE = re.compile(rb"\[owner:(.+)\]\Z", re.DOTALL)  # \Z, not $: $ also matches before a final newline
 STATES = ("probing", "waiting", "fetching", "training", "standby", "leaving")
@@ -165,6 +166,7 @@ class PeerSchema(_Strict):
     step_costs: List[pydantic.StrictFloat] = [0.0] * len(FIELDS_OF_STEP_COSTS)
     reachable: pydantic.StrictStr = "unknown"
     unreachable: List[pydantic.StrictStr] = []
+    unreachable_how: List[pydantic.StrictStr] = []
     punch: pydantic.StrictInt = 0
     calling: List[pydantic.StrictStr] = []
     punched: List[pydantic.StrictStr] = []
@@ -232,6 +234,7 @@ class PeerRecord:
     # could not tell ("unknown")
     reachable: str = "unknown"
     unreachable: tuple[str, ...] = ()  # peers it could not reach lately, neither directly nor through a relay
+    unreachable_how: tuple[str, ...] = ()  # and how, each (`protocol.reach.FAILURES`)
     # behind a NAT that keeps ports: the port it punches holes from (0: it does not), and the peers it calls now (each
     # that punches too dials it back: `peer/transport/punch.py`)
     punch: int = 0
@@ -259,6 +262,10 @@ class PeerRecord:
         relays: "none, punches: 3 punched, 1 relayed"."""
         paths = [f"{len(peers)} {word}" for peers, word in ((self.punched, "punched"), (self.relayed, "relayed")) if peers]
         return self.reachable + (", punches" if self.punch else "") + (": " + ", ".join(paths) if paths else "")
+
+    def failed(self) -> dict[str, str]:
+        """The peers it could not reach lately, each with how (`protocol.reach.FAILURES`)."""
+        return dict(zip(self.unreachable, self.unreachable_how or ("lost",) * len(self.unreachable)))
 
     def punches_with(self, other: "PeerRecord") -> bool:
         """Whether this peer and `other`, both behind NAT, can punch a hole to each other: both punch, and not from
@@ -307,6 +314,7 @@ class PeerRecord:
             "step_costs": self.step_costs.to_wire(),
             "reachable": self.reachable,
             "unreachable": list(self.unreachable),
+            "unreachable_how": list(self.unreachable_how),
             "punch": int(self.punch),
             "calling": list(self.calling),
             "punched": list(self.punched),
@@ -416,6 +424,9 @@ class PeerRecord:
             for i, peer in enumerate(peers):
                 if not DEVICE_RE.match(peer) or peer == parsed.device_id:
                     raise SchemaError(f"peer.{name_}[{i}]", f"must be another peer's device id, got {peer[:64]!r}")
+        if len(parsed.unreachable_how) != len(parsed.unreachable) or any(h not in FAILURES for h in parsed.unreachable_how):
+            raise SchemaError("peer.unreachable_how", f"one of {', '.join(FAILURES)} for each peer in unreachable, "
+                                                      f"got {[h[:32] for h in parsed.unreachable_how[:MAX_SUSPECTS + 1]]}")
         if parsed.team is not None and not TEAM_RE.match(parsed.team):
             raise SchemaError("peer.team", f"must be 1-32 of A-Z, a-z, 0-9, _, . and - starting with a letter or digit, "
                                            f"got {parsed.team[:64]!r}")
@@ -455,6 +466,7 @@ class PeerRecord:
             step_costs=step_costs,
             reachable=parsed.reachable,
             unreachable=tuple(parsed.unreachable),
+            unreachable_how=tuple(parsed.unreachable_how),
             punch=parsed.punch,
             calling=tuple(parsed.calling),
             punched=tuple(parsed.punched),

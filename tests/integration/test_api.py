@@ -59,7 +59,7 @@ def make_peers() -> dict[str, PeerRecord]:
         # what the coordinator plans by beyond the figures shown: its device shared, its step's costs
         record("b", layers=(0, 4), step=104, compute_key="0123456789abcdef", compute_share=0.5, compute_background=0.2, compute_own=0.05,
                timings=3,
-               step_costs=StepCosts(1e-4, 2e-4, 5e-10, 3e-4, int8_s_per_value=4e-9), unreachable=("d",), reachable="none", punch=40123,
+               step_costs=StepCosts(1e-4, 2e-4, 5e-10, 3e-4, int8_s_per_value=4e-9), unreachable=("d",), unreachable_how=("punch",), reachable="none", punch=40123,
                punched=("c",), relayed=("a", "d")),
         # the gradient noise scale its all-reduce group measures: the swarm's is the median over those training
         record("c", layers=(4, 6), step=105, loss=2.0, tokens_per_s=300.0, time=NOW - 7.5, noise_scale=4000.0),

@@ -68,3 +68,14 @@ def test_probes_and_their_answers_cross_to_a_peer_that_cannot_be_dialled(public_
     prober.install()
     measured = prober.measure(public.device, budget_bytes=1 << 18)
     assert measured.bandwidth_bytes_per_s > 0 and measured.latency_s < 1.0
+
+
+def test_a_connection_kept_that_fails_is_unreachable_with_how_until_the_pair_connects(public_and_hidden):
+    public, hidden, tp, th = public_and_hidden
+    ghost = identity("ghost")  # announced where nothing listens: its dial is refused
+    tp.book.peers[ghost.device] = PeerAddress(direct=("127.0.0.1", free_port()))
+    tp.keep_connected([hidden.device, ghost.device])  # hidden: nobody can dial it, and it has not dialled yet
+    wait_for(lambda: tp.unreachable(60) == {ghost.device: "refused", hidden.device: "no-path"}, timeout_s=30)
+    th.keep_connected([public.device])  # hidden dials: the pair connects, and public stops reporting it
+    wait_for(lambda: hidden.device not in tp.unreachable(60), timeout_s=30)
+    assert tp.unreachable(60) == {ghost.device: "refused"}

@@ -4,16 +4,14 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 
-from lab import Host, Lab, netns_missing
-from runs import Start
+from lab import Lab, netns_missing
+from runs import Start, starter, stop
 
 REQUIRED = os.environ.get("HETPEER_REQUIRE_NETNS") == "1"
 
@@ -38,22 +36,5 @@ def run(lab: Lab, tmp_path: Path) -> Iterator[Start]:
     """run(host, name, *hetpeer_args): `hetpeer` in the host's namespace, its output in tmp_path/name.log;
     stopped (its whole process group, p2pd included) before the lab closes."""
     started: list[subprocess.Popen] = []
-
-    def start(host: Host, name: str, *args: str) -> subprocess.Popen:
-        log = open(tmp_path / f"{name}.log", "wb")
-        argv = host.argv([sys.executable, "-m", "hetpeer.cli", *args])
-        started.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                        env={**os.environ, "PYTHONUNBUFFERED": "1"}))
-        log.close()
-        return started[-1]
-
-    yield start
-    for proc in started:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-    for proc in started:
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    yield starter(tmp_path, started)
+    stop(started)

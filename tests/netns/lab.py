@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 Nat = Literal["none", "cone", "symmetric"]
+Router = Literal["drop", "reset"]
+ROUTERS = ("drop", "reset")  # what a NAT router does with what arrives unasked
 
 # Every namespace of every lab is named MARKER + "<creator pid>-<token>-...", so that sweep() can tell
 # leftovers of crashed runs (creator dead) from namespaces of a lab that is running right now.
@@ -187,38 +189,68 @@ class Lab:
         address = self._plug(netns, "eth0")
         return Host(name, netns, address, address, "none")
 
-    def behind_nat(self, name: str, kind: Literal["cone", "symmetric"]) -> Host:
-        """A host on a private /24 whose router masquerades it onto the public subnet.
+    def behind_nat(self, name: str, kind: Literal["cone", "symmetric"], router: Router = "drop") -> Host:
+        """A host on a private /24 whose router masquerades it onto the public subnet, one provider hop away.
 
         "cone": MASQUERADE keeps the host's source port when it is free on the router (endpoint-independent
         mapping), so two hosts behind cone routers can punch a TCP connection through them. "symmetric":
-        --random-fully picks a random port for each connection. Either way the router accepts only replies
-        from the public side: with no DNAT nothing can dial the host, and what arrives unasked is dropped
-        without an answer, as home routers do (a router that answered with a reset of its own would also keep
-        the conntrack entry of the SYN it refused, which takes the port a hole punched to it needs). The
-        private network is a bridge in the router (`lan0`), so `beside` can put more hosts on it.
+        --random-fully picks a random port for each connection. Either way the router forwards only replies
+        from the public side: with no DNAT nothing can dial the host. What arrives unasked at the router's public
+        address is, by `router`: "drop", dropped without an answer (a firewall's DROP); "reset", answered by the
+        router's own kernel (a TCP reset, an ICMP port unreachable), as a Linux router with no firewall rule on its
+        public side does, and OpenWrt's default REJECT. The private network is a bridge in the router (`lan0`),
+        so `beside` can put more hosts on it.
+
+        The router's public address is on the public subnet, but the router is not on the bridge: a provider's
+        router (`<name>-isp`) stands between, answering ARP for it (proxy ARP) and forwarding, so that a packet from
+        the host crosses three hops to another router's public address, as at home (the host's router, its
+        provider's, the far provider's), and a packet whose TTL runs out after the host's router dies before the
+        far one (`peer/transport/punch.py`).
         """
         if kind not in ("cone", "symmetric"):
             raise ValueError(f"kind must be 'cone' or 'symmetric', not {kind!r}")
-        router = self._add_namespace(f"{_valid(name)}-gw")
-        public = self._plug(router, "wan0")
+        if router not in ROUTERS:
+            raise ValueError(f"router must be one of {', '.join(ROUTERS)}, not {router!r}")
+        gateway = self._add_namespace(f"{_valid(name)}-gw")
+        public = self._provider(f"{name}-isp", gateway)  # `name` checked above
         lan, self._next_lan = f"192.168.{self._next_lan}", self._next_lan + 1
-        _sh("ip", "-n", router, "link", "add", "lan0", "type", "bridge")
-        _sh("ip", "-n", router, "addr", "add", f"{lan}.1/24", "dev", "lan0")
-        _sh("ip", "-n", router, "link", "set", "lan0", "up")
+        _sh("ip", "-n", gateway, "link", "add", "lan0", "type", "bridge")
+        _sh("ip", "-n", gateway, "addr", "add", f"{lan}.1/24", "dev", "lan0")
+        _sh("ip", "-n", gateway, "link", "set", "lan0", "up")
         if os.path.exists("/proc/sys/net/bridge"):  # frames between the LAN's hosts are switched, not filtered
-            _in(router, "sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=0")
-        _in(router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
-        iptables = ("ip", "netns", "exec", router, "iptables")
+            _in(gateway, "sysctl", "-qw", "net.bridge.bridge-nf-call-iptables=0")
+        _in(gateway, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+        iptables = ("ip", "netns", "exec", gateway, "iptables")
         _sh(*iptables, "-P", "FORWARD", "DROP")
         _sh(*iptables, "-A", "FORWARD", "-i", "lan0", "-o", "wan0", "-j", "ACCEPT")
         _sh(*iptables, "-A", "FORWARD", "-i", "wan0", "-o", "lan0",
             "-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT")
-        _sh(*iptables, "-A", "INPUT", "-i", "wan0", "-m", "conntrack", "--ctstate", "NEW,INVALID", "-j", "DROP")
+        if router == "drop":
+            _sh(*iptables, "-A", "INPUT", "-i", "wan0", "-m", "conntrack", "--ctstate", "NEW,INVALID", "-j", "DROP")
         masquerade = ["-t", "nat", "-A", "POSTROUTING", "-o", "wan0", "-j", "MASQUERADE"]
         _sh(*iptables, *masquerade, *(["--random-fully"] if kind == "symmetric" else []))
-        self._homes[router] = (lan, 2)
-        return self._home_host(name, router, public, kind)
+        self._homes[gateway] = (lan, 2)
+        return self._home_host(name, gateway, public, kind)
+
+    def _provider(self, name: str, gateway: str) -> str:
+        """A provider's router on the bridge for `gateway` (its `wan0`); return the gateway's public address."""
+        provider = self._add_namespace(name)
+        self._plug(provider, "up0")
+        if self._next_public > 254:
+            raise LabError("the public subnet is full")
+        public, self._next_public = f"{self.public_net}.{self._next_public}", self._next_public + 1
+        _sh("ip", "-n", provider, "link", "add", "down0", "type", "veth", "peer", "name", "wan0", "netns", gateway)
+        _sh("ip", "-n", provider, "link", "set", "down0", "up")
+        for setting in ("net.ipv4.ip_forward=1", "net.ipv4.conf.all.rp_filter=0",
+                        "net.ipv4.conf.up0.proxy_arp=1", "net.ipv4.conf.down0.proxy_arp=1",
+                        # answered at once: the default holds proxy answers back 0.8 s, the first packets queue and drop
+                        "net.ipv4.neigh.up0.proxy_delay=0", "net.ipv4.neigh.down0.proxy_delay=0"):
+            _in(provider, "sysctl", "-qw", setting)
+        _sh("ip", "-n", provider, "route", "add", f"{public}/32", "dev", "down0")
+        _sh("ip", "-n", gateway, "addr", "add", f"{public}/32", "dev", "wan0")
+        _sh("ip", "-n", gateway, "link", "set", "wan0", "up")
+        _sh("ip", "-n", gateway, "route", "add", f"{self.public_net}.0/24", "dev", "wan0")  # the provider answers ARP
+        return public
 
     def beside(self, neighbour: Host, name: str) -> Host:
         """Another host on `neighbour`'s home network, behind the same router: the same public address, as a
@@ -269,6 +301,14 @@ class Lab:
         if share > 0:
             _sh(*iptables, "-A", "LOSSY", "-m", "statistic", "--mode", "random",
                 "--probability", str(share), "-j", "DROP")
+
+    def cut(self, a: Host, b: Host) -> None:
+        """A filter between two public hosts: each drops every packet from the other, without a word (no route
+        between them, whatever either tries)."""
+        for host, other in ((a, b), (b, a)):
+            if host.nat != "none":
+                raise ValueError(f"{host.name} is behind NAT: cut public hosts")
+            _in(host.netns, "iptables", "-A", "INPUT", "-s", other.address, "-j", "DROP")
 
     def _add_namespace(self, name: str) -> str:
         if not self._started:

@@ -3,13 +3,43 @@ conftest.py) and how their logs are read."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Callable
 
 Start = Callable[..., subprocess.Popen]  # run(host, name, *hetpeer_args)
+
+
+def starter(folder: Path, started: list[subprocess.Popen]) -> Start:
+    """run(host, name, *hetpeer_args): `hetpeer` in the host's namespace, in a process group of its own, its output in
+    folder/name.log; each process is added to `started` (for `stop`)."""
+    def start(host, name: str, *args: str) -> subprocess.Popen:
+        log = open(folder / f"{name}.log", "wb")
+        argv = host.argv([sys.executable, "-m", "hetpeer.cli", *args])
+        started.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                        env={**os.environ, "PYTHONUNBUFFERED": "1"}))
+        log.close()
+        return started[-1]
+
+    return start
+
+
+def stop(started: list[subprocess.Popen]) -> None:
+    """Stop every process (its whole group, p2pd included): SIGTERM, SIGKILL to those still up 30 s later."""
+    for proc in started:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+    for proc in started:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def wait_for_line(path: Path, pattern: str, proc: subprocess.Popen, deadline: float) -> re.Match:

@@ -39,6 +39,20 @@ else:
     print("connected", conn.getsockname()[1])
 """
 
+# argv: address port ttl. Dials with that TTL for 2 s; prints "connected" or "failed <error>".
+TTL_DIAL = """
+import socket, sys
+conn = socket.socket()
+conn.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, int(sys.argv[3]))
+conn.settimeout(2.0)
+try:
+    conn.connect((sys.argv[1], int(sys.argv[2])))
+except OSError as error:
+    print("failed", type(error).__name__, error)
+else:
+    print("connected")
+"""
+
 # Prints its port, then how many datagrams came before the first b"end".
 COUNT = """
 import socket
@@ -147,12 +161,14 @@ def test_nated_host_dials_out_under_its_routers_address(lab: Lab, spawn: Spawn, 
         assert source_port == port_used
 
 
-@pytest.mark.parametrize("kind", ["cone", "symmetric"])
-def test_nobody_dials_a_nated_host(lab: Lab, spawn: Spawn, kind: str) -> None:
-    a, b = lab.public("a"), lab.behind_nat("b", kind)  # type: ignore[arg-type]
+@pytest.mark.parametrize("kind,router", [("cone", "drop"), ("symmetric", "drop"), ("cone", "reset")])
+def test_nobody_dials_a_nated_host(lab: Lab, spawn: Spawn, kind: str, router: str) -> None:
+    a, b = lab.public("a"), lab.behind_nat("b", kind, router)  # type: ignore[arg-type]
     server, port = listen(spawn, b)
     assert dial(a, b.address, port).startswith("failed ")  # the public side has no route to the LAN
-    assert dial(a, b.public_address, port).startswith("failed ")  # no DNAT: the router itself refuses
+    # no DNAT: the router drops the SYN without a word, or its own kernel answers with a reset
+    said = dial(a, b.public_address, port)
+    assert said.startswith("failed " + {"drop": "TimeoutError", "reset": "ConnectionRefusedError"}[router]), said
     # Even a neighbour routing the LAN via the router gets nothing in: it forwards only replies inwards.
     lan = b.address.rsplit(".", 1)[0]
     a.run(["ip", "route", "add", f"{lan}.0/24", "via", b.public_address])
@@ -203,6 +219,18 @@ def udp_arrivals(spawn: Spawn, sender: Host, receiver: Host, count: int) -> int:
     return int(read_line(counter, timeout=60))
 
 
+def test_a_nated_host_is_three_hops_from_another_router_and_a_packet_with_fewer_dies_on_the_way(lab: Lab, spawn: Spawn) -> None:
+    # A host behind a router that resets: a SYN that reaches the router's public address is refused at once, one
+    # whose TTL runs out first is not answered at all (what punching's opening SYN relies on).
+    a, b = lab.behind_nat("a", "cone"), lab.behind_nat("b", "cone", "reset")
+    def dial_with(ttl: int) -> str:
+        return a.run([sys.executable, "-c", TTL_DIAL, b.public_address, "9", str(ttl)], timeout=30).stdout.strip()
+
+    assert dial_with(4).startswith("failed ConnectionRefusedError"), dial_with(4)
+    said = dial_with(3)  # timed out, or the time-exceeded message of the provider's router: no reset
+    assert said.startswith("failed ") and "Refused" not in said, said
+
+
 def test_lossy_link_drops_about_that_share(lab: Lab, spawn: Spawn) -> None:
     a, b, c = lab.public("a"), lab.public("b"), lab.behind_nat("c", "cone")
     sent, share = 2000, 0.3
@@ -225,7 +253,7 @@ def test_close_deletes_every_namespace_even_after_a_partial_step() -> None:
         with pytest.raises(ValueError):
             lab.behind_nat("a", "cone")  # makes the router a-gw, then finds "a" taken
         assert sorted(lab_namespaces(lab)) == sorted(lab.namespaces)
-        assert len(lab.namespaces) == 5  # the bridge's, a, b, b's router, a's router
+        assert len(lab.namespaces) == 7  # the bridge's, a, b, b's router and its provider's, a's router and its provider's
     assert lab_namespaces(lab) == []
     lab.close()  # again: nothing left to do, and no error
 

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from dashboard_boards import NOW, board, credit_board, make_plan
 from hetpeer.coordinator.board import Board, SwarmCollector, plan_links, state
-from hetpeer.coordinator.view import SwarmView
+from hetpeer.coordinator.view import SwarmView, route_lines
 
 def test_plan_links_carry_what_either_end_measured():
     links = {(k["from"], k["to"], k["kind"]): k for k in plan_links(make_plan(), board().view.peers)}
@@ -22,6 +22,18 @@ def test_plan_links_carry_what_either_end_measured():
     assert links["c", "d", "lane"]["bandwidth_bytes_per_s"] == 3e7  # d's measurement of c
     assert not links["e", "f", "lane"]["measured"] and links["e", "f", "lane"]["estimated"]
     assert not links["b", "d", "group"]["measured"] and not links["b", "d", "group"]["estimated"]
+
+
+def test_plan_links_and_the_status_say_how_each_pair_talks_and_how_a_failed_one_failed():
+    peers = dict(board().view.peers)
+    peers["e"] = replace(peers["e"], punched=("c",), unreachable=("f",), unreachable_how=("punch",))
+    peers["b"] = replace(peers["b"], relayed=("d",))
+    links = {(k["from"], k["to"]): k for k in plan_links(make_plan(), peers)}
+    assert (links["a", "b"]["route"], links["a", "b"]["failed"]) == ("direct", None)  # measured, as its record says
+    assert links["c", "e"]["route"] == "punched" and links["b", "d"]["route"] == "relayed"
+    assert (links["e", "f"]["route"], links["e", "f"]["failed"]) == ("failed", "no hole punched")
+    lines = route_lines(make_plan(), peers)
+    assert lines[-1] == "e - f failed: no hole punched" and "1 punched" in lines[0] and "1 failed" in lines[0], lines
 
 
 def test_the_state_document_has_every_peer_and_why_some_are_left_out():

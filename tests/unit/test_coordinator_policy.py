@@ -753,3 +753,9 @@ def test_a_pair_whose_peers_each_report_they_could_not_reach_the_other_has_no_pa
     assert problem.bandwidth_bytes_per_s[i["a"], i["b"]] > 1e6  # only a says so: b came back, say
     assert policy.without_path(make_plan([["c"], ["a"]]), records) == [("a", "c")]
     assert policy.without_path(make_plan([["a"], ["b"]]), records) == []
+    # how they failed, in the words the organizer reads (each side's, once each; a record without how: lost)
+    records["a"] = replace(records["a"], unreachable_how=("punch", "refused"))
+    records["c"] = replace(records["c"], unreachable_how=("punch",))
+    assert policy.failure_words(records, "a", "c") == policy.failure_words(records, "c", "a") == "no hole punched"
+    assert policy.failure_words(records, "b", "a") == "refused (a reset)"
+    assert policy.failure_words(records, "b", "c") == ""

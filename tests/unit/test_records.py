@@ -466,11 +466,16 @@ def test_whether_others_can_dial_a_peer_is_checked():
         refused(wire(reachable=bad), "peer.reachable")
 
 
-def test_the_peers_a_peer_could_not_reach_are_checked():
-    assert parse(wire(unreachable=["other-0123456789ab"])).unreachable == ("other-0123456789ab",)
+def test_the_peers_a_peer_could_not_reach_are_checked_each_with_how():
+    parsed = parse(wire(unreachable=["other-0123456789ab", "third-0123456789ab"], unreachable_how=["punch", "refused"]))
+    assert parsed.unreachable == ("other-0123456789ab", "third-0123456789ab")
+    assert parsed.failed() == {"other-0123456789ab": "punch", "third-0123456789ab": "refused"}
     own = parse(wire()).device_id
     for bad in ([own], ["x"], ["other-0123456789ab"] * 2, [f"p{i}-0123456789ab" for i in range(17)]):
-        refused(wire(unreachable=bad), "peer.unreachable" if len(set(bad)) != len(bad) or len(bad) > 16 else "peer.unreachable[0]")
+        refused(wire(unreachable=bad, unreachable_how=["timeout"] * len(bad)),
+                "peer.unreachable" if len(set(bad)) != len(bad) or len(bad) > 16 else "peer.unreachable[0]")
+    for how in ([], ["timeout", "refused"], ["unplugged"]):  # one for each peer, each a known way of failing
+        refused(wire(unreachable=["other-0123456789ab"], unreachable_how=how), "peer.unreachable_how")
 
 
 def test_the_port_a_peer_punches_from_and_the_peers_it_calls_are_checked():

@@ -185,3 +185,17 @@ def test_the_check_share_is_a_recipe_setting_in_range():
         Recipe(check=1.5)
     with pytest.raises(SchemaError, match="recipe.check"):
         Recipe(check=-0.1)
+
+
+def test_a_checker_with_no_way_to_a_helper_asks_nothing_and_the_lanes_train_on(corpus):
+    """Two peers behind one router, say: the checker's helpers are no plan neighbours of it, and where it has no way
+    to one it drops the check rather than queue a frame that cannot leave (which would stall its step)."""
+    pipeline = seeded(Pipeline(grouped(2, 2), corpus, WorkerConfig(timeout_s=30)))
+    cut = {("s0l0", "s1l1"), ("s1l1", "s0l0"), ("s0l1", "s1l0"), ("s1l0", "s0l1")}  # the pairs no plan link joins
+    for device, transport in pipeline.transports.items():
+        transport.reaches = lambda peer, me=device: (me, peer) not in cut
+    train(pipeline)
+    kinds = {header.kind for _, header, _ in pipeline.frames}
+    assert not kinds & {"check", "check_input", "check_labels", "check_grad", "sketch"}, kinds
+    assert all(w.checks.judged == 0 and w.checks.dropped > 0 for w in pipeline.workers.values())
+    assert all(w.step == STEPS for w in pipeline.workers.values())

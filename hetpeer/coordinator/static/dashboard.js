@@ -113,7 +113,10 @@
     const bandwidths = plan.links.filter((k) => k.measured).map((k) => k.bandwidth_bytes_per_s);
     const widest = Math.max(...bandwidths, 1), narrowest = Math.min(...bandwidths, widest);
     const stroke = (k) => (k.measured ? 1.5 + 3.5 * (Math.log(k.bandwidth_bytes_per_s / narrowest + 1) / Math.log(widest / narrowest + 1 || 2)) : 1.5);
-    const label = (k) => (k.measured ? `${rate(k.bandwidth_bytes_per_s)} · ${latency(k.latency_s)}` : k.estimated ? "estimated" : "not measured");
+    // how the pair talks now: direct (said by no word), punched, relayed, not yet, or failed and how
+    const path = (k) => (k.route === "failed" ? `failed: ${k.failed}` : k.route && k.route !== "direct" ? k.route : "");
+    const figures = (k) => (k.measured ? `${rate(k.bandwidth_bytes_per_s)} · ${latency(k.latency_s)}` : k.estimated ? "estimated" : "not measured");
+    const label = (k) => (k.route === "failed" ? path(k) : [path(k), figures(k)].filter(Boolean).join(" · "));
     const where = new Map();
     plan.stages.forEach((stage, s) => stage.devices.forEach((d, l) => where.set(d, [s, l])));
     const closing = [];
@@ -121,8 +124,8 @@
       if (!where.has(k.from) || !where.has(k.to)) continue;  // a link of no stage: nothing to draw it between
       const [sa, la] = where.get(k.from), [sb, lb] = where.get(k.to);
       if (la >= shown || lb >= shown) continue;
-      const line = { stroke: k.measured ? "#55606b" : "#c62828", "stroke-width": stroke(k), "data-link": k.kind };
-      if (!k.measured) line["stroke-dasharray"] = "5 4";
+      const line = { stroke: k.measured && k.route !== "failed" ? "#55606b" : "#c62828", "stroke-width": stroke(k), "data-link": k.kind };
+      if (!k.measured || k.route === "failed") line["stroke-dasharray"] = "5 4";
       if (k.kind === "lane") {
         const [x1, y] = at(sa, la), x2 = at(sb, lb)[0];
         root.append(svg("line", { x1: x1 + BOX_W, y1: y + BOX_H / 2, x2, y2: y + BOX_H / 2, ...line }));

@@ -62,6 +62,8 @@ class Announcing:
             links = self.links.current()
         self._suspect()
         paths = {d: path for d, path in self.transport.paths().items() if d in self.records}
+        failed = [(d, how) for d, how in self.transport.unreachable(UNREACHED_HEARTBEATS * self.config.heartbeat_s).items()
+                  if d in self.records][:MAX_SUSPECTS]
         return PeerRecord(
             device_id=self.device_id,
             model=self.spec.name,
@@ -92,8 +94,8 @@ class Announcing:
             timings=machine.timings,
             step_costs=machine.step_costs,
             reachable=self.announced_reachable,
-            unreachable=tuple(d for d in self.transport.unreachable(UNREACHED_HEARTBEATS * self.config.heartbeat_s)
-                              if d in self.records)[:MAX_SUSPECTS],
+            unreachable=tuple(d for d, _ in failed),
+            unreachable_how=tuple(how for _, how in failed),
             punch=self.punch_port,
             calling=self.calling,
             punched=tuple(sorted(d for d, path in paths.items() if path == "punched"))[:MAX_LINKS],

@@ -14,7 +14,9 @@ it work with, so they can answer it (the address book marks who cannot be dialle
 peers that cannot be dialled, neither through a relay, have no path: neither probes the other, unless both punch.
 A peer that punches calls (`calling` in its record) its plan neighbours that punch too, and up to `MAX_CALLING`
 with some others to measure; it keeps a punched connection to each peer it calls and to each that calls it, so
-both ends of a pair dial at once.
+both ends of a pair dial at once. A peer another reports it could not reach (`unreachable`) keeps a connection
+to that one too: either the pair connects, or both report it (with how: `protocol.reach.FAILURES`), and the
+coordinator plans the pair apart (`coordinator/policy.py`).
 """
 
 from __future__ import annotations
@@ -156,6 +158,10 @@ class Reaching:
             records = dict(self.records)
             wanted = self._plan_neighbours() if self.reachable == "none" else set()
         keep = {d for d in wanted if d in records and records[d].reachable != "none"}
+        # a peer that reports it could not reach this one is tried from this side too: the pair then connects (and
+        # frames can go back over it), or this peer reports it as well, and the coordinator plans around the pair
+        keep |= {d for d, r in records.items() if self.device_id in r.unreachable and d != self.device_id
+                 and (r.reachable != "none" or self.transport.punchable(d))}
         if self.punch_port:
             punching = {d for d in records if d != self.device_id and self.transport.punchable(d)}
             self.calling = self._to_call(punching & wanted, punching - wanted)

@@ -40,7 +40,7 @@ from typing import Callable
 import torch
 
 from hetpeer.peer.transport.base import Transport
-from hetpeer.peer.transport.inbox import Late, TransportTimeout
+from hetpeer.peer.transport.inbox import Late, TransportError, TransportTimeout
 from hetpeer.protocol.frame import FrameHeader
 from hetpeer.protocol.plan import Plan
 
@@ -160,6 +160,7 @@ class Checks:
         self.judged = self.failed = self.dropped = 0
         self._lock = threading.Lock()
         self._caught_at: dict[str, tuple[float, Verdict]] = {}
+        self._unsent: set[str] = set()  # peers a check's frame could not leave for (said once each)
         transport.inbox.handlers["check"] = self._on_check
         transport.inbox.handlers["attest"] = self._on_attest
 
@@ -184,12 +185,17 @@ class Checks:
         check = Check(target, lane, self.rng.randrange(len(sizes)), self.rng.getrandbits(62), holders[self.stage],
                       holders[self.stage - 1] if self.stage > 0 else None,
                       holders[self.stage + 1] if self.stage < self.last else None)
+        helpers = [h for h in (check.previous, check.next) if h is not None]
+        # the helpers are no neighbours of this peer in the plan: where this peer has no way to one (two peers behind
+        # one router, say), the check is not asked for (`dropped`), rather than a frame that cannot leave
+        if not all(self.transport.reaches(h) for h in helpers):
+            self.dropped += 1
+            return
         with self._lock:
             self.mine[target] = check
         seed = torch.tensor([check.seed], dtype=torch.int64)
-        for helper in (check.previous, check.next):
-            if helper is not None:
-                self.transport.send(helper, "check", seed, step=target, micro=check.micro, epoch=self.plan.epoch)
+        for helper in helpers:
+            self._send(helper, "check", seed, step=target, micro=check.micro)
 
     def due(self, step: int) -> list[Check]:
         """This peer's checks of `step` and of earlier steps whose helpers' frames were not all here yet."""
@@ -351,8 +357,7 @@ class Checks:
         with self._lock:
             sums = list(self.sums.get((header.step, header.micro), (-1,) * len(ATTESTED)))
             sums += self.prints.get(header.step, (0, 0))
-        self.transport.send(header.sender, "attested", torch.tensor(sums, dtype=torch.int64), step=header.step,
-                            micro=header.micro, epoch=self.plan.epoch)
+        self._send(header.sender, "attested", torch.tensor(sums, dtype=torch.int64), step=header.step, micro=header.micro)
 
     def _on_check(self, header: FrameHeader, value: torch.Tensor) -> None:
         """A request (its seed), taken unless this peer's lane is already at its step (then declined); or a decline."""
@@ -370,8 +375,7 @@ class Checks:
             if header.step > self.step():
                 self.asked.setdefault((header.step, header.micro), []).append((header.sender, seed))
                 return
-        self.transport.send(header.sender, "check", torch.tensor([DECLINE]), step=header.step, micro=header.micro,
-                            epoch=self.plan.epoch)
+        self._send(header.sender, "check", torch.tensor([DECLINE]), step=header.step, micro=header.micro)
 
     # -- the helper ----------------------------------------------------------------------------------------
     def _checkers(self, step: int, micro: int, stage: int) -> list[tuple[str, int]]:
@@ -386,16 +390,26 @@ class Checks:
         neighbour's checkers that asked for it."""
         checked = self.stage + 1 if kind == "activation" else self.stage - 1
         for checker, _ in self._checkers(step, micro, checked):
-            self.transport.send(checker, "check_input" if kind == "activation" else "check_grad", tensor, step=step,
-                                micro=micro, epoch=self.plan.epoch, codec=codec)
+            self._send(checker, "check_input" if kind == "activation" else "check_grad", tensor, step=step, micro=micro,
+                       codec=codec)
             if labels is not None:
-                self.transport.send(checker, "check_labels", labels, step=step, micro=micro, epoch=self.plan.epoch)
+                self._send(checker, "check_labels", labels, step=step, micro=micro)
 
     def received(self, kind: str, step: int, micro: int, tensor: torch.Tensor) -> None:
         """This peer received `tensor` from its lane neighbour: sketch it for that neighbour's checkers."""
         checked = self.stage - 1 if kind == "activation" else self.stage + 1
         for checker, seed in self._checkers(step, micro, checked):
-            self.transport.send(checker, "sketch", sketch(tensor, seed), step=step, micro=micro, epoch=self.plan.epoch)
+            self._send(checker, "sketch", sketch(tensor, seed), step=step, micro=micro)
+
+    def _send(self, to: str, kind: str, tensor: torch.Tensor, *, step: int, micro: int, codec: str = "raw") -> None:
+        """A check's frame to a peer the plan need not make this one's neighbour: where it cannot leave, it is lost
+        (the check it belongs to is dropped on the other side), never this peer's step."""
+        try:
+            self.transport.send(to, kind, tensor, step=step, micro=micro, epoch=self.plan.epoch, codec=codec)
+        except TransportError as error:
+            if to not in self._unsent:
+                self._unsent.add(to)
+                log.info("checks: a frame to %s could not leave (%s); its checks are dropped", to, error)
 
     def forget_before(self, step: int) -> None:
         with self._lock:

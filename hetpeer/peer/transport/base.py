@@ -85,6 +85,11 @@ class Transport(ABC):
         """Payload bytes of frames other than probes that have arrived from `sender` so far."""
         return self.inbox.received[sender]
 
+    def reaches(self, peer: str) -> bool:
+        """Whether this peer has a way to send to `peer` now, without waiting on `peer` to connect first (a transport
+        that reaches every peer it knows says True)."""
+        return True
+
     def unsent_bytes(self, to: str) -> int:
         """Of the bytes `sent` to `to`, how many have not crossed yet, as far as this end can tell."""
         return 0

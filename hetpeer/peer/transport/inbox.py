@@ -37,7 +37,12 @@ class TransportTimeout(TransportError, TimeoutError):
 
 
 class PeerUnreachable(TransportError):
-    """No link reached the peer, or the connection to it broke and could not be rebuilt."""
+    """No link reached the peer, or the connection to it broke and could not be rebuilt; `how`, one of
+    `protocol.reach.FAILURES`."""
+
+    def __init__(self, message: str, how: str = "lost") -> None:
+        super().__init__(message)
+        self.how = how
 
 
 class Interrupted(TransportError):

@@ -31,6 +31,7 @@ from hetpeer.peer.transport.links import Link, spawn
 from hetpeer.peer.transport.punch import Puncher
 from hetpeer.peer.transport.stream import Progress, Stream
 from hetpeer.protocol.addresses import AddressBook, PeerAddress
+from hetpeer.protocol.handshake import HandshakeError
 from hetpeer.protocol.frame import PREFIX, FrameError, FrameHeader, decode_header, header_length
 
 log = logging.getLogger("hetpeer.transport")
@@ -39,6 +40,19 @@ DRAIN_LIMIT_BYTES = 1 << 20  # a refused frame's payload up to this size is read
 PATHS = {"tcp": "direct", "back": "direct", "p2p": "direct", "punched": "punched", "relay": "relayed"}  # route -> path
 KEEP_SAY_S = 30.0  # a kept connection that keeps failing for one reason is said again this often
 EMULATED_CHUNK_S = 0.01  # an emulated rate paces a frame in pieces of about this long, as a link delivers it
+
+
+def failure(error: BaseException) -> str:
+    """How a dial, punch or send failed, in `protocol.reach.FAILURES`' words."""
+    if isinstance(error, PeerUnreachable):
+        return error.how
+    if isinstance(error, HandshakeError):
+        return "handshake"
+    if isinstance(error, ConnectionRefusedError):
+        return "refused"
+    if isinstance(error, (asyncio.TimeoutError, TimeoutError)):
+        return "timeout"
+    return "lost"
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +110,7 @@ class NetworkTransport(Transport):
         self._queues: dict[tuple[str, str], asyncio.Queue] = {}
         self._pumps: dict[tuple[str, str], asyncio.Task] = {}
         self._free_at: dict[str, float] = {}  # with an emulated rate: when the link to a destination is free again
-        self._failures: dict[str, str] = {}
+        self._failures: dict[str, tuple[str, str]] = {}
         self._streams: dict[tuple[str, str], Stream] = {}  # each pump's connection, to see what it has not sent
         self._written: collections.Counter[str] = collections.Counter()  # of `sent`, the payload bytes written
         self._incoming: dict[str, set[Stream]] = collections.defaultdict(set)  # streams carrying a peer's frames
@@ -106,7 +120,8 @@ class NetworkTransport(Transport):
         self.keep_every_s = 1.0
         self._keeping: dict[str, asyncio.Task] = {}  # per kept peer, the dial or punch under way
         self._keep_said: dict[str, tuple[str, float]] = {}  # per kept peer, the last failure said, and when
-        self.unreached: dict[str, float] = {}  # destination -> when frames to it last failed to leave (monotonic)
+        # destination -> when frames to it last failed to leave, or a connection kept to it failed (monotonic), and how
+        self.unreached: dict[str, tuple[float, str]] = {}
 
     # -- life cycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -164,7 +179,7 @@ class NetworkTransport(Transport):
     # -- sending ------------------------------------------------------------------------------
     def _send(self, to: str, header: FrameHeader, payload: memoryview) -> None:
         if to in self._failures:
-            raise PeerUnreachable(self._failures.pop(to))
+            raise PeerUnreachable(*self._failures.pop(to))
         channel = "probe" if header.kind == "probe" else "frames"
         self._loop.call_soon_threadsafe(self._enqueue, (to, channel), (header.encode(), payload, time.monotonic()))
 
@@ -200,10 +215,11 @@ class NetworkTransport(Transport):
                     self._written[to] += memoryview(parts[1]).nbytes
                 self.unreached.pop(to, None)
             except (PeerUnreachable, ConnectionError, OSError) as error:
-                self.unreached[to] = time.monotonic()
+                how = failure(error)
+                self.unreached[to] = (time.monotonic(), how)
                 dropped = 1 + queue.qsize()
-                self._failures[to] = f"{self.device}: sending to {to} failed, {dropped} frame(s) dropped: {error}"
-                log.warning("%s", self._failures[to])
+                self._failures[to] = (f"{self.device}: sending to {to} failed, {dropped} frame(s) dropped: {error}", how)
+                log.warning("%s", self._failures[to][0])
                 if stream is not None:
                     stream.close()
                 self._streams.pop(key, None)
@@ -257,9 +273,10 @@ class NetworkTransport(Transport):
         try:
             address = self.book.get(to)
         except KeyError as error:
-            raise PeerUnreachable(str(error.args[0])) from None
+            raise PeerUnreachable(str(error.args[0]), "no-path") from None
         deadline = time.monotonic() + self.connect_timeout_s
         tried: dict[str, str] = {}
+        hows: set[str] = set()
         while True:
             if not address.dialable and (accepted := self._accepted_stream(to, channel)) is not None:
                 return self._route(to, accepted)
@@ -270,6 +287,7 @@ class NetworkTransport(Transport):
                     stream = await asyncio.wait_for(link.open(to, address), max(0.1, deadline - time.monotonic()))
                 except link.errors as error:
                     tried[link.name] = str(error) or type(error).__name__
+                    hows.add(failure(error))
                     continue
                 stream.route = link.name
                 spawn(self._serve(stream), f"{self.device}<-{to} ({link.name})")  # frames come back over it too
@@ -279,10 +297,11 @@ class NetworkTransport(Transport):
             if (accepted := self._accepted_stream(to, channel)) is not None:  # `to` dialled (or punched) meanwhile
                 return self._route(to, accepted)
             if not tried:
-                raise PeerUnreachable(f"no link of {self.device} can use the addresses of {to}")
+                raise PeerUnreachable(f"no link of {self.device} can use the addresses of {to}", "no-path")
             if time.monotonic() >= deadline:
                 reasons = "; ".join(f"{name}: {reason}" for name, reason in tried.items())
-                raise PeerUnreachable(f"cannot reach {to} within {self.connect_timeout_s:g} s ({reasons})")
+                how = next((h for h in ("refused", "handshake", "timeout") if h in hows), "no-path")
+                raise PeerUnreachable(f"cannot reach {to} within {self.connect_timeout_s:g} s ({reasons})", how)
             await asyncio.sleep(0.1)  # the peer may still be starting, or about to dial this one
 
     def _route(self, to: str, stream: Stream) -> Stream:
@@ -305,15 +324,25 @@ class NetworkTransport(Transport):
             return None
         return streams[-1] if channel == "probe" else streams[0]
 
-    def unreachable(self, within_s: float) -> list[str]:
-        """The peers frames to which failed to leave in the last `within_s` seconds, and have not left or arrived since."""
+    def unreachable(self, within_s: float) -> dict[str, str]:
+        """The peers frames to which failed to leave, or a connection kept to which failed, in the last `within_s`
+        seconds, and that have not been reached since (frames left or arrived, a kept connection opened), each with
+        how it failed (`protocol.reach.FAILURES`), in device order."""
         now = time.monotonic()
-        return sorted(d for d, at in list(self.unreached.items()) if now - at <= within_s)
+        return {d: how for d, (at, how) in sorted(self.unreached.items()) if now - at <= within_s}
 
     def forget_failures(self, peers: Iterable[str]) -> None:
         """Peers no longer counted as unreachable (they came back)."""
         for peer in peers:
             self.unreached.pop(peer, None)
+
+    def reaches(self, peer: str) -> bool:
+        """Whether a link can open a connection to `peer` (a dial, its relay), this peer can punch a hole to it, or a
+        live connection joins them (either side opened it)."""
+        address = self.book.peers.get(peer)
+        if address is None:
+            return False
+        return any(link.reaches(address) for link in self.links) or self.punchable(peer) or self.connected(peer)
 
     def connected(self, peer: str) -> bool:
         """Whether a live connection joins this peer and `peer` (either side dialled it)."""
@@ -342,7 +371,10 @@ class NetworkTransport(Transport):
         while True:
             for peer in sorted(self.keep):
                 busy = self._keeping.get(peer)
-                if (busy is not None and not busy.done()) or peer not in self.book.peers or self._kept(peer):
+                if (busy is not None and not busy.done()) or peer not in self.book.peers:
+                    continue
+                if self._kept(peer):  # connected (the other side dialled, say): no longer unreachable
+                    self.unreached.pop(peer, None)
                     continue
                 self._keeping[peer] = spawn(self._keep_one(peer), f"{self.device}-keep-{peer}")
             for peer in set(self._keeping) - self.keep:
@@ -360,12 +392,15 @@ class NetworkTransport(Transport):
                 await self._stream_to(peer, "frames")
         except (PeerUnreachable, *Puncher.errors) as error:  # dials and punches fail alike: OSError, timeouts, handshakes
             reason, now = str(error) or type(error).__name__, time.monotonic()
+            how = failure(error)
+            self.unreached[peer] = (now, "punch" if self.punchable(peer) and how in ("timeout", "refused", "lost") else how)
             said = self._keep_said.get(peer)
             if said is None or said[0] != reason or now - said[1] > KEEP_SAY_S:
                 self._keep_said[peer] = (reason, now)
                 log.info("%s: cannot keep a connection to %s: %s", self.device, peer, reason)
             return
         self._keep_said.pop(peer, None)
+        self.unreached.pop(peer, None)
 
     async def _punch(self, peer: str) -> None:
         """A connection punched to `peer`, shared by both channels both ways; the relayed ones it replaces are closed
@@ -395,7 +430,7 @@ class NetworkTransport(Transport):
                 f"{self.device}: frames to {', '.join(sorted(destinations))} not sent within {timeout_s:g} s"
             ) from None
         for destination in sorted(destinations & set(self._failures)):
-            raise PeerUnreachable(self._failures.pop(destination))
+            raise PeerUnreachable(*self._failures.pop(destination))
 
     async def _destinations(self, wanted: set[str] | None) -> set[str]:
         return {d for d, _ in self._queues} | set(self._failures) if wanted is None else wanted
