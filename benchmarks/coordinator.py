@@ -95,7 +95,7 @@ class VolunteerSwarm(SyntheticControlPlane):
             "links": {"peers": list(links), "latency_s": [v[0] for v in links.values()],
                       "bandwidth_bytes_per_s": [v[1] for v in links.values()]},
             "time": self.clock - 0.5, "token": None, "suspects": [], "compute_key": None, "compute_share": 1.0, "compute_background": 0.0, "compute_own": 0.0, "timings": 2, "step_costs": [0.0, 0.0, 0.0, 0.0],
-            "reachable": "direct", "unreachable": [], "punch": 0, "calling": [], "punched": [], "relayed": [], "team": None,
+            "reachable": "direct", "unreachable": [], "unreachable_how": [], "punch": 0, "calling": [], "punched": [], "relayed": [], "team": None,
             "received": {"peers": [], "epochs": [], "kinds": [], "first": [], "last": [], "micro": [], "sequences": []},
             "trained": {"epochs": [], "first": [], "last": [], "micro": [], "sequences": []},
         }  # fmt: skip

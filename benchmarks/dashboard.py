@@ -88,7 +88,7 @@ class SyntheticDht(SyntheticControlPlane):
             "links": {"peers": neighbours, "latency_s": [0.002 + 0.001 * (spread(n) % 40) for n in neighbours],
                       "bandwidth_bytes_per_s": [1e7 * (1 + spread(device + n) % 90) for n in neighbours]},
             "time": self.clock - 0.5, "token": None, "suspects": [], "compute_key": None, "compute_share": 1.0, "compute_background": 0.0, "compute_own": 0.0, "timings": 2, "step_costs": [0.0, 0.0, 0.0, 0.0],
-            "reachable": "direct", "unreachable": [], "punch": 0, "calling": [], "punched": [], "relayed": [], "team": None,
+            "reachable": "direct", "unreachable": [], "unreachable_how": [], "punch": 0, "calling": [], "punched": [], "relayed": [], "team": None,
             "received": {"peers": [], "epochs": [], "kinds": [], "first": [], "last": [], "micro": [], "sequences": []},
             "trained": {"epochs": [], "first": [], "last": [], "micro": [], "sequences": []},
         }
