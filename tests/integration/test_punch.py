@@ -37,3 +37,25 @@ def test_a_puncher_punches_only_to_peers_behind_nat_that_punch_and_not_behind_it
     assert not puncher.reaches(PeerAddress(direct=("203.0.113.9", 7000), dialable=False))  # its NAT changes ports
     assert not puncher.reaches(PeerAddress(direct=("203.0.113.9", 7000), punch=40001))  # dialable: dialled instead
     assert not puncher.reaches(PeerAddress(direct=("198.51.100.1", 7000), dialable=False, punch=40001))  # one router
+
+
+def test_a_punch_from_ports_a_live_connection_holds_waits_between_tries_rather_than_spinning():
+    """Every attempt fails at once (the pair of ports is taken): the punch still ends after its window naming the
+    cause, and pauses between attempts (it used to retry at once, a core's worth of CPU for the whole window)."""
+    import resource
+
+    server = socket.create_server(("127.0.0.1", 0))
+    holder = socket.socket()
+    share_port(holder)
+    holder.bind(("127.0.0.1", 0))
+    holder.connect(server.getsockname())
+    try:
+        used = resource.getrusage(resource.RUSAGE_SELF)
+        with pytest.raises(asyncio.TimeoutError, match="Cannot assign requested address"):
+            asyncio.run(punch(holder.getsockname(), server.getsockname(), window_s=2.0))
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        cpu_s = after.ru_utime + after.ru_stime - used.ru_utime - used.ru_stime
+        assert cpu_s < 0.5, f"{cpu_s:.2f} s of CPU in a 2 s punch: it spun"
+    finally:
+        holder.close()
+        server.close()

@@ -124,7 +124,9 @@ async def punch(local: tuple[str, int], far: tuple[str, int], window_s: float) -
                 dialer.close()
             raise
         opener.close()
-        if dialer is not None:
+        if dialer is None:  # refused before its lead (the ports still held by a connection): not at once again
+            await asyncio.sleep(min(max(0.0, deadline - time.monotonic()), OPEN_LEAD_S))
+        else:
             dialer.close()
     raise asyncio.TimeoutError(f"no hole punched to {far[0]}:{far[1]} from port {local[1]} within {window_s:g} s ({last})")
 
